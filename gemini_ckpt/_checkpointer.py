@@ -1,0 +1,271 @@
+"""``Checkpointer``: the two-phase save (blocking snapshot, background commit) and restore."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ._config import CheckpointConfig
+from ._dcp_storage import StoreWriter, save_version
+from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
+from ._handle import RestoreResult, SaveHandle, StageInfo
+from ._restore import restore_newest
+from ._staging import StagingPool
+from ._state import TrainState
+from ._store import Store, local_store
+
+log = logging.getLogger("gemini_ckpt")
+
+
+@dataclass
+class CheckpointStats:
+    """Counters a training loop (or a dashboard) can read at any time."""
+
+    saves: int = 0
+    skipped: int = 0
+    committed: int = 0
+    failed: int = 0
+    last_stall_s: float = 0.0
+    total_stall_s: float = 0.0
+    staging_bytes: int = 0
+    staging_allocations: int = 0
+    last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
+
+
+class Checkpointer:
+    """Checkpoint a :class:`TrainState` every step into memory (and every Nth to disk).
+
+    Example::
+
+        ckpt = Checkpointer(state, CheckpointConfig(store="local", keep_in_memory=2))
+        result = ckpt.restore()          # None on a fresh start
+        start = result.step + 1 if result else 0
+        for step in range(start, total_steps):
+            ...                          # forward, backward, optimizer.step()
+            ckpt.save(step)              # returns once staged
+        ckpt.close()
+
+    Nothing is started at construction; the background thread (and, with ``store="ray"``,
+    the connection to the host stores) starts at the first ``save``/``restore``/``start``.
+    Rank and world size come from ``torch.distributed`` when it is initialized.
+    """
+
+    def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
+                 store: Optional[Store] = None) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
+        self.state = state
+        self.config = config if config is not None else CheckpointConfig()
+        if not isinstance(self.config, CheckpointConfig):
+            raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        self._store = store
+        self.stats = CheckpointStats()
+        self._pool = StagingPool(self.config.max_inflight)
+        self._lock = threading.Condition()
+        self._inflight = 0
+        self._errors: list[BaseException] = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._bg_group = None
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        # DCP caches plans per key; one key per checkpointer keeps two of them from mixing.
+        self._planner._cached_plans_key = f"gemini_ckpt:{id(self)}"
+        self._closed = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Checkpointer":
+        """Connect to the store and start the background thread (idempotent)."""
+        if self._thread is not None:
+            return self
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; build a new one")
+        if self._store is None:
+            self._store = self._make_store()
+        if self.world_size > 1:
+            # Background collectives get their own gloo group: sharing the training group from
+            # another thread deadlocks when the two interleave differently on two ranks.
+            self._bg_group = dist.new_group(backend="gloo")
+        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-bg", daemon=True)
+        self._thread.start()
+        return self
+
+    def _make_store(self) -> Store:
+        if self.config.store == "local":
+            if self.world_size > 1:
+                raise ConfigError(
+                    f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
+                    f"{self.world_size} ranks; use store='ray' (host stores) for multi-process jobs"
+                )
+            return local_store(self.config.resolved_namespace)
+        from ._ray_store import connect_ray_store  # Ray is imported only when it is used
+
+        return connect_ray_store(self.config, rank=self.rank, world_size=self.world_size)
+
+    @property
+    def store(self) -> Store:
+        self.start()
+        return self._store
+
+    def __enter__(self) -> "Checkpointer":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._shutdown(raise_errors=False)
+
+    # --- save ---------------------------------------------------------------------------------
+    def save(self, step: int, *, persist: bool = False) -> SaveHandle:
+        """Snapshot the state as version ``step`` and return once the copy is independent of
+        the live tensors. Raises what failed in the background since the last call."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"save(step) needs a non-negative int step, got {step!r}")
+        self.start()
+        self._raise_background_errors()
+        t0 = time.perf_counter()
+        with self._lock:
+            while self._inflight >= self.config.max_inflight:
+                if self.config.inflight_policy == "skip":
+                    self.stats.skipped += 1
+                    log.warning("skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
+                                step, self._inflight, self.stats.skipped)
+                    return SaveHandle(step, skipped=True)
+                if not self._lock.wait(timeout=self.config.timeout_s):
+                    raise CheckpointTimeoutError(
+                        f"save({step}) waited {self.config.timeout_s}s for the previous version's "
+                        f"background work; raise CheckpointConfig.timeout_s or look at the store")
+            self._inflight += 1
+        self._raise_background_errors()
+        buffers = self._pool.acquire()
+        try:
+            staged = buffers.stage(self.state.tensor_state())
+            staged.update(self.state.opaque_state(self.rank))
+        except BaseException:
+            self._pool.release(buffers)
+            with self._lock:
+                self._inflight -= 1
+                self._lock.notify_all()
+            raise
+        stall = time.perf_counter() - t0
+        handle = SaveHandle(step)
+        handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=buffers.nbytes))
+        s = self.stats
+        s.saves += 1
+        s.last_stall_s = stall
+        s.total_stall_s += stall
+        s.staging_bytes = self._pool.nbytes
+        s.staging_allocations = self._pool.allocations
+        self._jobs.put((handle, staged, buffers, t0, persist))
+        return handle
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every version in flight is committed (or failed); raise what failed."""
+        limit = self.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._lock.wait(timeout=left):
+                    raise CheckpointTimeoutError(f"wait() timed out after {limit}s with {self._inflight} in flight")
+        self._raise_background_errors()
+
+    def close(self) -> None:
+        """Wait for in-flight work, stop the background thread, raise what failed."""
+        if self._closed:
+            return
+        try:
+            if self._thread is not None:
+                self.wait()
+        finally:
+            self._shutdown(raise_errors=True)
+
+    def _shutdown(self, *, raise_errors: bool) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=self.config.timeout_s)
+            self._thread = None
+        self._closed = True
+        if raise_errors:
+            self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            first, self._errors = self._errors[0], []
+        raise first
+
+    # --- background ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            handle, staged, buffers, t0, persist = job
+            try:
+                self._write_version(handle.step, staged)
+                self.stats.committed += 1
+                self.stats.last_commit_s = time.perf_counter() - t0
+                handle.committed.set_result(handle.step)
+                handle.persisted.set_result(None)
+            except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+                err = BackgroundError(f"rank {self.rank}: version {handle.step} was not committed: "
+                                      f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                self.stats.failed += 1
+                log.error("%s", err)
+                for fut in (handle.committed, handle.persisted):
+                    fut.set_exception(err)
+                with self._lock:
+                    self._errors.append(err)
+            finally:
+                del staged
+                self._pool.release(buffers)
+                with self._lock:
+                    self._inflight -= 1
+                    self._lock.notify_all()
+
+    def _write_version(self, step: int, staged: dict[str, Any]) -> None:
+        writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description())
+        save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
+        if self.rank == 0:
+            self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        committed = self._store.committed_steps()
+        for old in committed[: -self.config.keep_in_memory]:
+            self._store.drop(old)
+
+    def _job_description(self) -> dict:
+        from . import __version__
+
+        return {"world_size": self.world_size, "replicas": self.config.replicas,
+                "placement": self.config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
+
+    # --- restore ------------------------------------------------------------------------------
+    def restore(self) -> Optional[RestoreResult]:
+        """Load the newest committed version into the live objects; ``None`` if there is none.
+
+        A version whose bytes fail their checksums is skipped (with a warning) in favour of
+        the next older one; a version whose structure does not match raises
+        :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
+        """
+        self.start()
+        self.wait()
+        result = restore_newest(self.state, self._store, rank=self.rank, world_size=self.world_size,
+                                group=self._bg_group, config=self.config)
+        if result is not None:
+            log.info("rank %d: %s", self.rank, result.summary())
+        return result

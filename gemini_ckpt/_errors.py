@@ -1,0 +1,49 @@
+"""One exception hierarchy for the library.
+
+Every error derives from :class:`CheckpointError` and, where one fits, from a built-in
+(``ValueError``, ``TimeoutError``, ``LookupError``) so callers can catch what they already know.
+All of them pickle, so they survive crossing a Ray actor boundary intact.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by gemini_ckpt."""
+
+    def __reduce__(self):
+        # Exceptions with keyword-only constructors do not pickle by default; ours keep one
+        # message string so a plain (cls, args) reduction is always enough.
+        return (self.__class__, (str(self),))
+
+
+class ConfigError(CheckpointError, ValueError):
+    """A configuration value is unknown or impossible; the message names the field and the fix."""
+
+
+class StructureMismatchError(CheckpointError, ValueError):
+    """The state being restored does not have the structure of the saved version."""
+
+
+class ChecksumError(CheckpointError, ValueError):
+    """Bytes read back do not match the checksum recorded when they were written."""
+
+
+class VersionNotFoundError(CheckpointError, LookupError):
+    """The requested version is not committed in the store."""
+
+
+class BackgroundError(CheckpointError):
+    """Background work (serialize, replicate, commit, persist) of a version failed.
+
+    Raised on the training thread at the next ``save``/``wait``/``close``; ``__cause__`` is
+    the original exception when it could be kept.
+    """
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A blocking call did not finish within its timeout."""
+
+
+class MemoryBudgetError(CheckpointError, MemoryError):
+    """Keeping the requested versions would exceed the configured memory budget."""

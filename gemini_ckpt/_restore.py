@@ -1,0 +1,158 @@
+"""Restore: pick the newest committed version, check its structure, load it through DCP."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import warnings
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from ._config import CheckpointConfig
+from ._dcp_storage import StoreReader, load_version as dcp_load
+from ._errors import ChecksumError, ConfigError, StructureMismatchError
+from ._handle import RestoreResult
+from ._state import GRADS, MODEL, OPTIM, RANK_LOCAL, TrainState, derive_rng_state, restore_rng_state
+from ._store import Store
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class WorldSizeChangeWarning(UserWarning):
+    """Rank-local state was mapped to a different world size by the documented rule."""
+
+
+def restore_newest(state: TrainState, store: Store, *, rank: int, world_size: int, group,
+                   config: CheckpointConfig) -> Optional[RestoreResult]:
+    t0 = time.perf_counter()
+    steps = _agree(store.committed_steps(), world_size, group)
+    skipped: list[int] = []
+    for step in reversed(steps):
+        try:
+            result = load_version(state, store, step, rank=rank, world_size=world_size, group=group,
+                                  config=config, t0=t0)
+        except _Unreadable as exc:
+            warnings.warn(f"step {step} could not be restored and was skipped: {exc}; "
+                          f"falling back to an older version", stacklevel=3)
+            log.warning("rank %d: skipping step %d: %s", rank, step, exc)
+            skipped.append(step)
+            continue
+        return _with_skipped(result, skipped)
+    if skipped:
+        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}")
+    return None
+
+
+def load_version(state: TrainState, store: Store, step: int, *, rank: int, world_size: int, group,
+                 config: CheckpointConfig, t0: float) -> RestoreResult:
+    manifest = store.manifest(step)
+    metadata: Metadata = pickle.loads(manifest.metadata)
+    saved_keys = set(metadata.state_dict_metadata)
+    saved_ws = manifest.world_size
+    source_rank = _source_rank(rank, saved_ws, world_size, config)
+    target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
+    check_structure(target, metadata)
+
+    def fetch(name: str, offset: int, length: int):
+        return store.read_range(step, name, offset, length)
+
+    reader = StoreReader(manifest, fetch)
+    try:
+        dcp_load(target, reader, group=group, no_dist=world_size == 1)
+    except CheckpointException as exc:
+        raise _Unreadable(_first_failure(exc)) from exc
+    except ChecksumError as exc:
+        raise _Unreadable(str(exc)) from exc
+    derived = source_rank != rank
+    state.apply(target, source_rank=source_rank, restore_rng=not derived)
+    if derived:
+        restore_rng_state(derive_rng_state(rank, step))
+    return RestoreResult(step=step, source="memory", sources={rank: "local"},
+                         bytes_read={"local": reader.bytes_read}, seconds=time.perf_counter() - t0,
+                         world_size=world_size, saved_world_size=saved_ws)
+
+
+def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
+    """Raise StructureMismatchError naming the model/optimizer keys (and shapes) that differ."""
+    flat, _ = flatten_state_dict(target)
+    saved = metadata.state_dict_metadata
+    tensor_prefixes = (MODEL + ".", OPTIM + ".", GRADS + ".")
+    missing = sorted(k for k in flat if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(tensor_prefixes) and k not in flat
+                        and not k.startswith(GRADS + "."))
+    shapes = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and hasattr(value, "shape"):
+            shape = tuple(value.size()) if isinstance(value, DTensor) else tuple(value.shape)
+            if tuple(md.size) != shape:
+                shapes.append(f"{key}: saved {tuple(md.size)}, now {shape}")
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint ({len(missing)}): {_few(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in this state ({len(unexpected)}): {_few(unexpected)}")
+        if shapes:
+            parts.append(f"different shapes ({len(shapes)}): {_few(shapes)}")
+        raise StructureMismatchError(
+            "the state being restored does not match the saved version: " + "; ".join(parts)
+            + ". Build the same model/optimizer/scheduler as the run that saved it.")
+
+
+def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
+    if saved_ws == world_size:
+        return rank
+    if config.world_size_change == "error":
+        raise ConfigError(
+            f"the version was saved at world size {saved_ws} and this job has {world_size}; "
+            f"CheckpointConfig.world_size_change='error' forbids mapping rank-local state; "
+            f"use world_size_change='derive' to apply the documented rule")
+    if rank == 0:
+        warnings.warn(
+            f"world size changed {saved_ws} -> {world_size}: model and optimizer are resharded; "
+            f"rank-local state follows the 'derive' rule: rank r takes the data-loader state and "
+            f"extra values of saved rank r mod {saved_ws}, and ranks >= {saved_ws} get RNG streams "
+            f"derived from (step, rank)", WorldSizeChangeWarning, stacklevel=4)
+    return rank % saved_ws
+
+
+def _agree(steps: list[int], world_size: int, group) -> list[int]:
+    """All ranks restore from rank 0's view of the committed steps (one collective)."""
+    if world_size == 1:
+        return steps
+    box = [steps]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class _Unreadable(Exception):
+    """This version cannot be read (corrupt bytes); an older one may still be."""
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    for rank, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, ChecksumError):
+            return f"rank {rank}: {inner}"
+        if isinstance(inner, StructureMismatchError):
+            raise inner
+    raise exc
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _with_skipped(result: RestoreResult, skipped: list[int]) -> RestoreResult:
+    if not skipped:
+        return result
+    from dataclasses import replace
+
+    return replace(result, skipped_steps=tuple(skipped))

@@ -1,0 +1,121 @@
+"""Staging: copy the live state into CPU buffers that are allocated once and reused.
+
+``save()`` blocks only for this copy. Buffers are keyed by the path of each tensor in the
+state tree; a later save with the same structure reuses every buffer and allocates nothing.
+When a source tensor lives on an accelerator the buffers are pinned and the copies run on a
+side stream, synchronised before ``save`` returns, so the snapshot never aliases live memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+class StagingBuffers:
+    """One set of reusable CPU buffers for one in-flight version."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0  # buffers created over the life of this set (not re-created ones)
+        self.reallocations = 0  # buffers re-created because a tensor changed shape or dtype
+        self._stream = None  # side stream for device-to-host copies, created on first GPU save
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+
+    def stage(self, tree: Any) -> Any:
+        """A copy of ``tree`` whose tensors are these buffers, filled from the live tensors."""
+        device = _first_device(tree)
+        stream = None
+        if device is not None and device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+            stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with ctx:
+            staged = self._stage(tree, "")
+        if stream is not None:
+            stream.synchronize()
+        return staged
+
+    def _stage(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, DTensor):
+            local = self._copy(obj._local_tensor, path)
+            return DTensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.size(), stride=obj.stride()
+            )
+        if isinstance(obj, torch.Tensor):
+            return self._copy(obj, path)
+        if isinstance(obj, dict):
+            return {k: self._stage(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)) and any(_has_tensor(v) for v in obj):
+            staged = [self._stage(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            return staged if isinstance(obj, list) else type(obj)(staged)
+        # Small non-tensor values (param_groups, counters): a deep copy is the snapshot.
+        return copy.deepcopy(obj)
+
+    def _copy(self, src: torch.Tensor, path: str) -> torch.Tensor:
+        src = src.detach()
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            if buf is not None:
+                self.reallocations += 1
+            else:
+                self.allocations += 1
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
+            self._buffers[path] = buf
+        buf.copy_(src, non_blocking=src.device.type == "cuda")
+        return buf
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    if isinstance(obj, DTensor):
+        return obj._local_tensor.device
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for v in values:
+        d = _first_device(v)
+        if d is not None and d.type != "cpu":
+            return d
+    return None
+
+
+class StagingPool:
+    """``max_inflight`` buffer sets; a set is busy from staging until its bytes are serialized."""
+
+    def __init__(self, size: int) -> None:
+        self._free = [StagingBuffers() for _ in range(size)]
+        self.sets = list(self._free)
+
+    def acquire(self) -> StagingBuffers:
+        return self._free.pop(0)
+
+    def release(self, buffers: StagingBuffers) -> None:
+        self._free.append(buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sets)
+
+    @property
+    def allocations(self) -> int:
+        return sum(s.allocations + s.reallocations for s in self.sets)
