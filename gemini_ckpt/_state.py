@@ -30,6 +30,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ._loader_compat import fix_resume, loader_generator_state
+
 MODEL, OPTIM, GRADS, SCHEDULER, SCALER, RANK_LOCAL = "model", "optim", "grads", "scheduler", "scaler", "rank_local"
 RNG, DATALOADER, EXTRA = "rng", "dataloader", "extra"
 
@@ -99,7 +101,8 @@ class TrainState(Stateful):
             out[SCALER] = _dumps(self.scaler.state_dict())
         local = {RNG: _dumps(capture_rng()), EXTRA: _dumps(self.extra)}
         if self.dataloader is not None:
-            local[DATALOADER] = _dumps(self.dataloader.state_dict())
+            local[DATALOADER] = _dumps({"state": self.dataloader.state_dict(),
+                                        "generator": loader_generator_state(self.dataloader)})
         out[RANK_LOCAL] = {str(rank): local}
         return out
 
@@ -158,7 +161,9 @@ class TrainState(Stateful):
         self.extra.clear()
         self.extra.update(_loads(local[EXTRA]))
         if self.dataloader is not None:
-            self.dataloader.load_state_dict(_loads(local[DATALOADER]))
+            saved = _loads(local[DATALOADER])
+            self.dataloader.load_state_dict(saved["state"])
+            fix_resume(self.dataloader, saved["generator"])
         if restore_rng:
             restore_rng_state(_loads(local[RNG]))
 
