@@ -12,6 +12,7 @@ import copy
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -72,8 +73,25 @@ class StagingBuffers:
                 self.allocations += 1
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.device.type == "cuda")
             self._buffers[path] = buf
-        buf.copy_(src, non_blocking=src.device.type == "cuda")
+        if src.device.type == "cpu":
+            host_copy(buf, src)
+        else:
+            buf.copy_(src, non_blocking=True)
         return buf
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy between same-shape CPU tensors at memory bandwidth.
+
+    ``Tensor.copy_`` hands tensors of a few MB to the intra-op thread pool, whose start-up
+    cost dominates at that size: measured on a 2-core VM, 32 copies of 8 MB took 0.26 s with
+    2 threads and 0.025 s with 1. A plain memcpy (numpy releases the GIL for it) has no such
+    cliff, so contiguous tensors of one dtype are copied as raw bytes.
+    """
+    if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.numel() > 0:
+        np.copyto(dst.reshape(-1).view(torch.uint8).numpy(), src.reshape(-1).view(torch.uint8).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _has_tensor(obj: Any) -> bool:

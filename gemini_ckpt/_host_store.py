@@ -1,0 +1,234 @@
+"""The host store: one Ray actor per host keeping shards of recent versions in its own heap.
+
+Every byte a host store keeps is copied out of Ray's object store into a numpy array the
+actor owns: an ``ObjectRef`` is owned by the worker that put it and dies with that worker,
+but the whole point of the host store is that a crashed training process finds its state
+here. Each kept file records which slot owns it and the holders it was sent to, so a
+status report can say "own" or "replica" and a commit can check that every copy arrived.
+
+Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides status):
+
+1. each rank, per data file: ``put_chunk`` for every chunk, on every holder of its host, in
+   parallel. The first chunk reserves the whole file against the memory budget;
+2. the coordinator (rank 0): ``index`` on every live store to check every copy, then
+   ``commit`` on every live store. Committing step s forgets abandoned (never committed)
+   versions older than s;
+3. readers: ``index``, ``manifest``, ``read``;
+4. the coordinator, for retention: ``drop``.
+
+The store never interprets the bytes; checksums are verified by the reader, end to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ._errors import CheckpointError, MemoryBudgetError, VersionNotFoundError
+from ._store import VersionManifest
+
+log = logging.getLogger("gemini_ckpt")
+
+DEFAULT_BUDGET_FRACTION = 0.3
+"""Default per-host budget: this fraction of the node's RAM (``host_memory_budget_bytes=None``)."""
+
+
+def default_budget_bytes() -> int:
+    import psutil  # a Ray dependency
+
+    return int(DEFAULT_BUDGET_FRACTION * psutil.virtual_memory().total)
+
+
+class IncompleteVersionError(CheckpointError, ValueError):
+    """A commit names a data file that is missing, incomplete or of the wrong size on one of
+    its holders: the version is not committed."""
+
+
+@dataclass
+class _File:
+    array: np.ndarray
+    put_id: str
+    owner_slot: int
+    holders: tuple[int, ...]
+    received: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.received >= self.array.nbytes
+
+
+@dataclass
+class _Version:
+    files: dict[str, _File] = field(default_factory=dict)
+    manifest: Optional[VersionManifest] = None
+    committed_unix: float = 0.0
+
+
+class HostStore:
+    """Shards of recent versions, kept in this actor's heap, within a memory budget.
+
+    Run as a Ray actor (see :func:`gemini_ckpt._cluster.get_or_create_store`): detached,
+    ``max_restarts=0``, pinned to its node, threaded so puts from several ranks and reads
+    proceed in parallel (numpy copies release the GIL).
+    """
+
+    def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None) -> None:
+        self.namespace = namespace
+        self.node_id = node_id
+        self.budget_bytes = int(budget_bytes) if budget_bytes else default_budget_bytes()
+        self.started_unix = time.time()
+        self._lock = threading.Lock()
+        self._versions: dict[int, _Version] = {}
+        self._held = 0  # bytes reserved by kept arrays (complete or not)
+
+    # --- liveness and configuration ---------------------------------------------------------
+    def ping(self) -> str:
+        return self.node_id
+
+    def set_budget(self, budget_bytes: int) -> None:
+        with self._lock:
+            self.budget_bytes = int(budget_bytes)
+
+    # --- write ---------------------------------------------------------------------------------
+    def put_chunk(self, step: int, name: str, put_id: str, offset: int, total: int, chunk: np.ndarray,
+                  owner_slot: int, holders: tuple[int, ...]) -> int:
+        """Copy ``chunk`` into bytes ``[offset, offset + len(chunk))`` of file ``name`` of
+        ``step`` (``total`` bytes long). A new ``put_id`` replaces an earlier put of the same
+        file. Returns the bytes of the file received so far."""
+        n = int(chunk.nbytes)
+        if offset < 0 or offset + n > total:
+            raise ValueError(f"chunk [{offset}, {offset + n}) is outside {name} ({total} bytes)")
+        with self._lock:
+            version = self._versions.get(step)
+            if version is not None and version.manifest is not None:
+                raise ValueError(f"step {step} is already committed; versions are immutable")
+            record = version.files.get(name) if version is not None else None
+            if record is None or record.put_id != put_id:
+                replaced = record.array.nbytes if record is not None else 0
+                if self._held - replaced + total > self.budget_bytes:
+                    raise MemoryBudgetError(self._budget_message(step, name, total, replaced))
+                if version is None:
+                    version = self._versions[step] = _Version()
+                record = _File(np.empty(total, dtype=np.uint8), put_id, int(owner_slot), tuple(holders))
+                version.files[name] = record
+                self._held += total - replaced
+        # The copy out of the object store runs without the lock: other ranks' puts and
+        # reads of other files proceed meanwhile.
+        if n:
+            record.array[offset : offset + n] = np.asarray(chunk, dtype=np.uint8).reshape(-1)
+        with self._lock:
+            record.received += n
+            return record.received
+
+    def _budget_message(self, step: int, name: str, total: int, replaced: int) -> str:
+        held = {s: sum(f.array.nbytes for f in v.files.values()) for s, v in sorted(self._versions.items())}
+        return (
+            f"host store on node {self.node_id[:12]} (namespace {self.namespace!r}): keeping {name} of "
+            f"step {step} ({total:,} bytes) would exceed the memory budget of {self.budget_bytes:,} bytes "
+            f"(CheckpointConfig.host_memory_budget_bytes); it already holds {self._held - replaced:,} bytes "
+            f"in steps {held}. A host needs about (keep_in_memory + 1) x replicas x shard bytes; raise "
+            f"host_memory_budget_bytes, or lower keep_in_memory or replicas"
+        )
+
+    def commit(self, step: int, manifest: VersionManifest) -> None:
+        """Keep ``manifest`` and mark ``step`` committed here, after checking every file of
+        the step this store holds is complete and of the size the manifest names."""
+        with self._lock:
+            version = self._versions.setdefault(step, _Version())
+            if version.manifest is not None:
+                return  # a retried commit of the same version
+            for name, record in list(version.files.items()):
+                size = manifest.file_sizes.get(name)
+                if size is None:
+                    # A leftover of an earlier attempt that this version does not use.
+                    self._held -= record.array.nbytes
+                    del version.files[name]
+                    continue
+                if record.array.nbytes != size or not record.complete:
+                    raise IncompleteVersionError(
+                        f"cannot commit step {step} on node {self.node_id[:12]}: {name} holds "
+                        f"{record.received} of {record.array.nbytes} bytes, the manifest says {size}")
+            version.manifest = manifest
+            version.committed_unix = time.time()
+            for old in [s for s, v in self._versions.items() if s < step and v.manifest is None]:
+                self._forget(old)  # an abandoned save: its bytes would never be read
+
+    # --- read ----------------------------------------------------------------------------------
+    def index(self) -> dict[int, dict]:
+        """Per step: ``committed``, the files the manifest needs (name -> bytes) and the files
+        held here (name -> bytes, complete, owner slot, holders)."""
+        with self._lock:
+            return {
+                step: {
+                    "committed": v.manifest is not None,
+                    "needs": dict(v.manifest.file_sizes) if v.manifest is not None else {},
+                    "files": {
+                        name: {"nbytes": f.array.nbytes, "complete": f.complete,
+                               "owner": f.owner_slot, "holders": f.holders}
+                        for name, f in v.files.items()
+                    },
+                }
+                for step, v in self._versions.items()
+            }
+
+    def manifest(self, step: int) -> VersionManifest:
+        with self._lock:
+            version = self._versions.get(step)
+            if version is None or version.manifest is None:
+                raise VersionNotFoundError(f"step {step} is not committed on node {self.node_id[:12]}")
+            return version.manifest
+
+    def read(self, step: int, name: str, offset: int, length: int) -> np.ndarray:
+        """Bytes ``[offset, offset + length)`` of a complete file, as a numpy slice (Ray hands
+        it to a reader on this node without another copy)."""
+        with self._lock:
+            version = self._versions.get(step)
+            record = version.files.get(name) if version is not None else None
+            if record is None or not record.complete:
+                raise VersionNotFoundError(f"step {step} has no complete data file {name!r} on node "
+                                           f"{self.node_id[:12]}")
+            arr = record.array
+        if offset < 0 or length < 0 or offset + length > arr.nbytes:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({arr.nbytes} bytes)")
+        return arr[offset : offset + length]
+
+    # --- retention -----------------------------------------------------------------------------
+    def drop(self, step: int) -> int:
+        """Forget ``step`` (idempotent); returns the bytes freed."""
+        with self._lock:
+            return self._forget(step)
+
+    def _forget(self, step: int) -> int:
+        version = self._versions.pop(step, None)
+        if version is None:
+            return 0
+        freed = sum(f.array.nbytes for f in version.files.values())
+        self._held -= freed
+        return freed
+
+    # --- status --------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """What ``gemini_ckpt status`` shows for this host (plain data, JSON-ready)."""
+        with self._lock:
+            return {
+                "namespace": self.namespace,
+                "node_id": self.node_id,
+                "budget_bytes": self.budget_bytes,
+                "held_bytes": self._held,
+                "started_unix": self.started_unix,
+                "versions": {
+                    step: {
+                        "committed": v.manifest is not None,
+                        "committed_unix": v.committed_unix,
+                        "files": {name: {"nbytes": f.array.nbytes, "complete": f.complete,
+                                         "owner": f.owner_slot, "holders": list(f.holders)}
+                                  for name, f in sorted(v.files.items())},
+                    }
+                    for step, v in sorted(self._versions.items())
+                },
+            }

@@ -1,0 +1,392 @@
+"""The :class:`~gemini_ckpt._store.Store` of ``CheckpointConfig(store="ray")``: host stores.
+
+Each rank talks to the host-store actors of its namespace (:mod:`gemini_ckpt._host_store`,
+one per host). What each call does, in the store protocol's call order:
+
+1. ``put_file`` (every rank, its own data file): the bytes go once into Ray's object store,
+   in chunks of :data:`CHUNK_BYTES` (at most :data:`CHUNKS_IN_FLIGHT` at a time, so memory
+   peaks stay bounded), and every holder of this rank's host (:func:`~gemini_ckpt._cluster.
+   holders_for`, the local store first) pulls each chunk in parallel and copies it into its
+   heap. ``put_file`` returns when every holder acknowledged every chunk, and raises when any
+   holder fails, dies or times out: DCP then fails the save on every rank and the version is
+   never committed. A holder found dead is skipped by the next version (see the rule in
+   :mod:`gemini_ckpt._cluster`), and reported to the registry so status shows it.
+2. ``commit`` (rank 0, after every rank's ``put_file`` returned): checks, on every live
+   store, that each file of the manifest is complete on every holder it was sent to, then
+   stores the manifest on every live store. A failure rolls the step back everywhere.
+3. ``committed_steps``: steps whose manifest a live store holds and whose every file has a
+   complete copy on at least one live store. ``manifest`` and ``read_range`` read from the
+   local store first, then the file's holders in placement order, then any other store.
+4. ``drop`` on every live store.
+
+Call :func:`connect_ray_store` on every rank (``Checkpointer.start`` does): it is a
+rendezvous that fixes the host slots (:mod:`gemini_ckpt._cluster`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from ._cluster import (
+    SlotTable,
+    current_node_id,
+    ensure_ray,
+    find_store,
+    get_or_create_registry,
+    get_or_create_store,
+    holders_for,
+)
+from ._config import CheckpointConfig
+from ._errors import CheckpointError, CheckpointTimeoutError, ConfigError, VersionNotFoundError
+from ._host_store import IncompleteVersionError
+from ._store import VersionManifest, as_uint8
+
+__all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "connect_ray_store"]
+
+log = logging.getLogger("gemini_ckpt")
+
+CHUNK_BYTES = 64 << 20
+CHUNKS_IN_FLIGHT = 2
+READ_BLOCK_BYTES = 16 << 20  # read-ahead: DCP reads a file item by item, in offset order
+
+
+class ReplicationError(CheckpointError, RuntimeError):
+    """A copy of a shard could not be delivered (a holder died, or refused it): the version
+    is not committed. The message names the rank, the step, the holder slot and node."""
+
+
+@dataclass
+class RayStoreStats:
+    """Bytes moved by this client (for tests, benchmarks and logs)."""
+
+    bytes_put: int = 0
+    last_put_s: float = 0.0
+    bytes_read_local: int = 0
+    bytes_read_peer: int = 0
+
+
+def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayStore":
+    """Connect rank ``rank`` of ``world_size`` to its namespace's host stores.
+
+    Collective: every rank of the job calls it (``Checkpointer.start`` does, at the first
+    ``save``/``restore``); it returns once all have, with the slot table they share. Creates
+    the registry and this host's store when they do not exist yet.
+    """
+    ensure_ray()
+    namespace = config.resolved_namespace
+    node_id = current_node_id()
+    registry = get_or_create_registry(namespace)
+    _start_local_store(config, node_id)
+    try:
+        table = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s),
+                        timeout=config.timeout_s + 10)
+    except RayTaskError as exc:
+        raise _cause(exc) from None
+    except GetTimeoutError:
+        raise CheckpointTimeoutError(f"rank {rank}: the registry of namespace {namespace!r} did not answer "
+                                     f"within {config.timeout_s}s") from None
+    return RayStore(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry)
+
+
+def _start_local_store(config: CheckpointConfig, node_id: str) -> None:
+    # A store killed a moment ago may still hold its name; retry until a live one answers.
+    deadline = time.monotonic() + config.timeout_s
+    while True:
+        handle = get_or_create_store(config.resolved_namespace, node_id, config.host_memory_budget_bytes)
+        try:
+            ray.get(handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+        except GetTimeoutError:
+            raise CheckpointTimeoutError(f"the host store on node {node_id[:12]} did not start within "
+                                         f"{config.timeout_s}s (CheckpointConfig.timeout_s)") from None
+
+
+class RayStore:
+    """One rank's view of the host stores of its namespace (see the module docstring)."""
+
+    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, node_id: str,
+                 table: SlotTable, registry=None) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.node_id = node_id
+        self.table = table
+        self.slot = table.slot_of(node_id)
+        self.stats = RayStoreStats()
+        self._registry = registry
+        self._lock = threading.Lock()
+        self._handles = {s: find_store(config.resolved_namespace, n) for s, n in enumerate(table.nodes)}
+        self._dead: dict[int, str] = {s: "no host store" for s, h in self._handles.items() if h is None}
+        for s, why in self._dead.items():
+            log.warning("rank %d: slot %d (node %s) has %s; versions skip it", rank, s, table.nodes[s][:12], why)
+        # step -> file -> (bytes, slots holding a complete copy, in read order)
+        self._where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self._block: Optional[tuple[int, str, int, np.ndarray]] = None
+        if table.hosts < config.replicas:
+            raise ConfigError(
+                f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
+                f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts")
+
+    # --- placement -----------------------------------------------------------------------------
+    @property
+    def dead_slots(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._dead)
+
+    def holders(self) -> tuple[int, ...]:
+        """Where this rank's shard of the next version goes (owner slot first when alive)."""
+        with self._lock:
+            dead = set(self._dead)
+        return holders_for(self.slot, hosts=self.table.hosts, replicas=self.config.replicas,
+                           strategy=self.config.placement, dead=dead)
+
+    def _live(self) -> dict[int, object]:
+        with self._lock:
+            return {s: h for s, h in self._handles.items() if s not in self._dead}
+
+    def _mark_dead(self, slot: int, why: str) -> None:
+        with self._lock:
+            if slot in self._dead:
+                return
+            self._dead[slot] = why
+        message = (f"rank {self.rank}: host store of slot {slot} (node {self.table.nodes[slot][:12]}) is "
+                   f"unusable: {why}; later versions are placed over the surviving hosts")
+        log.error("%s", message)
+        if self._registry is not None:
+            self._registry.report_failure.remote(slot, self.table.nodes[slot], message)
+
+    # --- write ---------------------------------------------------------------------------------
+    def put_file(self, step: int, name: str, data) -> None:
+        arr = as_uint8(data)
+        with self._lock:
+            if self._block is not None and self._block[0] == step:
+                self._block = None
+        slots = self.holders()
+        live = self._live()
+        targets = [(s, live[s]) for s in slots]
+        total = arr.nbytes
+        put_id = uuid.uuid4().hex
+        deadline = time.monotonic() + self.config.timeout_s
+        t0 = time.perf_counter()
+        window: collections.deque = collections.deque()
+        for offset in range(0, total, CHUNK_BYTES) if total else (0,):
+            ref = ray.put(arr[offset : offset + CHUNK_BYTES])
+            window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots))
+                           for s, h in targets])
+            del ref  # pending calls keep the chunk alive; once acknowledged it is freed
+            if len(window) >= CHUNKS_IN_FLIGHT:
+                self._await_acks(window.popleft(), step, name, deadline)
+        while window:
+            self._await_acks(window.popleft(), step, name, deadline)
+        self.stats.bytes_put += total
+        self.stats.last_put_s = time.perf_counter() - t0
+
+    def _await_acks(self, acks, step: int, name: str, deadline: float) -> None:
+        for slot, ack in acks:
+            where = f"slot {slot} (node {self.table.nodes[slot][:12]})"
+            try:
+                ray.get(ack, timeout=max(0.001, deadline - time.monotonic()))
+            except GetTimeoutError:
+                raise CheckpointTimeoutError(
+                    f"rank {self.rank}: step {step}: the host store of {where} did not acknowledge {name} "
+                    f"within {self.config.timeout_s}s (CheckpointConfig.timeout_s); the version is not "
+                    f"committed") from None
+            except RayTaskError as exc:
+                raise _cause(exc, f"rank {self.rank}: step {step}: {where} refused {name}: ") from None
+            except RayActorError as exc:
+                self._mark_dead(slot, f"died ({type(exc).__name__})")
+                raise ReplicationError(
+                    f"rank {self.rank}: step {step}: the host store of {where} died while receiving {name}; "
+                    f"the version is not committed and the next one goes to the surviving hosts") from None
+            except RayError as exc:
+                raise ReplicationError(f"rank {self.rank}: step {step}: copying {name} to {where} failed: "
+                                       f"{type(exc).__name__}: {exc}") from None
+
+    def commit(self, step: int, manifest: VersionManifest) -> None:
+        index = self._gather("index")
+        problems, holder_slots = [], set()
+        for name, size in sorted(manifest.file_sizes.items()):
+            records = [(s, ix[step]["files"][name]) for s, ix in index.items()
+                       if step in ix and name in ix[step]["files"]]
+            held = {s for s, r in records if r["complete"] and r["nbytes"] == size}
+            declared = next((tuple(r["holders"]) for _, r in records), ())
+            holder_slots.update(declared)
+            if not held:
+                problems.append(f"{name} has no complete copy of {size} bytes on any live host store "
+                                f"(never put, or every holder died)")
+            elif set(declared) - held:
+                missing = sorted(set(declared) - held)
+                problems.append(f"{name} is missing on holder slot(s) {missing} "
+                                f"({', '.join(self._describe_slot(s) for s in missing)})")
+        if problems:
+            raise IncompleteVersionError(f"cannot commit step {step}: " + "; ".join(problems)
+                                         + "; the version is not committed")
+        failed = self._gather("commit", step, manifest, errors=True)
+        fatal = {s: e for s, e in failed.items() if s in holder_slots or not isinstance(e, RayActorError)}
+        if fatal or len(failed) == len(index):
+            self.drop(step)
+            first = next(iter(fatal.values()), next(iter(failed.values()), None))
+            if isinstance(first, CheckpointError):
+                raise first
+            raise ReplicationError(f"cannot commit step {step}: host store(s) of slot(s) {sorted(failed)} failed "
+                                   f"while committing: {first}; the version is not committed")
+
+    # --- read ----------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        index = self._gather("index")
+        where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        needs: dict[int, dict[str, int]] = {}
+        for slot, ix in index.items():
+            for step, version in ix.items():
+                if version["committed"]:
+                    needs.setdefault(step, version["needs"])
+                files = where.setdefault(step, {})
+                for name, rec in version["files"].items():
+                    if rec["complete"]:
+                        size, slots = files.get(name, (rec["nbytes"], ()))
+                        files[name] = (size, slots + (slot,)) if rec["nbytes"] == size else (size, slots)
+        for step, files in where.items():
+            for name, (size, slots) in files.items():
+                files[name] = (size, self._read_order(slots, index, step, name))
+        with self._lock:
+            self._where = where
+        return sorted(step for step, files in needs.items()
+                      if all(name in where.get(step, {}) and where[step][name][0] == size
+                             for name, size in files.items()))
+
+    def _read_order(self, slots, index, step: int, name: str) -> tuple[int, ...]:
+        declared = ()
+        for s in slots:
+            declared = tuple(index[s][step]["files"][name]["holders"])
+            break
+
+        def key(s: int):
+            return (s != self.slot, declared.index(s) if s in declared else len(declared), s)
+
+        return tuple(sorted(slots, key=key))
+
+    def manifest(self, step: int) -> VersionManifest:
+        for slot, handle in self._in_read_order():
+            try:
+                return ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s)
+            except RayActorError:
+                self._mark_dead(slot, "died")
+            except RayTaskError as exc:
+                if not isinstance(exc.cause, VersionNotFoundError):
+                    raise _cause(exc) from None
+            except GetTimeoutError:
+                log.warning("rank %d: %s did not answer manifest(%d)", self.rank, self._describe_slot(slot), step)
+        raise VersionNotFoundError(f"step {step} is not committed on any live host store of namespace "
+                                   f"{self.config.resolved_namespace!r}")
+
+    def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
+        with self._lock:
+            block = self._block
+        if block is not None and block[:2] == (step, name) and block[2] <= offset \
+                and offset + length <= block[2] + block[3].nbytes:
+            start = offset - block[2]
+            return memoryview(block[3][start : start + length])
+        size, slots = self._locate(step, name)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({size} bytes)")
+        want = min(max(length, READ_BLOCK_BYTES), size - offset)
+        for slot in slots:
+            handle = self._live().get(slot)
+            if handle is None:
+                continue
+            try:
+                arr = ray.get(handle.read.remote(step, name, offset, want), timeout=self.config.timeout_s)
+            except RayActorError:
+                self._mark_dead(slot, "died")
+                continue
+            except RayTaskError as exc:
+                if isinstance(exc.cause, VersionNotFoundError):
+                    continue
+                raise _cause(exc) from None
+            except GetTimeoutError:
+                log.warning("rank %d: %s did not answer a read of %s", self.rank, self._describe_slot(slot), name)
+                continue
+            with self._lock:
+                self._block = (step, name, offset, arr)
+            if slot == self.slot:
+                self.stats.bytes_read_local += length
+            else:
+                self.stats.bytes_read_peer += length
+            return memoryview(arr[:length])
+        raise VersionNotFoundError(f"step {step}: no live host store holds a complete copy of {name!r}")
+
+    def _locate(self, step: int, name: str) -> tuple[int, tuple[int, ...]]:
+        with self._lock:
+            found = self._where.get(step, {}).get(name)
+        if found is None:
+            self.committed_steps()  # refreshes the locations of every step
+            with self._lock:
+                found = self._where.get(step, {}).get(name)
+        if found is None:
+            raise VersionNotFoundError(f"step {step} has no data file {name!r} on any live host store")
+        return found
+
+    # --- retention -----------------------------------------------------------------------------
+    def drop(self, step: int) -> None:
+        self._gather("drop", step)
+        with self._lock:
+            self._where.pop(step, None)
+            if self._block is not None and self._block[0] == step:
+                self._block = None
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _in_read_order(self):
+        live = self._live()
+        return sorted(live.items(), key=lambda kv: (kv[0] != self.slot, kv[0]))
+
+    def _gather(self, method: str, *args, errors: bool = False) -> dict:
+        """Call ``method`` on every live store in parallel. Returns slot -> result, or with
+        ``errors=True`` slot -> exception for the stores that failed. Dead stores are marked;
+        stores that do not answer in time are left out (and logged)."""
+        calls = {s: getattr(h, method).remote(*args) for s, h in self._live().items()}
+        deadline = time.monotonic() + self.config.timeout_s
+        results, failures = {}, {}
+        for slot, ref in calls.items():
+            try:
+                results[slot] = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+            except RayActorError as exc:
+                self._mark_dead(slot, f"died ({type(exc).__name__})")
+                failures[slot] = exc
+            except RayTaskError as exc:
+                if not errors:
+                    raise _cause(exc, f"{self._describe_slot(slot)}: ") from None
+                failures[slot] = _cause(exc, f"{self._describe_slot(slot)}: ")
+            except GetTimeoutError as exc:
+                log.warning("rank %d: %s did not answer %s within %ss", self.rank, self._describe_slot(slot),
+                            method, self.config.timeout_s)
+                failures[slot] = exc
+        return failures if errors else results
+
+    def _describe_slot(self, slot: int) -> str:
+        why = self._dead.get(slot)
+        state = f", {why}" if why else ""
+        return f"slot {slot} on node {self.table.nodes[slot][:12]}{state}"
+
+
+def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:
+    """The exception an actor raised, rebuilt with ``prefix`` in its message when it is ours."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, CheckpointError):
+        return type(cause)(prefix + str(cause)) if prefix else cause
+    if isinstance(cause, (ValueError, LookupError, TimeoutError)):
+        return cause
+    return ReplicationError(f"{prefix}{type(cause).__name__ if cause else 'error'}: {cause or exc}")
