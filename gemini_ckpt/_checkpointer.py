@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._config import CheckpointConfig
 from ._dcp_storage import StoreWriter, save_version
+from ._durable import DurableTier, persist_policy
 from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
 from ._handle import RestoreResult, SaveHandle, StageInfo
 from ._restore import restore_newest
@@ -38,6 +39,10 @@ class CheckpointStats:
     staging_bytes: int = 0
     staging_allocations: int = 0
     last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
+    persisted: int = 0
+    persist_failed: int = 0
+    last_persisted_step: Optional[int] = None
+    last_persist_error: Optional[str] = None
 
 
 class Checkpointer:
@@ -59,7 +64,7 @@ class Checkpointer:
     """
 
     def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
-                 store: Optional[Store] = None) -> None:
+                 store: Optional[Store] = None, durable: Optional[DurableTier] = None) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
         self.state = state
@@ -82,6 +87,14 @@ class Checkpointer:
         # DCP caches plans per key; one key per checkpointer keeps two of them from mixing.
         self._planner._cached_plans_key = f"gemini_ckpt:{id(self)}"
         self._closed = False
+        self._policy = persist_policy(self.config.persist_every,
+                                      self.config.durable_uri or (durable.uri if durable else None))
+        self._durable: Optional[DurableTier] = durable
+        self._persist_jobs: queue.Queue = queue.Queue()
+        self._persist_thread: Optional[threading.Thread] = None
+        self._pinned: set[int] = set()  # versions being persisted: retention must not drop them
+        self._persist_queued: set[int] = set()
+        self._newest_committed: Optional[int] = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -96,9 +109,24 @@ class Checkpointer:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
+        if self._durable is None and self.config.durable_uri:
+            self._durable = DurableTier(self.config.durable_uri, keep=self.config.keep_durable)
+        if self._durable is not None:
+            if self.rank == 0:
+                self._durable.cleanup_incomplete()
+            self._persist_thread = threading.Thread(target=self._persist_run, name="gemini-ckpt-persist",
+                                                    daemon=True)
+            self._persist_thread.start()
         self._thread = threading.Thread(target=self._run, name="gemini-ckpt-bg", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def durable(self) -> Optional[DurableTier]:
+        """The durable tier, when ``durable_uri`` is set (still readable after ``close``)."""
+        if self._durable is None and not self._closed:
+            self.start()
+        return self._durable
 
     def _make_store(self) -> Store:
         if self.config.store == "local":
@@ -114,7 +142,9 @@ class Checkpointer:
 
     @property
     def store(self) -> Store:
-        self.start()
+        """Where versions live (connects on first use; still readable after ``close``)."""
+        if self._store is None:
+            self.start()
         return self._store
 
     def __enter__(self) -> "Checkpointer":
@@ -133,6 +163,8 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"save(step) needs a non-negative int step, got {step!r}")
         self.start()
+        if persist and self._durable is None:
+            raise ConfigError("save(persist=True) needs CheckpointConfig.durable_uri (a path or pyarrow.fs URI)")
         self._raise_background_errors()
         t0 = time.perf_counter()
         with self._lock:
@@ -188,14 +220,42 @@ class Checkpointer:
         try:
             if self._thread is not None:
                 self.wait()
+                self._persist_on_close()
+                self.wait_persisted()
         finally:
             self._shutdown(raise_errors=True)
+
+    def _persist_on_close(self) -> None:
+        step = self._newest_committed
+        if (self._durable is None or not self.config.persist_on_close or self.config.persist_every <= 0
+                or step is None or step in self._persist_queued):
+            return
+        if step in self._durable.complete_steps():
+            return
+        log.info("rank %d: persisting step %d on close", self.rank, step)
+        handle = SaveHandle(step)
+        self._queue_persist(handle)
+
+    def wait_persisted(self, timeout: Optional[float] = None) -> None:
+        """Block until every queued persist is done (succeeded or failed)."""
+        limit = self.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            while self._persist_queued:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._lock.wait(timeout=left):
+                    raise CheckpointTimeoutError(f"persist did not finish within {limit}s")
+        self._raise_background_errors()
 
     def _shutdown(self, *, raise_errors: bool) -> None:
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=self.config.timeout_s)
             self._thread = None
+        if self._persist_thread is not None:
+            self._persist_jobs.put(None)
+            self._persist_thread.join(timeout=self.config.timeout_s)
+            self._persist_thread = None
         self._closed = True
         if raise_errors:
             self._raise_background_errors()
@@ -218,8 +278,12 @@ class Checkpointer:
                 self._write_version(handle.step, staged)
                 self.stats.committed += 1
                 self.stats.last_commit_s = time.perf_counter() - t0
+                self._newest_committed = handle.step
                 handle.committed.set_result(handle.step)
-                handle.persisted.set_result(None)
+                if self._durable is not None and (persist or self._policy.should_persist(handle.step)):
+                    self._queue_persist(handle)
+                else:
+                    handle.persisted.set_result(None)
             except BaseException as exc:  # DCP's CheckpointException derives from BaseException
                 err = BackgroundError(f"rank {self.rank}: version {handle.step} was not committed: "
                                       f"{type(exc).__name__}: {exc}")
@@ -237,6 +301,64 @@ class Checkpointer:
                     self._inflight -= 1
                     self._lock.notify_all()
 
+    def _queue_persist(self, handle: SaveHandle) -> None:
+        with self._lock:
+            self._pinned.add(handle.step)
+            self._persist_queued.add(handle.step)
+        self._persist_jobs.put(handle)
+
+    def _persist_run(self) -> None:
+        while True:
+            handle = self._persist_jobs.get()
+            if handle is None:
+                return
+            step = handle.step
+            try:
+                location = self._persist(step)
+                self.stats.persisted += 1
+                self.stats.last_persisted_step = step
+                handle.persisted.set_result(location)
+            except BaseException as exc:
+                err = BackgroundError(f"rank {self.rank}: version {step} was not persisted to "
+                                      f"{self.config.durable_uri}: {type(exc).__name__}: {exc}; "
+                                      f"the memory tier is unaffected and the next persist retries")
+                err.__cause__ = exc
+                self.stats.persist_failed += 1
+                self.stats.last_persist_error = str(err)
+                log.error("%s", err)
+                handle.persisted.set_exception(err)
+                if self.config.persist_errors == "raise":
+                    with self._lock:
+                        self._errors.append(err)
+            finally:
+                with self._lock:
+                    self._pinned.discard(step)
+                    self._persist_queued.discard(step)
+                    self._lock.notify_all()
+                if self.rank == 0 and self._store is not None:
+                    self._apply_retention()
+
+    def _persist(self, step: int) -> str:
+        """Write a committed version from memory to the durable tier (coordinator commits)."""
+        durable = self._durable
+        if self.rank != 0:
+            # Rank 0 commits; other ranks learn the outcome from the tier itself.
+            deadline = time.monotonic() + self.config.timeout_s
+            while step not in durable.complete_steps():
+                if time.monotonic() > deadline:
+                    raise CheckpointTimeoutError(f"step {step} did not become durable within {self.config.timeout_s}s")
+                time.sleep(0.2)
+            return durable.location(step)
+        manifest = self._store.manifest(step)
+        persist_from_store = getattr(self._store, "persist", None)
+        if persist_from_store is not None:
+            # Host stores write their own ranks' files from their memory, in parallel.
+            persist_from_store(step, durable.uri)
+        else:
+            durable.write_files(step, {name: self._store.read_range(step, name, 0, size)
+                                       for name, size in manifest.file_sizes.items()})
+        return durable.commit(step, manifest)
+
     def _write_version(self, step: int, staged: dict[str, Any]) -> None:
         writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description())
         save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
@@ -245,8 +367,11 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         committed = self._store.committed_steps()
+        with self._lock:
+            pinned = set(self._pinned)
         for old in committed[: -self.config.keep_in_memory]:
-            self._store.drop(old)
+            if old not in pinned:
+                self._store.drop(old)
 
     def _job_description(self) -> dict:
         from . import __version__
@@ -264,7 +389,10 @@ class Checkpointer:
         """
         self.start()
         self.wait()
-        result = restore_newest(self.state, self._store, rank=self.rank, world_size=self.world_size,
+        tiers = [("memory", self._store)]
+        if self._durable is not None:
+            tiers.append(("durable", self._durable.store))
+        result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
                                 group=self._bg_group, config=self.config)
         if result is not None:
             log.info("rank %d: %s", self.rank, result.summary())

@@ -16,6 +16,7 @@ from ._errors import ConfigError
 
 STORES = ("local", "ray")
 PLACEMENTS = ("auto", "group", "ring", "mixed")
+PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 DEFAULT_NAMESPACE = "gemini_ckpt"
@@ -42,6 +43,11 @@ class CheckpointConfig:
         persist_every: persist every Nth committed version to ``durable_uri``; 0 disables.
         durable_uri: a ``pyarrow.fs`` URI or local path for the durable tier.
         keep_durable: complete durable versions retained.
+        persist_on_close: on ``close()``, persist the newest committed version if it is not
+            durable yet (only with a durable tier).
+        persist_errors: a failed persist is ``log``-ged (training and the memory tier go on;
+            ``handle.persisted`` raises; the next persist retries) or also ``raise``-d on the
+            training thread like a commit failure.
         max_inflight: versions whose background work may run at once.
         inflight_policy: when ``max_inflight`` versions are busy: ``wait`` blocks ``save``
             until one finishes; ``skip`` drops this save (counted and logged).
@@ -60,6 +66,8 @@ class CheckpointConfig:
     persist_every: int = 0
     durable_uri: Optional[str] = None
     keep_durable: int = 3
+    persist_on_close: bool = True
+    persist_errors: str = "log"
     max_inflight: int = 1
     inflight_policy: str = "wait"
     host_memory_budget_bytes: Optional[int] = None
@@ -71,6 +79,9 @@ class CheckpointConfig:
         _choice(self, "placement", PLACEMENTS)
         _choice(self, "inflight_policy", INFLIGHT_POLICIES)
         _choice(self, "world_size_change", WORLD_SIZE_CHANGE_RULES)
+        _choice(self, "persist_errors", PERSIST_ERRORS)
+        if not isinstance(self.persist_on_close, bool):
+            raise ConfigError(f"CheckpointConfig.persist_on_close must be True or False, got {self.persist_on_close!r}")
         _int_at_least(self, "replicas", 1, "keep at least the local copy: replicas=1")
         _int_at_least(self, "keep_in_memory", 1, "keep at least the newest version")
         _int_at_least(self, "persist_every", 0, "use 0 to disable the durable tier")

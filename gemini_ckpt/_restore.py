@@ -28,19 +28,30 @@ class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
 
 
-def restore_newest(state: TrainState, store: Store, *, rank: int, world_size: int, group,
+def candidates(tiers: list[tuple[str, Store]]) -> list[tuple[int, int]]:
+    """``(step, tier index)`` newest first; at equal steps the earlier tier (memory) first."""
+    found = [(step, i) for i, (_, store) in enumerate(tiers) for step in store.committed_steps()]
+    return sorted(found, key=lambda c: (-c[0], c[1]))
+
+
+def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: int, world_size: int, group,
                    config: CheckpointConfig) -> Optional[RestoreResult]:
+    """Try versions newest first (memory before durable at equal steps) until one loads.
+
+    Every rank walks rank 0's candidate list (one collective), and DCP's load raises on every
+    rank when any rank's read fails, so all ranks move to the next candidate together."""
     t0 = time.perf_counter()
-    steps = _agree(store.committed_steps(), world_size, group)
+    order = _agree(candidates(tiers) if rank == 0 or world_size == 1 else [], world_size, group)
     skipped: list[int] = []
-    for step in reversed(steps):
+    for step, tier in order:
+        name, store = tiers[tier]
         try:
-            result = load_version(state, store, step, rank=rank, world_size=world_size, group=group,
-                                  config=config, t0=t0)
+            result = load_version(state, store, step, tier=name, rank=rank, world_size=world_size,
+                                  group=group, config=config, t0=t0)
         except _Unreadable as exc:
-            warnings.warn(f"step {step} could not be restored and was skipped: {exc}; "
-                          f"falling back to an older version", stacklevel=3)
-            log.warning("rank %d: skipping step %d: %s", rank, step, exc)
+            warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
+                          f"falling back to the next newest complete version", stacklevel=3)
+            log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
             skipped.append(step)
             continue
         return _with_skipped(result, skipped)
@@ -49,8 +60,8 @@ def restore_newest(state: TrainState, store: Store, *, rank: int, world_size: in
     return None
 
 
-def load_version(state: TrainState, store: Store, step: int, *, rank: int, world_size: int, group,
-                 config: CheckpointConfig, t0: float) -> RestoreResult:
+def load_version(state: TrainState, store: Store, step: int, *, tier: str, rank: int, world_size: int,
+                 group, config: CheckpointConfig, t0: float) -> RestoreResult:
     manifest = store.manifest(step)
     metadata: Metadata = pickle.loads(manifest.metadata)
     saved_keys = set(metadata.state_dict_metadata)
@@ -67,14 +78,15 @@ def load_version(state: TrainState, store: Store, step: int, *, rank: int, world
         dcp_load(target, reader, group=group, no_dist=world_size == 1)
     except CheckpointException as exc:
         raise _Unreadable(_first_failure(exc)) from exc
-    except ChecksumError as exc:
+    except (ChecksumError, OSError) as exc:
         raise _Unreadable(str(exc)) from exc
     derived = source_rank != rank
     state.apply(target, source_rank=source_rank, restore_rng=not derived)
     if derived:
         restore_rng_state(derive_rng_state(rank, step))
-    return RestoreResult(step=step, source="memory", sources={rank: "local"},
-                         bytes_read={"local": reader.bytes_read}, seconds=time.perf_counter() - t0,
+    where = "local" if tier == "memory" else tier
+    return RestoreResult(step=step, source=tier, sources={rank: where},
+                         bytes_read={where: reader.bytes_read}, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws)
 
 
@@ -123,11 +135,11 @@ def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointCo
     return rank % saved_ws
 
 
-def _agree(steps: list[int], world_size: int, group) -> list[int]:
-    """All ranks restore from rank 0's view of the committed steps (one collective)."""
+def _agree(order: list, world_size: int, group) -> list:
+    """All ranks walk rank 0's candidate list (one collective)."""
     if world_size == 1:
-        return steps
-    box = [steps]
+        return order
+    box = [order]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
@@ -139,7 +151,7 @@ class _Unreadable(Exception):
 def _first_failure(exc: CheckpointException) -> str:
     for rank, failure in sorted(exc.failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, ChecksumError):
+        if isinstance(inner, (ChecksumError, OSError)):
             return f"rank {rank}: {inner}"
         if isinstance(inner, StructureMismatchError):
             raise inner

@@ -1,0 +1,86 @@
+"""A real local filesystem, behind ``pyarrow.fs.PyFileSystem``, that fails or stalls the way
+storage does: writes raise while ``failing`` is set (an unreachable bucket, a full disk),
+and writes to paths containing ``stall_on`` block (a hung upload) so a test can kill the
+writer mid-persist."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow.fs as pafs
+
+
+class FaultyHandler(pafs.FileSystemHandler):
+    def __init__(self, *, stall_on: str | None = None) -> None:
+        self.base = pafs.LocalFileSystem()
+        self.failing = threading.Event()
+        self.stall_on = stall_on
+        self.writes = 0
+
+    def _check_write(self, path: str) -> None:
+        if self.failing.is_set():
+            raise OSError(f"injected storage failure writing {path}")
+        if self.stall_on and self.stall_on in path:
+            time.sleep(3600)
+        self.writes += 1
+
+    # writes
+    def open_output_stream(self, path, metadata):
+        self._check_write(path)
+        return self.base.open_output_stream(path)
+
+    def open_append_stream(self, path, metadata):
+        self._check_write(path)
+        return self.base.open_append_stream(path)
+
+    def create_dir(self, path, recursive):
+        if self.failing.is_set():
+            raise OSError(f"injected storage failure creating {path}")
+        self.base.create_dir(path, recursive=recursive)
+
+    def move(self, src, dest):
+        self._check_write(dest)
+        self.base.move(src, dest)
+
+    # everything else: the real thing
+    def get_type_name(self):
+        return "faulty-local"
+
+    def equals(self, other):
+        return self is other
+
+    def normalize_path(self, path):
+        return self.base.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.base.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.base.get_file_info(selector)
+
+    def delete_dir(self, path):
+        self.base.delete_dir(path)
+
+    def delete_dir_contents(self, path, missing_dir_ok=False):
+        self.base.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+    def delete_root_dir_contents(self):
+        raise OSError("refusing to delete the root")
+
+    def delete_file(self, path):
+        self.base.delete_file(path)
+
+    def copy_file(self, src, dest):
+        self.base.copy_file(src, dest)
+
+    def open_input_stream(self, path):
+        return self.base.open_input_stream(path)
+
+    def open_input_file(self, path):
+        return self.base.open_input_file(path)
+
+
+def faulty_filesystem(**kwargs) -> tuple[pafs.PyFileSystem, FaultyHandler]:
+    handler = FaultyHandler(**kwargs)
+    return pafs.PyFileSystem(handler), handler
