@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import pickle
 import time
 import uuid
@@ -40,9 +41,10 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ._checksum import checksum
-from ._errors import ChecksumError
+from ._errors import CheckpointError, ChecksumError
 from ._store import ItemChecksum, Store, VersionManifest, as_uint8
 
+log = logging.getLogger("gemini_ckpt")
 DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
 DATA_SUFFIX = ".distcp"
 
@@ -164,23 +166,35 @@ class StoreWriter(StorageWriter):
 
 
 RangeFetch = Callable[[str, int, int], Any]
-"""``fetch(file, offset, length)`` -> bytes-like: how a reader gets the bytes it needs."""
+"""``fetch(file, offset, length)`` -> bytes-like: how a reader gets bytes from one source."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One place a version's bytes can be read from, in the order a reader tries them."""
+
+    tier: str  # "memory" or "durable"
+    fetch: RangeFetch
 
 
 class StoreReader(StorageReader):
     """Reads one version, fetching only the byte ranges the load plan asks for.
 
-    ``fetch`` decides where bytes come from (a store, or a tiered fallback over several).
-    Every item's CRC32C is checked before it is deserialized.
+    Every item's CRC32C is checked before it is deserialized. ``sources`` are tried in order
+    for each item: a source that fails (a holder died, a file is missing) or returns bytes
+    that fail their checksum is skipped for the next one, so a bad replica is never loaded
+    while a good copy exists elsewhere (another holder, or the durable tier).
     """
 
-    def __init__(self, manifest: VersionManifest, fetch: RangeFetch) -> None:
+    def __init__(self, manifest: VersionManifest, sources: list[Source] | RangeFetch) -> None:
         super().__init__()
         self.manifest = manifest
-        self.fetch = fetch
+        self.sources = sources if isinstance(sources, list) else [Source("memory", sources)]
         self._crc = manifest.checksum_index()
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
         self.bytes_read = 0
+        self.bytes_by_tier: dict[str, int] = {}
+        self.problems: list[str] = []
 
     def reset(self, checkpoint_id=None) -> None:
         self.storage_data = {}
@@ -223,18 +237,25 @@ class StoreReader(StorageReader):
         return fut
 
     def read_item(self, info: _StorageInfo) -> bytes:
-        raw = bytes(self.fetch(info.relative_path, info.offset, info.length))
-        if len(raw) != info.length:
-            raise ChecksumError(f"step {self.manifest.step} {info.relative_path}@{info.offset}: "
-                                f"got {len(raw)} bytes, expected {info.length}")
         expected = self._crc.get((info.relative_path, info.offset))
-        if expected is None or checksum(raw) != expected.crc:
-            raise ChecksumError(
-                f"step {self.manifest.step}: checksum mismatch in {info.relative_path} at offset "
-                f"{info.offset} ({info.length} bytes); this copy is corrupt and was not loaded"
-            )
-        self.bytes_read += len(raw)
-        return raw
+        where = f"step {self.manifest.step} {info.relative_path}@{info.offset} ({info.length} bytes)"
+        if expected is None:
+            raise ChecksumError(f"{where}: no checksum recorded for this item; refusing to load it")
+        for source in self.sources:
+            try:
+                raw = bytes(source.fetch(info.relative_path, info.offset, info.length))
+            except (LookupError, OSError, ValueError, CheckpointError) as exc:
+                self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
+                continue
+            if len(raw) != info.length or checksum(raw) != expected.crc:
+                self.problems.append(f"{source.tier}: {where}: checksum mismatch (corrupt copy skipped)")
+                log.warning("%s copy of %s failed its checksum; trying the next source", source.tier, where)
+                continue
+            self.bytes_read += len(raw)
+            self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + len(raw)
+            return raw
+        raise ChecksumError(f"{where}: no source returned a copy that passes its checksum: "
+                            + "; ".join(self.problems[-len(self.sources):]))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from ._config import CheckpointConfig
-from ._dcp_storage import StoreReader, load_version as dcp_load
+from ._dcp_storage import Source, StoreReader, load_version as dcp_load
 from ._errors import ChecksumError, ConfigError, StructureMismatchError
 from ._handle import RestoreResult
 from ._state import GRADS, MODEL, OPTIM, RANK_LOCAL, TrainState, derive_rng_state, restore_rng_state
@@ -44,9 +44,11 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
     order = _agree(candidates(tiers) if rank == 0 or world_size == 1 else [], world_size, group)
     skipped: list[int] = []
     for step, tier in order:
-        name, store = tiers[tier]
+        name = tiers[tier][0]
+        # The chosen tier first; lower tiers that hold the same step back it up item by item.
+        sources = [tiers[tier]] + [t for t in tiers[tier + 1 :] if step in t[1].committed_steps()]
         try:
-            result = load_version(state, store, step, tier=name, rank=rank, world_size=world_size,
+            result = load_version(state, sources, step, rank=rank, world_size=world_size,
                                   group=group, config=config, t0=t0)
         except _Unreadable as exc:
             warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
@@ -60,8 +62,9 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
     return None
 
 
-def load_version(state: TrainState, store: Store, step: int, *, tier: str, rank: int, world_size: int,
-                 group, config: CheckpointConfig, t0: float) -> RestoreResult:
+def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int, *, rank: int,
+                 world_size: int, group, config: CheckpointConfig, t0: float) -> RestoreResult:
+    tier, store = sources[0]
     manifest = store.manifest(step)
     metadata: Metadata = pickle.loads(manifest.metadata)
     saved_keys = set(metadata.state_dict_metadata)
@@ -70,10 +73,8 @@ def load_version(state: TrainState, store: Store, step: int, *, tier: str, rank:
     target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
     check_structure(target, metadata)
 
-    def fetch(name: str, offset: int, length: int):
-        return store.read_range(step, name, offset, length)
-
-    reader = StoreReader(manifest, fetch)
+    reader = StoreReader(manifest, [Source(t, _fetcher(s, step)) for t, s in sources])
+    before = _local_peer(store)
     try:
         dcp_load(target, reader, group=group, no_dist=world_size == 1)
     except CheckpointException as exc:
@@ -84,9 +85,12 @@ def load_version(state: TrainState, store: Store, step: int, *, tier: str, rank:
     state.apply(target, source_rank=source_rank, restore_rng=not derived)
     if derived:
         restore_rng_state(derive_rng_state(rank, step))
-    where = "local" if tier == "memory" else tier
+    bytes_read = _bytes_by_source(reader, store, before)
+    where = max(bytes_read, key=lambda k: (bytes_read[k], k == "local")) if bytes_read else "local"
+    if bytes_read.get("peer") and where == "local":
+        where = "peer"
     return RestoreResult(step=step, source=tier, sources={rank: where},
-                         bytes_read={where: reader.bytes_read}, seconds=time.perf_counter() - t0,
+                         bytes_read=bytes_read, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws)
 
 
@@ -142,6 +146,31 @@ def _agree(order: list, world_size: int, group) -> list:
     box = [order]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _fetcher(store: Store, step: int):
+    def fetch(name: str, offset: int, length: int):
+        return store.read_range(step, name, offset, length)
+
+    return fetch
+
+
+def _local_peer(store: Store) -> tuple[int, int]:
+    stats = getattr(store, "stats", None)
+    return (getattr(stats, "bytes_read_local", 0), getattr(stats, "bytes_read_peer", 0))
+
+
+def _bytes_by_source(reader: StoreReader, store: Store, before: tuple[int, int]) -> dict[str, int]:
+    """Bytes per source: ``local``/``peer`` memory (host stores count them), ``durable``."""
+    out = {k: v for k, v in reader.bytes_by_tier.items() if k != "memory" and v}
+    memory = reader.bytes_by_tier.get("memory", 0)
+    if memory:
+        local, peer = _local_peer(store)
+        if (local, peer) == before:  # a process-local store: everything was local
+            out["local"] = memory
+        else:
+            out["local"], out["peer"] = local - before[0], peer - before[1]
+    return {k: v for k, v in out.items() if v}
 
 
 class _Unreadable(Exception):

@@ -235,3 +235,22 @@ def test_persist_to_s3_and_restore_from_it(s3_uri, tmp_path):
     assert result.step == 8 and result.source == "durable"
     _assert_matches(t.model, t.optimizer, kept[8])
     fresh.close()
+
+
+def test_corrupt_memory_copy_is_replaced_by_the_durable_copy_of_the_same_step(tmp_path):
+    uri = str(tmp_path / "d")
+    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri,
+                              persist_on_close=False)
+    ckpt, kept, handles = _train_and_save(config, 3, record=(2,))
+    handles[2].persisted.result(timeout=60)
+    manifest = ckpt.store.manifest(2)
+    biggest = max(manifest.checksums, key=lambda c: c.length)
+    ckpt.store.corrupt_for_test(2, biggest.file, biggest.offset + 7)
+    t = build_training(seed=4, dataset_size=32)
+    again = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config)
+    result = again.restore()
+    assert result.step == 2 and result.source == "memory" and result.skipped_steps == ()
+    assert result.bytes_read["durable"] == biggest.length  # just the bad item came from disk
+    _assert_matches(t.model, t.optimizer, kept[2])
+    ckpt.close()
+    again.close()
