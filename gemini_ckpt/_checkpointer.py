@@ -350,6 +350,7 @@ class Checkpointer:
                 time.sleep(0.2)
             return durable.location(step)
         manifest = self._store.manifest(step)
+        durable.begin(step)
         persist_from_store = getattr(self._store, "persist", None)
         if persist_from_store is not None:
             # Host stores write their own ranks' files from their memory, in parallel.

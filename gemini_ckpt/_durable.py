@@ -70,6 +70,18 @@ class DurableTier:
         self.uri = uri if uri is not None else f"{type(filesystem).__name__}:{root}"
 
     # --- writing ------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Step 0, by the coordinator: remove any earlier copy of this step (a step saved again
+        after restoring an older version), so no reader can mix the two."""
+        if step == self.latest():
+            # ``latest`` must never name a directory that is about to change.
+            older = [s for s in self.complete_steps() if s != step]
+            if older:
+                self._write_latest(older[-1])
+            else:
+                self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+        self.store.drop(step)
+
     def write_files(self, step: int, files: Mapping[str, object]) -> int:
         """Step 1 for one host: write these data files; returns bytes written."""
         written = 0

@@ -11,6 +11,9 @@ the DCP ``.metadata`` bytes and a checksum for every item. Call order for one ve
 4. retention: ``drop(step)`` (idempotent), issued only for versions older than a newer
    committed one.
 
+Saving a step that is already committed replaces it: the first ``put_file`` of the new
+version uncommits the old one, so a reader never sees a mix of the two.
+
 A store never interprets the bytes; checksums are verified by the reader, end to end.
 """
 
@@ -104,9 +107,11 @@ class MemoryStore:
     def put_file(self, step: int, name: str, data) -> None:
         arr = as_uint8(data)
         with self._lock:
-            version = self._versions.setdefault(step, _Version())
-            if version.manifest is not None:
-                raise ValueError(f"step {step} is already committed; versions are immutable")
+            version = self._versions.get(step)
+            if version is None or version.manifest is not None:
+                # Saving a step again (e.g. after restoring an older version) replaces the old
+                # version: it stops being committed now, before any of its bytes change.
+                version = self._versions[step] = _Version()
             version.files[name] = arr
 
     def commit(self, step: int, manifest: VersionManifest) -> None:
