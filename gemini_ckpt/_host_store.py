@@ -11,8 +11,9 @@ Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides
 1. each rank, per data file: ``put_chunk`` for every chunk, on every holder of its host, in
    parallel. The first chunk reserves the whole file against the memory budget;
 2. the coordinator (rank 0): ``index`` on every live store to check every copy, then
-   ``commit`` on every live store. Committing step s forgets abandoned (never committed)
-   versions older than s;
+   ``commit`` on every live store, naming the put of each file that belongs to the version
+   and a commit id shared by all stores. Committing step s forgets abandoned (never
+   committed) versions older than s. A put into a committed step replaces that version;
 3. readers: ``index``, ``manifest``, ``read``;
 4. the coordinator, for retention: ``drop``.
 
@@ -51,10 +52,12 @@ class IncompleteVersionError(CheckpointError, ValueError):
 
 @dataclass
 class _File:
-    array: np.ndarray
+    array: np.ndarray  # exactly the file's bytes: a view of the first bytes of ``buffer``
+    buffer: np.ndarray  # what is reserved against the budget (reused after the version is dropped)
     put_id: str
     owner_slot: int
     holders: tuple[int, ...]
+    put_unix: float = 0.0
     received: int = 0
 
     @property
@@ -66,6 +69,7 @@ class _File:
 class _Version:
     files: dict[str, _File] = field(default_factory=dict)
     manifest: Optional[VersionManifest] = None
+    commit_id: str = ""
     committed_unix: float = 0.0
 
 
@@ -84,7 +88,11 @@ class HostStore:
         self.started_unix = time.time()
         self._lock = threading.Lock()
         self._versions: dict[int, _Version] = {}
-        self._held = 0  # bytes reserved by kept arrays (complete or not)
+        self._held = 0  # bytes reserved by kept files (complete or not)
+        # Buffers of dropped versions, reused by the next ones: a fresh allocation costs a page
+        # fault per page on first touch, which is slower than the copy itself. They count
+        # against the budget too, and are released first when a put needs the room.
+        self._free: list[np.ndarray] = []
 
     # --- liveness and configuration ---------------------------------------------------------
     def ping(self) -> str:
@@ -99,24 +107,30 @@ class HostStore:
                   owner_slot: int, holders: tuple[int, ...]) -> int:
         """Copy ``chunk`` into bytes ``[offset, offset + len(chunk))`` of file ``name`` of
         ``step`` (``total`` bytes long). A new ``put_id`` replaces an earlier put of the same
-        file. Returns the bytes of the file received so far."""
+        file; a put into a committed step replaces that version here (it is uncommitted at
+        once, as the store protocol says). Returns the bytes of the file received so far."""
         n = int(chunk.nbytes)
         if offset < 0 or offset + n > total:
             raise ValueError(f"chunk [{offset}, {offset + n}) is outside {name} ({total} bytes)")
         with self._lock:
             version = self._versions.get(step)
             if version is not None and version.manifest is not None:
-                raise ValueError(f"step {step} is already committed; versions are immutable")
+                log.info("node %s: step %d is saved again; its committed version here is replaced",
+                         self.node_id[:12], step)
+                self._forget(step)
+                version = None
             record = version.files.get(name) if version is not None else None
             if record is None or record.put_id != put_id:
-                replaced = record.array.nbytes if record is not None else 0
+                replaced = record.buffer.nbytes if record is not None else 0
                 if self._held - replaced + total > self.budget_bytes:
                     raise MemoryBudgetError(self._budget_message(step, name, total, replaced))
                 if version is None:
                     version = self._versions[step] = _Version()
-                record = _File(np.empty(total, dtype=np.uint8), put_id, int(owner_slot), tuple(holders))
+                if record is not None:
+                    self._release(record.buffer)
+                buffer = self._reserve(total)
+                record = _File(buffer[:total], buffer, put_id, int(owner_slot), tuple(holders), time.time())
                 version.files[name] = record
-                self._held += total - replaced
         # The copy out of the object store runs without the lock: other ranks' puts and
         # reads of other files proceed meanwhile.
         if n:
@@ -125,8 +139,30 @@ class HostStore:
             record.received += n
             return record.received
 
+    def _reserve(self, total: int) -> np.ndarray:
+        """A buffer of at least ``total`` bytes: a pooled one of about that size, else a new one
+        (after releasing pooled buffers as far as the budget needs). Call with the lock held."""
+        slack = max(1 << 20, total // 8)
+        fits = [b for b in self._free
+                if total <= b.nbytes <= total + slack and self._held + b.nbytes <= self.budget_bytes]
+        if fits:
+            buffer = min(fits, key=lambda b: b.nbytes)
+            self._free = [b for b in self._free if b is not buffer]
+        else:
+            pooled = sum(b.nbytes for b in self._free)
+            while self._free and self._held + pooled + total > self.budget_bytes:
+                pooled -= self._free.pop(0).nbytes
+            buffer = np.empty(total, dtype=np.uint8)
+        self._held += buffer.nbytes
+        return buffer
+
+    def _release(self, buffer: np.ndarray) -> None:
+        self._held -= buffer.nbytes
+        if buffer.nbytes:
+            self._free.append(buffer)
+
     def _budget_message(self, step: int, name: str, total: int, replaced: int) -> str:
-        held = {s: sum(f.array.nbytes for f in v.files.values()) for s, v in sorted(self._versions.items())}
+        held = {s: sum(f.buffer.nbytes for f in v.files.values()) for s, v in sorted(self._versions.items())}
         return (
             f"host store on node {self.node_id[:12]} (namespace {self.namespace!r}): keeping {name} of "
             f"step {step} ({total:,} bytes) would exceed the memory budget of {self.budget_bytes:,} bytes "
@@ -135,41 +171,44 @@ class HostStore:
             f"host_memory_budget_bytes, or lower keep_in_memory or replicas"
         )
 
-    def commit(self, step: int, manifest: VersionManifest) -> None:
-        """Keep ``manifest`` and mark ``step`` committed here, after checking every file of
-        the step this store holds is complete and of the size the manifest names."""
+    def commit(self, step: int, manifest: VersionManifest, commit_id: str, put_ids: dict[str, str]) -> None:
+        """Keep ``manifest`` and mark ``step`` committed here as ``commit_id``. ``put_ids`` names
+        the put of each file that belongs to this version; other copies (an earlier attempt, or
+        an earlier version of the same step) are discarded. Raises when a file of the version
+        held here is incomplete or not of the size the manifest names."""
         with self._lock:
             version = self._versions.setdefault(step, _Version())
-            if version.manifest is not None:
-                return  # a retried commit of the same version
             for name, record in list(version.files.items()):
-                size = manifest.file_sizes.get(name)
-                if size is None:
-                    # A leftover of an earlier attempt that this version does not use.
-                    self._held -= record.array.nbytes
+                if put_ids.get(name) != record.put_id:
+                    self._release(record.buffer)
                     del version.files[name]
                     continue
+                size = manifest.file_sizes[name]
                 if record.array.nbytes != size or not record.complete:
                     raise IncompleteVersionError(
                         f"cannot commit step {step} on node {self.node_id[:12]}: {name} holds "
                         f"{record.received} of {record.array.nbytes} bytes, the manifest says {size}")
             version.manifest = manifest
+            version.commit_id = commit_id
             version.committed_unix = time.time()
             for old in [s for s, v in self._versions.items() if s < step and v.manifest is None]:
                 self._forget(old)  # an abandoned save: its bytes would never be read
 
     # --- read ----------------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
-        """Per step: ``committed``, the files the manifest needs (name -> bytes) and the files
-        held here (name -> bytes, complete, owner slot, holders)."""
+        """Per step: ``committed``, ``commit_id``, ``committed_unix``, the files the manifest
+        needs (name -> bytes) and the files held here (name -> bytes, complete, owner slot,
+        holders, put id, put time)."""
         with self._lock:
             return {
                 step: {
                     "committed": v.manifest is not None,
+                    "commit_id": v.commit_id,
+                    "committed_unix": v.committed_unix,
                     "needs": dict(v.manifest.file_sizes) if v.manifest is not None else {},
                     "files": {
-                        name: {"nbytes": f.array.nbytes, "complete": f.complete,
-                               "owner": f.owner_slot, "holders": f.holders}
+                        name: {"nbytes": f.array.nbytes, "complete": f.complete, "owner": f.owner_slot,
+                               "holders": f.holders, "put_id": f.put_id, "put_unix": f.put_unix}
                         for name, f in v.files.items()
                     },
                 }
@@ -207,8 +246,10 @@ class HostStore:
         version = self._versions.pop(step, None)
         if version is None:
             return 0
-        freed = sum(f.array.nbytes for f in version.files.values())
-        self._held -= freed
+        freed = 0
+        for record in version.files.values():
+            freed += record.buffer.nbytes
+            self._release(record.buffer)
         return freed
 
     # --- status --------------------------------------------------------------------------------
@@ -219,7 +260,8 @@ class HostStore:
                 "namespace": self.namespace,
                 "node_id": self.node_id,
                 "budget_bytes": self.budget_bytes,
-                "held_bytes": self._held,
+                "held_bytes": sum(f.array.nbytes for v in self._versions.values() for f in v.files.values()),
+                "reserved_bytes": self._held + sum(b.nbytes for b in self._free),
                 "started_unix": self.started_unix,
                 "versions": {
                     step: {

@@ -14,9 +14,12 @@ one per host). What each call does, in the store protocol's call order:
 2. ``commit`` (rank 0, after every rank's ``put_file`` returned): checks, on every live
    store, that each file of the manifest is complete on every holder it was sent to, then
    stores the manifest on every live store. A failure rolls the step back everywhere.
-3. ``committed_steps``: steps whose manifest a live store holds and whose every file has a
-   complete copy on at least one live store. ``manifest`` and ``read_range`` read from the
-   local store first, then the file's holders in placement order, then any other store.
+   Saving a committed step again replaces it: each holder the new put reaches uncommits the
+   step at once, and the commit discards copies that are not the newest put of their file.
+3. ``committed_steps``: steps with a commit whose every file has a complete copy on at least
+   one live store holding that same commit (manifest and bytes always come from one
+   version). ``manifest`` and ``read_range`` read from the local store first, then the
+   file's holders in placement order, then any other store holding the commit.
 4. ``drop`` on every live store.
 
 Call :func:`connect_ray_store` on every rank (``Checkpointer.start`` does): it is a
@@ -51,7 +54,8 @@ from ._errors import CheckpointError, CheckpointTimeoutError, ConfigError, Versi
 from ._host_store import IncompleteVersionError
 from ._store import VersionManifest, as_uint8
 
-__all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "connect_ray_store"]
+__all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
+           "connect_ray_store", "resolve_versions"]
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -135,6 +139,7 @@ class RayStore:
             log.warning("rank %d: slot %d (node %s) has %s; versions skip it", rank, s, table.nodes[s][:12], why)
         # step -> file -> (bytes, slots holding a complete copy, in read order)
         self._where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self._chosen: dict[int, tuple[int, ...]] = {}  # step -> slots holding its newest whole commit
         self._block: Optional[tuple[int, str, int, np.ndarray]] = None
         if table.hosts < config.replicas:
             raise ConfigError(
@@ -172,9 +177,7 @@ class RayStore:
     # --- write ---------------------------------------------------------------------------------
     def put_file(self, step: int, name: str, data) -> None:
         arr = as_uint8(data)
-        with self._lock:
-            if self._block is not None and self._block[0] == step:
-                self._block = None
+        self._forget_cached(step)
         slots = self.holders()
         live = self._live()
         targets = [(s, live[s]) for s in slots]
@@ -218,24 +221,32 @@ class RayStore:
 
     def commit(self, step: int, manifest: VersionManifest) -> None:
         index = self._gather("index")
-        problems, holder_slots = [], set()
+        problems, holder_slots, put_ids = [], set(), {}
         for name, size in sorted(manifest.file_sizes.items()):
             records = [(s, ix[step]["files"][name]) for s, ix in index.items()
                        if step in ix and name in ix[step]["files"]]
-            held = {s for s, r in records if r["complete"] and r["nbytes"] == size}
-            declared = next((tuple(r["holders"]) for _, r in records), ())
+            if not records:
+                problems.append(f"{name} is on no live host store (never put, or every holder died)")
+                continue
+            # The newest put of the file is this version's; older copies (a failed attempt, or
+            # an earlier version of the same step on hosts that are no longer its holders) go.
+            newest = max(records, key=lambda sr: sr[1]["put_unix"])[1]
+            put_ids[name] = newest["put_id"]
+            declared = tuple(newest["holders"])
             holder_slots.update(declared)
-            if not held:
-                problems.append(f"{name} has no complete copy of {size} bytes on any live host store "
-                                f"(never put, or every holder died)")
-            elif set(declared) - held:
-                missing = sorted(set(declared) - held)
-                problems.append(f"{name} is missing on holder slot(s) {missing} "
+            held = {s for s, r in records if r["put_id"] == newest["put_id"] and r["complete"]
+                    and r["nbytes"] == size}
+            missing = sorted(set(declared) - held)
+            if newest["nbytes"] != size:
+                problems.append(f"{name} holds {newest['nbytes']} bytes, the manifest says {size}")
+            elif missing:
+                problems.append(f"{name} has no complete copy on holder slot(s) {missing} "
                                 f"({', '.join(self._describe_slot(s) for s in missing)})")
         if problems:
             raise IncompleteVersionError(f"cannot commit step {step}: " + "; ".join(problems)
                                          + "; the version is not committed")
-        failed = self._gather("commit", step, manifest, errors=True)
+        failed = self._gather("commit", step, manifest, uuid.uuid4().hex, put_ids, errors=True)
+        self._forget_cached(step)
         fatal = {s: e for s, e in failed.items() if s in holder_slots or not isinstance(e, RayActorError)}
         if fatal or len(failed) == len(index):
             self.drop(step)
@@ -247,40 +258,28 @@ class RayStore:
 
     # --- read ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        index = self._gather("index")
-        where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
-        needs: dict[int, dict[str, int]] = {}
-        for slot, ix in index.items():
-            for step, version in ix.items():
-                if version["committed"]:
-                    needs.setdefault(step, version["needs"])
-                files = where.setdefault(step, {})
-                for name, rec in version["files"].items():
-                    if rec["complete"]:
-                        size, slots = files.get(name, (rec["nbytes"], ()))
-                        files[name] = (size, slots + (slot,)) if rec["nbytes"] == size else (size, slots)
-        for step, files in where.items():
-            for name, (size, slots) in files.items():
-                files[name] = (size, self._read_order(slots, index, step, name))
+        """Steps with a commit whose every file has a complete copy on a live store that
+        holds that same commit (so manifest and bytes always come from one version)."""
+        versions = resolve_versions(self._gather("index"), local_slot=self.slot)
         with self._lock:
-            self._where = where
-        return sorted(step for step, files in needs.items()
-                      if all(name in where.get(step, {}) and where[step][name][0] == size
-                             for name, size in files.items()))
-
-    def _read_order(self, slots, index, step: int, name: str) -> tuple[int, ...]:
-        declared = ()
-        for s in slots:
-            declared = tuple(index[s][step]["files"][name]["holders"])
-            break
-
-        def key(s: int):
-            return (s != self.slot, declared.index(s) if s in declared else len(declared), s)
-
-        return tuple(sorted(slots, key=key))
+            self._where = {step: v.files for step, v in versions.items()}
+            self._chosen = {step: v.commit_slots for step, v in versions.items() if v.committed}
+            return sorted(self._chosen)
 
     def manifest(self, step: int) -> VersionManifest:
-        for slot, handle in self._in_read_order():
+        with self._lock:
+            slots = self._chosen.get(step)
+        if slots is None:
+            self.committed_steps()
+            with self._lock:
+                slots = self._chosen.get(step)
+        if slots is None:
+            raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
+                                       f"{self.config.resolved_namespace!r}")
+        for slot in sorted(slots, key=lambda s: (s != self.slot, s)):
+            handle = self._live().get(slot)
+            if handle is None:
+                continue
             try:
                 return ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s)
             except RayActorError:
@@ -290,8 +289,7 @@ class RayStore:
                     raise _cause(exc) from None
             except GetTimeoutError:
                 log.warning("rank %d: %s did not answer manifest(%d)", self.rank, self._describe_slot(slot), step)
-        raise VersionNotFoundError(f"step {step} is not committed on any live host store of namespace "
-                                   f"{self.config.resolved_namespace!r}")
+        raise VersionNotFoundError(f"step {step}: no live host store that committed it answers")
 
     def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
         with self._lock:
@@ -343,16 +341,16 @@ class RayStore:
     # --- retention -----------------------------------------------------------------------------
     def drop(self, step: int) -> None:
         self._gather("drop", step)
+        self._forget_cached(step)
+
+    def _forget_cached(self, step: int) -> None:
         with self._lock:
             self._where.pop(step, None)
+            self._chosen.pop(step, None)
             if self._block is not None and self._block[0] == step:
                 self._block = None
 
     # --- helpers -------------------------------------------------------------------------------
-    def _in_read_order(self):
-        live = self._live()
-        return sorted(live.items(), key=lambda kv: (kv[0] != self.slot, kv[0]))
-
     def _gather(self, method: str, *args, errors: bool = False) -> dict:
         """Call ``method`` on every live store in parallel. Returns slot -> result, or with
         ``errors=True`` slot -> exception for the stores that failed. Dead stores are marked;
@@ -380,6 +378,64 @@ class RayStore:
         why = self._dead.get(slot)
         state = f", {why}" if why else ""
         return f"slot {slot} on node {self.table.nodes[slot][:12]}{state}"
+
+
+@dataclass(frozen=True)
+class ResolvedVersion:
+    """What the live stores hold of one step, by the rule of ``committed_steps``."""
+
+    step: int
+    committed: bool
+    commit_slots: tuple[int, ...]  # stores holding the chosen commit (empty: not committed)
+    files: dict[str, tuple[int, tuple[int, ...]]]  # name -> (bytes, slots with a complete copy, read order)
+    had_commit: bool = False  # some store holds a commit of it (committed=False then: a copy is lost)
+
+
+def resolve_versions(index: dict[int, dict], *, local_slot: Optional[int] = None) -> dict[int, ResolvedVersion]:
+    """Decide, from every live store's ``index()`` (slot -> index), which steps are committed
+    and where each file's readable copies are. A step is committed when some commit of it
+    (``commit_id``) has every file complete on stores holding that same commit; the newest
+    such commit wins and its stores are where it is read from. Otherwise its complete files
+    (the newest put of each) stay readable, but the step is not listed."""
+    out: dict[int, ResolvedVersion] = {}
+    for step in sorted({st for ix in index.values() for st in ix}):
+        commits: dict[str, list[int]] = {}
+        for slot, ix in index.items():
+            v = ix.get(step)
+            if v is not None and v["committed"]:
+                commits.setdefault(v["commit_id"], []).append(slot)
+        newest_first = sorted(commits.values(), key=lambda slots: -max(index[s][step]["committed_unix"]
+                                                                        for s in slots))
+        for slots in newest_first:
+            needs = index[slots[0]][step]["needs"]
+            files = _copies(index, step, slots, local_slot)
+            if all(name in files and files[name][0] == size for name, size in needs.items()):
+                out[step] = ResolvedVersion(step, True, tuple(slots), files, True)
+                break
+        else:
+            out[step] = ResolvedVersion(step, False, (), _copies(index, step, list(index), local_slot),
+                                        bool(commits))
+    return out
+
+
+def _copies(index: dict, step: int, slots, local_slot: Optional[int]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """file -> (bytes, slots with a complete copy of its newest put; local, then placement order)."""
+    records: dict[str, list[tuple[int, dict]]] = {}
+    for slot in slots:
+        for name, rec in index[slot].get(step, {"files": {}})["files"].items():
+            if rec["complete"]:
+                records.setdefault(name, []).append((slot, rec))
+    out = {}
+    for name, recs in records.items():
+        newest = max(recs, key=lambda sr: sr[1]["put_unix"])[1]
+        declared = tuple(newest["holders"])
+        same = [s for s, r in recs if r["put_id"] == newest["put_id"]]
+
+        def key(s: int, declared=declared):
+            return (s != local_slot, declared.index(s) if s in declared else len(declared), s)
+
+        out[name] = (newest["nbytes"], tuple(sorted(same, key=key)))
+    return out
 
 
 def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:

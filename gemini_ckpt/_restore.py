@@ -86,10 +86,14 @@ def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int,
     if derived:
         restore_rng_state(derive_rng_state(rank, step))
     bytes_read = _bytes_by_source(reader, store, before)
-    where = max(bytes_read, key=lambda k: (bytes_read[k], k == "local")) if bytes_read else "local"
-    if bytes_read.get("peer") and where == "local":
-        where = "peer"
-    return RestoreResult(step=step, source=tier, sources={rank: where},
+    # A rank's source is the farthest tier it had to reach: durable > peer > local.
+    where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
+    sources = {rank: where}
+    if world_size > 1:
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, (rank, where), group=group)
+        sources = dict(everyone)
+    return RestoreResult(step=step, source=tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws)
 
