@@ -17,6 +17,7 @@ from ._config import CheckpointConfig
 from ._dcp_storage import StoreWriter, save_version
 from ._durable import DurableTier, persist_policy
 from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
+from ._faults import fire
 from ._handle import RestoreResult, SaveHandle, StageInfo
 from ._restore import restore_newest
 from ._staging import StagingPool
@@ -350,6 +351,7 @@ class Checkpointer:
                 time.sleep(0.2)
             return durable.location(step)
         manifest = self._store.manifest(step)
+        fire("persist", step=step, rank=self.rank)
         durable.begin(step)
         persist_from_store = getattr(self._store, "persist", None)
         if persist_from_store is not None:
@@ -358,6 +360,7 @@ class Checkpointer:
         else:
             durable.write_files(step, {name: self._store.read_range(step, name, 0, size)
                                        for name, size in manifest.file_sizes.items()})
+        fire("persist_commit", step=step, rank=self.rank)
         return durable.commit(step, manifest)
 
     def _write_version(self, step: int, staged: dict[str, Any]) -> None:
@@ -365,6 +368,7 @@ class Checkpointer:
         save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
         if self.rank == 0:
             self._apply_retention()
+        fire("committed", step=step, rank=self.rank)
 
     def _apply_retention(self) -> None:
         committed = self._store.committed_steps()

@@ -42,6 +42,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ._checksum import checksum
 from ._errors import CheckpointError, ChecksumError
+from ._faults import fire
 from ._store import ItemChecksum, Store, VersionManifest, as_uint8
 
 log = logging.getLogger("gemini_ckpt")
@@ -125,6 +126,7 @@ class StoreWriter(StorageWriter):
             crc = checksum(data[info.offset : info.offset + info.length])
             checked.append(dataclasses.replace(wr, storage_data=_ChecksummedInfo(info, crc)))
         t1 = time.perf_counter()
+        fire("replicate", step=self.step, rank=self.rank, name=name)
         self.store.put_file(self.step, name, data)
         self.put_s = time.perf_counter() - t1
         self.serialize_s = t1 - t0
@@ -155,6 +157,7 @@ class StoreWriter(StorageWriter):
             file_sizes=file_sizes,
             job={**self.job, "created_unix": time.time()},
         )
+        fire("commit", step=self.step, rank=self.rank)
         self.store.commit(self.step, manifest)
 
     def storage_meta(self) -> StorageMeta | None:

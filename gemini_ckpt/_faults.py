@@ -1,0 +1,34 @@
+"""Fault-injection points: named phases of a version's life where a test harness can act.
+
+The library calls :func:`fire` at each phase; by default nothing happens (one dict lookup).
+The chaos harness (and tests) install a hook with :func:`set_hook` to kill a process, stall,
+or raise exactly there, so a fault lands in the phase it is meant for rather than "roughly
+around" it.
+
+Phases (``ctx`` always has ``step`` and ``rank``):
+
+- ``"replicate"``: a rank is about to send its data file to its holders (``name``).
+- ``"commit"``: the coordinator is about to commit a version whose files all arrived.
+- ``"committed"``: a version was committed (after retention).
+- ``"persist"``: the coordinator is about to write a committed version to the durable tier.
+- ``"persist_commit"``: the durable data files are written; the DCP metadata and marker are next.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+PHASES = ("replicate", "commit", "committed", "persist", "persist_commit")
+Hook = Callable[..., None]
+_hook: Optional[Hook] = None
+
+
+def set_hook(hook: Optional[Hook]) -> None:
+    """Install ``hook(phase, **ctx)`` (or remove it with ``None``) for this process."""
+    global _hook
+    _hook = hook
+
+
+def fire(phase: str, **ctx) -> None:
+    if _hook is not None:
+        _hook(phase, **ctx)
