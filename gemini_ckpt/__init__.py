@@ -25,6 +25,7 @@ from ._errors import (
     VersionNotFoundError,
 )
 from ._handle import RestoreResult, SaveHandle
+from ._status import cluster_status
 from ._state import TrainState
 
 __version__ = "0.1.0"
@@ -45,5 +46,6 @@ __all__ = [
     "SaveHandle",
     "StructureMismatchError",
     "TrainState",
+    "cluster_status",
     "VersionNotFoundError",
 ]

@@ -18,15 +18,16 @@ appended. Slots are never renumbered, so holders of older versions stay where th
 holders of the owner's slot, with each dead slot replaced by the next live slot after the
 owner in ring order that is not already a holder. Hosts whose holders are all alive keep
 their placement; fewer than ``replicas`` live slots is an error (a version counts only when
-every copy is acknowledged).
+every copy is acknowledged). A slot is dead for a rank once its store fails to answer (or did
+not exist when the rank connected). A store that dies while its node lives is not replaced
+during a run: the ranks of that host create a fresh one when they connect again (a job
+restart), as does :func:`start_host_stores`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,15 +37,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import placement
 
+from . import _host_store
 from ._config import CheckpointConfig
-from ._errors import CheckpointTimeoutError, ConfigError
-from ._host_store import HostStore
+from ._errors import ConfigError
+from ._host_store import HostStore, Registry
 
 log = logging.getLogger("gemini_ckpt")
 
 RAY_NAMESPACE = "gemini_ckpt"
 _STORE, _REGISTRY = "::store::", "::registry"
-_MAX_FAILURES = 50  # failure reports the registry keeps for status
 
 
 def store_name(namespace: str, node_id: str) -> str:
@@ -72,7 +73,7 @@ def current_node_id() -> str:
 
 
 def alive_node_ids() -> list[str]:
-    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return _host_store.alive_node_ids()
 
 
 # --- slots and placement -----------------------------------------------------------------------
@@ -84,6 +85,10 @@ class SlotTable:
     nodes: tuple[str, ...]
     epoch: int = 0
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> node id, at the last rendezvous
+
+    @classmethod
+    def from_registry(cls, namespace: str, data: dict) -> "SlotTable":
+        return cls(namespace, tuple(data["nodes"]), data["epoch"], dict(data.get("ranks", {})))
 
     @property
     def hosts(self) -> int:
@@ -126,91 +131,16 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
     return tuple(chosen)
 
 
-# --- the registry actor ------------------------------------------------------------------------
-@dataclass
-class _Round:
-    pending: dict[int, str] = field(default_factory=dict)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    table: Optional[SlotTable] = None
-
-
-class Registry:
-    """Slot table of one namespace, plus the failures ranks reported (for status)."""
-
-    def __init__(self, namespace: str) -> None:
-        self.namespace = namespace
-        self._nodes: list[str] = []
-        self._epoch = 0
-        self._round: Optional[_Round] = None
-        self._failures: list[dict] = []
-        self._events: list[dict] = []
-
-    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float) -> SlotTable:
-        """Rendezvous of all ranks; returns the slot table every rank of this round shares."""
-        if self._round is None:
-            self._round = _Round()
-        rnd = self._round
-        rnd.pending[rank] = node_id
-        for stale in [r for r in rnd.pending if r >= world_size]:
-            del rnd.pending[stale]
-        if all(r in rnd.pending for r in range(world_size)):
-            rnd.table = self._assign(rnd.pending)
-            self._round = None
-            rnd.done.set()
-        else:
-            try:
-                await asyncio.wait_for(rnd.done.wait(), timeout=timeout_s)
-            except asyncio.TimeoutError:
-                missing = sorted(set(range(world_size)) - set(rnd.pending))
-                raise CheckpointTimeoutError(
-                    f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
-                    f"namespace {self.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
-                    f"rank must build its Checkpointer and save/restore") from None
-        return rnd.table
-
-    def _assign(self, pending: dict[int, str]) -> SlotTable:
-        first_rank: dict[str, int] = {}
-        for rank, node in sorted(pending.items()):
-            first_rank.setdefault(node, rank)
-        new = [n for n in sorted(first_rank, key=first_rank.get) if n not in self._nodes]
-        if new:
-            alive = set(alive_node_ids())
-            free = [i for i, n in enumerate(self._nodes) if n not in alive]
-            for node in new:
-                if free:
-                    slot = free.pop(0)
-                    self._event(f"node {node[:12]} took over slot {slot} of dead node {self._nodes[slot][:12]}")
-                    self._nodes[slot] = node
-                else:
-                    self._nodes.append(node)
-                    self._event(f"node {node[:12]} got slot {len(self._nodes) - 1}")
-        self._epoch += 1
-        return SlotTable(self.namespace, tuple(self._nodes), self._epoch, dict(pending))
-
-    def table(self) -> Optional[SlotTable]:
-        if not self._nodes:
-            return None
-        return SlotTable(self.namespace, tuple(self._nodes), self._epoch)
-
-    def report_failure(self, slot: int, node_id: str, message: str) -> None:
-        self._failures.append({"unix": time.time(), "slot": slot, "node_id": node_id, "message": message})
-        del self._failures[:-_MAX_FAILURES]
-
-    def failures(self) -> list[dict]:
-        return list(self._failures)
-
-    def events(self) -> list[dict]:
-        return list(self._events)
-
-    def _event(self, message: str) -> None:
-        log.info("registry %s: %s", self.namespace, message)
-        self._events.append({"unix": time.time(), "message": message})
-        del self._events[:-_MAX_FAILURES]
-
-
 # --- starting, finding and stopping actors -----------------------------------------------------
+def _ship_actors_by_value() -> None:
+    # The actor module imports nothing from gemini_ckpt; shipping it by value keeps the actor
+    # processes from importing the package (and torch): they start fast and stay small.
+    ray.cloudpickle.register_pickle_by_value(_host_store)
+
+
 def get_or_create_registry(namespace: str):
     """The registry of ``namespace`` (created, detached, on the head node, on first use)."""
+    _ship_actors_by_value()
     return (ray.remote(Registry)
             .options(name=registry_name(namespace), namespace=RAY_NAMESPACE, get_if_exists=True,
                      lifetime="detached", max_restarts=0, num_cpus=0,
@@ -221,6 +151,7 @@ def get_or_create_registry(namespace: str):
 def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None):
     """The host store of ``node_id`` in ``namespace``, created there (hard node affinity) if
     missing. An existing store keeps its budget unless ``budget_bytes`` is given."""
+    _ship_actors_by_value()
     handle = (ray.remote(HostStore)
               .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
                        lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=32,

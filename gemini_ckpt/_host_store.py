@@ -1,4 +1,5 @@
-"""The host store: one Ray actor per host keeping shards of recent versions in its own heap.
+"""The actors: the host store (one per host, shards of recent versions in its own heap) and
+the slot registry (one per namespace).
 
 Every byte a host store keeps is copied out of Ray's object store into a numpy array the
 actor owns: an ``ObjectRef`` is owned by the worker that put it and dies with that worker,
@@ -17,11 +18,19 @@ Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides
 3. readers: ``index``, ``manifest``, ``read``;
 4. the coordinator, for retention: ``drop``.
 
-The store never interprets the bytes; checksums are verified by the reader, end to end.
+The store never interprets the bytes (the manifest arrives pickled and leaves as it came);
+checksums are verified by the reader, end to end.
+
+This module is self-contained on purpose (stdlib and numpy; nothing from ``gemini_ckpt``):
+:mod:`gemini_ckpt._cluster` ships these classes to Ray by value, so an actor's process never
+imports the package (and torch with it) and starts in about a second. So actors raise
+built-in exceptions, which the client maps onto the library's: ``MemoryError`` (budget),
+``LookupError`` (no such version or file), ``ValueError`` (refused), ``TimeoutError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,9 +38,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-
-from ._errors import CheckpointError, MemoryBudgetError, VersionNotFoundError
-from ._store import VersionManifest
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -43,11 +49,6 @@ def default_budget_bytes() -> int:
     import psutil  # a Ray dependency
 
     return int(DEFAULT_BUDGET_FRACTION * psutil.virtual_memory().total)
-
-
-class IncompleteVersionError(CheckpointError, ValueError):
-    """A commit names a data file that is missing, incomplete or of the wrong size on one of
-    its holders: the version is not committed."""
 
 
 @dataclass
@@ -68,7 +69,8 @@ class _File:
 @dataclass
 class _Version:
     files: dict[str, _File] = field(default_factory=dict)
-    manifest: Optional[VersionManifest] = None
+    manifest: Optional[bytes] = None  # the pickled VersionManifest, once committed
+    needs: dict[str, int] = field(default_factory=dict)  # its file sizes
     commit_id: str = ""
     committed_unix: float = 0.0
 
@@ -93,6 +95,7 @@ class HostStore:
         # fault per page on first touch, which is slower than the copy itself. They count
         # against the budget too, and are released first when a put needs the room.
         self._free: list[np.ndarray] = []
+        self._discarded: set[str] = set()  # puts given up by their rank: late chunks are ignored
 
     # --- liveness and configuration ---------------------------------------------------------
     def ping(self) -> str:
@@ -113,6 +116,8 @@ class HostStore:
         if offset < 0 or offset + n > total:
             raise ValueError(f"chunk [{offset}, {offset + n}) is outside {name} ({total} bytes)")
         with self._lock:
+            if put_id in self._discarded:
+                return 0
             version = self._versions.get(step)
             if version is not None and version.manifest is not None:
                 log.info("node %s: step %d is saved again; its committed version here is replaced",
@@ -123,7 +128,7 @@ class HostStore:
             if record is None or record.put_id != put_id:
                 replaced = record.buffer.nbytes if record is not None else 0
                 if self._held - replaced + total > self.budget_bytes:
-                    raise MemoryBudgetError(self._budget_message(step, name, total, replaced))
+                    raise MemoryError(self._budget_message(step, name, total, replaced))
                 if version is None:
                     version = self._versions[step] = _Version()
                 if record is not None:
@@ -171,8 +176,10 @@ class HostStore:
             f"host_memory_budget_bytes, or lower keep_in_memory or replicas"
         )
 
-    def commit(self, step: int, manifest: VersionManifest, commit_id: str, put_ids: dict[str, str]) -> None:
-        """Keep ``manifest`` and mark ``step`` committed here as ``commit_id``. ``put_ids`` names
+    def commit(self, step: int, manifest: bytes, needs: dict[str, int], commit_id: str,
+               put_ids: dict[str, str]) -> None:
+        """Keep ``manifest`` (pickled; ``needs`` are its file sizes) and mark ``step`` committed
+        here as ``commit_id``. ``put_ids`` names
         the put of each file that belongs to this version; other copies (an earlier attempt, or
         an earlier version of the same step) are discarded. Raises when a file of the version
         held here is incomplete or not of the size the manifest names."""
@@ -183,12 +190,13 @@ class HostStore:
                     self._release(record.buffer)
                     del version.files[name]
                     continue
-                size = manifest.file_sizes[name]
+                size = needs[name]
                 if record.array.nbytes != size or not record.complete:
-                    raise IncompleteVersionError(
+                    raise ValueError(
                         f"cannot commit step {step} on node {self.node_id[:12]}: {name} holds "
                         f"{record.received} of {record.array.nbytes} bytes, the manifest says {size}")
             version.manifest = manifest
+            version.needs = dict(needs)
             version.commit_id = commit_id
             version.committed_unix = time.time()
             for old in [s for s, v in self._versions.items() if s < step and v.manifest is None]:
@@ -205,7 +213,7 @@ class HostStore:
                     "committed": v.manifest is not None,
                     "commit_id": v.commit_id,
                     "committed_unix": v.committed_unix,
-                    "needs": dict(v.manifest.file_sizes) if v.manifest is not None else {},
+                    "needs": dict(v.needs),
                     "files": {
                         name: {"nbytes": f.array.nbytes, "complete": f.complete, "owner": f.owner_slot,
                                "holders": f.holders, "put_id": f.put_id, "put_unix": f.put_unix}
@@ -215,11 +223,11 @@ class HostStore:
                 for step, v in self._versions.items()
             }
 
-    def manifest(self, step: int) -> VersionManifest:
+    def manifest(self, step: int) -> bytes:
         with self._lock:
             version = self._versions.get(step)
             if version is None or version.manifest is None:
-                raise VersionNotFoundError(f"step {step} is not committed on node {self.node_id[:12]}")
+                raise LookupError(f"step {step} is not committed on node {self.node_id[:12]}")
             return version.manifest
 
     def read(self, step: int, name: str, offset: int, length: int) -> np.ndarray:
@@ -229,12 +237,25 @@ class HostStore:
             version = self._versions.get(step)
             record = version.files.get(name) if version is not None else None
             if record is None or not record.complete:
-                raise VersionNotFoundError(f"step {step} has no complete data file {name!r} on node "
+                raise LookupError(f"step {step} has no complete data file {name!r} on node "
                                            f"{self.node_id[:12]}")
             arr = record.array
         if offset < 0 or length < 0 or offset + length > arr.nbytes:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({arr.nbytes} bytes)")
         return arr[offset : offset + length]
+
+    def discard(self, step: int, name: str, put_id: str) -> None:
+        """Forget a put its rank gave up on (another holder failed): its partial copy would
+        only take memory until the next commit."""
+        with self._lock:
+            self._discarded.add(put_id)
+            if len(self._discarded) > 1024:
+                self._discarded.pop()
+            version = self._versions.get(step)
+            record = version.files.get(name) if version is not None else None
+            if record is not None and record.put_id == put_id and version.manifest is None:
+                self._release(record.buffer)
+                del version.files[name]
 
     # --- retention -----------------------------------------------------------------------------
     def drop(self, step: int) -> int:
@@ -274,3 +295,96 @@ class HostStore:
                     for step, v in sorted(self._versions.items())
                 },
             }
+
+
+# --- the slot registry ---------------------------------------------------------------------------
+_MAX_REPORTS = 50  # failure reports and events the registry keeps for status
+
+
+def alive_node_ids() -> list[str]:
+    import ray
+
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+@dataclass
+class _Round:
+    pending: dict[int, str] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    table: Optional[dict] = None
+
+
+class Registry:
+    """Slot table of one namespace (see :mod:`gemini_ckpt._cluster` for the rule), plus the
+    failures ranks reported and the slot events, for status. An async actor: ``join`` waits."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self._nodes: list[str] = []
+        self._epoch = 0
+        self._round: Optional[_Round] = None
+        self._failures: list[dict] = []
+        self._events: list[dict] = []
+
+    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float) -> dict:
+        """Rendezvous of all ranks; returns the slot table (``nodes``, ``epoch``, ``ranks``)
+        that every rank of this round shares."""
+        if self._round is None:
+            self._round = _Round()
+        rnd = self._round
+        rnd.pending[rank] = node_id
+        for stale in [r for r in rnd.pending if r >= world_size]:
+            del rnd.pending[stale]
+        if all(r in rnd.pending for r in range(world_size)):
+            rnd.table = self._assign(rnd.pending)
+            self._round = None
+            rnd.done.set()
+        else:
+            try:
+                await asyncio.wait_for(rnd.done.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                missing = sorted(set(range(world_size)) - set(rnd.pending))
+                raise TimeoutError(
+                    f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
+                    f"namespace {self.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
+                    f"rank must build its Checkpointer and save/restore") from None
+        return rnd.table
+
+    def _assign(self, pending: dict[int, str]) -> dict:
+        first_rank: dict[str, int] = {}
+        for rank, node in sorted(pending.items()):
+            first_rank.setdefault(node, rank)
+        new = [n for n in sorted(first_rank, key=first_rank.get) if n not in self._nodes]
+        if new:
+            alive = set(alive_node_ids())
+            free = [i for i, n in enumerate(self._nodes) if n not in alive]
+            for node in new:
+                if free:
+                    slot = free.pop(0)
+                    self._event(f"node {node[:12]} took over slot {slot} of dead node {self._nodes[slot][:12]}")
+                    self._nodes[slot] = node
+                else:
+                    self._nodes.append(node)
+                    self._event(f"node {node[:12]} got slot {len(self._nodes) - 1}")
+        self._epoch += 1
+        return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": dict(pending)}
+
+    def table(self) -> Optional[dict]:
+        if not self._nodes:
+            return None
+        return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": {}}
+
+    def report_failure(self, slot: int, node_id: str, message: str) -> None:
+        self._failures.append({"unix": time.time(), "slot": slot, "node_id": node_id, "message": message})
+        del self._failures[:-_MAX_REPORTS]
+
+    def failures(self) -> list[dict]:
+        return list(self._failures)
+
+    def events(self) -> list[dict]:
+        return list(self._events)
+
+    def _event(self, message: str) -> None:
+        log.info("registry %s: %s", self.namespace, message)
+        self._events.append({"unix": time.time(), "message": message})
+        del self._events[:-_MAX_REPORTS]

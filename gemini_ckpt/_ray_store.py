@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -50,8 +51,13 @@ from ._cluster import (
     holders_for,
 )
 from ._config import CheckpointConfig
-from ._errors import CheckpointError, CheckpointTimeoutError, ConfigError, VersionNotFoundError
-from ._host_store import IncompleteVersionError
+from ._errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    ConfigError,
+    MemoryBudgetError,
+    VersionNotFoundError,
+)
 from ._store import VersionManifest, as_uint8
 
 __all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
@@ -62,6 +68,11 @@ log = logging.getLogger("gemini_ckpt")
 CHUNK_BYTES = 64 << 20
 CHUNKS_IN_FLIGHT = 2
 READ_BLOCK_BYTES = 16 << 20  # read-ahead: DCP reads a file item by item, in offset order
+
+
+class IncompleteVersionError(CheckpointError, ValueError):
+    """A commit names a data file that is missing, incomplete or of the wrong size on one of
+    its holders: the version is not committed."""
 
 
 class ReplicationError(CheckpointError, RuntimeError):
@@ -92,8 +103,8 @@ def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -
     registry = get_or_create_registry(namespace)
     _start_local_store(config, node_id)
     try:
-        table = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s),
-                        timeout=config.timeout_s + 10)
+        table = SlotTable.from_registry(namespace, ray.get(
+            registry.join.remote(rank, world_size, node_id, config.timeout_s), timeout=config.timeout_s + 10))
     except RayTaskError as exc:
         raise _cause(exc) from None
     except GetTimeoutError:
@@ -140,7 +151,7 @@ class RayStore:
         # step -> file -> (bytes, slots holding a complete copy, in read order)
         self._where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self._chosen: dict[int, tuple[int, ...]] = {}  # step -> slots holding its newest whole commit
-        self._block: Optional[tuple[int, str, int, np.ndarray]] = None
+        self._block: Optional[tuple[int, str, int, int, np.ndarray]] = None  # step, file, offset, slot, bytes
         if table.hosts < config.replicas:
             raise ConfigError(
                 f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
@@ -186,15 +197,22 @@ class RayStore:
         deadline = time.monotonic() + self.config.timeout_s
         t0 = time.perf_counter()
         window: collections.deque = collections.deque()
-        for offset in range(0, total, CHUNK_BYTES) if total else (0,):
-            ref = ray.put(arr[offset : offset + CHUNK_BYTES])
-            window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots))
-                           for s, h in targets])
-            del ref  # pending calls keep the chunk alive; once acknowledged it is freed
-            if len(window) >= CHUNKS_IN_FLIGHT:
+        try:
+            for offset in range(0, total, CHUNK_BYTES) if total else (0,):
+                ref = ray.put(arr[offset : offset + CHUNK_BYTES])
+                window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots))
+                               for s, h in targets])
+                del ref  # pending calls keep the chunk alive; once acknowledged it is freed
+                if len(window) >= CHUNKS_IN_FLIGHT:
+                    self._await_acks(window.popleft(), step, name, deadline)
+            while window:
                 self._await_acks(window.popleft(), step, name, deadline)
-        while window:
-            self._await_acks(window.popleft(), step, name, deadline)
+        except BaseException:
+            # The holders that took part of the file would keep it until the next commit.
+            for s, h in targets:
+                if s not in self.dead_slots:
+                    h.discard.remote(step, name, put_id)
+            raise
         self.stats.bytes_put += total
         self.stats.last_put_s = time.perf_counter() - t0
 
@@ -245,16 +263,26 @@ class RayStore:
         if problems:
             raise IncompleteVersionError(f"cannot commit step {step}: " + "; ".join(problems)
                                          + "; the version is not committed")
-        failed = self._gather("commit", step, manifest, uuid.uuid4().hex, put_ids, errors=True)
+        failed = self._gather("commit", step, pickle.dumps(manifest), dict(manifest.file_sizes),
+                              uuid.uuid4().hex, put_ids, errors=True)
         self._forget_cached(step)
         fatal = {s: e for s, e in failed.items() if s in holder_slots or not isinstance(e, RayActorError)}
-        if fatal or len(failed) == len(index):
-            self.drop(step)
-            first = next(iter(fatal.values()), next(iter(failed.values()), None))
-            if isinstance(first, CheckpointError):
-                raise first
-            raise ReplicationError(f"cannot commit step {step}: host store(s) of slot(s) {sorted(failed)} failed "
-                                   f"while committing: {first}; the version is not committed")
+        if not fatal and len(failed) < len(index):
+            # Older versions that lost every copy of some file can never be restored: free them.
+            for old in resolve_versions(index).values():
+                if old.step < step and old.had_commit and not old.committed:
+                    log.warning("rank %d: step %d lost every copy of a shard; dropping what is left of it",
+                                self.rank, old.step)
+                    self.drop(old.step)
+            return
+        self.drop(step)  # roll back: no store keeps a half-committed version
+        first = next(iter(fatal.values()), next(iter(failed.values()), None))
+        if isinstance(first, ValueError):
+            raise IncompleteVersionError(f"cannot commit step {step}: {first}; the version is not committed")
+        if isinstance(first, CheckpointError):
+            raise first
+        raise ReplicationError(f"cannot commit step {step}: host store(s) of slot(s) {sorted(failed)} failed "
+                               f"while committing: {first}; the version is not committed")
 
     # --- read ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -281,11 +309,11 @@ class RayStore:
             if handle is None:
                 continue
             try:
-                return ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s)
+                return pickle.loads(ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s))
             except RayActorError:
                 self._mark_dead(slot, "died")
             except RayTaskError as exc:
-                if not isinstance(exc.cause, VersionNotFoundError):
+                if not isinstance(exc.cause, LookupError):
                     raise _cause(exc) from None
             except GetTimeoutError:
                 log.warning("rank %d: %s did not answer manifest(%d)", self.rank, self._describe_slot(slot), step)
@@ -295,9 +323,10 @@ class RayStore:
         with self._lock:
             block = self._block
         if block is not None and block[:2] == (step, name) and block[2] <= offset \
-                and offset + length <= block[2] + block[3].nbytes:
+                and offset + length <= block[2] + block[4].nbytes:
             start = offset - block[2]
-            return memoryview(block[3][start : start + length])
+            self._count_read(block[3], length)
+            return memoryview(block[4][start : start + length])
         size, slots = self._locate(step, name)
         if offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({size} bytes)")
@@ -312,20 +341,23 @@ class RayStore:
                 self._mark_dead(slot, "died")
                 continue
             except RayTaskError as exc:
-                if isinstance(exc.cause, VersionNotFoundError):
+                if isinstance(exc.cause, LookupError):
                     continue
                 raise _cause(exc) from None
             except GetTimeoutError:
                 log.warning("rank %d: %s did not answer a read of %s", self.rank, self._describe_slot(slot), name)
                 continue
             with self._lock:
-                self._block = (step, name, offset, arr)
-            if slot == self.slot:
-                self.stats.bytes_read_local += length
-            else:
-                self.stats.bytes_read_peer += length
+                self._block = (step, name, offset, slot, arr)
+            self._count_read(slot, length)
             return memoryview(arr[:length])
         raise VersionNotFoundError(f"step {step}: no live host store holds a complete copy of {name!r}")
+
+    def _count_read(self, slot: int, nbytes: int) -> None:
+        if slot == self.slot:
+            self.stats.bytes_read_local += nbytes
+        else:
+            self.stats.bytes_read_peer += nbytes
 
     def _locate(self, step: int, name: str) -> tuple[int, tuple[int, ...]]:
         with self._lock:
@@ -439,10 +471,18 @@ def _copies(index: dict, step: int, slots, local_slot: Optional[int]) -> dict[st
 
 
 def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:
-    """The exception an actor raised, rebuilt with ``prefix`` in its message when it is ours."""
+    """The library's exception for what an actor raised (actors raise built-ins; see
+    :mod:`gemini_ckpt._host_store`), with ``prefix`` in front of its message."""
     cause = getattr(exc, "cause", None)
+    message = prefix + str(cause if cause is not None else exc)
     if isinstance(cause, CheckpointError):
-        return type(cause)(prefix + str(cause)) if prefix else cause
-    if isinstance(cause, (ValueError, LookupError, TimeoutError)):
-        return cause
+        return type(cause)(message)
+    if isinstance(cause, MemoryError):
+        return MemoryBudgetError(message)
+    if isinstance(cause, LookupError):
+        return VersionNotFoundError(message)
+    if isinstance(cause, TimeoutError):
+        return CheckpointTimeoutError(message)
+    if isinstance(cause, ValueError):
+        return ValueError(message)
     return ReplicationError(f"{prefix}{type(cause).__name__ if cause else 'error'}: {cause or exc}")

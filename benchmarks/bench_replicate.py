@@ -1,0 +1,246 @@
+"""How long from ``save()`` until a version is committed in peer memory, and how fast is replication?
+
+Setup: a local Ray cluster of 4 simulated hosts (one Ray node each, all on this machine), one
+rank per host training-free: an FSDP2-sharded stack of Linear layers over gloo, sized so each
+rank's shard is ``--mb`` MB. For each ``replicas`` value (2 and 3): ``save()`` -> committed
+with ``Checkpointer(CheckpointConfig(store="ray", replicas=m, keep_in_memory=1))``, split into
+the stall (staging), the put (replication: ``RayStore.put_file``) and the rest (DCP planning,
+serialization, checksums, commit). Baselines on the same bytes: a single-threaded memcpy on
+this machine, and ``torch.distributed.checkpoint.async_save`` to local disk until its
+background write completes.
+
+Replication GB/s per host = replicas x shard bytes / put seconds (every host receives its own
+shard and ``replicas - 1`` peers' shards, all ranks at once). On this machine every "host"
+shares the same 2 cores and memory bus, so this is a lower bound for real hosts with their own
+NICs, and the memcpy baseline is the ceiling of what one core can move.
+
+Usage::
+
+    RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 python benchmarks/bench_replicate.py --mb 64
+    python benchmarks/bench_replicate.py --quick           # 16 MB, one repeat
+
+Writes ``benchmarks/results/replicate.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+HOSTS = 4
+LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
+
+
+class BenchRank:
+    """One rank: an FSDP2 model whose local shard is about ``mb`` MB, and timed saves."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.ckpt = None
+
+    def setup(self, rank: int, world_size: int, port: int, mb: int) -> int:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=600))
+        self.rank, self.world_size = rank, world_size
+        layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
+        mesh = init_device_mesh("cpu", (world_size,))
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(LAYER_DIM, LAYER_DIM, bias=False) for _ in range(layers)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local()
+                local.copy_(torch.rand(local.shape, generator=gen))
+        self.model = model
+        return sum(p.to_local().nbytes for p in model.parameters())
+
+    def gemini(self, replicas: int, steps: int, namespace: str) -> list[dict]:
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
+            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600))
+        out = []
+        warmup = 2  # connect + plan + first allocations; from step 2 on, dropped versions' buffers are reused
+        for step in range(steps + warmup):
+            t0 = time.perf_counter()
+            handle = self.ckpt.save(step)
+            stall = time.perf_counter() - t0
+            handle.committed.result(timeout=600)
+            commit = time.perf_counter() - t0
+            stats = self.ckpt.store.stats
+            if step >= warmup:
+                out.append({"stall_s": stall, "commit_s": commit, "put_s": stats.last_put_s,
+                            "file_bytes": stats.bytes_put // (step + 1)})
+        self.ckpt.close()
+        self.ckpt = None
+        return out
+
+    def dcp_async(self, directory: str, steps: int) -> list[dict]:
+        import torch.distributed.checkpoint as dcp
+
+        out = []
+        for step in range(steps + 1):
+            path = os.path.join(directory, f"step{step}")
+            t0 = time.perf_counter()
+            fut = dcp.async_save({"model": self.model.state_dict()}, checkpoint_id=path)
+            stall = time.perf_counter() - t0
+            fut.result()
+            done = time.perf_counter() - t0
+            if step:
+                out.append({"stall_s": stall, "commit_s": done})
+            if self.rank == 0:
+                shutil.rmtree(os.path.join(directory, f"step{step - 1}"), ignore_errors=True)
+        return out
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(per_rank: list[list[dict]], key: str) -> float:
+    """Median over steps of the slowest rank (a version is committed when the last rank is)."""
+    return statistics.median(max(r[i][key] for r in per_rank) for i in range(len(per_rank[0])))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=256, help="shard size per rank in MB (default 256)")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
+    ap.add_argument("--steps", type=int, default=3, help="timed saves per configuration")
+    ap.add_argument("--quick", action="store_true", help="16 MB shards, one timed save")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "replicate.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.steps = 16, 1
+
+    from gemini_ckpt._cluster import shutdown_host_stores
+
+    plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "object_store_memory": plasma})
+    for i in range(HOSTS):
+        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma)
+    ray.init(address=cluster.address, log_to_driver=False)
+    workdir = tempfile.mkdtemp(prefix="gemini_bench_dcp_", dir=os.environ.get("BENCH_DISK_DIR"))
+    namespaces = [f"bench-replicate-m{m}" for m in args.replicas]
+    try:
+        ranks = [ray.remote(BenchRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
+                 for i in range(HOSTS)]
+        port = _free_port()
+        shard = ray.get([r.setup.remote(i, HOSTS, port, args.mb) for i, r in enumerate(ranks)])
+        shard_bytes = int(statistics.mean(shard))
+        copy_gbps = memcpy_gbps(shard_bytes)
+        rows = []
+        for m, ns in zip(args.replicas, namespaces):
+            per_rank = ray.get([r.gemini.remote(m, args.steps, ns) for r in ranks])
+            put = _summary(per_rank, "put_s")
+            file_bytes = statistics.mean(r[-1]["file_bytes"] for r in per_rank)
+            rows.append({"method": f"gemini_ckpt replicas={m}", "replicas": m,
+                         "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
+                         "put_s": put, "file_bytes": file_bytes,
+                         "per_rank_send_gbps": file_bytes / put / 1e9,
+                         "per_host_ingest_gbps": m * file_bytes / put / 1e9, "raw": per_rank})
+            shutdown_host_stores(ns)
+        per_rank = ray.get([r.dcp_async.remote(workdir, args.steps) for r in ranks])
+        rows.append({"method": "DCP async_save to local disk", "replicas": 1,
+                     "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
+                     "raw": per_rank})
+        ray.get([r.teardown.remote() for r in ranks])
+    finally:
+        for ns in namespaces:
+            try:
+                shutdown_host_stores(ns)
+            except Exception:  # noqa: BLE001 - best-effort cleanup
+                pass
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    result = {
+        "question": "save() -> committed in peer memory, replication throughput, vs memcpy and DCP async_save",
+        "hosts": HOSTS, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "steps": args.steps,
+        "memcpy_gbps_single_thread": copy_gbps,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(_markdown(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _markdown(result: dict) -> str:
+    mb = result["shard_bytes"] / 1e6
+    lines = [f"{result['hosts']} simulated hosts on {result['machine']['cpus']} cores, {mb:.0f} MB shard per rank, "
+             f"median of {result['steps']} saves (slowest rank); memcpy of the shard: "
+             f"{result['memcpy_gbps_single_thread']:.2f} GB/s (1 thread)", "",
+             "| method | stall (s) | save -> committed (s) | replication put (s) | send GB/s per rank "
+             "| ingest GB/s per host | vs memcpy |",
+             "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if "put_s" in row:
+            ratio = row["per_host_ingest_gbps"] / result["memcpy_gbps_single_thread"]
+            lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | {row['put_s']:.3f} "
+                         f"| {row['per_rank_send_gbps']:.2f} | {row['per_host_ingest_gbps']:.2f} | {ratio:.0%} |")
+        else:
+            lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | - | - | - | - |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

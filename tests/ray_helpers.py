@@ -1,0 +1,320 @@
+"""A local Ray cluster of simulated hosts, and training ranks as Ray actors, for multi-host tests.
+
+- :func:`start_cluster` / the ``ray_cluster`` fixture (module scope): a head node plus ``hosts``
+  nodes, node ``i`` carrying the custom resource ``host{i}``; fast node health checks so a
+  removed node is noticed within about a second. Teardown kills every detached gemini_ckpt actor.
+- :class:`Ranks`: one :class:`RankWorker` actor per host (rank ``i`` pinned to ``host{i}``), each
+  training a small FSDP2 model over gloo with a ``Checkpointer``; dead workers are replaced by
+  :meth:`Ranks.replace_dead`, and a job restarts with :meth:`Ranks.setup` (new process group).
+
+Add/remove nodes only from the main thread (``Cluster`` is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 300,
+    "health_check_failure_threshold": 3,
+}
+OBJECT_STORE_BYTES = 120 * 2**20
+
+
+def start_cluster(hosts: int = 4, *, object_store_bytes: int = OBJECT_STORE_BYTES) -> Cluster:
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": object_store_bytes,
+        "_system_config": SYSTEM_CONFIG})
+    for i in range(hosts):
+        add_host(cluster, i, object_store_bytes=object_store_bytes)
+    ray.init(address=cluster.address, log_to_driver=False, namespace="gemini_tests")
+    # Workers cannot import this file (tests/ is not a package on their path): ship it by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return cluster
+
+
+def add_host(cluster: Cluster, i: int, *, object_store_bytes: int = OBJECT_STORE_BYTES):
+    """Add simulated host ``i`` (resource ``host{i}``), e.g. a replacement for a removed one."""
+    node = cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=object_store_bytes)
+    if not hasattr(cluster, "gemini_hosts"):
+        cluster.gemini_hosts = {}
+    cluster.gemini_hosts[i] = node
+    return node
+
+
+def stop_cluster(cluster: Cluster) -> None:
+    from gemini_ckpt._cluster import named_actors, shutdown_host_stores
+
+    try:
+        for namespace in named_actors():
+            shutdown_host_stores(namespace)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+
+
+def host_node(cluster: Cluster, i: int):
+    """The cluster's node object of simulated host ``i`` (for ``cluster.remove_node``)."""
+    return cluster.gemini_hosts[i]
+
+
+def node_id_of_host(i: int) -> str:
+    for n in ray.nodes():
+        if n["Alive"] and n["Resources"].get(f"host{i}"):
+            return n["NodeID"]
+    raise LookupError(f"no alive node with resource host{i}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+# --- the training rank ---------------------------------------------------------------------------
+def digest_state(tree: Any) -> str:
+    """SHA-256 over every tensor (a DTensor's local shard) and value of a state tree, by key."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    h = hashlib.sha256()
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, DTensor):
+            obj = obj._local_tensor
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k], f"{path}/{k}")
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        else:
+            h.update(f"{path}={obj!r}".encode())
+
+    walk(tree, "")
+    return h.hexdigest()
+
+
+class RankWorker:
+    """One training process: FSDP2 over gloo, AdamW, a Checkpointer with ``store="ray"``."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.rank = -1
+        self.ckpt = None
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def setup(self, rank: int, world_size: int, port: int, config: dict, seed: int = 0) -> dict:
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        self.teardown()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=__import__("datetime").timedelta(seconds=180))
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.state = TrainState(model=model, optimizer=self.opt, extra={"seen": 0})
+        self.ckpt = Checkpointer(self.state, CheckpointConfig(**config))
+        return self.info()
+
+    def train_step(self, step: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + self.rank)
+        x = torch.randn(8, 32, generator=g)
+        loss = self.model(x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.state.extra["seen"] += 8
+
+    def digest(self) -> str:
+        return digest_state([self.state.tensor_state(), self.state.extra])
+
+    def train(self, steps: list[int], timeout: float = 120.0) -> list[dict]:
+        """Train and save each step; wait until the version is committed (or failed)."""
+        from gemini_ckpt import BackgroundError
+
+        out = []
+        for step in steps:
+            self.train_step(step)
+            handle = self.ckpt.save(step)
+            digest = self.digest()
+            try:
+                handle.committed.result(timeout=timeout)
+                error = None
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                error = f"{type(exc).__name__}: {exc}"
+                cause = exc.__cause__
+                while cause is not None:
+                    error += f" <- {type(cause).__name__}: {cause}"
+                    cause = cause.__cause__
+                try:
+                    self.ckpt.wait()  # the stored background error is raised here once; training goes on
+                except BackgroundError:
+                    pass
+            out.append({"step": step, "committed": error is None, "error": error, "digest": digest})
+        return out
+
+    def restore(self) -> dict:
+        result = self.ckpt.restore()
+        store = self.ckpt.store
+        stats = getattr(store, "stats", None)
+        return {"step": None if result is None else result.step, "digest": self.digest(),
+                "read_local": getattr(stats, "bytes_read_local", 0), "read_peer": getattr(stats, "bytes_read_peer", 0),
+                "slot": getattr(store, "slot", None)}
+
+    def store_call(self, method: str, *args) -> Any:
+        """Call the Checkpointer's store directly (the Store protocol, on this rank)."""
+        result = getattr(self.ckpt.store, method)(*args)
+        return bytes(result) if isinstance(result, memoryview) else result
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if self.ckpt is not None:
+            try:
+                self.ckpt._shutdown(raise_errors=False)
+            except Exception:  # noqa: BLE001 - a crashed job's leftovers
+                pass
+            self.ckpt = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Ranks:
+    """``world_size`` RankWorkers, rank ``i`` on host ``i``."""
+
+    def __init__(self, world_size: int = 4) -> None:
+        self.world_size = world_size
+        self.workers = [self._start(i) for i in range(world_size)]
+        self.infos = ray.get([w.info.remote() for w in self.workers], timeout=120)
+
+    @staticmethod
+    def _start(i: int):
+        return ray.remote(RankWorker).options(num_cpus=0, resources={f"host{i}": 0.01}, max_restarts=0).remote()
+
+    def setup(self, namespace: str, **config) -> list[dict]:
+        port = free_port()
+        cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0,
+               **config}
+        self.infos = ray.get([w.setup.remote(r, self.world_size, port, cfg) for r, w in enumerate(self.workers)],
+                             timeout=300)
+        return self.infos
+
+    def restart(self, namespace: str, **config) -> list[dict]:
+        """A job (re)start: stop every survivor's Checkpointer and process group, replace dead
+        workers (on the same simulated host), set every rank up again in ``namespace``."""
+        self.teardown()
+        self.replace_dead()
+        return self.setup(namespace, **config)
+
+    def call(self, method: str, *args, timeout: float = 300.0) -> list:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            late = [r for r, ref in enumerate(refs) if ref in pending]
+            raise TimeoutError(f"{method}{args!r}: ranks {late} did not finish within {timeout}s")
+        return ray.get(refs)
+
+    def train(self, steps: list[int]) -> list[list[dict]]:
+        """Per rank, per step: committed, error, digest."""
+        return self.call("train", list(steps))
+
+    def alive(self, i: int) -> bool:
+        """False once Ray knows worker ``i`` died (a busy worker counts as alive)."""
+        ref = self.workers[i].info.remote()
+        ready, _ = ray.wait([ref], timeout=10)
+        if not ready:
+            return True
+        try:
+            ray.get(ref)
+            return True
+        except ray.exceptions.RayActorError:
+            return False
+
+    def replace_dead(self) -> list[int]:
+        dead = [i for i in range(self.world_size) if not self.alive(i)]
+        for i in dead:
+            self.workers[i] = self._start(i)
+        ray.get([self.workers[i].info.remote() for i in dead], timeout=120)
+        return dead
+
+    def teardown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.get(w.teardown.remote(), timeout=30)
+            except ray.exceptions.RayError:
+                pass
+
+    def kill(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+
+
+def status(namespace: str):
+    from gemini_ckpt._status import cluster_status
+
+    return cluster_status(namespace)[namespace]
+
+
+def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: str = "auto",
+                      dead: Optional[set] = None) -> tuple[int, ...]:
+    from gemini_ckpt._cluster import holders_for
+
+    return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead or ())
