@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from ._config import CheckpointConfig
 from ._dcp_storage import StoreWriter, save_version
 from ._durable import DurableTier, persist_policy
+from ._fs_store import step_dir_name
 from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
 from ._faults import fire
 from ._handle import RestoreResult, SaveHandle, StageInfo
@@ -354,9 +355,9 @@ class Checkpointer:
         fire("persist", step=step, rank=self.rank)
         durable.begin(step)
         persist_from_store = getattr(self._store, "persist", None)
-        if persist_from_store is not None:
+        if persist_from_store is not None and durable.uri_resolvable:
             # Host stores write their own ranks' files from their memory, in parallel.
-            persist_from_store(step, durable.uri)
+            persist_from_store(step, durable.uri, step_dir_name(step))
         else:
             durable.write_files(step, {name: self._store.read_range(step, name, 0, size)
                                        for name, size in manifest.file_sizes.items()})

@@ -68,6 +68,9 @@ class DurableTier:
         self.keep = keep
         self.store = FsStore(uri, filesystem=filesystem, root=root) if filesystem is not None else FsStore(uri)
         self.uri = uri if uri is not None else f"{type(filesystem).__name__}:{root}"
+        # Host stores open the location themselves from the URI; a filesystem object handed
+        # to us in-process cannot travel to them, so then the coordinator writes instead.
+        self.uri_resolvable = filesystem is None
 
     # --- writing ------------------------------------------------------------------------------
     def begin(self, step: int) -> None:

@@ -244,6 +244,35 @@ class HostStore:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({arr.nbytes} bytes)")
         return arr[offset : offset + length]
 
+    def persist_files(self, step: int, uri: str, directory: str, names: list[str]) -> int:
+        """Write these complete data files of ``step`` to ``directory`` (a path inside the
+        ``pyarrow.fs`` location ``uri``), straight from this store's memory: the durable tier's
+        step 1 for this host. Returns the bytes written. The coordinator writes the metadata
+        and the completion marker once every host returned."""
+        import os
+        import posixpath
+
+        import pyarrow.fs as pafs
+
+        if "://" in uri:
+            fs, root = pafs.FileSystem.from_uri(uri)
+        else:
+            fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        target = posixpath.join(root, directory)
+        fs.create_dir(target, recursive=True)
+        written = 0
+        for name in names:
+            with self._lock:
+                version = self._versions.get(step)
+                record = version.files.get(name) if version is not None else None
+                if record is None or not record.complete:
+                    raise LookupError(f"step {step} has no complete data file {name!r} on node {self.node_id[:12]}")
+                arr = record.array
+            with fs.open_output_stream(posixpath.join(target, name)) as out:
+                out.write(arr)
+            written += arr.nbytes
+        return written
+
     def discard(self, step: int, name: str, put_id: str) -> None:
         """Forget a put its rank gave up on (another holder failed): its partial copy would
         only take memory until the next commit."""

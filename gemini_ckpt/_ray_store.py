@@ -370,6 +370,38 @@ class RayStore:
             raise VersionNotFoundError(f"step {step} has no data file {name!r} on any live host store")
         return found
 
+    # --- durable tier --------------------------------------------------------------------------
+    def persist(self, step: int, uri: str, directory: str) -> dict[int, int]:
+        """Have the host stores write ``step``'s data files to ``uri``/``directory`` from their
+        memory, in parallel: each file by its owner's host when that host holds it (so each
+        host writes its own ranks' shards), else by the first other live holder. Returns bytes
+        written per slot. Called by the coordinator; the trainer's memory is not involved."""
+        self.committed_steps()  # refresh where every file lives
+        with self._lock:
+            files = dict(self._where.get(step, {}))
+        if not files:
+            raise VersionNotFoundError(f"step {step} is not held by any live host store")
+        index = self._gather("index")
+        by_slot: dict[int, list[str]] = {}
+        for name, (_, slots) in files.items():
+            owner = next((index[s][step]["files"][name]["owner"] for s in slots
+                          if s in index and step in index[s] and name in index[s][step]["files"]), None)
+            writer = owner if owner in slots else slots[0]
+            by_slot.setdefault(writer, []).append(name)
+        live = self._live()
+        calls = {s: live[s].persist_files.remote(step, uri, directory, names) for s, names in by_slot.items()}
+        written = {}
+        for slot, ref in calls.items():
+            try:
+                written[slot] = ray.get(ref, timeout=self.config.timeout_s)
+            except RayActorError:
+                self._mark_dead(slot, "died while persisting")
+                raise ReplicationError(f"step {step}: the host store of {self._describe_slot(slot)} died while "
+                                       f"writing to the durable tier; the version is not persisted") from None
+            except RayTaskError as exc:
+                raise _cause(exc, f"step {step}: persisting from {self._describe_slot(slot)}: ") from None
+        return written
+
     # --- retention -----------------------------------------------------------------------------
     def drop(self, step: int) -> None:
         self._gather("drop", step)

@@ -211,11 +211,41 @@ class RankWorker:
             out.append({"step": step, "committed": error is None, "error": error, "digest": digest})
         return out
 
+    def full_digest(self) -> str:
+        """Digest of the whole (unsharded) model and optimizer state: comparable across world
+        sizes. Collective: every rank must call it."""
+        from torch.distributed.tensor import DTensor
+
+        def full(tree):
+            if isinstance(tree, DTensor):
+                return tree.full_tensor()
+            if isinstance(tree, dict):
+                return {k: full(v) for k, v in tree.items()}
+            if isinstance(tree, (list, tuple)):
+                return type(tree)(full(v) for v in tree)
+            return tree
+
+        return digest_state(full(self.state.tensor_state()))
+
+    def die_at(self, phase: str, step: int) -> None:
+        """SIGKILL this process when the library reaches ``phase`` of version ``step``."""
+        import signal
+
+        from gemini_ckpt import _faults
+
+        def hook(p, **ctx):
+            if p == phase and ctx.get("step") == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        _faults.set_hook(hook)
+
     def restore(self) -> dict:
         result = self.ckpt.restore()
         store = self.ckpt.store
         stats = getattr(store, "stats", None)
         return {"step": None if result is None else result.step, "digest": self.digest(),
+                "source": None if result is None else result.source,
+                "sources": None if result is None else result.sources,
                 "read_local": getattr(stats, "bytes_read_local", 0), "read_peer": getattr(stats, "bytes_read_peer", 0),
                 "slot": getattr(store, "slot", None)}
 
