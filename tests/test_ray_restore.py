@@ -15,7 +15,8 @@ import ray
 import torch
 
 import placement
-from ray_helpers import Ranks, add_host, host_node, ray_cluster, wait_for  # noqa: F401
+from gemini_ckpt._cluster import find_store
+from ray_helpers import Ranks, add_host, host_node, node_id_of_host, ray_cluster, wait_for  # noqa: F401
 
 HOSTS = 4
 LAYOUT = placement.make("group", hosts=HOSTS, replicas=2)
@@ -139,9 +140,19 @@ def test_ranks_never_mix_versions_when_one_dies_mid_save(ray_cluster, ranks, ref
     # Rank 3 dies just before sending its shard of step 4: hosts 0-2 hold files of step 4 that
     # are never committed.
     ray.get(ranks.workers[3].die_at.remote("replicate", 4))
-    refs = [w.train.remote([4], 60.0) for w in ranks.workers]
-    ray.wait(refs, num_returns=len(refs), timeout=180)
+    for w in ranks.workers:
+        w.train.remote([4], 60.0)
     wait_for(lambda: not ranks.alive(3), timeout=60, what="rank 3 to die")
+
+    def own_file_of_step_4_held(h: int) -> bool:
+        index = ray.get(find_store(ns, node_id_of_host(h)).index.remote())
+        return f"__{h}_0.distcp" in index.get(4, {}).get("files", {})
+
+    wait_for(lambda: all(own_file_of_step_4_held(h) for h in range(3)), timeout=60,
+             what="ranks 0-2 to put their shards of step 4")
+    # The job is torn down (as Ray Train does when a worker dies) and started again.
+    for w in ranks.workers[:3]:
+        ray.kill(w, no_restart=True)
     ranks.restart(ns)
     restored = ranks.call("restore")
     assert [r["step"] for r in restored] == [3] * HOSTS
