@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# BENCH_RESULTS_DIR redirects output (run_all --quick uses results/quick/ so it never
+# overwrites full-size results).
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def model_like(total_mb: int, *, seed: int = 0) -> nn.Module:

@@ -161,7 +161,9 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--steps", type=int, default=3, help="timed saves per configuration")
     ap.add_argument("--quick", action="store_true", help="16 MB shards, one timed save")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "replicate.json"))
+    ap.add_argument("--out", default=os.path.join(
+        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        "replicate.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.steps = 16, 1

@@ -1,0 +1,243 @@
+"""Shared harness for the multi-host benchmarks (restore, persist): a local Ray cluster of
+simulated hosts (one Ray node each, all on this machine) and one FSDP2 rank actor per host.
+
+The rank class is shipped to Ray workers by value (``cloudpickle.register_pickle_by_value``),
+so the workers need not have ``benchmarks/`` on their path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
+
+
+def load_average() -> list[float]:
+    return list(os.getloadavg())
+
+
+def drop_page_cache() -> tuple[bool, str]:
+    """Try ``sync; echo 3 > /proc/sys/vm/drop_caches``; (dropped?, why not)."""
+    try:
+        subprocess.run(["sync"], check=False, timeout=120)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True, ""
+    except OSError as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cluster(hosts: int, plasma_bytes: int) -> Cluster:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "object_store_memory": plasma_bytes})
+    for i in range(hosts):
+        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma_bytes)
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def stop_cluster(cluster: Cluster, namespaces=()) -> None:
+    from gemini_ckpt._cluster import shutdown_host_stores
+
+    for ns in namespaces:
+        try:
+            shutdown_host_stores(ns)
+        except Exception:  # noqa: BLE001 - best-effort cleanup
+            pass
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def slowest(values: list[float]) -> float:
+    return max(values)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+class Rank:
+    """One rank: an FSDP2 stack of Linear layers whose local shard is about ``mb`` MB."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.ckpt = None
+
+    def setup(self, rank: int, world_size: int, port: int, mb: int, fill: bool = True) -> int:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=900))
+        self.rank, self.world_size = rank, world_size
+        layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
+        mesh = init_device_mesh("cpu", (world_size,))
+        with torch.device("meta"):
+            model = nn.Sequential(*[nn.Linear(LAYER_DIM, LAYER_DIM, bias=False) for _ in range(layers)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(rank)
+            for p in model.parameters():
+                local = p.to_local()
+                if fill:
+                    local.copy_(torch.rand(local.shape, generator=gen))
+                else:
+                    local.zero_()
+        self.model = model
+        return sum(p.to_local().nbytes for p in model.parameters())
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def checkpointer(self, **config):
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.ckpt = Checkpointer(TrainState(model=self.model),
+                                 CheckpointConfig(store="ray", timeout_s=900, **config))
+        return self.ckpt
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+            self.ckpt = None
+
+    # --- restore ------------------------------------------------------------------------------
+    def save_version(self, step: int, persist: bool, **config) -> dict:
+        ckpt = self.checkpointer(**config)
+        handle = ckpt.save(step, persist=persist)
+        handle.committed.result(timeout=900)
+        if persist:
+            handle.persisted.result(timeout=900)
+        return {"stall_s": handle.staged.result().stall_s}
+
+    def restore(self, **config) -> dict:
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        ckpt = self.checkpointer(**config)
+        result = ckpt.restore()
+        wall = time.perf_counter() - t0
+        self.close()
+        return {"wall_s": wall, "seconds": result.seconds, "source": result.source,
+                "where": result.sources[self.rank], "bytes_read": result.bytes_read, "step": result.step}
+
+    def dcp_save(self, path: str) -> float:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save({"model": self.model.state_dict()}, checkpoint_id=path)
+        return time.perf_counter() - t0
+
+    def dcp_load(self, path: str) -> float:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        sd = {"model": self.model.state_dict()}
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load(sd, checkpoint_id=path)
+        return time.perf_counter() - t0
+
+    # --- persist ------------------------------------------------------------------------------
+    def persist_run(self, rounds: int, **config) -> list[dict]:
+        """Per round: a memory-only save, then a persisting save, then (while the persist runs)
+        another memory-only save; times each stall, save -> committed and save -> persisted."""
+        ckpt = self.checkpointer(**config)
+        out = []
+        step = 0
+        for _ in range(2):  # warm-up: connect, plan, first allocations
+            ckpt.save(step).committed.result(timeout=900)
+            step += 1
+        for _ in range(rounds):
+            h0 = ckpt.save(step)
+            h0.committed.result(timeout=900)
+            step += 1
+            t0 = time.perf_counter()
+            h1 = ckpt.save(step, persist=True)
+            done: list[float] = []
+            h1.persisted.add_done_callback(lambda _f, done=done: done.append(time.perf_counter()))
+            h1.committed.result(timeout=900)
+            t_commit = time.perf_counter() - t0
+            step += 1
+            h2 = ckpt.save(step)  # overlaps the persist of h1
+            h2.committed.result(timeout=900)
+            step += 1
+            h1.persisted.result(timeout=900)
+            t_persist = (done[0] if done else time.perf_counter()) - t0
+            out.append({"memory_stall_s": h0.staged.result().stall_s,
+                        "persist_step_stall_s": h1.staged.result().stall_s,
+                        "stall_during_persist_s": h2.staged.result().stall_s,
+                        "save_to_committed_s": t_commit, "save_to_persisted_s": t_persist,
+                        "committed_to_persisted_s": t_persist - t_commit})
+        self.close()
+        return out
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        self.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def make_ranks(hosts: int, mb: int, *, rotate: int = 0, fill: bool = True):
+    """Rank ``r`` runs on simulated host ``(r + rotate) % hosts``; returns (actors, shard bytes)."""
+    import sys
+
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ranks = [ray.remote(Rank).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
+             for i in range(hosts)]
+    port = free_port()
+    shard = ray.get([r.setup.remote(i, hosts, port, mb, fill) for i, r in enumerate(ranks)])
+    return ranks, int(statistics.mean(shard))
+
+
+def kill_ranks(ranks) -> None:
+    for r in ranks:
+        try:
+            ray.get(r.teardown.remote(), timeout=120)
+        except Exception:  # noqa: BLE001 - best-effort
+            pass
+        ray.kill(r, no_restart=True)
+
+
+def rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,264 @@
+"""Run every benchmark, collect the JSON results, write ``results/summary.md`` and PNG plots.
+
+Each bench script runs as its own subprocess (``python benchmarks/bench_X.py [--quick]``) with a
+timeout; a failed or timed-out one is reported in the summary and the others still run. The
+load average before and after each script is recorded in its JSON (``run_all`` key), since the
+development machine's 2 cores are shared.
+
+Usage (from the repository root)::
+
+    python -m benchmarks --quick          # a few minutes on 2 cores; writes results/quick/
+    python -m benchmarks                  # full sizes (~1 GB states; tens of minutes)
+    python -m benchmarks --only restore persist
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FULL_RESULTS = HERE / "results"
+RESULTS = FULL_RESULTS  # --quick: results/quick/, so quick runs never overwrite full-size results
+
+# Scripts without a --quick flag get these arguments instead.
+QUICK_ARGS = {"gpu_staging": ["--gb", "0.25", "--repeats", "2"]}
+
+# name, script, result file, timeout (s) quick, timeout (s) full
+BENCHES = [
+    ("save", "bench_save.py", "save.json", 300, 1800),
+    ("replicate", "bench_replicate.py", "replicate.json", 400, 3600),
+    ("restore", "bench_restore.py", "restore.json", 400, 3600),
+    ("persist", "bench_persist.py", "persist.json", 400, 3600),
+    ("overhead", "bench_overhead.py", "overhead.json", 400, 3600),
+    ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
+]
+
+
+def run_one(name: str, script: str, out: str, timeout: int, quick: bool) -> dict:
+    cmd = [sys.executable, str(HERE / script)] + (QUICK_ARGS.get(name, ["--quick"]) if quick else [])
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "BENCH_RESULTS_DIR": str(RESULTS)}
+    before = list(os.getloadavg())
+    path = RESULTS / out
+    mtime = path.stat().st_mtime if path.exists() else None
+    t0 = time.perf_counter()
+    print(f"== {name}: {' '.join(cmd[1:])} (timeout {timeout}s, load {before[0]:.1f})", flush=True)
+    log = RESULTS / f"{name}.log"
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
+                                  cwd=HERE.parent)
+            rc, status = proc.returncode, "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+        except subprocess.TimeoutExpired:
+            rc, status = None, f"timed out after {timeout}s"
+    wall = time.perf_counter() - t0
+    fresh = path.exists() and path.stat().st_mtime != mtime
+    if rc == 0 and not fresh:
+        status = "ok but wrote no new result"
+    info = {"status": status, "wall_s": wall, "quick": quick, "load_average_before": before,
+            "load_average_after": list(os.getloadavg()), "log": str(log.relative_to(HERE.parent))}
+    data = None
+    if fresh:
+        data = json.loads(path.read_text())
+        data["run_all"] = info
+        path.write_text(json.dumps(data, indent=2))
+    print(f"   {status} in {wall:.0f}s", flush=True)
+    return {"name": name, "info": info, "data": data}
+
+
+# --- summary -----------------------------------------------------------------------------------
+def _f(v, unit="s") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f} {unit}".strip()
+
+
+def summary_rows(res: dict) -> list[list[str]]:
+    """One row per question: question, our number, baseline, ratio, target, met?"""
+    rows = []
+    d = res.get("save")
+    if d:
+        s = d["seconds"]
+        ours, floor = s.get("gemini_ckpt save() stall"), s.get("floor: memcpy into preallocated buffers")
+        rows.append(["save() stall (single process)", _f(ours), f"memcpy floor {_f(floor)}",
+                     f"{ours / floor:.2f}x floor", f"<= {d.get('target_ratio', 1.3)}x floor",
+                     _met(d.get("target_met"))])
+        dcp_async = s.get("dcp.async_save (blocking part)")
+        if dcp_async:
+            rows.append(["save() stall vs dcp.async_save blocking part", _f(ours), _f(dcp_async),
+                         f"{dcp_async / ours:.1f}x less", "-", "-"])
+    d = res.get("replicate")
+    if d:
+        dcp = next((r for r in d["rows"] if "put_s" not in r), None)
+        for r in d["rows"]:
+            if "put_s" in r and dcp:
+                rows.append([f"time to safe (save -> committed in peer memory), {r['method']}",
+                             _f(r["commit_s"]), f"dcp.async_save done {_f(dcp['commit_s'])}",
+                             f"{dcp['commit_s'] / r['commit_s']:.2f}x", "-", "-"])
+    d = res.get("restore")
+    if d:
+        by = {r["method"]: r["seconds"] for r in d["rows"]}
+        base = by[d["baseline"]]
+        for m, s in by.items():
+            if m.startswith("gemini_ckpt"):
+                peer = "peer memory" in m
+                rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"{d['baseline'][len('stock '):]} "
+                             f"{_f(base)}", f"{base / s:.2f}x speedup",
+                             f">= {d['target_speedup']:.0f}x" if peer else "-",
+                             _met(d["target_met"]) if peer else "-"])
+    d = res.get("persist")
+    if d:
+        p = d["persist"]
+        rows.append(["persist throughput (host stores, parallel)", f"{p['gbps']:.2f} GB/s",
+                     f"dcp.save one process {d['dcp_save_single_process']['gbps']:.2f} GB/s",
+                     f"{d['speedup_vs_single_process_dcp_save']:.2f}x", "-", "-"])
+        st = d["stall"]
+        rows.append(["save() stall: persisting step vs memory-only step", _f(st["persisting_step_s"]),
+                     f"memory-only {_f(st['memory_only_s'])}",
+                     f"{st['persisting_step_s'] / st['memory_only_s']:.2f}x", "-", "-"])
+        rows.append(["save() stall: next step while persisting", _f(st["next_step_during_persist_s"]),
+                     f"memory-only {_f(st['memory_only_s'])}",
+                     f"{st['next_step_during_persist_s'] / st['memory_only_s']:.2f}x", "-", "-"])
+    d = res.get("overhead")
+    if d:
+        rows.append(["training throughput, checkpoint every step / never", f"{d['ratio']:.3f}", "1.000",
+                     f"{d['ratio']:.3f}", f">= {d['target']}", _met(d.get("target_met"))])
+    d = res.get("gpu_staging")
+    if d:
+        if "skipped" in d:
+            rows.append(["GPU staging", "skipped", d["skipped"], "-", "-", "-"])
+        else:
+            rows.append(["GPU staging", json.dumps(d.get("seconds"))[:80], "-", "-", "-", "-"])
+    return rows
+
+
+def _met(v) -> str:
+    return "-" if v is None else ("yes" if v else "NO")
+
+
+def write_summary(results: list[dict], quick: bool) -> str:
+    res = {r["name"]: r["data"] for r in results if r["data"]}
+    full = FULL_RESULTS / "restore_1gb.json"  # a full-size restore run kept alongside (bench_restore.py --out ...)
+    extra = []
+    if full.exists():
+        d = json.loads(full.read_text())
+        rows = summary_rows({"restore": d})
+        extra = [[f"{r[0]} [full size: {d['total_bytes'] / 1e9:.2f} GB, results/restore_1gb.json]"] + r[1:]
+                 for r in rows]
+    lines = [f"# Benchmark summary ({'--quick sizes' if quick else 'full sizes'})", "",
+             f"Machine: {os.cpu_count()} cores (shared; load average per script below). "
+             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by `python -m benchmarks"
+             f"{' --quick' if quick else ''}`.", "",
+             "| question | our number | baseline | ratio | target | met? |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in summary_rows(res) + extra]
+    lines += ["", "| script | status | wall (s) | load avg before -> after (1m) |", "|---|---|---|---|"]
+    for r in results:
+        i = r["info"]
+        lines.append(f"| {r['name']} | {i['status']} | {i['wall_s']:.0f} | "
+                     f"{i['load_average_before'][0]:.1f} -> {i['load_average_after'][0]:.1f} |")
+    plots = [p.name for p in sorted(RESULTS.glob("plot_*.png"))]
+    if plots:
+        lines += ["", "Plots: " + ", ".join(f"`{(RESULTS / p).relative_to(HERE)}`" for p in plots)]
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "summary.md").write_text(text)
+    return text
+
+
+# --- plots -------------------------------------------------------------------------------------
+def write_plots(results: list[dict]) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return []
+    res = {r["name"]: r["data"] for r in results if r["data"]}
+    out = []
+
+    def bar(name: str, title: str, labels: list[str], values: list[float], ylabel: str = "seconds"):
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        colors = ["tab:blue" if lab.startswith("gemini") else "tab:gray" for lab in labels]
+        ax.barh(range(len(values)), values, color=colors)
+        ax.set_yticks(range(len(values)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.3f}", va="center", fontsize=8)
+        fig.tight_layout()
+        path = RESULTS / f"plot_{name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+
+    d = res.get("save")
+    if d:
+        s = d["seconds"]
+        keep = [k for k in s if "first save" not in k]
+        bar("stall", f"save() stall vs baselines ({d['state_bytes'] / 2**20:.0f} MiB state)",
+            [("gemini_ckpt save() stall" if k.startswith("gemini") else k.strip()) for k in keep],
+            [s[k] for k in keep])
+    d = res.get("replicate")
+    if d:
+        bar("time_to_safe", f"time to safe: save -> committed ({d['hosts']} hosts, "
+            f"{d['shard_bytes'] / 1e6:.0f} MB/rank)",
+            [r["method"] for r in d["rows"]], [r["commit_s"] for r in d["rows"]])
+    d = res.get("restore")
+    if d:
+        bar("restore", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts)",
+            [r["method"] for r in d["rows"]], [r["seconds"] for r in d["rows"]])
+    full = FULL_RESULTS / "restore_1gb.json"
+    if full.exists():
+        d = json.loads(full.read_text())
+        bar("restore_1gb", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts, full size)",
+            [r["method"] for r in d["rows"]], [r["seconds"] for r in d["rows"]])
+    d = res.get("persist")
+    if d:
+        bar("persist", f"persist vs dcp.save ({d['total_bytes'] / 1e9:.2f} GB)",
+            ["gemini_ckpt persist (committed -> persisted)", "dcp.save one process", "dcp.save 4 ranks"],
+            [d["persist"]["committed_to_persisted_s"], d["dcp_save_single_process"]["seconds"],
+             d["dcp_save_4_ranks"]["seconds"]])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, a few minutes on 2 cores")
+    ap.add_argument("--only", nargs="+", choices=[b[0] for b in BENCHES], help="run only these")
+    ap.add_argument("--summary-only", action="store_true", help="rebuild summary and plots from existing JSON")
+    args = ap.parse_args(argv)
+    global RESULTS
+    RESULTS = FULL_RESULTS / "quick" if args.quick else FULL_RESULTS
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name, script, out, t_quick, t_full in BENCHES:
+        if args.only and name not in args.only:
+            continue
+        if args.summary_only:
+            path = RESULTS / out
+            data = json.loads(path.read_text()) if path.exists() else None
+            info = (data or {}).get("run_all") or {"status": "existing result" if data else "missing", "wall_s": 0.0,
+                                                   "load_average_before": [0.0], "load_average_after": [0.0]}
+            results.append({"name": name, "info": info, "data": data})
+            continue
+        results.append(run_one(name, script, out, t_quick if args.quick else t_full, args.quick))
+    plots = write_plots(results)
+    text = write_summary(results, args.quick)
+    print()
+    print(text)
+    for p in plots:
+        print(f"wrote {p.relative_to(HERE.parent)}")
+    print(f"wrote {(RESULTS / 'summary.md').relative_to(HERE.parent)}")
+    return 0 if all(r["info"]["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
