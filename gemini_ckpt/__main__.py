@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 from ._demo import add_demo_command
+from .chaos._cli import add_chaos_command
 from ._durable_cli import add_ls_command, add_verify_command
 from ._status import add_status_command
 
@@ -21,6 +22,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_ls_command,
     add_verify_command,
     add_demo_command,
+    add_chaos_command,
 ]
 
 

@@ -1,0 +1,82 @@
+"""Failure injection: a fault matrix that checks every outcome against the planner's prediction.
+
+A deterministic training job runs on a local Ray cluster of simulated hosts (one rank per
+host, gloo). Each :class:`Scenario` strikes it at a chosen step and phase — killed training
+processes, killed host stores, hosts removed (and replaced), faults inside the replicate /
+commit / persist phases, durable storage that fails or is unreachable, a slow holder,
+corrupt bytes in memory or on disk, a restart at a smaller world size — then restarts the
+job, restores, trains to the end and checks:
+
+- the restored step and tier equal what ``placement.plan_recovery`` predicts from the
+  failed hosts and the versions known committed/persisted before the fault;
+- every rank restored the same version, bit-identical to the uninterrupted reference run at
+  that step (model, optimizer and rank-local state), and only a committed one;
+- the continued run repeats the reference's losses bit for bit and ends in the same state;
+- the job finished.
+
+Example::
+
+    from gemini_ckpt.chaos import At, RemoveHosts, Scenario, ci_matrix, run_matrix
+
+    report = run_matrix(ci_matrix() + [
+        Scenario(name="lose-2-3", at=At(step=2), faults=(RemoveHosts((2, 3)),), placement="ring"),
+    ], json_path="chaos.json")
+    print(report.format_table())
+
+Or from a shell: ``python -m gemini_ckpt chaos --matrix ci --json chaos.json``. See
+``docs/chaos.md``.
+"""
+
+from ._cli import add_chaos_command
+from ._job import TinyJob, TrainJob
+from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
+from ._predict import Prediction, plan_scenario, predict, versions_after
+from ._runner import Check, Harness, HarnessError, ScenarioResult, run_scenario
+from ._spec import (
+    PHASES,
+    At,
+    ChaosConfig,
+    CorruptDurable,
+    CorruptReplica,
+    DurableUnreachable,
+    DurableWriteOutage,
+    KillStore,
+    KillWorker,
+    RemoveHosts,
+    Scenario,
+    ScenarioError,
+    SlowReplication,
+)
+
+__all__ = [
+    "CI_SCENARIOS",
+    "PHASES",
+    "At",
+    "ChaosConfig",
+    "Check",
+    "CorruptDurable",
+    "CorruptReplica",
+    "DurableUnreachable",
+    "DurableWriteOutage",
+    "Harness",
+    "HarnessError",
+    "KillStore",
+    "KillWorker",
+    "MatrixReport",
+    "Prediction",
+    "RemoveHosts",
+    "Scenario",
+    "ScenarioError",
+    "ScenarioResult",
+    "SlowReplication",
+    "TinyJob",
+    "TrainJob",
+    "add_chaos_command",
+    "ci_matrix",
+    "full_matrix",
+    "plan_scenario",
+    "predict",
+    "run_matrix",
+    "run_scenario",
+    "versions_after",
+]

@@ -1,0 +1,231 @@
+"""The fault matrix: which scenarios, running them all, and the report (table + JSON)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from ._runner import Harness, ScenarioResult, StoreFactory, as_job, run_scenario
+from ._spec import (
+    At,
+    ChaosConfig,
+    CorruptDurable,
+    CorruptReplica,
+    DurableUnreachable,
+    DurableWriteOutage,
+    KillStore,
+    KillWorker,
+    RemoveHosts,
+    Scenario,
+    ScenarioError,
+    SlowReplication,
+)
+
+SINGLE_PHASES = ("step", "replicate", "commit", "committed", "persist", "persist_commit")
+CI_SCENARIOS = (
+    "kill-worker-replicate",
+    "kill-store-commit",
+    "remove-host-persist",
+    "pair-group-0-1",
+    "pair-ring-1-3",
+    "durable-write-outage",
+    "corrupt-durable",
+    "corrupt-replica-peer-slow-holder",
+    "resize-after-loss",
+)
+"""The reduced matrix CI runs: one scenario per kind of fault."""
+
+
+def fault_steps(config: ChaosConfig) -> tuple[int, int]:
+    """``(boundary, phase)``: the step boundary faults strike after (a version that is not
+    persisted, so memory and durable predictions differ), and the step whose phases phase
+    faults strike (a persisted one, with an earlier persisted version to fall back to)."""
+    due = [s for s in range(1, config.steps - 2) if config.persisted_by_policy(s)]
+    if len(due) < 2:
+        raise ScenarioError(f"the matrix needs two persisted steps before step {config.steps - 2}; "
+                            f"raise ChaosConfig.steps or lower persist_every (steps={config.steps}, "
+                            f"persist_every={config.persist_every})")
+    return due[1] - 1, due[1]
+
+
+def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
+    """Every scenario: single faults x phases, pairs of host losses per placement, storage
+    faults, corruption, a slow holder, and restarts at a smaller world size."""
+    cfg = config or ChaosConfig()
+    boundary, ph = fault_steps(cfg)
+    out: list[Scenario] = []
+
+    # Single faults x phases (group placement). The fault hits the rank the phase runs on:
+    # rank 1 for step/replicate/committed, the coordinator (rank 0) for the others.
+    for phase in SINGLE_PHASES:
+        rank = 0 if phase in ("commit", "persist", "persist_commit") else 1
+        at = At(step=boundary, phase="step") if phase == "step" else At(step=ph, phase=phase, rank=rank)
+        out.append(Scenario(name=f"kill-worker-{phase}", at=at, faults=(KillWorker((rank,)),)))
+        out.append(Scenario(name=f"kill-store-{phase}", at=at, faults=(KillStore((1,)),),
+                            note="the store of host 1 (a peer of the coordinator) dies; its process lives"))
+        out.append(Scenario(name=f"remove-host-{phase}", at=at, faults=(RemoveHosts((rank,)),)))
+
+    # Pairs of simultaneous host losses, replaced, for each placement.
+    for strategy in ("group", "ring", "mixed"):
+        for pair in itertools.combinations(range(cfg.hosts), 2):
+            note = ""
+            if strategy == "mixed" and cfg.hosts % cfg.replicas == 0:
+                note = f"mixed with replicas={cfg.replicas} dividing hosts={cfg.hosts} is group placement"
+            out.append(Scenario(name=f"pair-{strategy}-{pair[0]}-{pair[1]}", at=At(step=boundary),
+                                faults=(RemoveHosts(pair),), placement=strategy, note=note))
+    last_group = tuple(range(cfg.hosts - cfg.replicas, cfg.hosts))
+    first_group = tuple(range(cfg.replicas))
+    out.append(Scenario(name="group-lost-during-persist", at=At(step=ph, phase="persist"),
+                        faults=(RemoveHosts(last_group),),
+                        note="rank 0 lives but cannot read the lost group's shards: the persist fails"))
+    out.append(Scenario(name="group-with-coordinator-lost-in-persist-commit",
+                        at=At(step=ph, phase="persist_commit"), faults=(RemoveHosts(first_group),),
+                        note="data files are on disk, the marker is not: the version must be ignored"))
+
+    # Durable storage.
+    after = ph + 1
+    out.append(Scenario(name="durable-write-outage", at=At(step=after), conditions=(DurableWriteOutage((ph,)),),
+                        faults=(RemoveHosts(last_group),), note="the failed persist must not count"))
+    out.append(Scenario(name="durable-outage-recovers", at=At(step=after),
+                        conditions=(DurableWriteOutage((ph - cfg.persist_every,)),),
+                        faults=(RemoveHosts(last_group),), note="the next persist after the outage succeeds"))
+    out.append(Scenario(name="durable-unreachable-memory-ok", at=At(step=boundary),
+                        conditions=(DurableUnreachable(),), faults=(RemoveHosts((1,)),),
+                        note="memory holds every shard: restore should not need durable storage"))
+    out.append(Scenario(name="durable-unreachable-group-lost", at=At(step=boundary),
+                        conditions=(DurableUnreachable(),), faults=(RemoveHosts(first_group),),
+                        note="nothing left to restore from: restore must fail, not start from scratch"))
+    out.append(Scenario(name="corrupt-durable", at=At(step=after),
+                        faults=(CorruptDurable(rank=last_group[0]), RemoveHosts(last_group))))
+
+    # Memory corruption and a slow holder.
+    out.append(Scenario(name="corrupt-replica-local", at=At(step=boundary),
+                        faults=(CorruptReplica(host=1, owner=1), KillWorker((1,))),
+                        note="the copy restore reads first is bad; the peer's copy is good"))
+    out.append(Scenario(name="corrupt-replica-peer-slow-holder", at=At(step=boundary),
+                        conditions=(SlowReplication(rank=1, seconds=1.0),),
+                        faults=(CorruptReplica(host=0, owner=1), KillWorker((1,)))))
+    out.append(Scenario(name="corrupt-replica-only-copy-left", at=At(step=boundary),
+                        faults=(CorruptReplica(host=0, owner=1), RemoveHosts((1,))),
+                        note="the only live copy of shard 1 of the newest version is bad: the older one wins"))
+    out.append(Scenario(name="slow-holder", at=At(step=boundary),
+                        conditions=(SlowReplication(rank=2, seconds=2.0),), faults=(KillWorker((2,)),)))
+
+    # A smaller world size.
+    half = tuple(range(cfg.hosts // 2))
+    out.append(Scenario(name="resize-clean", at=At(step=boundary), restart_hosts=half,
+                        note=f"a planned restart at world size {len(half)}"))
+    lost = (1, 2) if cfg.hosts >= 4 else (1,)
+    keep = tuple(x for x in range(cfg.hosts) if x not in lost)[: cfg.hosts // 2]
+    out.append(Scenario(name="resize-after-loss", at=At(step=boundary), faults=(RemoveHosts(lost, replace=False),),
+                        restart_hosts=keep, note="hosts lost for good; the job goes on with the survivors"))
+    return out
+
+
+def ci_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
+    """The representative subset of :func:`full_matrix` that CI runs (:data:`CI_SCENARIOS`)."""
+    by_name = {s.name: s for s in full_matrix(config)}
+    return [by_name[n] for n in CI_SCENARIOS if n in by_name]
+
+
+# --- the report -------------------------------------------------------------------------------------
+@dataclass
+class MatrixReport:
+    """The outcome of :func:`run_matrix`: one :class:`ScenarioResult` per scenario."""
+
+    results: list[ScenarioResult]
+    config: ChaosConfig
+    seconds: float = 0.0
+    reference_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.results:
+            out[r.verdict] = out.get(r.verdict, 0) + 1
+        return out
+
+    def format_table(self) -> str:
+        rows = [("scenario", "predicted", "observed", "steps lost", "recovery s", "verdict")]
+        for r in self.results:
+            rows.append((r.scenario.name, r.prediction.label() if r.prediction else "-", r.observed_label,
+                         "-" if r.steps_lost is None else str(r.steps_lost),
+                         "-" if r.recovery_s is None else f"{r.recovery_s:.1f}", r.verdict))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        for r in self.results:
+            if r.error:
+                lines.append(f"{r.scenario.name}: harness error: {r.error}")
+            for c in r.failed_checks():
+                lines.append(f"{r.scenario.name}: {c.name}: {c.detail}")
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()))
+        lines.append(f"{len(self.results)} scenarios: {counts} in {self.seconds:.0f}s "
+                     f"(reference run {self.reference_s:.0f}s)")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return {"ok": self.ok, "counts": self.counts(), "seconds": round(self.seconds, 1),
+                "reference_s": round(self.reference_s, 1), "config": asdict(self.config), **self.meta,
+                "scenarios": [r.to_json() for r in self.results]}
+
+    def write_json(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(self.to_json(), fh, indent=1, default=str)
+
+
+def run_matrix(scenarios: Optional[Sequence[Scenario]] = None, *, config: Optional[ChaosConfig] = None,
+               harness: Optional[Harness] = None, job: Any = None, store_factory: Optional[StoreFactory] = None,
+               json_path: Optional[str] = None, log: Optional[Callable[[str], None]] = None) -> MatrixReport:
+    """Run ``scenarios`` (default: :func:`full_matrix`) and return the report; with
+    ``json_path`` also write it as JSON.
+
+    Starts (and stops) its own :class:`Harness` unless one is given. Example::
+
+        report = run_matrix(ci_matrix(), json_path="chaos.json")
+        print(report.format_table())
+        raise SystemExit(report.exit_code)
+    """
+    own = harness is None
+    if own:
+        harness = Harness(config, job=job, log=log)
+        train_job = harness.job
+    else:
+        if config is not None and config != harness.config:
+            raise ValueError("run_matrix: pass config= or harness=, not both (the harness has its own config)")
+        train_job = as_job(job) if job is not None else harness.job
+    cfg = harness.config
+    scenarios = list(full_matrix(cfg) if scenarios is None else scenarios)
+    for s in scenarios:
+        cfg.check(s)  # fail before starting anything
+    t0 = time.perf_counter()
+    results: list[ScenarioResult] = []
+    try:
+        harness.start()
+        harness.reference(train_job)
+        for i, s in enumerate(scenarios, 1):
+            harness.log(f"[{i}/{len(scenarios)}] {s.name}: {s.describe()}")
+            results.append(run_scenario(s, harness, job=train_job, store_factory=store_factory))
+    finally:
+        if own:
+            harness.close()
+    report = MatrixReport(results=results, config=cfg, seconds=time.perf_counter() - t0,
+                          reference_s=harness.reference_seconds)
+    if json_path:
+        report.write_json(json_path)
+    return report

@@ -1,0 +1,249 @@
+"""The training rank: a Ray actor pinned to one simulated host, running the user's job with a
+``Checkpointer`` and the harness's fault hook.
+
+Threaded (``max_concurrency=4``) so the driver can ask whether a rank is held at a phase, and
+let it go, while ``run`` is busy. Everything it returns is plain data (and, for the
+reference run, CPU tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+from ._spec import HookRule
+
+
+def describe_error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    cause = exc.__cause__
+    while cause is not None and len(text) < 2000:
+        text += f" <- {type(cause).__name__}: {cause}"
+        cause = cause.__cause__
+    return text
+
+
+class RankWorker:
+    """One training process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        import gemini_ckpt  # noqa: F401  (imported now: a restart should not pay for it)
+
+        torch.set_num_threads(1)
+        self.rank = -1
+        self.world_size = 0
+        self.ckpt = None
+        self.state = None
+        self.job = None
+        self._rules: list[HookRule] = []
+        self._release = threading.Event()
+        self._paused: Optional[dict] = None
+        self._fs_handler = None
+        self._hold_limit_s = 300.0
+
+    # --- liveness -------------------------------------------------------------------------------
+    def info(self) -> dict:
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    # --- a job (re)start --------------------------------------------------------------------------
+    def setup(self, spec: dict) -> dict:
+        """Join a new process group and build the job and its Checkpointer. ``spec``: rank,
+        world_size, port, config (CheckpointConfig fields), job, seed, timeout_s, durable_root,
+        chaos_fs, storage_mode, keep_durable, rules, store_factory."""
+        import torch.distributed as dist
+
+        from .. import CheckpointConfig, Checkpointer
+        from .._durable import DurableTier
+        from .._faults import set_hook
+
+        self.teardown()
+        self.rank, self.world_size = spec["rank"], spec["world_size"]
+        self.timeout_s = spec["timeout_s"]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=self.rank,
+                                world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+        self.job = spec["job"]
+        self.state = self.job.build(self.rank, self.world_size, spec["seed"])
+        config = CheckpointConfig(**spec["config"])
+        durable = None
+        if spec.get("chaos_fs"):
+            from ._storage import chaos_filesystem
+
+            fs, self._fs_handler = chaos_filesystem()
+            self._fs_handler.set_mode(spec.get("storage_mode", "ok"))
+            # Built here, as a user would build it; with storage unreachable this may already fail.
+            durable = DurableTier(filesystem=fs, root=spec["durable_root"], keep=spec["keep_durable"])
+        store = None
+        if spec.get("store_factory") is not None:
+            store = spec["store_factory"](config, self.rank, self.world_size)
+        self.ckpt = Checkpointer(self.state, config, store=store, durable=durable)
+        stale = _drop_stale_plan_cache(self.ckpt)
+        self.persist_every = config.persist_every
+        self._rules = list(spec.get("rules") or ())
+        self._release = threading.Event()
+        self._paused = None
+        set_hook(self._hook if self._rules else None)
+        return {**self.info(), "stale_plan_cache": stale}
+
+    def _hook(self, phase: str, **ctx) -> None:
+        step = ctx.get("step")
+        for rule in self._rules:
+            if not rule.matches(phase, step):
+                continue
+            if rule.action == "delay":
+                time.sleep(rule.seconds)
+            elif rule.action in ("pause", "hold"):
+                if rule.action == "pause":
+                    self._paused = {"phase": phase, "step": step, "rank": self.rank, "unix": time.time()}
+                self._release.wait(timeout=self._hold_limit_s)
+
+    def paused(self) -> Optional[dict]:
+        return self._paused
+
+    def release(self) -> None:
+        self._release.set()
+
+    def set_storage(self, mode: str) -> None:
+        if self._fs_handler is not None:
+            self._fs_handler.set_mode(mode)
+
+    # --- training -------------------------------------------------------------------------------
+    def restore(self) -> dict:
+        """``Checkpointer.restore()`` and what was loaded (all ranks call it together)."""
+        from ._job import digest, full_tensor_state
+
+        t0 = time.perf_counter()
+        try:
+            result = self.ckpt.restore()
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            return {"error": describe_error(exc), "seconds": time.perf_counter() - t0}
+        out: dict[str, Any] = {"step": None, "source": None, "seconds": time.perf_counter() - t0}
+        if result is not None:
+            out.update(step=result.step, source=result.source, sources=dict(result.sources),
+                       bytes_read=dict(result.bytes_read), restore_s=result.seconds,
+                       skipped_steps=list(result.skipped_steps), saved_world_size=result.saved_world_size)
+        out["digest"] = digest(full_tensor_state(self.state))
+        out["extra"] = dict(self.state.extra)
+        return out
+
+    def load_reference(self, full: dict, opaque: dict, source_rank: int, step: int) -> dict:
+        """Load a captured state without gemini_ckpt's restore (the resize reference)."""
+        from ._job import digest, full_tensor_state, load_full_state
+
+        load_full_state(self.state, full, opaque, rank=self.rank, source_rank=source_rank, step=step)
+        return {"digest": digest(full_tensor_state(self.state)), "extra": dict(self.state.extra)}
+
+    def run(self, steps: list[int], outage_steps: tuple[int, ...] = (), capture: bool = False) -> list[dict]:
+        """Train, save and wait for each step's commit (and, on rank 0, its persist when due).
+        Stops at the first step that raises (a dead peer): the records so far come back."""
+        from .. import BackgroundError
+        from ._job import digest, full_tensor_state
+
+        out: list[dict] = []
+        for step in steps:
+            rec: dict[str, Any] = {"step": step, "committed": False, "persisted": None, "error": None}
+            out.append(rec)
+            try:
+                if self._fs_handler is not None and outage_steps:
+                    self._fs_handler.set_mode("fail_writes" if step in outage_steps else "ok")
+                rec["loss"] = self.job.step(step)
+                full = full_tensor_state(self.state)
+                rec["digest"] = digest(full)
+                rec["extra"] = dict(self.state.extra)
+                if capture:
+                    rec["opaque"] = self.state.opaque_state(self.rank)
+                    if self.rank == 0:
+                        rec["full"] = full
+                handle = self.ckpt.save(step)
+            except BaseException as exc:  # noqa: BLE001 - a dead peer fails the collective
+                rec["error"] = describe_error(exc)
+                break
+            try:
+                handle.committed.result(timeout=self.timeout_s)
+                rec["committed"] = True
+            except BaseException as exc:  # noqa: BLE001
+                rec["error"] = describe_error(exc)
+                try:
+                    self.ckpt.wait(timeout=self.timeout_s)  # the stored error is raised here once
+                except BackgroundError:
+                    pass
+                except BaseException:  # noqa: BLE001
+                    pass
+                continue
+            if self.rank == 0 and self.persist_every and (step + 1) % self.persist_every == 0:
+                try:
+                    rec["persisted"] = handle.persisted.result(timeout=self.timeout_s) is not None
+                except BaseException as exc:  # noqa: BLE001
+                    rec["persisted"] = False
+                    rec["persist_error"] = describe_error(exc)
+        return out
+
+    def close(self) -> Optional[str]:
+        try:
+            self.ckpt.close()
+            return None
+        except BaseException as exc:  # noqa: BLE001
+            return describe_error(exc)
+
+    def teardown(self, limit_s: float = 10.0) -> bool:
+        """Stop the Checkpointer and leave the process group. False when background work did
+        not stop within ``limit_s`` (stuck in a collective with a dead peer): the process is
+        then not safe to reuse and the driver replaces it."""
+        import torch.distributed as dist
+
+        from .._faults import set_hook
+
+        set_hook(None)
+        self._rules = []
+        self._release.set()
+        clean = True
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            stopper = threading.Thread(target=_quiet_shutdown, args=(ckpt,), daemon=True)
+            stopper.start()
+            stopper.join(limit_s)
+            clean = not stopper.is_alive()
+        self.state = self.job = None
+        self._fs_handler = None
+        if clean and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group is still gone
+                traceback.print_exc()
+        return clean and not dist.is_initialized()
+
+
+def _quiet_shutdown(ckpt) -> None:
+    try:
+        ckpt._shutdown(raise_errors=False)
+    except BaseException:  # noqa: BLE001 - a crashed job's leftovers
+        pass
+
+
+def _drop_stale_plan_cache(ckpt) -> bool:
+    """Work around a library bug the harness found; True when it struck.
+
+    ``Checkpointer`` keys DCP's save-plan cache (class-level, per process) by
+    ``id(Checkpointer)``. A new Checkpointer that gets the id of a dead one finds that one's
+    cached plans, while ranks in fresh processes have none; the coordinator's global plan then
+    fails (``TypeError`` inside DCP) and no version commits. This process reuses survivors
+    across restarts, so it drops cache entries a brand-new Checkpointer must not see."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    key = getattr(getattr(ckpt, "_planner", None), "_cached_plans_key", None)
+    found = False
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        cache = getattr(SavePlanner, name, None)
+        if key is not None and isinstance(cache, dict) and key in cache:
+            del cache[key]
+            found = True
+    return found
