@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -86,8 +87,9 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self._bg_group = None
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
-        # DCP caches plans per key; one key per checkpointer keeps two of them from mixing.
-        self._planner._cached_plans_key = f"gemini_ckpt:{id(self)}"
+        # DCP caches plans per key; one key per checkpointer keeps two of them from mixing
+        # (not id(self): ids are reused, and a new Checkpointer would inherit a dead one's plans).
+        self._planner._cached_plans_key = f"gemini_ckpt:{uuid.uuid4().hex}"
         self._closed = False
         self._policy = persist_policy(self.config.persist_every,
                                       self.config.durable_uri or (durable.uri if durable else None))
