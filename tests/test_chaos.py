@@ -183,10 +183,14 @@ def test_ci_matrix_matches_the_planner_and_resumes_bit_identically(harness, tmp_
     assert by_name["pair-group-0-1"].observed["outcome"] == "durable"  # a whole placement group lost
     assert by_name["resize-after-loss"].observed["world_size"] == 2
     assert by_name["resize-after-loss"].observed["saved_world_size"] == 4
+    # Nothing left to restore from: restore fails loudly instead of starting from scratch.
+    assert by_name["durable-unreachable-group-lost"].observed["outcome"] == "error"
     for r in report.results:
         names = {c.name for c in r.checks if c.ok}
-        assert {"prediction", "agreed", "exact_restore", "committed_only", "continued", "final_state",
-                "finished", "durable_tier"} <= names, (r.scenario.name, r.checks)
+        expected = {"prediction", "pre_fault", "durable_tier"}
+        if r.observed["outcome"] != "error":
+            expected |= {"agreed", "exact_restore", "committed_only", "continued", "final_state", "finished"}
+        assert expected <= names, (r.scenario.name, r.checks)
 
 
 def _acknowledges_without_copying(config, rank, world_size):

@@ -31,7 +31,9 @@ from ._cli import add_chaos_command
 from ._job import TinyJob, TrainJob
 from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
 from ._predict import Prediction, plan_scenario, predict, versions_after
-from ._runner import Check, Harness, HarnessError, ScenarioResult, run_scenario
+from ._harness import Harness
+from ._results import Check, HarnessError, ScenarioResult
+from ._runner import run_scenario
 from ._spec import (
     PHASES,
     At,

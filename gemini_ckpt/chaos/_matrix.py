@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from ._runner import Harness, ScenarioResult, StoreFactory, as_job, run_scenario
+from ._harness import Harness, StoreFactory, as_job
+from ._results import ScenarioResult
+from ._runner import run_scenario
 from ._spec import (
     At,
     ChaosConfig,
@@ -33,6 +35,7 @@ CI_SCENARIOS = (
     "pair-group-0-1",
     "pair-ring-1-3",
     "durable-write-outage",
+    "durable-unreachable-group-lost",
     "corrupt-durable",
     "corrupt-replica-peer-slow-holder",
     "resize-after-loss",

@@ -1,29 +1,14 @@
-"""Running scenarios: the :class:`Harness` (cluster, ranks, reference runs) and
-:func:`run_scenario` (train, predict, strike, restart, restore, continue, check)."""
+"""Running one scenario: train, strike, predict, restart, restore, continue, check."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import sys
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from ._predict import (
-    DURABLE,
-    ERROR,
-    FRESH,
-    MEMORY,
-    Prediction,
-    Versions,
-    make_placement,
-    outcome_label,
-    predict,
-    versions_after,
-)
+from ._harness import Harness, JobRun, StoreFactory, as_job
+from ._predict import DURABLE, ERROR, FRESH, MEMORY, Versions, make_placement, predict, versions_after
+from ._results import Check, HarnessError, Reference, ScenarioResult, Trace, err, short
 from ._spec import (
     PERSIST_PHASES,
     STEP,
@@ -35,363 +20,9 @@ from ._spec import (
     HookRule,
     KillStore,
     KillWorker,
-    RemoveHosts,
     Scenario,
     SlowReplication,
 )
-
-StoreFactory = Callable[[Any, int, int], Any]
-"""``store_factory(config, rank, world_size) -> Store``, called in each rank process; the store
-is passed to ``Checkpointer(store=...)`` (e.g. a wrapper around ``connect_ray_store``)."""
-
-PASS, MISMATCH, HARNESS_ERROR = "PASS", "MISMATCH", "ERROR"
-
-
-class HarnessError(RuntimeError):
-    """The harness could not run a scenario as written (not a verdict on the library)."""
-
-
-# --- results -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Check:
-    """One property checked after a scenario; ``ok`` is None when it did not apply."""
-
-    name: str
-    ok: Optional[bool]
-    detail: str = ""
-
-
-@dataclass
-class ScenarioResult:
-    """Everything one scenario predicted, observed and checked (``to_json`` for the report)."""
-
-    scenario: Scenario
-    prediction: Optional[Prediction] = None
-    observed: dict = field(default_factory=dict)
-    steps_lost: Optional[int] = None
-    recovery_s: Optional[float] = None
-    restore_s: Optional[float] = None
-    checks: list[Check] = field(default_factory=list)
-    error: Optional[str] = None
-    duration_s: float = 0.0
-    timings: dict = field(default_factory=dict)  # seconds per stage of the recovery
-    notes: list[str] = field(default_factory=list)  # things worth knowing that are not a verdict
-
-    @property
-    def verdict(self) -> str:
-        if self.error is not None:
-            return HARNESS_ERROR
-        return PASS if all(c.ok is not False for c in self.checks) else MISMATCH
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == PASS
-
-    @property
-    def observed_label(self) -> str:
-        if not self.observed:
-            return "-"
-        return outcome_label(self.observed.get("outcome"), self.observed.get("step"))
-
-    def failed_checks(self) -> list[Check]:
-        return [c for c in self.checks if c.ok is False]
-
-    def to_json(self) -> dict:
-        s = self.scenario
-        return {
-            "name": s.name, "description": s.describe(), "placement": s.placement, "note": s.note,
-            "at": {"step": s.at.step, "phase": s.at.phase, "rank": s.at.rank},
-            "faults": [repr(f) for f in s.faults], "conditions": [repr(c) for c in s.conditions],
-            "restart_hosts": list(s.restart_hosts) if s.restart_hosts is not None else None,
-            "predicted": self.prediction.to_json() if self.prediction else None,
-            "observed": self.observed, "observed_label": self.observed_label,
-            "steps_lost": self.steps_lost, "recovery_s": self.recovery_s, "restore_s": self.restore_s,
-            "timings": self.timings, "notes": self.notes,
-            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
-            "verdict": self.verdict, "error": self.error, "duration_s": round(self.duration_s, 2),
-        }
-
-
-@dataclass
-class _Trace:
-    """One job's records: step -> rank -> what ``RankWorker.run`` returned."""
-
-    losses: dict[int, dict[int, float]] = field(default_factory=dict)
-    digests: dict[int, str] = field(default_factory=dict)
-    extras: dict[int, dict[int, dict]] = field(default_factory=dict)
-
-    def add(self, records: dict[int, list[dict]]) -> None:
-        for rank, recs in records.items():
-            for rec in recs:
-                if "loss" in rec:
-                    self.losses.setdefault(rec["step"], {})[rank] = rec["loss"]
-                    self.extras.setdefault(rec["step"], {})[rank] = rec["extra"]
-                    self.digests[rec["step"]] = rec["digest"]
-
-
-@dataclass
-class Reference:
-    """The uninterrupted run every scenario is compared with."""
-
-    world_size: int
-    initial_digest: str
-    initial_extras: dict[int, dict]
-    trace: _Trace
-    full: dict[int, dict] = field(default_factory=dict)  # step -> full model/optim state
-    opaque: dict[int, dict[int, dict]] = field(default_factory=dict)  # step -> rank -> opaque state
-    seconds: float = 0.0
-
-
-# --- the harness ---------------------------------------------------------------------------------------
-def as_job(job: Any) -> Any:
-    """A :class:`~gemini_ckpt.chaos.TrainJob` instance from a job, a job class, or None (TinyJob)."""
-    from ._job import TinyJob
-
-    if job is None:
-        return TinyJob()
-    if isinstance(job, type):
-        job = job()
-    if not (callable(getattr(job, "build", None)) and callable(getattr(job, "step", None))):
-        raise TypeError(f"a chaos job needs build(rank, world_size, seed) -> TrainState and step(step) -> loss; "
-                        f"got {type(job).__name__}")
-    return job
-
-
-class Harness:
-    """A local cluster of simulated hosts, one training rank per host, and the reference runs.
-
-    Example::
-
-        with Harness(ChaosConfig(hosts=4)) as harness:
-            result = run_scenario(Scenario(name="kill-1", at=At(step=2), faults=(KillWorker((1,)),)),
-                                  harness)
-            print(result.verdict, result.prediction.label(), result.observed_label)
-
-    ``job``: the default :class:`~gemini_ckpt.chaos.TrainJob` (an instance or a class; default
-    :class:`~gemini_ckpt.chaos.TinyJob`); ``run_scenario(..., job=...)`` may use another. The
-    harness starts its own Ray cluster (this process must not be connected to Ray yet) and
-    adds and removes hosts from the thread that called ``start``; ``close`` stops everything.
-    """
-
-    def __init__(self, config: Optional[ChaosConfig] = None, *, job: Any = None,
-                 log: Optional[Callable[[str], None]] = None) -> None:
-        self.config = config or ChaosConfig()
-        if not isinstance(self.config, ChaosConfig):
-            raise TypeError("Harness(config=...) must be a ChaosConfig")
-        self.job = as_job(job)
-        self.log = log or _stderr
-        self.sim = None
-        self.pool = None
-        self.workdir: Optional[str] = None
-        self._own_workdir = False
-        self._references: dict[int, tuple[Any, Reference]] = {}  # id(job) -> (job, reference)
-        self._resized: dict[tuple[int, int, int], dict] = {}
-
-    def start(self) -> "Harness":
-        if self.sim is not None:
-            return self
-        from ._sim import RankPool, SimCluster
-
-        t0 = time.perf_counter()
-        if self.config.workdir:
-            os.makedirs(self.config.workdir, exist_ok=True)
-            self.workdir = self.config.workdir
-        else:
-            self.workdir, self._own_workdir = tempfile.mkdtemp(prefix="gemini-chaos-"), True
-        self.sim = SimCluster(self.config.hosts, object_store_bytes=self.config.object_store_bytes).start()
-        self.pool = RankPool(self.sim)
-        self.pool.ensure(tuple(range(self.config.hosts)))
-        self.log(f"cluster up: head + {self.config.hosts} hosts, {self.config.hosts} ranks "
-                 f"({time.perf_counter() - t0:.1f}s)")
-        return self
-
-    def close(self) -> None:
-        try:
-            if self.pool is not None:
-                self.pool.kill_all()
-            if self.sim is not None:
-                self.sim.shutdown()
-        finally:
-            self.sim = self.pool = None
-            if self._own_workdir and self.workdir:
-                shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> "Harness":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    @property
-    def reference_seconds(self) -> float:
-        """Seconds spent in reference runs so far."""
-        return sum(ref.seconds for _, ref in self._references.values())
-
-    # --- references ------------------------------------------------------------------------------
-    def reference(self, job: Any = None) -> Reference:
-        """The uninterrupted run of ``job`` (default: the harness's) at full world size, once."""
-        job = self.job if job is None else job
-        if id(job) not in self._references:
-            self.start()
-            t0 = time.perf_counter()
-            cfg = self.config
-            hosts = tuple(range(cfg.hosts))
-            run = _Job(self, "reference", job=job, persist=False)
-            try:
-                self.sim.ensure_hosts()
-                self.pool.ensure(hosts)
-                run.setup(hosts)
-                restored = run.expect_all(run.call(hosts, "restore", timeout=cfg.timeout_s + 60), "restore")
-                records = run.expect_all(run.run(hosts, list(range(cfg.steps)), capture=True), "run")
-                for rank, recs in records.items():
-                    for rec in recs:
-                        if rec.get("error") or not rec.get("committed"):
-                            raise HarnessError(f"the reference run failed at step {rec['step']} on rank {rank}: "
-                                               f"{rec.get('error')}")
-                trace = _Trace()
-                trace.add(records)
-                ref = Reference(world_size=cfg.hosts, initial_digest=restored[0]["digest"],
-                                initial_extras={r: v["extra"] for r, v in restored.items()}, trace=trace)
-                for rank, recs in records.items():
-                    for rec in recs:
-                        ref.opaque.setdefault(rec["step"], {})[rank] = rec["opaque"]
-                        if rank == 0:
-                            ref.full[rec["step"]] = rec["full"]
-                run.expect_all(run.call(hosts, "close", timeout=cfg.timeout_s + 30), "close")
-            finally:
-                run.cleanup(hosts)
-            ref.seconds = time.perf_counter() - t0
-            self._references[id(job)] = (job, ref)
-            self.log(f"reference run of {type(job).__name__}: {cfg.steps} steps at world size {cfg.hosts} "
-                     f"({ref.seconds:.1f}s)")
-        return self._references[id(job)][1]
-
-    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None) -> dict:
-        """The reference continuation at another world size: a job of ``world_size`` ranks loads
-        the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on."""
-        job = self.job if job is None else job
-        key = (id(job), world_size, -1 if from_step is None else from_step)
-        if key not in self._resized:
-            ref = self.reference(job)
-            cfg = self.config
-            hosts = tuple(range(world_size))
-            run = _Job(self, f"reference-ws{world_size}-from{key[2]}", job=job, persist=False)
-            try:
-                self.sim.ensure_hosts()
-                self.pool.ensure(hosts)
-                run.setup(hosts)
-                loaded: dict[int, Any] = {}
-                if from_step is not None:
-                    refs = {r: self.pool.workers[h].load_reference.remote(
-                        ref.full[from_step], ref.opaque[from_step][r % ref.world_size], r % ref.world_size, from_step)
-                        for r, h in enumerate(hosts)}
-                    loaded = run.expect_all(self.pool.collect(refs, timeout=cfg.timeout_s + 30), "load")
-                    if any(v["digest"] != ref.trace.digests[from_step] for v in loaded.values()):
-                        raise HarnessError(f"loading the reference state of step {from_step} at world size "
-                                           f"{world_size} did not reproduce it")
-                start = -1 if from_step is None else from_step
-                records = run.expect_all(run.run(hosts, list(range(start + 1, cfg.steps))), "run")
-                trace = _Trace()
-                trace.add(records)
-                run.expect_all(run.call(hosts, "close", timeout=cfg.timeout_s + 30), "close")
-            finally:
-                run.cleanup(hosts)
-            self._resized[key] = {"trace": trace, "loaded": loaded}
-        return self._resized[key]
-
-
-def _stderr(message: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# --- one job on the pool -------------------------------------------------------------------------------
-class _Job:
-    """One training job (a namespace, a durable directory) on some hosts of the pool."""
-
-    def __init__(self, harness: Harness, label: str, *, job: Any, placement: str = "group", persist: bool = True,
-                 store_factory: Optional[StoreFactory] = None, chaos_fs: bool = False) -> None:
-        self.h = harness
-        self.job = job
-        self.namespace = f"chaos-{label}-{uuid.uuid4().hex[:8]}"
-        self.durable_root = os.path.join(harness.workdir, self.namespace)
-        self.placement = placement
-        self.persist = persist
-        self.store_factory = store_factory
-        self.chaos_fs = chaos_fs
-        self.world_size = 0
-        self.notes: list[str] = []
-
-    def _config(self) -> dict:
-        cfg = self.h.config
-        out = {"store": "ray", "namespace": self.namespace, "replicas": cfg.replicas, "placement": self.placement,
-               "keep_in_memory": cfg.keep_in_memory, "timeout_s": float(cfg.timeout_s),
-               "host_memory_budget_bytes": cfg.host_memory_budget_bytes}
-        if self.persist:
-            out.update(persist_every=cfg.persist_every, keep_durable=cfg.keep_durable)
-            if not self.chaos_fs:
-                out["durable_uri"] = self.durable_root
-        return out
-
-    def setup(self, hosts: tuple[int, ...], *, rules: Optional[dict[int, list[HookRule]]] = None,
-              storage_mode: str = "ok", strict: bool = True) -> dict[int, Any]:
-        from ._sim import free_port
-
-        cfg = self.h.config
-        os.makedirs(self.durable_root, exist_ok=True)
-        port = free_port()
-        self.world_size = len(hosts)
-        refs = {}
-        for rank, host in enumerate(hosts):
-            spec = {"rank": rank, "world_size": len(hosts), "port": port, "config": self._config(),
-                    "job": self.job, "seed": cfg.seed, "timeout_s": float(cfg.timeout_s),
-                    "durable_root": self.durable_root, "chaos_fs": self.chaos_fs and self.persist,
-                    "storage_mode": storage_mode, "keep_durable": cfg.keep_durable,
-                    "rules": (rules or {}).get(rank, []), "store_factory": self.store_factory}
-            refs[rank] = self.h.pool.workers[host].setup.remote(spec)
-        results = self.h.pool.collect(refs, timeout=cfg.timeout_s + 120)
-        if strict:
-            self.expect_all(results, "setup")
-        stale = sorted(r for r, v in results.items() if isinstance(v, dict) and v.get("stale_plan_cache"))
-        if stale:
-            self.notes.append(f"ranks {stale} reused the DCP plan cache of a dead Checkpointer with the same "
-                              f"id(); dropped it (see docs/chaos.md, findings)")
-        return results
-
-    def call(self, hosts: tuple[int, ...], method: str, *args, timeout: float) -> dict[int, Any]:
-        """By rank."""
-        refs = {rank: getattr(self.h.pool.workers[host], method).remote(*args) for rank, host in enumerate(hosts)}
-        return self.h.pool.collect(refs, timeout=timeout)
-
-    def run_async(self, hosts: tuple[int, ...], steps: list[int], **kwargs) -> dict[int, Any]:
-        return {rank: self.h.pool.workers[host].run.remote(steps, **kwargs) for rank, host in enumerate(hosts)}
-
-    def run(self, hosts: tuple[int, ...], steps: list[int], **kwargs) -> dict[int, Any]:
-        refs = self.run_async(hosts, steps, **kwargs)
-        return self.h.pool.collect(refs, timeout=self.run_timeout(len(steps)))
-
-    def run_timeout(self, steps: int) -> float:
-        return self.h.config.timeout_s + 30.0 * max(1, steps)
-
-    @staticmethod
-    def expect_all(results: dict[int, Any], what: str) -> dict[int, Any]:
-        """``results`` unless a rank failed (an exception, an error record, or an error string
-        from ``close``): then :class:`HarnessError`."""
-        for rank, r in sorted(results.items()):
-            problem = _err(r) or (r if isinstance(r, str) else None)
-            if problem:
-                raise HarnessError(f"{what} failed on rank {rank}: {problem}")
-        return results
-
-    def cleanup(self, hosts: tuple[int, ...]) -> None:
-        from .._cluster import shutdown_host_stores
-
-        try:
-            self.h.pool.teardown(tuple(h for h in hosts if h in self.h.pool.workers))
-        finally:
-            try:
-                shutdown_host_stores(self.namespace)
-            finally:
-                shutil.rmtree(self.durable_root, ignore_errors=True)
 
 
 # --- one scenario ---------------------------------------------------------------------------------------
@@ -427,14 +58,6 @@ def _durable_steps(root: str) -> list[int]:
     return FsStore(root).committed_steps()
 
 
-def _flip_middle_byte(store, step: int, name: str) -> int:
-    """Run inside a host store actor: flip one byte in the middle of its copy of ``name``."""
-    record = store._versions[step].files[name]
-    i = record.array.nbytes // 2
-    record.array[i] ^= 0xFF
-    return int(i)
-
-
 def _corrupt_replica(namespace: str, node_id: str, step: int, name: str) -> int:
     import ray
 
@@ -443,10 +66,21 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, name: str) -> int:
     handle = find_store(namespace, node_id)
     if handle is None:
         raise HarnessError(f"no host store of namespace {namespace!r} on node {node_id[:12]} to corrupt")
+    files = ray.get(handle.index.remote(), timeout=30).get(step, {}).get("files", {})
+    if name not in files:
+        raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of {name} of step {step}")
+    offset = files[name]["nbytes"] // 2  # inside some item: every item is read at restore
     method = getattr(handle, "corrupt_for_test", None)
     if method is not None:
-        return ray.get(method.remote(step, name), timeout=30)
-    return ray.get(handle.__ray_call__.remote(_flip_middle_byte, step, name), timeout=30)
+        ray.get(method.remote(step, name, offset), timeout=30)
+        return offset
+
+    def flip(store, step: int, name: str, offset: int) -> int:
+        # Nested, so Ray ships it by value: the store process never imports gemini_ckpt (or torch).
+        store._versions[step].files[name].array[offset] ^= 0xFF
+        return offset
+
+    return ray.get(handle.__ray_call__.remote(flip, step, name, offset), timeout=30)
 
 
 def _corrupt_file(path: str) -> int:
@@ -477,7 +111,7 @@ def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
         harness.config.check(scenario)
         _run(scenario, harness, as_job(job) if job is not None else harness.job, store_factory, result)
     except Exception as exc:  # noqa: BLE001 - reported as the scenario's harness error
-        result.error = _short(f"{type(exc).__name__}: {exc}", 1000)
+        result.error = short(f"{type(exc).__name__}: {exc}", 1000)
     result.duration_s = time.perf_counter() - t_start
     harness.log(f"{scenario.name}: {result.verdict} predicted {result.prediction.label() if result.prediction else '-'}"
                 f", observed {result.observed_label} ({result.duration_s:.1f}s)"
@@ -496,12 +130,12 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
     p = make_placement(s.placement, cfg.hosts, cfg.replicas)
     outage = s.condition(DurableWriteOutage)
     unreachable = s.condition(DurableUnreachable) is not None
-    job = _Job(h, s.name, job=train_job, placement=s.placement, store_factory=store_factory,
-               chaos_fs=outage is not None or unreachable)
+    job = JobRun(h, s.name, job=train_job, placement=s.placement, store_factory=store_factory,
+                 chaos_fs=outage is not None or unreachable)
     outage_steps = outage.steps if outage else ()
     restart_hosts = s.restart_hosts if s.restart_hosts is not None else hosts
     checks = result.checks
-    trace = _Trace()
+    trace = Trace()
     try:
         h.sim.ensure_hosts()
         h.pool.ensure(hosts)
@@ -518,7 +152,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         missing = sorted(set(before) - set(committed))
         if missing:
             first = next((r["error"] for recs in records.values() for r in recs if r.get("error")), "no error")
-            raise HarnessError(f"steps {missing} were not committed before any fault: {_short(first)}")
+            raise HarnessError(f"steps {missing} were not committed before any fault: {short(first)}")
         persisted = _durable_steps(job.durable_root)
 
         # 2. strike
@@ -544,7 +178,8 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         timings = result.timings
         timings["fault_s"] = replace_s
         timings["let_go_s"] = t_restart - t_fault - replace_s
-        survivors = tuple(x for x in hosts if x not in s.removed_hosts() and x in h.pool.workers)
+        dead = s.dead_ranks(hosts)
+        survivors = tuple(x for r, x in enumerate(hosts) if r not in dead and x in h.pool.workers)
         h.pool.teardown(survivors)
         timings["teardown_s"] = time.perf_counter() - t_restart
         t = time.perf_counter()
@@ -553,13 +188,13 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         t = time.perf_counter()
         setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False)
         timings["setup_s"] = time.perf_counter() - t
-        errors = {r: _err(v) for r, v in setup.items() if _err(v)}
+        errors = {r: err(v) for r, v in setup.items() if err(v)}
         restored: dict[int, Any] = {}
         if not errors:
             t = time.perf_counter()
             restored = job.call(restart_hosts, "restore", timeout=cfg.timeout_s + 60)
             timings["restore_s"] = time.perf_counter() - t
-            errors = {r: _err(v) for r, v in restored.items() if _err(v)}
+            errors = {r: err(v) for r, v in restored.items() if err(v)}
         for k in timings:
             timings[k] = round(timings[k], 2)
         # Detection, replacement hosts, restart and restore; not the harness's own waiting for
@@ -601,13 +236,14 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
 
 
 def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
-            grace_s: float = 10.0) -> dict[int, Any]:
+            grace_s: float = 3.0) -> dict[int, Any]:
     """Release the ranks held at the fault's phase and collect what their in-flight step did.
 
     Survivors whose peers died sit in a collective until the process group's timeout; they are
     not waited for (the restart replaces them). Rank 0 is waited for when it may still be
     persisting the version in flight, so the durable tier ends up as the prediction assumes."""
-    alive = {r: hosts[r] for r in range(len(hosts)) if hosts[r] in h.pool.workers}
+    dead = s.dead_ranks(hosts)  # their hosts already run replacement workers
+    alive = {r: hosts[r] for r in range(len(hosts)) if r not in dead and hosts[r] in h.pool.workers}
     h.pool.collect({r: h.pool.workers[x].release.remote() for r, x in alive.items()}, timeout=10)
     out = h.pool.collect(in_flight, timeout=grace_s)
     persisting = s.at.phase in ("committed", "persist", "persist_commit") and cfg.persisted_by_policy(s.at.step)
@@ -639,7 +275,7 @@ def _wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: f
     raise HarnessError(f"rank {s.at.rank} did not reach phase {s.at.phase!r} of step {s.at.step} within {timeout}s")
 
 
-def _inject(s: Scenario, h: Harness, job: _Job, hosts: tuple[int, ...], committed: list[int],
+def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committed: list[int],
             persisted: list[int]) -> tuple[dict, set]:
     """Apply the faults; returns what was corrupted (memory: step -> owner -> slots; durable steps)."""
     import ray
@@ -663,10 +299,10 @@ def _inject(s: Scenario, h: Harness, job: _Job, hosts: tuple[int, ...], committe
             step = max(persisted)
             _corrupt_file(os.path.join(job.durable_root, step_dir_name(step), data_file_name(fault.rank)))
             corrupt_durable.add(step)
-    for fault in s.faults:
-        if isinstance(fault, KillWorker):
-            for rank in fault.ranks:
-                h.pool.sigkill(hosts[rank])
+    killed = tuple(hosts[rank] for fault in s.faults if isinstance(fault, KillWorker) for rank in fault.ranks)
+    for host in killed:
+        h.pool.sigkill(host)
+    h.pool.respawn(killed)
     for fault in s.faults:
         if isinstance(fault, KillStore):
             for host in fault.hosts:
@@ -680,30 +316,14 @@ def _inject(s: Scenario, h: Harness, job: _Job, hosts: tuple[int, ...], committe
             h.pool.forget(host)
         for host in s.replaced_hosts():
             h.sim.add_host(host)
+        h.pool.respawn(s.replaced_hosts())
     return corrupt_memory, corrupt_durable
-
-
-def _short(text: str, limit: int = 400) -> str:
-    """One line, at most ``limit`` characters (tracebacks stay in the logs)."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _err(value: Any) -> Optional[str]:
-    if isinstance(value, BaseException):
-        cause = getattr(value, "cause", None)  # a RayTaskError: the rank's own exception
-        if isinstance(cause, BaseException):
-            value = cause
-        return f"{type(value).__name__}: {value}"
-    if isinstance(value, dict) and value.get("error"):
-        return value["error"]
-    return None
 
 
 def _observe(restored: dict[int, Any], errors: dict[int, str]) -> dict:
     if errors:
         rank, message = sorted(errors.items())[0]
-        return {"outcome": ERROR, "step": None, "error": _short(f"rank {rank}: {message}", 600)}
+        return {"outcome": ERROR, "step": None, "error": short(f"rank {rank}: {message}", 600)}
     r0 = restored[0]
     if r0["step"] is None:
         return {"outcome": FRESH, "step": None}
@@ -712,7 +332,7 @@ def _observe(restored: dict[int, Any], errors: dict[int, str]) -> dict:
             "saved_world_size": r0["saved_world_size"], "world_size": len(restored)}
 
 
-def _check_pre_fault(trace: _Trace, ref: Reference, steps: list[int]) -> list[Check]:
+def _check_pre_fault(trace: Trace, ref: Reference, steps: list[int]) -> list[Check]:
     bad = [st for st in steps if trace.losses.get(st) != ref.trace.losses.get(st)
            or trace.digests.get(st) != ref.trace.digests.get(st)]
     return [Check("pre_fault", not bad, f"steps {bad} differ from the reference before any fault" if bad
@@ -749,7 +369,7 @@ def _check_restore(checks: list[Check], restored: dict[int, dict], versions: Ver
 
 def _check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Reference, after: dict[int, Any],
                         closed: dict[int, Any], hosts: tuple[int, ...], step0: Optional[int], rest: list[int]) -> None:
-    errors = {r: _err(v) for r, v in after.items() if _err(v)}
+    errors = {r: err(v) for r, v in after.items() if err(v)}
     records = {r: v for r, v in after.items() if isinstance(v, list)}
     for r, recs in records.items():
         for rec in recs:
@@ -757,8 +377,8 @@ def _check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Re
                 errors[r] = f"step {rec['step']}: {rec['error']}"
             elif rec.get("persist_error"):
                 errors[r] = f"step {rec['step']} was not persisted: {rec['persist_error']}"
-    close_errors = {r: _err(v) or v for r, v in closed.items() if _err(v) or isinstance(v, str)}
-    trace = _Trace()
+    close_errors = {r: err(v) or v for r, v in closed.items() if err(v) or isinstance(v, str)}
+    trace = Trace()
     trace.add(records)
     if len(hosts) == ref.world_size:
         want = ref.trace
@@ -768,7 +388,7 @@ def _check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Re
     finished = done and len(records) == len(hosts) and not errors and not close_errors
     checks.append(Check("finished", finished, f"steps {rest[0] if rest else '-'}..{rest[-1] if rest else '-'} "
                         f"trained and committed, close() ok" if finished
-                        else _short(f"errors {errors or close_errors}", 600)))
+                        else short(f"errors {errors or close_errors}", 600)))
     bad = [st for st in rest if trace.losses.get(st) != want.losses.get(st)]
     checks.append(Check("continued", not bad and done,
                         f"losses of steps {bad} differ from the reference" if bad

@@ -22,7 +22,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
-from ray.exceptions import GetTimeoutError, RayActorError, RayError  # noqa: E402
+from ray.exceptions import GetTimeoutError, RayError  # noqa: E402
 
 from ._worker import RankWorker  # noqa: E402
 
@@ -166,6 +166,13 @@ class RankPool:
             self.infos[h] = ray.get(ref, timeout=timeout)
         return fresh
 
+    def respawn(self, hosts: tuple[int, ...]) -> None:
+        """Start new workers on ``hosts`` now, without waiting (their processes are dead or about
+        to be replaced): a job controller starts replacements at once, so should we."""
+        for h in hosts:
+            self.forget(h)
+            self.workers[h] = self._start(h)
+
     def pid(self, host: int) -> int:
         return self.infos[host]["pid"]
 
@@ -205,7 +212,7 @@ class RankPool:
                 out[h] = exc
         return out
 
-    def teardown(self, hosts: Optional[tuple[int, ...]] = None, *, limit_s: float = 4.0) -> list[int]:
+    def teardown(self, hosts: Optional[tuple[int, ...]] = None, *, limit_s: float = 2.0) -> list[int]:
         """Stop every job on ``hosts`` (default: all); workers that are dead, stuck or unclean
         are killed (and replaced at the next :meth:`ensure`). Returns the hosts killed."""
         hosts = tuple(self.workers) if hosts is None else hosts

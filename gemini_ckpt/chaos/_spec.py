@@ -184,7 +184,7 @@ class DurableWriteOutage:
         object.__setattr__(self, "steps", tuple(_nonneg_int("DurableWriteOutage.steps", s) for s in self.steps))
 
     def label(self) -> str:
-        return f"durable writes fail at {','.join(map(str, self.steps))}"
+        return f"durable writes fail while persisting step {','.join(map(str, self.steps))}"
 
 
 @dataclass(frozen=True)
