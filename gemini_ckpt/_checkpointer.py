@@ -117,7 +117,12 @@ class Checkpointer:
             self._durable = DurableTier(self.config.durable_uri, keep=self.config.keep_durable)
         if self._durable is not None:
             if self.rank == 0:
-                self._durable.cleanup_incomplete()
+                try:
+                    self._durable.cleanup_incomplete()
+                except OSError as exc:
+                    # Memory may hold everything needed; persists will report the outage.
+                    log.warning("durable tier %s is not reachable at start (%s: %s); incomplete "
+                                "versions are cleaned up next time", self._durable.uri, type(exc).__name__, exc)
             self._persist_thread = threading.Thread(target=self._persist_run, name="gemini-ckpt-persist",
                                                     daemon=True)
             self._persist_thread.start()
@@ -158,6 +163,13 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop without waiting for in-flight versions and without raising what failed: for a
+        job that is going down anyway (an exception in the training loop, a peer that died).
+        Versions already committed stay in the store; one still in flight never commits."""
+        if not self._closed:
             self._shutdown(raise_errors=False)
 
     # --- save ---------------------------------------------------------------------------------
@@ -234,8 +246,12 @@ class Checkpointer:
         if (self._durable is None or not self.config.persist_on_close or self.config.persist_every <= 0
                 or step is None or step in self._persist_queued):
             return
-        if step in self._durable.complete_steps():
-            return
+        try:
+            if step in self._durable.complete_steps():
+                return
+        except OSError as exc:
+            log.warning("rank %d: cannot list the durable tier on close (%s); trying to persist anyway",
+                        self.rank, exc)
         log.info("rank %d: persisting step %d on close", self.rank, step)
         handle = SaveHandle(step)
         self._queue_persist(handle)
@@ -261,6 +277,7 @@ class Checkpointer:
             self._persist_thread.join(timeout=self.config.timeout_s)
             self._persist_thread = None
         self._closed = True
+        _forget_plans(self._planner)
         if raise_errors:
             self._raise_background_errors()
 
@@ -405,3 +422,14 @@ class Checkpointer:
         if result is not None:
             log.info("rank %d: %s", self.rank, result.summary())
         return result
+
+
+def _forget_plans(planner: DefaultSavePlanner) -> None:
+    """Drop this checkpointer's entries from DCP's process-wide save-plan cache (class-level
+    dicts keyed by ``_cached_plans_key``), which would otherwise keep them for the process's life."""
+    key = getattr(planner, "_cached_plans_key", None)
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        cache = getattr(type(planner), name, None)
+        if key is not None and isinstance(cache, dict):
+            cache.pop(key, None)

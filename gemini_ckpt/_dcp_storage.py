@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import torch
 from torch.futures import Future
@@ -168,6 +168,8 @@ class StoreWriter(StorageWriter):
         return False
 
 
+_MAX_COPIES = 16  # copies of one item tried within a tier (holders)
+
 RangeFetch = Callable[[str, int, int], Any]
 """``fetch(file, offset, length)`` -> bytes-like: how a reader gets bytes from one source."""
 
@@ -178,6 +180,10 @@ class Source:
 
     tier: str  # "memory" or "durable"
     fetch: RangeFetch
+    # ``refetch(file, offset, length, n)``: the same range from the n-th other copy within this
+    # tier (another holder), raising LookupError when there is none; tried when a copy fails
+    # its checksum, before the next tier.
+    refetch: Optional[Callable[[str, int, int, int], Any]] = None
 
 
 class StoreReader(StorageReader):
@@ -245,20 +251,32 @@ class StoreReader(StorageReader):
         if expected is None:
             raise ChecksumError(f"{where}: no checksum recorded for this item; refusing to load it")
         for source in self.sources:
-            try:
-                raw = bytes(source.fetch(info.relative_path, info.offset, info.length))
-            except (LookupError, OSError, ValueError, CheckpointError) as exc:
-                self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
-                continue
-            if len(raw) != info.length or checksum(raw) != expected.crc:
-                self.problems.append(f"{source.tier}: {where}: checksum mismatch (corrupt copy skipped)")
-                log.warning("%s copy of %s failed its checksum; trying the next source", source.tier, where)
-                continue
-            self.bytes_read += len(raw)
-            self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + len(raw)
-            return raw
+            for attempt in range(_MAX_COPIES):
+                try:
+                    if attempt == 0:
+                        raw = bytes(source.fetch(info.relative_path, info.offset, info.length))
+                    elif source.refetch is None:
+                        break
+                    else:
+                        raw = bytes(source.refetch(info.relative_path, info.offset, info.length, attempt))
+                except LookupError as exc:
+                    if attempt == 0:
+                        self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
+                    break  # no (further) copy in this tier
+                except (OSError, ValueError, CheckpointError) as exc:
+                    self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
+                    break
+                if len(raw) != info.length or checksum(raw) != expected.crc:
+                    self.problems.append(f"{source.tier}: {where}: checksum mismatch in copy {attempt + 1} "
+                                         f"(corrupt copy skipped)")
+                    log.warning("%s copy %d of %s failed its checksum; trying the next copy",
+                                source.tier, attempt + 1, where)
+                    continue
+                self.bytes_read += len(raw)
+                self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + len(raw)
+                return raw
         raise ChecksumError(f"{where}: no source returned a copy that passes its checksum: "
-                            + "; ".join(self.problems[-len(self.sources):]))
+                            + "; ".join(p for p in self.problems if where in p))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:

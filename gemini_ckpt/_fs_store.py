@@ -52,7 +52,8 @@ class FsStore:
             self.fs, self.root = resolve_filesystem(uri)
         else:
             raise ValueError("FsStore needs a uri or a filesystem and root")
-        self.fs.create_dir(self.root, recursive=True)
+        # No I/O here: an unreachable location must not stop a job that can restore from
+        # memory. Directories are created by the first write (``put_file``).
 
     def _path(self, step: int, name: str = "") -> str:
         base = posixpath.join(self.root, step_dir_name(step))

@@ -244,6 +244,14 @@ class HostStore:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({arr.nbytes} bytes)")
         return arr[offset : offset + length]
 
+    def corrupt_for_test(self, step: int, name: str, offset: int) -> int:
+        """Flip one byte of a kept copy (in place): lets tests and the chaos harness prove that
+        checksums bite and that a reader moves on to another holder. Returns ``offset``."""
+        with self._lock:
+            record = self._versions[step].files[name]
+            record.array[offset] ^= 0xFF
+        return offset
+
     def persist_files(self, step: int, uri: str, directory: str, names: list[str]) -> int:
         """Write these complete data files of ``step`` to ``directory`` (a path inside the
         ``pyarrow.fs`` location ``uri``), straight from this store's memory: the durable tier's

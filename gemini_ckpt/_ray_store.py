@@ -319,10 +319,14 @@ class RayStore:
                 log.warning("rank %d: %s did not answer manifest(%d)", self.rank, self._describe_slot(slot), step)
         raise VersionNotFoundError(f"step {step}: no live host store that committed it answers")
 
-    def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
+    def read_range(self, step: int, name: str, offset: int, length: int, *, skip: int = 0) -> memoryview:
+        """Bytes of a committed version's file from the first live holder that answers (local
+        first), read ahead in blocks of ``READ_BLOCK_BYTES``. ``skip=n`` passes over the first
+        ``n`` holders that answer and reads exactly this range from the next one (a reader whose
+        copy failed its checksum); LookupError when no further holder answers."""
         with self._lock:
             block = self._block
-        if block is not None and block[:2] == (step, name) and block[2] <= offset \
+        if not skip and block is not None and block[:2] == (step, name) and block[2] <= offset \
                 and offset + length <= block[2] + block[4].nbytes:
             start = offset - block[2]
             self._count_read(block[3], length)
@@ -330,7 +334,8 @@ class RayStore:
         size, slots = self._locate(step, name)
         if offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({size} bytes)")
-        want = min(max(length, READ_BLOCK_BYTES), size - offset)
+        want = length if skip else min(max(length, READ_BLOCK_BYTES), size - offset)
+        answered = 0
         for slot in slots:
             handle = self._live().get(slot)
             if handle is None:
@@ -347,10 +352,16 @@ class RayStore:
             except GetTimeoutError:
                 log.warning("rank %d: %s did not answer a read of %s", self.rank, self._describe_slot(slot), name)
                 continue
-            with self._lock:
-                self._block = (step, name, offset, slot, arr)
+            answered += 1
+            if answered <= skip:
+                continue
+            if not skip:
+                with self._lock:
+                    self._block = (step, name, offset, slot, arr)
             self._count_read(slot, length)
             return memoryview(arr[:length])
+        if skip:
+            raise VersionNotFoundError(f"step {step}: no live host store holds copy {skip + 1} of {name!r}")
         raise VersionNotFoundError(f"step {step}: no live host store holds a complete copy of {name!r}")
 
     def _count_read(self, slot: int, nbytes: int) -> None:

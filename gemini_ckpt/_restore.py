@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ._config import CheckpointConfig
 from ._dcp_storage import Source, StoreReader, load_version as dcp_load
-from ._errors import ChecksumError, ConfigError, StructureMismatchError
+from ._errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
 from ._handle import RestoreResult
 from ._state import GRADS, MODEL, OPTIM, RANK_LOCAL, TrainState, derive_rng_state, restore_rng_state
 from ._store import Store
@@ -30,23 +30,43 @@ class WorldSizeChangeWarning(UserWarning):
 
 def candidates(tiers: list[tuple[str, Store]]) -> list[tuple[int, int]]:
     """``(step, tier index)`` newest first; at equal steps the earlier tier (memory) first."""
-    found = [(step, i) for i, (_, store) in enumerate(tiers) for step in store.committed_steps()]
-    return sorted(found, key=lambda c: (-c[0], c[1]))
+    return [(step, backups[0]) for step, backups in survey(tiers)[0]]
+
+
+def survey(tiers: list[tuple[str, Store]]) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
+    """What every tier holds: ``([(step, tier indices holding it, in tier order)] newest first,
+    {tier name: why it could not be listed})``. A tier that cannot be listed (storage
+    unreachable) is left out and named, never taken for an empty one."""
+    held: dict[int, list[int]] = {}
+    unreachable: dict[str, str] = {}
+    for i, (name, store) in enumerate(tiers):
+        try:
+            steps = store.committed_steps()
+        except OSError as exc:
+            unreachable[name] = f"{type(exc).__name__}: {exc}"
+            log.warning("the %s tier cannot be listed: %s", name, unreachable[name])
+            continue
+        for step in steps:
+            held.setdefault(step, []).append(i)
+    return [(step, tuple(held[step])) for step in sorted(held, reverse=True)], unreachable
 
 
 def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: int, world_size: int, group,
                    config: CheckpointConfig) -> Optional[RestoreResult]:
     """Try versions newest first (memory before durable at equal steps) until one loads.
 
-    Every rank walks rank 0's candidate list (one collective), and DCP's load raises on every
-    rank when any rank's read fails, so all ranks move to the next candidate together."""
+    Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
+    every rank when any rank's read fails, so all ranks move to the next candidate together.
+    A tier that cannot be listed is skipped; if nothing can be restored while one could not be
+    listed, this raises :class:`CheckpointError` rather than report "no checkpoint" (which
+    would start the job from scratch over versions it cannot see)."""
     t0 = time.perf_counter()
-    order = _agree(candidates(tiers) if rank == 0 or world_size == 1 else [], world_size, group)
+    order, unreachable = _agree(survey(tiers) if rank == 0 or world_size == 1 else None, world_size, group)
     skipped: list[int] = []
-    for step, tier in order:
-        name = tiers[tier][0]
-        # The chosen tier first; lower tiers that hold the same step back it up item by item.
-        sources = [tiers[tier]] + [t for t in tiers[tier + 1 :] if step in t[1].committed_steps()]
+    for step, holding in order:
+        name = tiers[holding[0]][0]
+        # The newest tier holding the step first; later tiers back it up item by item.
+        sources = [tiers[i] for i in holding]
         try:
             result = load_version(state, sources, step, rank=rank, world_size=world_size,
                                   group=group, config=config, t0=t0)
@@ -56,9 +76,18 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
             log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
             skipped.append(step)
             continue
+        if unreachable and rank == 0:
+            log.warning("restored step %d although the %s tier could not be listed (%s)", step,
+                        " and ".join(unreachable), "; ".join(unreachable.values()))
         return _with_skipped(result, skipped)
+    blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
     if skipped:
-        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}")
+        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}")
+    if unreachable:
+        raise CheckpointError(
+            f"nothing to restore from the readable tiers{blind}. Refusing to report 'no checkpoint' "
+            f"(which would start training from scratch): make the storage reachable and restore "
+            f"again, or remove CheckpointConfig.durable_uri to start without it")
     return None
 
 
@@ -73,7 +102,7 @@ def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int,
     target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
     check_structure(target, metadata)
 
-    reader = StoreReader(manifest, [Source(t, _fetcher(s, step)) for t, s in sources])
+    reader = StoreReader(manifest, [Source(t, _fetcher(s, step), _refetcher(s, step)) for t, s in sources])
     before = _local_peer(store)
     try:
         dcp_load(target, reader, group=group, no_dist=world_size == 1)
@@ -143,11 +172,11 @@ def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointCo
     return rank % saved_ws
 
 
-def _agree(order: list, world_size: int, group) -> list:
-    """All ranks walk rank 0's candidate list (one collective)."""
+def _agree(survey_result, world_size: int, group):
+    """All ranks walk rank 0's survey (one collective)."""
     if world_size == 1:
-        return order
-    box = [order]
+        return survey_result
+    box = [survey_result]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
@@ -157,6 +186,26 @@ def _fetcher(store: Store, step: int):
         return store.read_range(step, name, offset, length)
 
     return fetch
+
+
+def _refetcher(store: Store, step: int):
+    """Another holder's copy of a range, for stores with several copies of a file."""
+    if not _takes_skip(store):
+        return None
+
+    def refetch(name: str, offset: int, length: int, n: int):
+        return store.read_range(step, name, offset, length, skip=n)
+
+    return refetch
+
+
+def _takes_skip(store: Store) -> bool:
+    import inspect
+
+    try:
+        return "skip" in inspect.signature(store.read_range).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _local_peer(store: Store) -> tuple[int, int]:

@@ -1,5 +1,6 @@
 """A real local filesystem, behind ``pyarrow.fs.PyFileSystem``, that fails or stalls the way
-storage does: writes raise while ``failing`` is set (an unreachable bucket, a full disk),
+storage does: writes raise while ``failing`` is set (a full disk, a bucket refusing uploads),
+every operation raises while ``unreachable`` is set (the network to the bucket is down),
 and writes to paths containing ``stall_on`` block (a hung upload) so a test can kill the
 writer mid-persist."""
 
@@ -15,10 +16,16 @@ class FaultyHandler(pafs.FileSystemHandler):
     def __init__(self, *, stall_on: str | None = None) -> None:
         self.base = pafs.LocalFileSystem()
         self.failing = threading.Event()
+        self.unreachable = threading.Event()
         self.stall_on = stall_on
         self.writes = 0
 
+    def _check_read(self, path) -> None:
+        if self.unreachable.is_set():
+            raise OSError(f"injected: storage unreachable ({path})")
+
     def _check_write(self, path: str) -> None:
+        self._check_read(path)
         if self.failing.is_set():
             raise OSError(f"injected storage failure writing {path}")
         if self.stall_on and self.stall_on in path:
@@ -35,6 +42,7 @@ class FaultyHandler(pafs.FileSystemHandler):
         return self.base.open_append_stream(path)
 
     def create_dir(self, path, recursive):
+        self._check_read(path)
         if self.failing.is_set():
             raise OSError(f"injected storage failure creating {path}")
         self.base.create_dir(path, recursive=recursive)
@@ -54,30 +62,37 @@ class FaultyHandler(pafs.FileSystemHandler):
         return self.base.normalize_path(path)
 
     def get_file_info(self, paths):
+        self._check_read(paths)
         return self.base.get_file_info(paths)
 
     def get_file_info_selector(self, selector):
+        self._check_read(selector.base_dir)
         return self.base.get_file_info(selector)
 
     def delete_dir(self, path):
+        self._check_read(path)
         self.base.delete_dir(path)
 
     def delete_dir_contents(self, path, missing_dir_ok=False):
+        self._check_read(path)
         self.base.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
 
     def delete_root_dir_contents(self):
         raise OSError("refusing to delete the root")
 
     def delete_file(self, path):
+        self._check_read(path)
         self.base.delete_file(path)
 
     def copy_file(self, src, dest):
         self.base.copy_file(src, dest)
 
     def open_input_stream(self, path):
+        self._check_read(path)
         return self.base.open_input_stream(path)
 
     def open_input_file(self, path):
+        self._check_read(path)
         return self.base.open_input_file(path)
 
 

@@ -259,7 +259,7 @@ class RankWorker:
 
         if self.ckpt is not None:
             try:
-                self.ckpt._shutdown(raise_errors=False)
+                self.ckpt.abort()
             except Exception:  # noqa: BLE001 - a crashed job's leftovers
                 pass
             self.ckpt = None

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from faulty_fs import faulty_filesystem
-from gemini_ckpt import BackgroundError, CheckpointConfig, Checkpointer, TrainState
+from gemini_ckpt import BackgroundError, CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt._durable import DurableTier
 from gemini_ckpt._toy import TinyLM, build_training, lm_loss
 
@@ -122,6 +122,40 @@ def test_storage_failure_keeps_training_and_memory_tier_going_and_next_persist_r
     ckpt.close()
     assert durable.complete_steps() == [1, 5]
     assert durable.latest() == 5
+
+
+def test_unreachable_storage_restores_from_memory_and_never_starts_fresh_blind(tmp_path):
+    fs, handler = faulty_filesystem()
+    root = str(tmp_path / "d")
+    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, keep_durable=5,
+                              persist_on_close=False)
+    ckpt, kept, handles = _train_and_save(config, 4, durable=DurableTier(filesystem=fs, root=root), record=(3,))
+    assert handles[3].persisted.result(timeout=60)
+    handler.unreachable.set()
+
+    # Memory holds everything: the restart neither needs nor waits for the durable tier.
+    t = build_training(seed=5, dataset_size=32)
+    again = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config,
+                         durable=DurableTier(filesystem=fs, root=root))
+    result = again.restore()
+    assert (result.step, result.source, result.sources) == (3, "memory", {0: "local"})
+    _assert_matches(t.model, t.optimizer, kept[3])
+    again.abort()
+
+    # Memory is empty (another namespace) and the storage cannot be listed: an error naming the
+    # tier, not "no checkpoint" (which would restart training from step 0).
+    t = build_training(seed=6, dataset_size=32)
+    blind = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+                         CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2),
+                         durable=DurableTier(filesystem=fs, root=root))
+    with pytest.raises(CheckpointError, match="durable tier could not be listed.*injected: storage unreachable"):
+        blind.restore()
+    handler.unreachable.clear()  # storage back: the same Checkpointer restores from it
+    result = blind.restore()
+    assert (result.step, result.source) == (3, "durable")
+    _assert_matches(t.model, t.optimizer, kept[3])
+    blind.abort()
+    ckpt.close()
 
 
 def test_flipped_byte_caught_by_verify_and_restore_falls_back(tmp_path):

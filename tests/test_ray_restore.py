@@ -157,3 +157,21 @@ def test_ranks_never_mix_versions_when_one_dies_mid_save(ray_cluster, ranks, ref
     restored = ranks.call("restore")
     assert [r["step"] for r in restored] == [3] * HOSTS
     assert [r["digest"] for r in restored] == [reference[r][3] for r in range(HOSTS)]
+
+
+@pytest.mark.ray
+def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, reference):
+    ns = f"corrupt-{uuid.uuid4().hex[:8]}"
+    ranks.restart(ns)
+    ranks.train(range(4))
+    # Flip a byte in the middle of rank 1's shard of step 3, in host 1's own store (the local copy).
+    store = find_store(ns, node_id_of_host(1))
+    name = "__1_0.distcp"
+    nbytes = ray.get(store.index.remote())[3]["files"][name]["nbytes"]
+    ray.get(store.corrupt_for_test.remote(3, name, nbytes // 2))
+    ranks.restart(ns)
+    restored = ranks.call("restore")
+    # Same step, still from memory: only the bad item came from host 0, the other holder.
+    assert [(r["step"], r["source"]) for r in restored] == [(3, "memory")] * HOSTS
+    assert restored[1]["sources"][1] == "peer" and restored[1]["read_peer"] > 0
+    assert [r["digest"] for r in restored] == [reference[rank][3] for rank in range(HOSTS)]

@@ -228,10 +228,6 @@ class JobRun:
         results = self.h.pool.collect(refs, timeout=cfg.timeout_s + 120)
         if strict:
             self.expect_all(results, "setup")
-        stale = sorted(r for r, v in results.items() if isinstance(v, dict) and v.get("stale_plan_cache"))
-        if stale:
-            self.notes.append(f"ranks {stale} reused the DCP plan cache of a dead Checkpointer with the same "
-                              f"id(); dropped it (see docs/chaos.md, findings)")
         return results
 
     def call(self, hosts: tuple[int, ...], method: str, *args, timeout: float) -> dict[int, Any]:

@@ -70,17 +70,7 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, name: str) -> int:
     if name not in files:
         raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of {name} of step {step}")
     offset = files[name]["nbytes"] // 2  # inside some item: every item is read at restore
-    method = getattr(handle, "corrupt_for_test", None)
-    if method is not None:
-        ray.get(method.remote(step, name, offset), timeout=30)
-        return offset
-
-    def flip(store, step: int, name: str, offset: int) -> int:
-        # Nested, so Ray ships it by value: the store process never imports gemini_ckpt (or torch).
-        store._versions[step].files[name].array[offset] ^= 0xFF
-        return offset
-
-    return ray.get(handle.__ray_call__.remote(flip, step, name, offset), timeout=30)
+    return ray.get(handle.corrupt_for_test.remote(step, name, offset), timeout=30)
 
 
 def _corrupt_file(path: str) -> int:

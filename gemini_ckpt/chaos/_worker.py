@@ -85,13 +85,12 @@ class RankWorker:
         if spec.get("store_factory") is not None:
             store = spec["store_factory"](config, self.rank, self.world_size)
         self.ckpt = Checkpointer(self.state, config, store=store, durable=durable)
-        stale = _drop_stale_plan_cache(self.ckpt)
         self.persist_every = config.persist_every
         self._rules = list(spec.get("rules") or ())
         self._release = threading.Event()
         self._paused = None
         set_hook(self._hook if self._rules else None)
-        return {**self.info(), "stale_plan_cache": stale}
+        return self.info()
 
     def _hook(self, phase: str, **ctx) -> None:
         step = ctx.get("step")
@@ -223,27 +222,6 @@ class RankWorker:
 
 def _quiet_shutdown(ckpt) -> None:
     try:
-        ckpt._shutdown(raise_errors=False)
+        ckpt.abort()
     except BaseException:  # noqa: BLE001 - a crashed job's leftovers
         pass
-
-
-def _drop_stale_plan_cache(ckpt) -> bool:
-    """Work around a library bug the harness found; True when it struck.
-
-    ``Checkpointer`` keys DCP's save-plan cache (class-level, per process) by
-    ``id(Checkpointer)``. A new Checkpointer that gets the id of a dead one finds that one's
-    cached plans, while ranks in fresh processes have none; the coordinator's global plan then
-    fails (``TypeError`` inside DCP) and no version commits. This process reuses survivors
-    across restarts, so it drops cache entries a brand-new Checkpointer must not see."""
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    key = getattr(getattr(ckpt, "_planner", None), "_cached_plans_key", None)
-    found = False
-    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
-                 "_cached_final_save_plan"):
-        cache = getattr(SavePlanner, name, None)
-        if key is not None and isinstance(cache, dict) and key in cache:
-            del cache[key]
-            found = True
-    return found
