@@ -10,6 +10,7 @@ Usage (from the repository root)::
     python -m benchmarks --quick          # a few minutes on 2 cores; writes results/quick/
     python -m benchmarks                  # full sizes (~1 GB states; tens of minutes)
     python -m benchmarks --only restore persist
+    python -m benchmarks --quick --only scaling
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BENCHES = [
     ("restore", "bench_restore.py", "restore.json", 400, 3600),
     ("persist", "bench_persist.py", "persist.json", 400, 3600),
     ("overhead", "bench_overhead.py", "overhead.json", 400, 3600),
+    ("scaling", "bench_scaling.py", "scaling.json", 400, 3600),
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 
@@ -129,6 +131,23 @@ def summary_rows(res: dict) -> list[list[str]]:
     if d:
         rows.append(["training throughput, checkpoint every step / never", f"{d['ratio']:.3f}", "1.000",
                      f"{d['ratio']:.3f}", f">= {d['target']}", _met(d.get("target_met"))])
+    d = res.get("scaling")
+    if d and d.get("slope_s_per_host") is not None:
+        by = {r["hosts"]: r for r in d["rows"]}
+        lo, hi = by[min(by)], by[max(by)]
+        rows.append([f"time to safe vs hosts ({min(by)}->{max(by)}, {lo['shard_bytes'] / 1e6:.0f} MB per host), "
+                     "slope", f"{d['slope_s_per_host'] * 1e3:+.1f} ms/host",
+                     f"t({min(by)}) {_f(lo['time_to_safe_s'])}, t({max(by)}) {_f(hi['time_to_safe_s'])}",
+                     f"{d['ratio_label']} = {d['ratio_largest_to_smallest']:.2f}", "flat (1.00)", "-"])
+    if d:
+        r = max(d["rows"], key=lambda row: row["hosts"])
+        peak, pred = r["measured_store_bytes"]["peak_anon_growth_bytes"], r["predicted_store_bytes"]
+        rows.append([f"host-store memory peak ({r['hosts']} hosts, K={d['keep_in_memory']}, m={d['replicas']})",
+                     f"{peak / 1e6:.1f} MB", f"K·m·shard {pred['K*m*shard'] / 1e6:.1f} MB, "
+                     f"(K+1)·m·shard {pred['(K+1)*m*shard'] / 1e6:.1f} MB",
+                     f"{peak / pred['K*m*shard']:.2f}x K·m·shard, "
+                     f"{peak / pred['(K+1)*m*shard']:.2f}x (K+1)·m·shard",
+                     "-", "-"])
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:
@@ -220,6 +239,9 @@ def write_plots(results: list[dict]) -> list[Path]:
         d = json.loads(full.read_text())
         bar("restore_1gb", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts, full size)",
             [r["method"] for r in d["rows"]], [r["seconds"] for r in d["rows"]])
+    d = res.get("scaling")
+    if d:
+        out.append(_plot_scaling(plt, d))
     d = res.get("persist")
     if d:
         bar("persist", f"persist vs dcp.save ({d['total_bytes'] / 1e9:.2f} GB)",
@@ -227,6 +249,42 @@ def write_plots(results: list[dict]) -> list[Path]:
             [d["persist"]["committed_to_persisted_s"], d["dcp_save_single_process"]["seconds"],
              d["dcp_save_4_ranks"]["seconds"]])
     return out
+
+
+def _plot_scaling(plt, d: dict) -> Path:
+    """Time to safe vs hosts (a line), and host-store memory measured vs predicted per host count."""
+    rows = sorted(d["rows"], key=lambda r: r["hosts"])
+    hosts = [r["hosts"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.5))
+    ax1.plot(hosts, [r["time_to_safe_s"] for r in rows], "o-", color="tab:blue", label="time to safe (median)")
+    ax1.plot(hosts, [r["stall_s"] for r in rows], "s--", color="tab:gray", label="save() stall")
+    ax1.set_xticks(hosts)
+    ax1.set_xlabel("hosts")
+    ax1.set_ylabel("seconds")
+    ax1.set_ylim(bottom=0)
+    ratio = f", {d['ratio_label']} = {d['ratio_largest_to_smallest']:.2f}" if d.get("ratio_largest_to_smallest") else ""
+    ax1.set_title(f"time to safe, {rows[0]['shard_bytes'] / 1e6:.0f} MB per host{ratio}", fontsize=10)
+    ax1.legend(fontsize=8)
+    width = 0.2
+    series = [("measured peak (anon growth)", [r["measured_store_bytes"]["peak_anon_growth_bytes"] for r in rows],
+               "tab:blue"),
+              ("measured reserved", [r["measured_store_bytes"]["reserved_bytes"] for r in rows], "tab:cyan"),
+              ("predicted K·m·shard", [r["predicted_store_bytes"]["K*m*shard"] for r in rows], "tab:gray"),
+              ("predicted (K+1)·m·shard", [r["predicted_store_bytes"]["(K+1)*m*shard"] for r in rows], "silver")]
+    for i, (label, values, color) in enumerate(series):
+        xs = [x + (i - 1.5) * width for x in range(len(rows))]
+        ax2.bar(xs, [v / 1e6 for v in values], width, label=label, color=color)
+    ax2.set_xticks(range(len(rows)), [str(h) for h in hosts])
+    ax2.set_xlabel("hosts")
+    ax2.set_ylabel("MB per host store (largest host)")
+    ax2.set_title(f"host-store memory (K={d['keep_in_memory']}, m={d['replicas']})", fontsize=10)
+    ax2.set_ylim(top=1.4 * max(v for _, values, _ in series for v in values) / 1e6)
+    ax2.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    path = RESULTS / "plot_scaling.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
