@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
+import numpy as np
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -231,9 +232,11 @@ class StoreReader(StorageReader):
             info = self.storage_data[req.storage_index]
             raw = self.read_item(info)
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(raw))
+                planner.load_bytes(req, io.BytesIO(bytes(raw)))
             else:
-                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                # Straight from the fetched bytes: no intermediate copy (a copy of every item
+                # into a fresh bytes object cost as much as the deserializing itself).
+                tensor = torch.load(ViewFile(raw), map_location="cpu", weights_only=True)
                 tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
@@ -245,7 +248,8 @@ class StoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def read_item(self, info: _StorageInfo) -> bytes:
+    def read_item(self, info: _StorageInfo) -> np.ndarray:
+        """The item's bytes (a uint8 array, possibly a view of the source's buffer), checked."""
         expected = self._crc.get((info.relative_path, info.offset))
         where = f"step {self.manifest.step} {info.relative_path}@{info.offset} ({info.length} bytes)"
         if expected is None:
@@ -254,11 +258,11 @@ class StoreReader(StorageReader):
             for attempt in range(_MAX_COPIES):
                 try:
                     if attempt == 0:
-                        raw = bytes(source.fetch(info.relative_path, info.offset, info.length))
+                        raw = as_uint8(source.fetch(info.relative_path, info.offset, info.length))
                     elif source.refetch is None:
                         break
                     else:
-                        raw = bytes(source.refetch(info.relative_path, info.offset, info.length, attempt))
+                        raw = as_uint8(source.refetch(info.relative_path, info.offset, info.length, attempt))
                 except LookupError as exc:
                     if attempt == 0:
                         self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
@@ -266,14 +270,14 @@ class StoreReader(StorageReader):
                 except (OSError, ValueError, CheckpointError) as exc:
                     self.problems.append(f"{source.tier}: {where}: {type(exc).__name__}: {exc}")
                     break
-                if len(raw) != info.length or checksum(raw) != expected.crc:
+                if raw.nbytes != info.length or checksum(raw) != expected.crc:
                     self.problems.append(f"{source.tier}: {where}: checksum mismatch in copy {attempt + 1} "
                                          f"(corrupt copy skipped)")
                     log.warning("%s copy %d of %s failed its checksum; trying the next copy",
                                 source.tier, attempt + 1, where)
                     continue
-                self.bytes_read += len(raw)
-                self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + len(raw)
+                self.bytes_read += raw.nbytes
+                self.bytes_by_tier[source.tier] = self.bytes_by_tier.get(source.tier, 0) + raw.nbytes
                 return raw
         raise ChecksumError(f"{where}: no source returned a copy that passes its checksum: "
                             + "; ".join(p for p in self.problems if where in p))
@@ -281,6 +285,35 @@ class StoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
+
+
+class ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a bytes-like object, without copying it first."""
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def save_version(state_dict: dict, writer: StoreWriter, *, planner, group, no_dist: bool) -> None:

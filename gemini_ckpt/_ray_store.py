@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -68,6 +68,7 @@ log = logging.getLogger("gemini_ckpt")
 CHUNK_BYTES = 64 << 20
 CHUNKS_IN_FLIGHT = 2
 READ_BLOCK_BYTES = 16 << 20  # read-ahead: DCP reads a file item by item, in offset order
+READ_AHEAD_BLOCKS = 4  # blocks requested ahead of the reader (transfers overlap deserializing)
 
 
 class IncompleteVersionError(CheckpointError, ValueError):
@@ -151,7 +152,7 @@ class RayStore:
         # step -> file -> (bytes, slots holding a complete copy, in read order)
         self._where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self._chosen: dict[int, tuple[int, ...]] = {}  # step -> slots holding its newest whole commit
-        self._block: Optional[tuple[int, str, int, int, np.ndarray]] = None  # step, file, offset, slot, bytes
+        self._stream: Optional[_BlockStream] = None  # read-ahead over the file being read
         if table.hosts < config.replicas:
             raise ConfigError(
                 f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
@@ -321,27 +322,44 @@ class RayStore:
 
     def read_range(self, step: int, name: str, offset: int, length: int, *, skip: int = 0) -> memoryview:
         """Bytes of a committed version's file from the first live holder that answers (local
-        first), read ahead in blocks of ``READ_BLOCK_BYTES``. ``skip=n`` passes over the first
-        ``n`` holders that answer and reads exactly this range from the next one (a reader whose
-        copy failed its checksum); LookupError when no further holder answers."""
-        with self._lock:
-            block = self._block
-        if not skip and block is not None and block[:2] == (step, name) and block[2] <= offset \
-                and offset + length <= block[2] + block[4].nbytes:
-            start = offset - block[2]
-            self._count_read(block[3], length)
-            return memoryview(block[4][start : start + length])
+        first). Small ranges come through a read-ahead stream over the file in
+        ``READ_BLOCK_BYTES`` blocks, ``READ_AHEAD_BLOCKS`` of them requested ahead of the reader.
+        ``skip=n`` passes over the first ``n`` holders that answer and reads exactly this range
+        from the next one (a reader whose copy failed its checksum); LookupError when there is
+        no further holder."""
         size, slots = self._locate(step, name)
         if offset < 0 or length < 0 or offset + length > size:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({size} bytes)")
-        want = length if skip else min(max(length, READ_BLOCK_BYTES), size - offset)
+        if length == 0:
+            return memoryview(b"")
+        if not skip and length < READ_BLOCK_BYTES:
+            with self._lock:
+                stream = self._stream
+            if stream is not None and stream.key == (step, name) and stream.slot not in self.dead_slots:
+                try:
+                    out = stream.read(offset, length)
+                    self._count_read(stream.slot, length)
+                    return out
+                except RayActorError:
+                    self._mark_dead(stream.slot, "died")
+                except (RayTaskError, GetTimeoutError) as exc:
+                    log.warning("rank %d: read-ahead of %s from %s failed (%s); reading again",
+                                self.rank, name, self._describe_slot(stream.slot), type(exc).__name__)
+                with self._lock:
+                    self._stream = None
         answered = 0
         for slot in slots:
             handle = self._live().get(slot)
             if handle is None:
                 continue
+            stream = None if skip or length >= READ_BLOCK_BYTES else \
+                _BlockStream((step, name), slot, handle, size, self.config.timeout_s)
             try:
-                arr = ray.get(handle.read.remote(step, name, offset, want), timeout=self.config.timeout_s)
+                if stream is not None:
+                    out = stream.read(offset, length)
+                else:
+                    out = memoryview(ray.get(handle.read.remote(step, name, offset, length),
+                                             timeout=self.config.timeout_s))
             except RayActorError:
                 self._mark_dead(slot, "died")
                 continue
@@ -355,11 +373,11 @@ class RayStore:
             answered += 1
             if answered <= skip:
                 continue
-            if not skip:
+            if stream is not None:
                 with self._lock:
-                    self._block = (step, name, offset, slot, arr)
+                    self._stream = stream
             self._count_read(slot, length)
-            return memoryview(arr[:length])
+            return out
         if skip:
             raise VersionNotFoundError(f"step {step}: no live host store holds copy {skip + 1} of {name!r}")
         raise VersionNotFoundError(f"step {step}: no live host store holds a complete copy of {name!r}")
@@ -422,8 +440,8 @@ class RayStore:
         with self._lock:
             self._where.pop(step, None)
             self._chosen.pop(step, None)
-            if self._block is not None and self._block[0] == step:
-                self._block = None
+            if self._stream is not None and self._stream.key[0] == step:
+                self._stream = None
 
     # --- helpers -------------------------------------------------------------------------------
     def _gather(self, method: str, *args, errors: bool = False) -> dict:
@@ -464,6 +482,36 @@ class ResolvedVersion:
     commit_slots: tuple[int, ...]  # stores holding the chosen commit (empty: not committed)
     files: dict[str, tuple[int, tuple[int, ...]]]  # name -> (bytes, slots with a complete copy, read order)
     had_commit: bool = False  # some store holds a commit of it (committed=False then: a copy is lost)
+
+
+class _BlockStream:
+    """One file of one version read from one holder on a fixed grid of ``READ_BLOCK_BYTES``
+    blocks, up to ``READ_AHEAD_BLOCKS`` requested ahead of the reader. DCP reads a file's
+    items in offset order, so blocks behind the reader are dropped as it moves on."""
+
+    def __init__(self, key: tuple[int, str], slot: int, handle, size: int, timeout_s: float) -> None:
+        self.key, self.slot, self.handle, self.size, self.timeout_s = key, slot, handle, size, timeout_s
+        self.blocks: dict[int, Any] = {}  # block index -> ObjectRef, then the bytes once fetched
+
+    def read(self, offset: int, length: int) -> memoryview:
+        first, last = offset // READ_BLOCK_BYTES, max(offset + length - 1, offset) // READ_BLOCK_BYTES
+        for i in [i for i in self.blocks if i < first]:
+            del self.blocks[i]
+        n_blocks = -(-self.size // READ_BLOCK_BYTES)
+        for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
+            if i not in self.blocks:
+                start = i * READ_BLOCK_BYTES
+                self.blocks[i] = self.handle.read.remote(self.key[0], self.key[1], start,
+                                                         min(READ_BLOCK_BYTES, self.size - start))
+        parts = []
+        for i in range(first, last + 1):
+            block = self.blocks[i]
+            if isinstance(block, ray.ObjectRef):
+                block = self.blocks[i] = ray.get(block, timeout=self.timeout_s)
+            lo = max(offset - i * READ_BLOCK_BYTES, 0)
+            hi = min(offset + length - i * READ_BLOCK_BYTES, READ_BLOCK_BYTES)
+            parts.append(block[lo:hi])
+        return memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts))
 
 
 def resolve_versions(index: dict[int, dict], *, local_slot: Optional[int] = None) -> dict[int, ResolvedVersion]:

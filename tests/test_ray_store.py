@@ -100,6 +100,27 @@ def test_ray_store_contract(ray_cluster):
 
 
 @pytest.mark.ray
+def test_reads_through_the_read_ahead_stream_are_exact_in_any_order(ray_cluster):
+    from gemini_ckpt._ray_store import READ_BLOCK_BYTES, connect_ray_store
+    from store_contract import _manifest
+
+    store = connect_ray_store(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120),
+                              rank=0, world_size=1)
+    arr = np.random.default_rng(7).integers(0, 256, size=2 * READ_BLOCK_BYTES + 12345, dtype=np.uint8)
+    store.put_file(5, "__0_0.distcp", arr)
+    store.commit(5, _manifest(5, {"__0_0.distcp": arr}, world_size=1))
+    B = READ_BLOCK_BYTES
+    ranges = [(0, 100), (100, B - 200), (B - 100, 300),  # in order, one straddling a block edge
+              (B + 200, B + 1), (2 * B + 12000, 345),  # a range bigger than a block; the tail
+              (10, 20), (2 * B - 5, 10), (0, arr.nbytes), (arr.nbytes, 0)]  # backwards, whole file, empty
+    for offset, length in ranges:
+        got = store.read_range(5, "__0_0.distcp", offset, length)
+        assert bytes(got) == arr[offset : offset + length].tobytes(), (offset, length)
+    assert store.stats.bytes_read_local == sum(n for _, n in ranges)
+    store.drop(5)
+
+
+@pytest.mark.ray
 def test_put_over_the_memory_budget_is_refused_before_anything_is_dropped(ray_cluster):
     from gemini_ckpt._ray_store import connect_ray_store
 
