@@ -99,6 +99,7 @@ class Checkpointer:
         self._pinned: set[int] = set()  # versions being persisted: retention must not drop them
         self._persist_queued: set[int] = set()
         self._newest_committed: Optional[int] = None
+        self._run_id = uuid.uuid4().hex
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -113,6 +114,9 @@ class Checkpointer:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
+            box = [self._run_id]
+            dist.broadcast_object_list(box, src=0, group=self._bg_group)
+            self._run_id = box[0]  # rank 0's: names this job's persist outcomes in the rendezvous store
         if self._durable is None and self.config.durable_uri:
             self._durable = DurableTier(self.config.durable_uri, keep=self.config.keep_durable)
         if self._durable is not None:
@@ -341,7 +345,7 @@ class Checkpointer:
                 handle.persisted.set_result(location)
             except BaseException as exc:
                 err = BackgroundError(f"rank {self.rank}: version {step} was not persisted to "
-                                      f"{self.config.durable_uri}: {type(exc).__name__}: {exc}; "
+                                      f"{self._durable.uri}: {type(exc).__name__}: {exc}; "
                                       f"the memory tier is unaffected and the next persist retries")
                 err.__cause__ = exc
                 self.stats.persist_failed += 1
@@ -361,15 +365,54 @@ class Checkpointer:
 
     def _persist(self, step: int) -> str:
         """Write a committed version from memory to the durable tier (coordinator commits)."""
-        durable = self._durable
         if self.rank != 0:
-            # Rank 0 commits; other ranks learn the outcome from the tier itself.
-            deadline = time.monotonic() + self.config.timeout_s
-            while step not in durable.complete_steps():
-                if time.monotonic() > deadline:
-                    raise CheckpointTimeoutError(f"step {step} did not become durable within {self.config.timeout_s}s")
-                time.sleep(0.2)
-            return durable.location(step)
+            return self._await_persist(step)
+        try:
+            location = self._persist_as_coordinator(step)
+        except BaseException as exc:
+            self._publish_persist_failure(step, f"{type(exc).__name__}: {exc}")
+            raise
+        self._publish_persist_failure(step, None)
+        return location
+
+    def _persist_key(self, step: int) -> str:
+        return f"gemini_ckpt/{self._run_id}/persist_failed/{step}"
+
+    def _publish_persist_failure(self, step: int, error: Optional[str]) -> None:
+        """Rank 0 tells the other ranks (through torch.distributed's rendezvous store) that
+        persisting ``step`` failed, so they stop waiting for it at once; ``None`` clears it."""
+        store = _rendezvous_store() if self.world_size > 1 else None
+        if store is None:
+            return
+        try:
+            if error is None:
+                store.delete_key(self._persist_key(step))
+            else:
+                store.set(self._persist_key(step), error)
+        except Exception as exc:  # noqa: BLE001 - the others then find out by their timeout
+            log.warning("rank 0: could not publish the persist outcome of step %d: %s", step, exc)
+
+    def _await_persist(self, step: int) -> str:
+        """Ranks other than 0: the version is durable when the tier lists it complete; rank 0
+        publishes a failure in the rendezvous store (else the wait ends at ``timeout_s``)."""
+        durable, store = self._durable, _rendezvous_store()
+        key = self._persist_key(step)
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            try:
+                if step in durable.complete_steps():
+                    return durable.location(step)
+            except OSError as exc:
+                log.debug("rank %d: cannot list the durable tier yet: %s", self.rank, exc)
+            if store is not None and store.check([key]):
+                raise CheckpointError(f"rank 0 could not persist step {step}: {store.get(key).decode()}")
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"step {step} did not become durable within {self.config.timeout_s}s")
+            time.sleep(0.2)
+
+    def _persist_as_coordinator(self, step: int) -> str:
+        durable = self._durable
+        self._publish_persist_failure(step, None)  # an earlier failure of this step is history
         manifest = self._store.manifest(step)
         fire("persist", step=step, rank=self.rank)
         durable.begin(step)
@@ -433,3 +476,13 @@ def _forget_plans(planner: DefaultSavePlanner) -> None:
         cache = getattr(type(planner), name, None)
         if key is not None and isinstance(cache, dict):
             cache.pop(key, None)
+
+
+def _rendezvous_store():
+    """The key-value store every rank of the default process group shares, if any."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a private API: without it ranks fall back to the timeout
+        return None
