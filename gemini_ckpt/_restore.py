@@ -18,7 +18,7 @@ from ._config import CheckpointConfig
 from ._dcp_storage import Source, StoreReader, load_version as dcp_load
 from ._errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
 from ._handle import RestoreResult
-from ._state import GRADS, MODEL, OPTIM, RANK_LOCAL, TrainState, derive_rng_state, restore_rng_state
+from ._state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
 from ._store import Store
 
 log = logging.getLogger("gemini_ckpt")

@@ -12,7 +12,6 @@ Add/remove nodes only from the main thread (``Cluster`` is not thread-safe).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import sys
@@ -26,6 +25,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+
+from gemini_ckpt._digest import digest as digest_state  # noqa: E402
 
 SYSTEM_CONFIG = {
     "health_check_initial_delay_ms": 0,
@@ -106,31 +107,6 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str 
 
 
 # --- the training rank ---------------------------------------------------------------------------
-def digest_state(tree: Any) -> str:
-    """SHA-256 over every tensor (a DTensor's local shard) and value of a state tree, by key."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    h = hashlib.sha256()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, DTensor):
-            obj = obj._local_tensor
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        elif isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                walk(obj[k], f"{path}/{k}")
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}/{i}")
-        else:
-            h.update(f"{path}={obj!r}".encode())
-
-    walk(tree, "")
-    return h.hexdigest()
 
 
 class RankWorker:

@@ -6,8 +6,6 @@ size reshards from peer memory; ranks never mix versions."""
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import uuid
 
 import pytest

@@ -15,9 +15,10 @@ What is compared between a faulty run and the uninterrupted reference:
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from .._digest import digest  # noqa: F401  (part of this module's interface)
 
 if TYPE_CHECKING:  # keep importing the facade cheap: torch is imported inside the rank processes
     from .. import TrainState
@@ -122,31 +123,6 @@ def full_tensor_state(state: "TrainState") -> dict[str, Any]:
         return obj
 
     return walk(state.tensor_state())
-
-
-def digest(tree: Any) -> str:
-    """SHA-256 over every tensor (dtype, shape, bytes) and value of a tree, by key path."""
-    import torch
-
-    h = hashlib.sha256()
-
-    def walk(obj: Any, path: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            t = obj.detach().cpu().contiguous()
-            h.update(f"{path}:{t.dtype}:{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        elif isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                walk(obj[k], f"{path}/{k}")
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{path}/{i}")
-        else:
-            h.update(f"{path}={obj!r}".encode())
-
-    walk(tree, "")
-    return h.hexdigest()
 
 
 def load_full_state(state: "TrainState", full: dict[str, Any], opaque: dict[str, Any], *, rank: int,
