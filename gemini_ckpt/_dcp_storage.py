@@ -44,6 +44,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from ._checksum import checksum
 from ._errors import CheckpointError, ChecksumError
 from ._faults import fire
+from ._fast_save import save_tensor
 from ._store import ItemChecksum, Store, VersionManifest, as_uint8
 
 log = logging.getLogger("gemini_ckpt")
@@ -79,7 +80,7 @@ def serialize_items(plan: SavePlan, planner: SavePlanner, file_name: str) -> tup
             tensor = cast(torch.Tensor, data).detach().cpu()
             if tensor.untyped_storage().nbytes() != tensor.nbytes:
                 tensor = tensor.clone()  # torch.save writes whole storages; keep only our bytes
-            torch.save(tensor, stream)
+            save_tensor(tensor, stream)  # torch.save's bytes, without its per-tensor Python work
         length = stream.tell() - offset
         info = _StorageInfo(relative_path=file_name, offset=offset, length=length)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
