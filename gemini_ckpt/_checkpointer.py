@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._config import CheckpointConfig
-from ._dcp_storage import StoreWriter, save_version
+from ._dcp_storage import SerialBuffer, StoreWriter, save_version
 from ._durable import DurableTier, persist_policy
 from ._fs_store import step_dir_name
 from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
@@ -100,6 +100,7 @@ class Checkpointer:
         self._persist_queued: set[int] = set()
         self._newest_committed: Optional[int] = None
         self._run_id = uuid.uuid4().hex
+        self._serial_buffer = SerialBuffer()  # the background thread's, reused by every version
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -427,7 +428,8 @@ class Checkpointer:
         return durable.commit(step, manifest)
 
     def _write_version(self, step: int, staged: dict[str, Any]) -> None:
-        writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description())
+        writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description(),
+                             buffer=self._serial_buffer)
         save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
         if self.rank == 0:
             self._apply_retention()

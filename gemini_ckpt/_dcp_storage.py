@@ -65,9 +65,48 @@ class _ChecksummedInfo:
     crc: int
 
 
-def serialize_items(plan: SavePlan, planner: SavePlanner, file_name: str) -> tuple[io.BytesIO, list[WriteResult]]:
+class SerialBuffer:
+    """A file-like, write-only buffer reused from one version to the next: serializing into
+    memory that is already mapped runs ~5x faster than into a new ``BytesIO`` (whose pages
+    are faulted in again on every save). Only for stores that copy the bytes on ``put_file``."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, dtype=np.uint8)
+        self._pos = 0
+
+    def reset(self) -> "SerialBuffer":
+        self._pos = 0
+        return self
+
+    def write(self, data) -> int:
+        src = as_uint8(data)
+        end = self._pos + src.nbytes
+        if end > self._buf.nbytes:
+            grown = np.empty(max(end, 2 * self._buf.nbytes), dtype=np.uint8)
+            grown[: self._pos] = self._buf[: self._pos]
+            self._buf = grown
+        self._buf[self._pos : end] = src
+        self._pos = end
+        return src.nbytes
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def getbuffer(self) -> np.ndarray:
+        return self._buf[: self._pos]
+
+    @property
+    def capacity(self) -> int:
+        return self._buf.nbytes
+
+
+def serialize_items(plan: SavePlan, planner: SavePlanner, file_name: str,
+                    stream: "io.BytesIO | SerialBuffer | None" = None) -> tuple[Any, list[WriteResult]]:
     """Serialize one rank's items into one buffer, in FileSystemWriter's order and format."""
-    stream = io.BytesIO()
+    stream = io.BytesIO() if stream is None else stream
     results: list[WriteResult] = []
     bytes_items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
     tensor_items = [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
@@ -90,9 +129,12 @@ def serialize_items(plan: SavePlan, planner: SavePlanner, file_name: str) -> tup
 class StoreWriter(StorageWriter):
     """Writes one version (``step``) of this rank into ``store``."""
 
-    def __init__(self, store: Store, step: int, *, world_size: int, job: dict | None = None) -> None:
+    def __init__(self, store: Store, step: int, *, world_size: int, job: dict | None = None,
+                 buffer: Optional[SerialBuffer] = None) -> None:
+        """``buffer``: reused for serializing when the store copies on ``put_file``."""
         super().__init__()
         self.store = store
+        self.buffer = buffer if getattr(store, "copies_on_put", False) else None
         self.step = step
         self.world_size = world_size
         self.job = dict(job or {})
@@ -120,7 +162,8 @@ class StoreWriter(StorageWriter):
         prefix = cast(_StoragePrefix, plan.storage_data).prefix
         name = f"{prefix}0{DATA_SUFFIX}"
         t0 = time.perf_counter()
-        stream, results = serialize_items(plan, planner, name)
+        stream, results = serialize_items(plan, planner, name,
+                                          self.buffer.reset() if self.buffer is not None else None)
         data = as_uint8(stream.getbuffer())
         checked = []
         for wr in results:

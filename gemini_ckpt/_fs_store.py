@@ -44,6 +44,8 @@ def resolve_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
 class FsStore:
     """Versions as DCP directories on a ``pyarrow.fs`` filesystem (local, S3, ...)."""
 
+    copies_on_put = True  # put_file copies the bytes out: a writer may reuse its buffer at once
+
     def __init__(self, uri: Optional[str] = None, *, filesystem: Optional[pafs.FileSystem] = None,
                  root: Optional[str] = None) -> None:
         if filesystem is not None:

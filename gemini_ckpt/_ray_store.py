@@ -134,6 +134,8 @@ def _start_local_store(config: CheckpointConfig, node_id: str) -> None:
 class RayStore:
     """One rank's view of the host stores of its namespace (see the module docstring)."""
 
+    copies_on_put = True  # put_file copies the bytes out: a writer may reuse its buffer at once
+
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, node_id: str,
                  table: SlotTable, registry=None) -> None:
         self.config = config

@@ -65,7 +65,11 @@ class VersionManifest:
 
 @runtime_checkable
 class Store(Protocol):
-    """Where versions live. See the module docstring for the call order."""
+    """Where versions live. See the module docstring for the call order.
+
+    A store whose ``put_file`` copies the bytes out before returning may say so with a class
+    attribute ``copies_on_put = True``: writers then reuse one serialization buffer for every
+    version. Without it, every version is serialized into fresh memory the store may keep."""
 
     def put_file(self, step: int, name: str, data: np.ndarray) -> None: ...
 
