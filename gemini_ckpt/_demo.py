@@ -17,7 +17,6 @@ the driver polls it and removes the node once rank 0 has finished ``--kill-at-st
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ._demo_job import RAY_NAMESPACE, Progress, digest_state, train_loop  # noqa: F401  (re-exported)
+from ._ray_noise import expected_deaths_hidden
 
 HEALTH_CHECKS = {  # notice a removed node within about a second
     "health_check_initial_delay_ms": 0,
@@ -214,7 +214,7 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
     run_name = time.strftime("gemini-demo-%Y%m%d-%H%M%S")
     run_dir = os.path.join(os.path.abspath(options.out), run_name)
     own_cluster = cluster is None
-    with _expected_raylet_death_hidden():
+    with expected_deaths_hidden():
         if own_cluster:
             echo(f"starting a local Ray cluster: head + {options.hosts} hosts ...")
             cluster = start_cluster(options.hosts)
@@ -301,47 +301,6 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     if "error" in box:
         raise box["error"]
     return events, t0, box["result"]
-
-
-@contextlib.contextmanager
-def _expected_raylet_death_hidden():
-    """Ray prints the killed host's raylet log tail ("Raylet is terminated. Termination is
-    unexpected ...") to the driver; here the termination is the point, so say that instead."""
-    streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _Filter(sys.stdout), _Filter(sys.stderr)
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = streams
-
-
-class _Filter:
-    # Ray's notices about the node the demo kills on purpose: (marker, what to say instead).
-    EXPECTED = (("Raylet is terminated", "(ray) the killed host's raylet is gone, as intended\n"),
-                ("has been marked dead because the detector has missed too many heartbeats",
-                 "(ray) the killed host is marked dead\n"))
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self._swallow_newline = False
-        self._said: set[str] = set()
-
-    def write(self, text: str) -> int:
-        for marker, note in self.EXPECTED:
-            if marker in text:
-                self._swallow_newline = True
-                if note in self._said:  # e.g. the cluster's own shutdown at the end
-                    return len(text)
-                self._said.add(note)
-                return self._stream.write(note)
-        if self._swallow_newline and text == "\n":
-            self._swallow_newline = False
-            return 1
-        self._swallow_newline = False
-        return self._stream.write(text)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 def _kill_host(cluster, nodes: dict, i: int, echo, t0: float) -> dict:

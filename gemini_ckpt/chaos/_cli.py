@@ -33,6 +33,8 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="CheckpointConfig.timeout_s of the job")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the table")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show Ray's notices about the processes and hosts the harness kills (hidden by default)")
     p.set_defaults(func=_main)
 
 
@@ -73,7 +75,10 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     job = load_job(args.job) if args.job else None
     log = (lambda message: None) if args.quiet else None
-    report = run_matrix(scenarios, config=config, job=job, json_path=args.json, log=log)
+    from .._ray_noise import KILLED_PROCESS, expected_deaths_hidden
+
+    with expected_deaths_hidden(() if args.verbose else KILLED_PROCESS):
+        report = run_matrix(scenarios, config=config, job=job, json_path=args.json, log=log)
     print(report.format_table())
     if args.json:
         print(f"report written to {args.json}")
