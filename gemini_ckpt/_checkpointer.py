@@ -369,12 +369,10 @@ class Checkpointer:
         if self.rank != 0:
             return self._await_persist(step)
         try:
-            location = self._persist_as_coordinator(step)
+            return self._persist_as_coordinator(step)
         except BaseException as exc:
             self._publish_persist_failure(step, f"{type(exc).__name__}: {exc}")
             raise
-        self._publish_persist_failure(step, None)
-        return location
 
     def _persist_key(self, step: int) -> str:
         return f"gemini_ckpt/{self._run_id}/persist_failed/{step}"

@@ -69,7 +69,8 @@ class _Template:
         out.write(suffix)
 
 
-_templates: dict[tuple, Optional[_Template]] = {}
+_templates: dict[tuple, Optional[_Template]] = {}  # signature -> template (None: use torch.save)
+_NEW = object()  # a signature not seen yet
 _lock = threading.Lock()
 stats = {"fast": 0, "torch_save": 0}
 
@@ -77,10 +78,10 @@ stats = {"fast": 0, "torch_save": 0}
 def save_tensor(tensor: torch.Tensor, out: io.BytesIO) -> None:
     """Append exactly what ``torch.save(tensor, out)`` would append. ``tensor`` must be a
     plain, detached CPU tensor whose storage holds exactly its bytes."""
-    key = (type(tensor), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
     if type(tensor) is not torch.Tensor or tensor.requires_grad or tensor.storage_offset() != 0:
         _torch_save(tensor, out)
         return
+    key = (torch.Tensor, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), 0)
     with _lock:
         template = _templates.get(key, _NEW)
     if template is None:  # this signature is not ours to speed up
@@ -115,13 +116,6 @@ def _torch_bytes(tensor: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     _torch_save(tensor, buf)
     return buf.getvalue()
-
-
-class _New:
-    pass
-
-
-_NEW = _New()
 
 
 def _remember(key: tuple, template: Optional[_Template]) -> None:

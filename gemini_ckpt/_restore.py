@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 import time
@@ -26,11 +27,6 @@ log = logging.getLogger("gemini_ckpt")
 
 class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
-
-
-def candidates(tiers: list[tuple[str, Store]]) -> list[tuple[int, int]]:
-    """``(step, tier index)`` newest first; at equal steps the earlier tier (memory) first."""
-    return [(step, backups[0]) for step, backups in survey(tiers)[0]]
 
 
 def survey(tiers: list[tuple[str, Store]]) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
@@ -189,23 +185,17 @@ def _fetcher(store: Store, step: int):
 
 
 def _refetcher(store: Store, step: int):
-    """Another holder's copy of a range, for stores with several copies of a file."""
-    if not _takes_skip(store):
+    """Another holder's copy of a range, for stores whose ``read_range`` takes ``skip``."""
+    try:
+        if "skip" not in inspect.signature(store.read_range).parameters:
+            return None
+    except (TypeError, ValueError):
         return None
 
     def refetch(name: str, offset: int, length: int, n: int):
         return store.read_range(step, name, offset, length, skip=n)
 
     return refetch
-
-
-def _takes_skip(store: Store) -> bool:
-    import inspect
-
-    try:
-        return "skip" in inspect.signature(store.read_range).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _local_peer(store: Store) -> tuple[int, int]:

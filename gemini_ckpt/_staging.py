@@ -95,14 +95,6 @@ _copy_pool: Optional[ThreadPoolExecutor] = None
 _copy_pool_lock = threading.Lock()
 
 
-def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy between same-shape CPU tensors at memory bandwidth (see :func:`copy_parallel`)."""
-    if _raw_copyable(dst, src):
-        copy_parallel([(_bytes_of(dst), _bytes_of(src))])
-    else:
-        dst.copy_(src)
-
-
 def copy_parallel(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     """Copy each ``(dst, src)`` pair of byte arrays, split into 8 MiB chunks over this
     process's intra-op threads (``torch.get_num_threads()``; the caller's thread is one).
