@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,6 +57,14 @@ class CheckpointConfig:
         world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
             with a warning) or ``error``.
         timeout_s: limit for every blocking call (waits, collectives, store calls).
+        signing_key: bytes or str; signs every version's manifest (HMAC-SHA256) and refuses
+            unsigned or wrongly signed ones at restore. None: ``$GEMINI_CKPT_SIGNING_KEY`` if set.
+        overwrite: a job that starts without restoring, while the store or the durable tier
+            already holds versions at or after its first step (an earlier run's), is refused;
+            ``overwrite=True`` discards those versions instead (memory and durable).
+        init_from: a stock DCP checkpoint directory (e.g. written by ``dcp.save`` or
+            torchtitan) whose model and optimizer are loaded by ``restore()`` when no version
+            of this job exists yet (resharded as usual); ``RestoreResult.source`` is ``"init"``.
     """
 
     store: str = "ray"
@@ -73,6 +82,9 @@ class CheckpointConfig:
     host_memory_budget_bytes: Optional[int] = None
     world_size_change: str = "derive"
     timeout_s: float = 300.0
+    signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
+    overwrite: bool = False
+    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         _choice(self, "store", STORES)
@@ -97,16 +109,22 @@ class CheckpointConfig:
             )
         if self.host_memory_budget_bytes is not None:
             _int_at_least(self, "host_memory_budget_bytes", 1, "or None for the default budget")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ConfigError(f"CheckpointConfig.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ConfigError(f"CheckpointConfig.timeout_s must be a positive, finite number of seconds "
+                              f"(e.g. 300), got {self.timeout_s!r}")
+        if not isinstance(self.overwrite, bool):
+            raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ConfigError(f"CheckpointConfig.init_from must be the path of a DCP checkpoint directory, "
+                              f"got {self.init_from!r}")
+        if self.signing_key is not None and (not isinstance(self.signing_key, (bytes, str)) or not self.signing_key):
+            raise ConfigError("CheckpointConfig.signing_key must be non-empty bytes or str (a secret shared by "
+                              "every rank of the job), or None")
 
     @property
     def resolved_namespace(self) -> str:
         return self.namespace or DEFAULT_NAMESPACE
-
-    @property
-    def durable_enabled(self) -> bool:
-        return self.persist_every > 0 and self.durable_uri is not None
 
 
 def _choice(cfg: CheckpointConfig, name: str, allowed: tuple[str, ...]) -> None:

@@ -5,7 +5,10 @@ one file per rank) lays out ``__{rank}_0.distcp``: BYTE_IO items first, then ten
 tensor serialized with ``torch.save``, in plan order; ``.metadata`` is the same pickled
 ``Metadata``. So a version dumped as files is a stock DCP checkpoint, and a stock DCP
 checkpoint directory is readable by the reader. Each item also gets a CRC32C, recorded in
-the version's manifest and verified by the reader before the bytes are used.
+the version's manifest and verified by the reader before the bytes are used; so does
+``.metadata``. Nothing read is unpickled with arbitrary globals: ``.metadata`` goes through
+``_trust``'s allow-list, tensors and non-tensor items through ``torch.load(weights_only=True)``
+(:class:`SafeLoadPlanner`), our opaque blobs through the value allow-list.
 
 Call order (DCP drives it): writer on every rank ``set_up_storage_writer`` ->
 ``prepare_local_plan``; coordinator ``prepare_global_plan``; every rank ``write_data``
@@ -28,6 +31,8 @@ from typing import Any, Optional, cast
 import numpy as np
 import torch
 from torch.futures import Future
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -46,6 +51,7 @@ from ._errors import CheckpointError, ChecksumError
 from ._faults import fire
 from ._fast_save import save_tensor
 from ._store import ItemChecksum, Store, VersionManifest, as_uint8
+from ._trust import VerificationError, load_metadata, resolve_key, safe_opaque, sign, torch_load_value
 
 log = logging.getLogger("gemini_ckpt")
 DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
@@ -130,9 +136,11 @@ class StoreWriter(StorageWriter):
     """Writes one version (``step``) of this rank into ``store``."""
 
     def __init__(self, store: Store, step: int, *, world_size: int, job: dict | None = None,
-                 buffer: Optional[SerialBuffer] = None) -> None:
-        """``buffer``: reused for serializing when the store copies on ``put_file``."""
+                 buffer: Optional[SerialBuffer] = None, signing_key: bytes | str | None = None) -> None:
+        """``buffer``: reused for serializing when the store copies on ``put_file``.
+        ``signing_key``: signs the manifest (None: ``$GEMINI_CKPT_SIGNING_KEY`` if set)."""
         super().__init__()
+        self.signing_key = resolve_key(signing_key)
         self.store = store
         self.buffer = buffer if getattr(store, "copies_on_put", False) else None
         self.step = step
@@ -194,14 +202,16 @@ class StoreWriter(StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        manifest = VersionManifest(
+        metadata_bytes = pickle.dumps(metadata)
+        manifest = sign(VersionManifest(
             step=self.step,
             world_size=self.world_size,
-            metadata=pickle.dumps(metadata),
+            metadata=metadata_bytes,
             checksums=tuple(sorted(checksums, key=lambda c: (c.file, c.offset))),
             file_sizes=file_sizes,
             job={**self.job, "created_unix": time.time()},
-        )
+            metadata_crc=checksum(metadata_bytes),
+        ), self.signing_key)
         fire("commit", step=self.step, rank=self.rank)
         self.store.commit(self.step, manifest)
 
@@ -240,9 +250,13 @@ class StoreReader(StorageReader):
     while a good copy exists elsewhere (another holder, or the durable tier).
     """
 
-    def __init__(self, manifest: VersionManifest, sources: list[Source] | RangeFetch) -> None:
+    def __init__(self, manifest: VersionManifest, sources: list[Source] | RangeFetch, *,
+                 metadata: Optional[Metadata] = None) -> None:
+        """``metadata``: the manifest's DCP metadata when the caller already verified and
+        decoded it (``_trust.load_metadata``); else it is verified and decoded here."""
         super().__init__()
         self.manifest = manifest
+        self.metadata = metadata
         self.sources = sources if isinstance(sources, list) else [Source("memory", sources)]
         self._crc = manifest.checksum_index()
         self.storage_data: dict[MetadataIndex, _StorageInfo] = {}
@@ -254,7 +268,7 @@ class StoreReader(StorageReader):
         self.storage_data = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = pickle.loads(self.manifest.metadata)
+        metadata = self.metadata if self.metadata is not None else load_metadata(self.manifest)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = uuid.uuid4().hex
@@ -272,6 +286,9 @@ class StoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         items = sorted(plan.items, key=lambda r: (self.storage_data[r.storage_index].relative_path,
                                                    self.storage_data[r.storage_index].offset))
+        if any(r.type == LoadItemType.BYTE_IO for r in items) and not isinstance(planner, SafeLoadPlanner):
+            raise CheckpointError("StoreReader loads non-tensor items only through SafeLoadPlanner "
+                                  "(DCP's default planner unpickles them with weights_only=False)")
         for req in items:
             info = self.storage_data[req.storage_index]
             raw = self.read_item(info)
@@ -280,12 +297,21 @@ class StoreReader(StorageReader):
             else:
                 # Straight from the fetched bytes: no intermediate copy (a copy of every item
                 # into a fresh bytes object cost as much as the deserializing itself).
-                tensor = torch.load(ViewFile(raw), map_location="cpu", weights_only=True)
-                tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                fqn = req.storage_index.fqn
+                tensor = torch_load_value(raw, f"step {self.manifest.step} {fqn}")
+                if not isinstance(tensor, torch.Tensor):
+                    raise VerificationError(f"step {self.manifest.step} {fqn}: the item holds a "
+                                            f"{type(tensor).__name__}, not a tensor")
+                try:
+                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                except (RuntimeError, IndexError, ValueError) as exc:
+                    raise VerificationError(f"step {self.manifest.step} {fqn}: the saved tensor does not "
+                                            f"match its metadata ({exc})") from None
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
-                    raise ValueError(f"{req.storage_index.fqn}: saved shape {tuple(tensor.size())} "
-                                     f"does not fit the target's {tuple(target.size())}")
+                    raise VerificationError(f"step {self.manifest.step} {fqn}: saved shape "
+                                            f"{tuple(tensor.size())} does not fit the target's "
+                                            f"{tuple(target.size())} (the item disagrees with its metadata)")
                 target.copy_(tensor)
                 planner.commit_tensor(req, target)
         fut: Future[None] = Future()
@@ -368,8 +394,25 @@ def save_version(state_dict: dict, writer: StoreWriter, *, planner, group, no_di
                      planner=planner)
 
 
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except for non-tensor items: DCP's loads them with
+    ``torch.load(weights_only=False)`` (any pickle runs); this one with ``weights_only=True``,
+    and TrainState's pickled blobs are decoded through the value allow-list and handed on as a
+    pickle of what came out (so ``TrainState.apply`` never sees bytes we did not vet)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        obj = safe_opaque(fqn, torch_load_value(value.getbuffer(), fqn))
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 def load_version(state_dict: dict, reader: StoreReader, *, group, no_dist: bool) -> None:
-    """``dcp.load`` into ``state_dict`` in place, without the single-process warning."""
+    """``dcp.load`` into ``state_dict`` in place (through :class:`SafeLoadPlanner`), without
+    the single-process warning."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    _load_state_dict(state_dict=state_dict, storage_reader=reader, process_group=group, no_dist=no_dist)
+    _load_state_dict(state_dict=state_dict, storage_reader=reader, process_group=group, no_dist=no_dist,
+                     planner=SafeLoadPlanner())

@@ -9,24 +9,36 @@ Commit protocol (one version)::
     3. marker          step_000000123/.gemini_complete    (JSON: checksums, job description)
     4. pointer         latest                             (temp name, then renamed)
 
-Readers trust only directories with the marker. Retention deletes a version only after a
-newer one is complete, and never the one ``latest`` names. Directories without a marker are
-left-overs of a crash; they are deleted when the next job opens the tier.
+Step 0 writes ``step_000000123/.gemini_inprogress`` before anything else: it says "this
+directory is ours and not complete yet". Readers trust only directories with the completion
+marker. Retention deletes a version only after a newer one is complete, and never the one
+``latest`` names. A failed persist removes its own directory at once; directories with the
+in-progress marker and no completion marker (a crash mid-write) are deleted when the next job
+opens the tier. A directory with neither marker was not written by us (a stock ``dcp.save``,
+say): it is never deleted, only reported.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional, Protocol
 
 from ._checksum import checksum
-from ._fs_store import FsStore, step_dir_name
+import pyarrow.fs as pafs
+
+from ._fs_store import MARKER_FILE, FsStore, step_dir_name
 from ._store import VersionManifest
+from ._errors import CheckpointError
+from ._fs_store import parse_step_dir
+from ._trust import VerificationError, load_metadata, resolve_key, safe_opaque, torch_load_value
 
 log = logging.getLogger("gemini_ckpt")
 LATEST_FILE = "latest"
+IN_PROGRESS_FILE = ".gemini_inprogress"
 
 
 class PersistPolicy(Protocol):
@@ -83,7 +95,30 @@ class DurableTier:
                 self._write_latest(older[-1])
             else:
                 self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+        existing = self.store.list_versions().get(step)
+        if existing is not None and not existing and not self._ours(step):
+            raise FileExistsError(
+                f"durable tier {self.uri}: {step_dir_name(step)} exists but was not written by gemini_ckpt "
+                f"(no {MARKER_FILE} or {IN_PROGRESS_FILE}); it is left alone. Move it away, or load it "
+                f"with CheckpointConfig(init_from=...) in a job that saves elsewhere")
         self.store.drop(step)
+        fs = self.store.fs
+        fs.create_dir(self.location(step), recursive=True)
+        with fs.open_output_stream(posixpath.join(self.location(step), IN_PROGRESS_FILE)) as out:
+            out.write(json.dumps({"step": step, "started_unix": time.time()}).encode())
+
+    def abandon(self, step: int) -> bool:
+        """A persist of ``step`` failed: remove its partial directory now (only if it carries
+        our in-progress marker and no completion marker). Returns whether it was removed."""
+        complete = self.store.list_versions().get(step)
+        if complete is None or complete or not self._ours(step):
+            return False
+        self.store.drop(step)
+        return True
+
+    def _ours(self, step: int) -> bool:
+        info = self.store.fs.get_file_info(posixpath.join(self.location(step), IN_PROGRESS_FILE))
+        return info.type == pafs.FileType.File
 
     def write_files(self, step: int, files: Mapping[str, object]) -> int:
         """Step 1 for one host: write these data files; returns bytes written."""
@@ -96,8 +131,16 @@ class DurableTier:
     def commit(self, step: int, manifest: VersionManifest) -> str:
         """Steps 2-4, by the coordinator after every host's ``write_files`` returned; then retention."""
         self.store.commit(step, manifest)
+        try:
+            self.store.fs.delete_file(posixpath.join(self.location(step), IN_PROGRESS_FILE))
+        except (FileNotFoundError, OSError):
+            pass  # the completion marker is what readers trust; the leftover is harmless
         self._write_latest(step)
-        self.apply_retention()
+        try:
+            self.apply_retention()
+        except OSError as exc:  # the version is durable; old ones go at the next commit instead
+            log.error("durable tier %s: step %d is committed, but removing older versions failed (%s: %s)",
+                      self.uri, step, type(exc).__name__, exc)
         return self.location(step)
 
     def location(self, step: int) -> str:
@@ -117,12 +160,31 @@ class DurableTier:
 
     # --- reading ------------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
+        """The step ``latest`` names; None when it is absent, unreadable or not exactly a step
+        directory name we write (then with a warning: it is ignored, and the next persist
+        rewrites it)."""
+        step, problem = self.read_latest()
+        if problem is not None:
+            log.warning("durable tier %s: %s; ignored (the next persist rewrites it)", self.uri, problem)
+        return step
+
+    def read_latest(self) -> tuple[Optional[int], Optional[str]]:
+        """``(step latest names or None, what is wrong with the file or None)``."""
         try:
             with self.store.fs.open_input_file(posixpath.join(self.store.root, LATEST_FILE)) as f:
-                name = f.read().decode().strip()
-        except (FileNotFoundError, OSError):
-            return None
-        return int(name.split("_")[-1]) if name.startswith("step_") else None
+                raw = f.read(256)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"{LATEST_FILE} is unreadable ({exc})"
+        try:
+            name = raw.decode("ascii").strip()
+        except UnicodeDecodeError:
+            name = None
+        step = parse_step_dir(name) if name else None
+        if step is None:
+            return None, f"{LATEST_FILE} holds {raw[:64]!r}, not a step directory name"
+        return step, None
 
     def complete_steps(self) -> list[int]:
         return self.store.committed_steps()
@@ -138,18 +200,58 @@ class DurableTier:
         return doomed
 
     def cleanup_incomplete(self) -> list[int]:
-        """Delete version directories without a completion marker (crash left-overs)."""
-        doomed = [s for s, complete in self.store.list_versions().items() if not complete]
-        for step in doomed:
-            log.warning("durable tier %s: removing incomplete version step %d (no completion marker)",
+        """Delete our own unfinished version directories (in-progress marker, no completion
+        marker: a crash mid-write). Directories we did not write are reported, never deleted."""
+        doomed = []
+        for step, complete in sorted(self.store.list_versions().items()):
+            if complete:
+                continue
+            if not self._ours(step):
+                log.warning("durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
+                            "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
+                            self.uri, step_dir_name(step))
+                continue
+            log.warning("durable tier %s: removing incomplete version step %d (a persist that never finished)",
                         self.uri, step)
             self.store.drop(step)
+            doomed.append(step)
         return doomed
 
-    def verify(self, step: int) -> list[str]:
-        """Re-read every byte of a complete version; return the problems found (empty = good)."""
-        manifest = self.store.manifest(step)
-        problems = []
+    def discard(self, steps) -> None:
+        """Remove complete versions of ours (abandoned by a restore of an older one, or
+        ``overwrite=True``), fixing ``latest`` first so it never names a missing version."""
+        doomed = set(steps)
+        if not doomed:
+            return
+        if self.latest() in doomed:
+            keep = [s for s in self.complete_steps() if s not in doomed]
+            if keep:
+                self._write_latest(keep[-1])
+            else:
+                try:
+                    self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+                except FileNotFoundError:
+                    pass
+        for step in sorted(doomed):
+            self.store.drop(step)
+
+    def verify(self, step: int, *, signing_key: bytes | str | None = None) -> list[str]:
+        """Check a version the way restore would, re-reading every byte: the marker's and
+        ``.metadata``'s checksums, the signature when a key is given (or
+        ``$GEMINI_CKPT_SIGNING_KEY`` is set), ``.metadata`` through the allow-list, a checksum
+        for every item it names, every item's CRC32C, and that every non-tensor item loads
+        through the allow-lists. Returns the problems found (empty = good); a damaged version
+        is reported, never raised."""
+        try:
+            manifest = self.store.manifest(step)
+            metadata = load_metadata(manifest, resolve_key(signing_key))
+        except (CheckpointError, OSError, LookupError, ValueError) as exc:
+            return [f"{type(exc).__name__}: {exc}"]
+        problems: list[str] = []
+        try:
+            byte_items = _byte_items(manifest, metadata, problems)
+        except (AttributeError, TypeError, ValueError) as exc:
+            return [f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})"]
         for name, size in manifest.file_sizes.items():
             try:
                 data = self.store.read_range(step, name, 0, size)
@@ -160,6 +262,30 @@ class DurableTier:
                 problems.append(f"{name}: {len(data)} bytes, expected {size}")
                 continue
             for c in manifest.checksums:
-                if c.file == name and checksum(data[c.offset : c.offset + c.length]) != c.crc:
+                if c.file != name:
+                    continue
+                item = data[c.offset : c.offset + c.length]
+                if checksum(item) != c.crc:
                     problems.append(f"{name}: checksum mismatch at offset {c.offset} ({c.length} bytes)")
+                elif (name, c.offset) in byte_items:
+                    fqn = byte_items[(name, c.offset)]
+                    try:
+                        safe_opaque(fqn, torch_load_value(item, fqn))
+                    except VerificationError as exc:
+                        problems.append(f"{name}@{c.offset}: {exc}")
         return problems
+
+
+def _byte_items(manifest: VersionManifest, metadata, problems: list[str]) -> dict[tuple[str, int], str]:
+    """``{(file, offset): key}`` of the non-tensor items; notes items without a checksum."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    recorded = manifest.checksum_index()
+    out = {}
+    for index, info in metadata.storage_data.items():
+        c = recorded.get((info.relative_path, info.offset))
+        if c is None or c.length != info.length:
+            problems.append(f"{index.fqn}: no checksum recorded for {info.relative_path}@{info.offset}")
+        elif isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            out[(info.relative_path, info.offset)] = index.fqn
+    return out

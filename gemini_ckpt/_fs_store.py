@@ -8,7 +8,10 @@ Layout under the root::
 
 A directory without the marker is an incomplete version: never listed, never read. So each
 version directory is a stock DCP checkpoint that ``torch.distributed.checkpoint.load`` with a
-``FileSystemReader`` loads, and the marker is our atomic commit point.
+``FileSystemReader`` loads, and the marker is our atomic commit point. The marker records the
+CRC32C of ``.metadata`` and of itself (and an HMAC when signing), checked by ``manifest``
+before anything is unpickled (see ``_trust``). Only directory names that ``step_dir_name``
+writes count as versions (``step_`` and ASCII digits, exactly our width for that step).
 """
 
 from __future__ import annotations
@@ -22,14 +25,26 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from ._errors import VersionNotFoundError
-from ._store import METADATA_FILE, ItemChecksum, VersionManifest, as_uint8
+from ._store import METADATA_FILE, VersionManifest, as_uint8
+from ._trust import VerificationError, manifest_from_json, manifest_to_json
 
 MARKER_FILE = ".gemini_complete"
-_STEP_DIR = re.compile(r"^step_(\d{9,})$")
+_STEP_DIR = re.compile(r"step_([0-9]{9,18})", re.ASCII)
+MAX_MARKER_BYTES = 256 << 20  # a marker is JSON of a few hundred bytes per item; refuse absurd ones
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    """The step a directory name denotes, or None unless it is exactly ``step_dir_name(step)``
+    (so ``step_0000000000009``, other widths, non-ASCII digits and suffixes are not versions)."""
+    m = _STEP_DIR.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 def resolve_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -82,7 +97,7 @@ class FsStore:
                 out.write(manifest.metadata)
             self.fs.delete_file(tmp)
         with self.fs.open_output_stream(self._path(step, MARKER_FILE)) as out:
-            out.write(json.dumps(manifest_to_json(manifest), indent=1).encode())
+            out.write(json.dumps(manifest_to_json(manifest), indent=1, sort_keys=True).encode())
 
     def committed_steps(self) -> list[int]:
         return sorted(s for s, complete in self.list_versions().items() if complete)
@@ -92,21 +107,47 @@ class FsStore:
         out: dict[int, bool] = {}
         selector = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
         for info in self.fs.get_file_info(selector):
-            m = _STEP_DIR.match(posixpath.basename(info.path))
-            if info.type == pafs.FileType.Directory and m:
+            step = parse_step_dir(posixpath.basename(info.path))
+            if info.type == pafs.FileType.Directory and step is not None:
                 marker = self.fs.get_file_info(posixpath.join(info.path, MARKER_FILE))
-                out[int(m.group(1))] = marker.type == pafs.FileType.File
+                out[step] = marker.type == pafs.FileType.File
         return out
 
+    def stray_entries(self) -> list[str]:
+        """Names under the root that look like versions (``step_...``) but are not ours:
+        never read, never deleted; tools report them."""
+        selector = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
+        names = (posixpath.basename(i.path) for i in self.fs.get_file_info(selector))
+        return sorted(n for n in names if n.startswith("step_") and parse_step_dir(n) is None)
+
     def manifest(self, step: int) -> VersionManifest:
+        """The version's manifest, checked (marker and ``.metadata`` checksums) but not
+        unpickled. VersionNotFoundError without a marker; VerificationError when damaged."""
+        where = f"step {step} under {self.root}"
         try:
             with self.fs.open_input_file(self._path(step, MARKER_FILE)) as f:
-                marker = json.loads(f.read())
+                raw = f.read(MAX_MARKER_BYTES + 1)
+        except FileNotFoundError as exc:
+            raise VersionNotFoundError(f"{where} is not complete (no {MARKER_FILE})") from exc
+        if len(raw) > MAX_MARKER_BYTES:
+            raise VerificationError(f"{where}: {MARKER_FILE} is over {MAX_MARKER_BYTES} bytes; refused")
+        try:
+            marker = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, nesting
+            raise VerificationError(f"{where}: {MARKER_FILE} is damaged ({exc})") from None
+        try:
             with self.fs.open_input_file(self._path(step, METADATA_FILE)) as f:
                 metadata = f.read()
-        except FileNotFoundError as exc:
-            raise VersionNotFoundError(f"step {step} is not complete under {self.root}") from exc
-        return manifest_from_json(marker, metadata)
+        except FileNotFoundError:
+            raise VerificationError(f"{where}: {METADATA_FILE} is missing although {MARKER_FILE} exists") from None
+        try:
+            manifest = manifest_from_json(marker, metadata)
+        except VerificationError as exc:
+            raise VerificationError(f"{where}: {exc}") from None
+        if manifest.step != step:
+            raise VerificationError(f"{where}: {MARKER_FILE} describes step {manifest.step} (moved or copied "
+                                    f"from another version); refused")
+        return manifest
 
     def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
         with self.fs.open_input_file(self._path(step, name)) as f:
@@ -117,29 +158,6 @@ class FsStore:
             self.fs.delete_dir(self._path(step))
         except FileNotFoundError:
             pass
-
-
-def manifest_to_json(m: VersionManifest) -> dict:
-    return {
-        "format": "gemini_ckpt/1",
-        "step": m.step,
-        "world_size": m.world_size,
-        "file_sizes": m.file_sizes,
-        "checksum_algorithm": "crc32c",
-        "checksums": [[c.file, c.offset, c.length, c.crc] for c in m.checksums],
-        "job": m.job,
-    }
-
-
-def manifest_from_json(d: dict, metadata: bytes) -> VersionManifest:
-    return VersionManifest(
-        step=int(d["step"]),
-        world_size=int(d["world_size"]),
-        metadata=metadata,
-        checksums=tuple(ItemChecksum(f, int(o), int(n), int(c)) for f, o, n, c in d["checksums"]),
-        file_sizes={k: int(v) for k, v in d["file_sizes"].items()},
-        job=d.get("job", {}),
-    )
 
 
 def read_file_bytes(store: FsStore, step: int, name: str) -> np.ndarray:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import pickle
 import threading
 import time
 import uuid
@@ -55,10 +54,12 @@ from ._errors import (
     CheckpointError,
     CheckpointTimeoutError,
     ConfigError,
+    FencedError,
     MemoryBudgetError,
     VersionNotFoundError,
 )
 from ._store import VersionManifest, as_uint8
+from ._trust import VerificationError, decode_manifest, encode_manifest, resolve_key, sign
 
 __all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
            "connect_ray_store", "resolve_versions"]
@@ -98,6 +99,12 @@ def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -
     ``save``/``restore``); it returns once all have, with the slot table they share. Creates
     the registry and this host's store when they do not exist yet.
     """
+    if config.namespace is None:
+        raise ConfigError(
+            "CheckpointConfig.namespace is required with store='ray' outside Ray Train: host stores are "
+            "reachable by every job on the Ray cluster, and a job must not restore (or drop) another's "
+            "versions. Name this job's versions, e.g. CheckpointConfig(namespace='lm-7'); a restarted job "
+            "uses the same name to find them. (gemini_ckpt.ray_train uses the run name.)")
     ensure_ray()
     namespace = config.resolved_namespace
     node_id = current_node_id()
@@ -111,6 +118,8 @@ def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -
     except GetTimeoutError:
         raise CheckpointTimeoutError(f"rank {rank}: the registry of namespace {namespace!r} did not answer "
                                      f"within {config.timeout_s}s") from None
+    # This rendezvous's epoch fences the writes of any earlier attempt on this host.
+    ray.get(find_store(namespace, node_id).fence.remote(table.epoch), timeout=config.timeout_s)
     return RayStore(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry)
 
 
@@ -203,7 +212,8 @@ class RayStore:
         try:
             for offset in range(0, total, CHUNK_BYTES) if total else (0,):
                 ref = ray.put(arr[offset : offset + CHUNK_BYTES])
-                window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots))
+                window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots,
+                                                                   self.table.epoch))
                                for s, h in targets])
                 del ref  # pending calls keep the chunk alive; once acknowledged it is freed
                 if len(window) >= CHUNKS_IN_FLIGHT:
@@ -214,7 +224,7 @@ class RayStore:
             # The holders that took part of the file would keep it until the next commit.
             for s, h in targets:
                 if s not in self.dead_slots:
-                    h.discard.remote(step, name, put_id)
+                    h.discard.remote(step, name, put_id, self.table.epoch)
             raise
         self.stats.bytes_put += total
         self.stats.last_put_s = time.perf_counter() - t0
@@ -266,7 +276,10 @@ class RayStore:
         if problems:
             raise IncompleteVersionError(f"cannot commit step {step}: " + "; ".join(problems)
                                          + "; the version is not committed")
-        failed = self._gather("commit", step, pickle.dumps(manifest), dict(manifest.file_sizes),
+        # The host stores keep the manifest as opaque bytes: JSON plus the metadata bytes
+        # (checked by their CRC32C), signed when a key is set; never a pickle.
+        encoded = encode_manifest(sign(manifest, resolve_key(self.config.signing_key)))
+        failed = self._gather("commit", step, encoded, dict(manifest.file_sizes),
                               uuid.uuid4().hex, put_ids, errors=True)
         self._forget_cached(step)
         fatal = {s: e for s, e in failed.items() if s in holder_slots or not isinstance(e, RayActorError)}
@@ -307,12 +320,17 @@ class RayStore:
         if slots is None:
             raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
                                        f"{self.config.resolved_namespace!r}")
+        damaged: Optional[VerificationError] = None
         for slot in sorted(slots, key=lambda s: (s != self.slot, s)):
             handle = self._live().get(slot)
             if handle is None:
                 continue
             try:
-                return pickle.loads(ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s))
+                return decode_manifest(ray.get(handle.manifest.remote(step), timeout=self.config.timeout_s))
+            except VerificationError as exc:
+                damaged = VerificationError(f"step {step}: the manifest held by {self._describe_slot(slot)} "
+                                            f"is damaged: {exc}")
+                log.warning("rank %d: %s; trying another holder", self.rank, damaged)
             except RayActorError:
                 self._mark_dead(slot, "died")
             except RayTaskError as exc:
@@ -320,6 +338,8 @@ class RayStore:
                     raise _cause(exc) from None
             except GetTimeoutError:
                 log.warning("rank %d: %s did not answer manifest(%d)", self.rank, self._describe_slot(slot), step)
+        if damaged is not None:
+            raise damaged
         raise VersionNotFoundError(f"step {step}: no live host store that committed it answers")
 
     def read_range(self, step: int, name: str, offset: int, length: int, *, skip: int = 0) -> memoryview:
@@ -435,7 +455,7 @@ class RayStore:
 
     # --- retention -----------------------------------------------------------------------------
     def drop(self, step: int) -> None:
-        self._gather("drop", step)
+        self._gather("drop", step, self.table.epoch)
         self._forget_cached(step)
 
     def _forget_cached(self, step: int) -> None:
@@ -568,6 +588,8 @@ def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:
     :mod:`gemini_ckpt._host_store`), with ``prefix`` in front of its message."""
     cause = getattr(exc, "cause", None)
     message = prefix + str(cause if cause is not None else exc)
+    if isinstance(cause, PermissionError):
+        return FencedError(message)
     if isinstance(cause, CheckpointError):
         return type(cause)(message)
     if isinstance(cause, MemoryError):

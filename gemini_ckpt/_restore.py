@@ -1,10 +1,17 @@
-"""Restore: pick the newest committed version, check its structure, load it through DCP."""
+"""Restore: pick the newest committed version, verify it, check its structure, load it through DCP.
+
+Any failure reading a version (a missing or damaged marker, manifest or ``.metadata``, a bad
+signature, an item that fails its checksum or the allow-lists, a value the live objects
+reject) skips it, with a warning naming why, for the next older one. Every rank takes the
+same decision: ranks walk rank 0's survey, exchange their outcome for each candidate before
+loading (one ``all_gather_object``) and after applying it, and DCP's load raises on every rank.
+Only a structure mismatch (the job changed, not the version) is raised instead.
+"""
 
 from __future__ import annotations
 
 import inspect
 import logging
-import pickle
 import time
 import warnings
 from typing import Any, Optional
@@ -17,10 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from ._config import CheckpointConfig
 from ._dcp_storage import Source, StoreReader, load_version as dcp_load
+from ._checksum import checksum
 from ._errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
 from ._handle import RestoreResult
 from ._state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
 from ._store import Store
+from ._trust import canonical_bytes, load_metadata, resolve_key
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -59,6 +68,7 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
     t0 = time.perf_counter()
     order, unreachable = _agree(survey(tiers) if rank == 0 or world_size == 1 else None, world_size, group)
     skipped: list[int] = []
+    reasons: list[str] = []
     for step, holding in order:
         name = tiers[holding[0]][0]
         # The newest tier holding the step first; later tiers back it up item by item.
@@ -71,6 +81,7 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
                           f"falling back to the next newest complete version", stacklevel=3)
             log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
             skipped.append(step)
+            reasons.append(f"step {step} ({name}): {_short(str(exc))}")
             continue
         if unreachable and rank == 0:
             log.warning("restored step %d although the %s tier could not be listed (%s)", step,
@@ -78,7 +89,8 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
         return _with_skipped(result, skipped)
     blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
     if skipped:
-        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}")
+        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}: "
+                            + "; ".join(reasons))
     if unreachable:
         raise CheckpointError(
             f"nothing to restore from the readable tiers{blind}. Refusing to report 'no checkpoint' "
@@ -90,34 +102,59 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
 def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int, *, rank: int,
                  world_size: int, group, config: CheckpointConfig, t0: float) -> RestoreResult:
     tier, store = sources[0]
-    manifest = store.manifest(step)
-    metadata: Metadata = pickle.loads(manifest.metadata)
-    saved_keys = set(metadata.state_dict_metadata)
-    saved_ws = manifest.world_size
-    source_rank = _source_rank(rank, saved_ws, world_size, config)
-    target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
-    check_structure(target, metadata)
+    outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "structure" or "config"
+    fingerprint = None
+    try:
+        manifest = store.manifest(step)
+        metadata: Metadata = load_metadata(manifest, resolve_key(config.signing_key))
+        fingerprint = checksum(canonical_bytes(manifest))
+    except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
+        outcome = ("skip", f"{type(exc).__name__}: {exc}")
+    if outcome is None:
+        try:
+            saved_keys = set(metadata.state_dict_metadata)
+            saved_ws = manifest.world_size
+            source_rank = _source_rank(rank, saved_ws, world_size, config)
+            target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
+            check_structure(target, metadata)
+        except StructureMismatchError as exc:
+            outcome = ("structure", str(exc))
+        except ConfigError as exc:
+            outcome = ("config", str(exc))
+        except (AttributeError, TypeError) as exc:  # crafted metadata of the wrong shape
+            outcome = ("skip", f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})")
+    _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
 
-    reader = StoreReader(manifest, [Source(t, _fetcher(s, step), _refetcher(s, step)) for t, s in sources])
+    reader = StoreReader(manifest, [Source(t, _fetcher(s, step), _refetcher(s, step)) for t, s in sources],
+                         metadata=metadata)
     before = _local_peer(store)
     try:
         dcp_load(target, reader, group=group, no_dist=world_size == 1)
     except CheckpointException as exc:
         raise _Unreadable(_first_failure(exc)) from exc
-    except (ChecksumError, OSError) as exc:
-        raise _Unreadable(str(exc)) from exc
+    except StructureMismatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed read of this version: try the next one
+        raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
     derived = source_rank != rank
-    state.apply(target, source_rank=source_rank, restore_rng=not derived)
-    if derived:
-        restore_rng_state(derive_rng_state(rank, step))
+    outcome = None
+    try:
+        state.apply(target, source_rank=source_rank, restore_rng=not derived)
+        if derived:
+            restore_rng_state(derive_rng_state(rank, step))
+    except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
+        outcome = ("skip", f"the loaded state could not be applied ({type(exc).__name__}: {exc})")
     bytes_read = _bytes_by_source(reader, store, before)
     # A rank's source is the farthest tier it had to reach: durable > peer > local.
     where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
     sources = {rank: where}
     if world_size > 1:
         everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, (rank, where), group=group)
-        sources = dict(everyone)
+        dist.all_gather_object(everyone, (rank, where, outcome), group=group)
+        sources = {r: w for r, w, _ in everyone}
+        _raise_agreed([(r, o, None) for r, _, o in everyone], rank)
+    else:
+        _raise_agreed([(rank, outcome, None)], rank)
     return RestoreResult(step=step, source=tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws)
@@ -166,6 +203,32 @@ def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointCo
             f"extra values of saved rank r mod {saved_ws}, and ranks >= {saved_ws} get RNG streams "
             f"derived from (step, rank)", WorldSizeChangeWarning, stacklevel=4)
     return rank % saved_ws
+
+
+def _gather_outcomes(rank: int, outcome, fingerprint, world_size: int, group) -> list:
+    """Every rank's ``(rank, outcome, fingerprint)`` for one candidate version."""
+    if world_size == 1:
+        return [(rank, outcome, fingerprint)]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (rank, outcome, fingerprint), group=group)
+    return everyone
+
+
+def _raise_agreed(everyone: list, rank: int) -> None:
+    """The same decision on every rank: a structure or configuration problem anywhere is
+    raised everywhere; otherwise any rank's failure, or ranks that read different manifests,
+    skips the version (``_Unreadable``)."""
+    fatal = [(r, o) for r, o, _ in everyone if o is not None and o[0] != "skip"]
+    if fatal:
+        r, (kind, why) = fatal[0]
+        error = StructureMismatchError if kind == "structure" else ConfigError
+        raise error(why if r == rank else f"rank {r}: {why}")
+    failed = [(r, o[1]) for r, o, _ in everyone if o is not None]
+    if failed:
+        raise _Unreadable("; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}"
+                                    for r, why in failed[:4]))
+    if len({fp for _, _, fp in everyone}) > 1:
+        raise _Unreadable("the ranks read different manifests for this step (copies disagree)")
 
 
 def _agree(survey_result, world_size: int, group):
@@ -221,13 +284,23 @@ class _Unreadable(Exception):
 
 
 def _first_failure(exc: CheckpointException) -> str:
+    """Why DCP's load failed (every rank gets the same exception). Structure mismatches are
+    raised; anything else means this version cannot be read."""
+    failures = []
     for rank, failure in sorted(exc.failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, (ChecksumError, OSError)):
-            return f"rank {rank}: {inner}"
         if isinstance(inner, StructureMismatchError):
             raise inner
-    raise exc
+        failures.append((rank, inner))
+    preferred = [f for f in failures if isinstance(f[1], (ChecksumError, OSError))] or failures
+    if not preferred:
+        return str(exc)
+    rank, inner = preferred[0]
+    return f"rank {rank}: {type(inner).__name__}: {inner}"
+
+
+def _short(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _few(items: list[str], n: int = 8) -> str:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._errors import VersionNotFoundError
+from ._errors import FencedError, VersionNotFoundError
 
 METADATA_FILE = ".metadata"
 
@@ -46,6 +46,8 @@ class VersionManifest:
 
     ``metadata`` is exactly the pickled DCP ``Metadata`` that ``FileSystemWriter`` writes as
     ``.metadata``, so dumping a version as files gives a stock DCP checkpoint.
+    ``metadata_crc`` is its CRC32C, recorded at commit and checked before it is unpickled;
+    ``signature`` the HMAC-SHA256 of the manifest when a signing key is set (see ``_trust``).
     """
 
     step: int
@@ -54,6 +56,8 @@ class VersionManifest:
     checksums: tuple[ItemChecksum, ...]
     file_sizes: dict[str, int]
     job: dict = field(default_factory=dict)
+    metadata_crc: Optional[int] = None
+    signature: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -104,13 +108,30 @@ class MemoryStore:
     :func:`local_store`), so rebuilt training objects find earlier versions.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: str = "") -> None:
+        self.namespace = namespace
         self._lock = threading.Lock()
         self._versions: dict[int, _Version] = {}
+        self._epoch = 0  # fencing: bumped by every Checkpointer that opens this store
 
-    def put_file(self, step: int, name: str, data) -> None:
+    def fence(self) -> "FencedStore":
+        """Take this store over: a view whose writes succeed until the next ``fence()``;
+        after that they raise :class:`FencedError` (see ``FencedStore``)."""
+        with self._lock:
+            self._epoch += 1
+            return FencedStore(self, self._epoch)
+
+    def _check(self, epoch: int | None) -> None:
+        if epoch is not None and epoch != self._epoch:
+            raise FencedError(
+                f"a newer Checkpointer opened namespace {self.namespace!r} in this process (epoch {self._epoch}, "
+                f"this one has {epoch}); this one's writes are refused. Two Checkpointers that live at the "
+                f"same time (a GAN's G and D) need their own CheckpointConfig.namespace")
+
+    def put_file(self, step: int, name: str, data, *, epoch: int | None = None) -> None:
         arr = as_uint8(data)
         with self._lock:
+            self._check(epoch)
             version = self._versions.get(step)
             if version is None or version.manifest is not None:
                 # Saving a step again (e.g. after restoring an older version) replaces the old
@@ -118,8 +139,9 @@ class MemoryStore:
                 version = self._versions[step] = _Version()
             version.files[name] = arr
 
-    def commit(self, step: int, manifest: VersionManifest) -> None:
+    def commit(self, step: int, manifest: VersionManifest, *, epoch: int | None = None) -> None:
         with self._lock:
+            self._check(epoch)
             version = self._versions.get(step)
             missing = sorted(set(manifest.file_sizes) - set(version.files if version else ()))
             if missing:
@@ -153,8 +175,9 @@ class MemoryStore:
             raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({arr.nbytes} bytes)")
         return memoryview(arr[offset : offset + length])
 
-    def drop(self, step: int) -> None:
+    def drop(self, step: int, *, epoch: int | None = None) -> None:
         with self._lock:
+            self._check(epoch)
             self._versions.pop(step, None)
 
     def nbytes(self) -> int:
@@ -170,6 +193,38 @@ class MemoryStore:
             version.files[name] = damaged
 
 
+class FencedStore:
+    """One ``Checkpointer``'s view of a shared :class:`MemoryStore`: reads pass through,
+    writes carry the epoch the view was opened with and are refused once a newer view exists."""
+
+    def __init__(self, store: MemoryStore, epoch: int) -> None:
+        self.inner, self.epoch = store, epoch
+
+    def put_file(self, step: int, name: str, data) -> None:
+        self.inner.put_file(step, name, data, epoch=self.epoch)
+
+    def commit(self, step: int, manifest: VersionManifest) -> None:
+        self.inner.commit(step, manifest, epoch=self.epoch)
+
+    def drop(self, step: int) -> None:
+        self.inner.drop(step, epoch=self.epoch)
+
+    def committed_steps(self) -> list[int]:
+        return self.inner.committed_steps()
+
+    def manifest(self, step: int) -> VersionManifest:
+        return self.inner.manifest(step)
+
+    def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
+        return self.inner.read_range(step, name, offset, length)
+
+    def corrupt_for_test(self, step: int, name: str, offset: int) -> None:
+        self.inner.corrupt_for_test(step, name, offset)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
 _registry_lock = threading.Lock()
 _registry: dict[str, MemoryStore] = {}
 
@@ -179,11 +234,5 @@ def local_store(namespace: str) -> MemoryStore:
     with _registry_lock:
         store = _registry.get(namespace)
         if store is None:
-            store = _registry[namespace] = MemoryStore()
+            store = _registry[namespace] = MemoryStore(namespace)
         return store
-
-
-def drop_local_store(namespace: str) -> None:
-    """Forget every version of ``namespace`` kept in this process."""
-    with _registry_lock:
-        _registry.pop(namespace, None)
