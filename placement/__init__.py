@@ -13,9 +13,12 @@ False
 >>> placement.recovery_probability(p, k=2)
 Fraction(14, 15)
 
-``python -m placement report --hosts 16 --replicas 2`` compares the strategies.
+``python -m placement report --hosts 16 --replicas 2`` compares the strategies;
+``placement.advise(hosts=1024)`` (``python -m placement advise --hosts 1024``) prices
+checkpoint settings by the training time they keep under failures (``docs/advise.md``).
 """
 
+from ._advise import Advice, advise
 from ._errors import PlacementError
 from ._planner import (
     RecoveryPlan,
@@ -31,9 +34,11 @@ from ._strategies import STRATEGIES, Placement, domain_violations, make
 
 __all__ = [
     "STRATEGIES",
+    "Advice",
     "Placement",
     "PlacementError",
     "RecoveryPlan",
+    "advise",
     "domain_violations",
     "expected_steps_lost",
     "fatal_count",

@@ -1,4 +1,5 @@
-"""``python -m placement``: compare strategies, explain a failure, draw a placement."""
+"""``python -m placement``: compare strategies, explain a failure, draw a placement,
+advise on checkpoint settings (``advise``, in ``_advise_cli``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fractions import Fraction
 from math import comb
 from typing import NoReturn
 
+from . import _advise_cli
 from ._errors import PlacementError
 from ._planner import RecoveryPlan, fatal_count, plan_recovery, recovery_probability, survives
 from ._strategies import Placement, domain_violations, make
@@ -33,6 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "report":
             out = _report(args)
+        elif args.command == "advise":
+            out = _advise_cli.run(args)
         else:
             out = _show(args)
     except PlacementError as exc:
@@ -44,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> _Parser:
     parser = _Parser(
         prog="placement",
-        description="In-memory checkpoint placement: survivability of host failures.",
+        description="In-memory checkpoint placement: survivability of host failures, "
+        "and which checkpoint settings keep the most training time.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,show}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,show,advise}")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--hosts", type=_positive, required=True, help="number of hosts N")
@@ -84,6 +89,7 @@ def _build_parser() -> _Parser:
     show = sub.add_parser("show", help="draw which hosts hold which hosts' shards")
     common(show)
     show.add_argument("--strategy", choices=(*_COMPARED, "auto"), default="auto")
+    _advise_cli.add_parser(sub)
     return parser
 
 

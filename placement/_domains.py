@@ -20,6 +20,7 @@ so that bound is met whenever any arrangement meets it:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Hashable, Sequence
 
 __all__ = ["arrange", "clashing_hosts"]
@@ -44,14 +45,18 @@ def arrange(
     cells: list[list[int]] = [[] for _ in sizes]
     for members in ordered:
         used = [0] * len(sizes)
+        # The best cell is the one with the largest (under cap, free slots, -index); only
+        # the chosen cell's key changes per host, so a heap finds the same cell as a scan
+        # in O(log cells) (thousands of hosts in groups of 2 would otherwise be quadratic).
+        heap = [(-(caps[i] > 0), -free[i], i) for i in range(len(sizes)) if free[i] > 0]
+        heapq.heapify(heap)
         for host in members:
-            best = max(
-                (i for i in range(len(sizes)) if free[i] > 0),
-                key=lambda i: (used[i] < caps[i], free[i], -i),
-            )
+            best = heapq.heappop(heap)[2]
             cells[best].append(host)
             used[best] += 1
             free[best] -= 1
+            if free[best] > 0:
+                heapq.heappush(heap, (-(used[best] < caps[best]), -free[best], best))
 
     domain_of = dict(enumerate(labels))
     return [_deal(cell, cap, domain_of) for cell, cap in zip(cells, caps)]
