@@ -165,9 +165,7 @@ def _from_json(d: Any, metadata: bytes) -> VersionManifest:
         if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):
             raise VerificationError(f".metadata holds {len(metadata)} bytes, the manifest says "
                                     f"{d['metadata_bytes']} (truncated or replaced)")
-        if manifest.metadata_crc is None:
-            raise VerificationError("the manifest records no checksum of .metadata")
-        check_metadata(manifest)
+        check_metadata(manifest)  # (a manifest without ``metadata_crc`` is refused when signing)
         if checksum(canonical_bytes(manifest)) != _int(d.get("manifest_crc"), "manifest_crc"):
             raise VerificationError("the manifest fails its checksum (damaged)")
     check_metadata(manifest)

@@ -172,7 +172,7 @@ def test_crafted_metadata_pickle_never_runs_and_restore_falls_back(versions, tmp
         _reseal(root / NEWEST)
     _assert_restored(root, versions, 0, skipped=(1,))
     problems = DurableTier(str(root)).verify(1)
-    assert problems and ("allow-listed" in problems[0] if reseal else "checksum" in problems[0]), problems
+    assert problems and ("allow-listed" in problems[0] if reseal else "replaced" in problems[0]), problems
     assert not pwned.exists()
 
 
