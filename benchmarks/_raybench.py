@@ -220,9 +220,7 @@ def make_ranks(hosts: int, mb: int, *, rotate: int = 0, fill: bool = True):
     """Rank ``r`` runs on simulated host ``(r + rotate) % hosts``; returns (actors, shard bytes)."""
     import sys
 
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own copy: cloudpickle is not ours
     ranks = [ray.remote(Rank).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
              for i in range(hosts)]
     port = free_port()

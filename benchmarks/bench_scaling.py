@@ -155,9 +155,7 @@ def _store_pids(namespace: str, node_ids: list[str]) -> dict[str, int]:
 
 def _make_ranks(hosts: int, mb: int):
     """``_raybench.make_ranks`` with :class:`ScalingRank` (rank ``r`` on simulated host ``r``)."""
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(rb)
+    ray.cloudpickle.register_pickle_by_value(rb)  # Ray's own copy: cloudpickle is not a dependency
     ranks = [ray.remote(ScalingRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
              for i in range(hosts)]
     port = rb.free_port()

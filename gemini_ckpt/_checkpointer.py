@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -99,6 +100,10 @@ class Checkpointer:
         self._pinned: set[int] = set()  # versions being persisted: retention must not drop them
         self._persist_queued: set[int] = set()
         self._newest_committed: Optional[int] = None
+        self._last_saved: Optional[int] = None  # the newest step save() accepted in this run
+        self._existing: tuple[int, ...] = ()  # steps the tiers held when this run started
+        self._restored: Optional[int] = None  # the step restore() loaded, if any
+        self._discard_pending = False  # versions newer than the restored step still to remove
         self._run_id = uuid.uuid4().hex
         self._serial_buffer = SerialBuffer()  # the background thread's, reused by every version
 
@@ -111,15 +116,18 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed; build a new one")
         if self._store is None:
             self._store = self._make_store()
+        if self._durable is None and self.config.durable_uri:
+            self._durable = DurableTier(self.config.durable_uri, keep=self.config.keep_durable)
+        existing = self._list_existing() if self.rank == 0 else ()
         if self.world_size > 1:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
-            box = [self._run_id]
+            box = [(self._run_id, existing)]
             dist.broadcast_object_list(box, src=0, group=self._bg_group)
-            self._run_id = box[0]  # rank 0's: names this job's persist outcomes in the rendezvous store
-        if self._durable is None and self.config.durable_uri:
-            self._durable = DurableTier(self.config.durable_uri, keep=self.config.keep_durable)
+            # rank 0's run id names this job's persist outcomes in the rendezvous store
+            self._run_id, existing = box[0]
+        self._existing = tuple(existing)
         if self._durable is not None:
             if self.rank == 0:
                 try:
@@ -135,6 +143,17 @@ class Checkpointer:
         self._thread.start()
         return self
 
+    def _list_existing(self) -> tuple[int, ...]:
+        """Steps the memory and durable tiers hold now (rank 0; every rank gets its answer)."""
+        steps = set(self._store.committed_steps())
+        if self._durable is not None:
+            try:
+                steps.update(self._durable.complete_steps())
+            except OSError as exc:
+                log.warning("durable tier %s cannot be listed at start (%s); steps there are not checked "
+                            "against this run's", self._durable.uri, exc)
+        return tuple(sorted(steps))
+
     @property
     def durable(self) -> Optional[DurableTier]:
         """The durable tier, when ``durable_uri`` is set (still readable after ``close``)."""
@@ -149,7 +168,7 @@ class Checkpointer:
                     f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
                     f"{self.world_size} ranks; use store='ray' (host stores) for multi-process jobs"
                 )
-            return local_store(self.config.resolved_namespace)
+            return local_store(self.config.resolved_namespace).fence()
         from ._ray_store import connect_ray_store  # Ray is imported only when it is used
 
         return connect_ray_store(self.config, rank=self.rank, world_size=self.world_size)
@@ -187,6 +206,7 @@ class Checkpointer:
         if persist and self._durable is None:
             raise ConfigError("save(persist=True) needs CheckpointConfig.durable_uri (a path or pyarrow.fs URI)")
         self._raise_background_errors()
+        self._check_forward(step)
         t0 = time.perf_counter()
         with self._lock:
             while self._inflight >= self.config.max_inflight:
@@ -200,28 +220,58 @@ class Checkpointer:
                         f"save({step}) waited {self.config.timeout_s}s for the previous version's "
                         f"background work; raise CheckpointConfig.timeout_s or look at the store")
             self._inflight += 1
-        self._raise_background_errors()
-        buffers = self._pool.acquire()
-        try:
+        buffers, queued = None, False
+        try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
+            self._raise_background_errors()
+            buffers = self._pool.acquire()
             staged = buffers.stage(self.state.tensor_state())
             staged.update(self.state.opaque_state(self.rank))
-        except BaseException:
-            self._pool.release(buffers)
-            with self._lock:
-                self._inflight -= 1
-                self._lock.notify_all()
-            raise
-        stall = time.perf_counter() - t0
-        handle = SaveHandle(step)
-        handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=buffers.nbytes))
+            stall = time.perf_counter() - t0
+            handle = SaveHandle(step)
+            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=buffers.nbytes))
+            self._jobs.put((handle, staged, buffers, t0, persist))
+            queued = True
+        finally:
+            if not queued:
+                if buffers is not None:
+                    self._pool.release(buffers)
+                with self._lock:
+                    self._inflight -= 1
+                    self._lock.notify_all()
+        self._last_saved = step
         s = self.stats
         s.saves += 1
         s.last_stall_s = stall
         s.total_stall_s += stall
         s.staging_bytes = self._pool.nbytes
         s.staging_allocations = self._pool.allocations
-        self._jobs.put((handle, staged, buffers, t0, persist))
         return handle
+
+    def _check_forward(self, step: int) -> None:
+        """Steps only go forward: a step at or before one this job already has is refused,
+        unless the job restored an older version (the newer ones are then discarded first) or
+        ``overwrite=True`` says an earlier run's versions may go."""
+        ns = self.config.resolved_namespace
+        if self._last_saved is not None:
+            if step <= self._last_saved:
+                raise ValueError(f"save({step}): this run already saved step {self._last_saved}; steps only go "
+                                 f"forward. To go back, restore() an older version first (in a new Checkpointer)")
+            return
+        floor = self._restored
+        if floor is not None:
+            if step <= floor:
+                raise ValueError(f"save({step}): step {floor} was restored; the next save must be a later step")
+            self._discard_pending = any(s > floor for s in self._existing)
+            return
+        clash = [s for s in self._existing if s >= step]
+        if clash and not self.config.overwrite:
+            where = f"namespace {ns!r}" + (f" and the durable tier {self._durable.uri}" if self._durable else "")
+            raise CheckpointError(
+                f"save({step}): {where} already hold(s) step(s) {clash[:5]}{' ...' if len(clash) > 5 else ''} "
+                f"from an earlier run, and this run did not restore. Call restore() first to continue that run, "
+                f"use another CheckpointConfig.namespace/durable_uri for a new run, or set "
+                f"CheckpointConfig(overwrite=True) to discard those versions")
+        self._discard_pending = bool(clash)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""
@@ -245,6 +295,9 @@ class Checkpointer:
                 self.wait_persisted()
         finally:
             self._shutdown(raise_errors=True)
+            if self.stats.persist_failed:
+                warnings.warn(f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
+                              f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
 
     def _persist_on_close(self) -> None:
         step = self._newest_committed
@@ -311,6 +364,9 @@ class Checkpointer:
                 else:
                     handle.persisted.set_result(None)
             except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+                with self._lock:
+                    if self._last_saved == handle.step:  # a failed version does not hold the step
+                        self._last_saved = self._newest_committed
                 err = BackgroundError(f"rank {self.rank}: version {handle.step} was not committed: "
                                       f"{type(exc).__name__}: {exc}")
                 err.__cause__ = exc
@@ -361,8 +417,12 @@ class Checkpointer:
                     self._pinned.discard(step)
                     self._persist_queued.discard(step)
                     self._lock.notify_all()
-                if self.rank == 0 and self._store is not None:
+            if self.rank == 0 and self._store is not None:
+                try:
                     self._apply_retention()
+                except Exception as exc:  # noqa: BLE001 - the persist thread must outlive any error
+                    log.error("rank 0: retention after persisting step %d failed (%s: %s); kept versions stay "
+                              "until the next one", step, type(exc).__name__, exc)
 
     def _persist(self, step: int) -> str:
         """Write a committed version from memory to the durable tier (coordinator commits)."""
@@ -372,6 +432,11 @@ class Checkpointer:
             return self._persist_as_coordinator(step)
         except BaseException as exc:
             self._publish_persist_failure(step, f"{type(exc).__name__}: {exc}")
+            try:
+                if self._durable.abandon(step):
+                    log.info("rank 0: removed the partial directory of step %d", step)
+            except Exception as cleanup:  # noqa: BLE001 - the next job's start removes it instead
+                log.warning("rank 0: could not remove the partial directory of step %d: %s", step, cleanup)
             raise
 
     def _persist_key(self, step: int) -> str:
@@ -425,9 +490,29 @@ class Checkpointer:
         fire("persist_commit", step=step, rank=self.rank)
         return durable.commit(step, manifest)
 
+    def _discard_abandoned(self, step: int) -> None:
+        """Rank 0, before the first version of a run is written: remove versions this run
+        abandoned (newer than the restored step, or at/after its first step with overwrite).
+        The other ranks wait in the first collective of the save, so none writes before this."""
+        self._discard_pending = False
+        floor = self._restored if self._restored is not None else step - 1
+        doomed = [s for s in self._existing if s > floor]
+        if not doomed:
+            return
+        log.warning("rank 0: discarding steps %s of namespace %r (%s); they will never be restored", doomed,
+                    self.config.resolved_namespace,
+                    f"newer than the restored step {self._restored}" if self._restored is not None
+                    else "overwrite=True")
+        for old in doomed:
+            self._store.drop(old)
+        if self._durable is not None:
+            self._durable.discard(doomed)
+
     def _write_version(self, step: int, staged: dict[str, Any]) -> None:
+        if self._discard_pending and self.rank == 0:
+            self._discard_abandoned(step)
         writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description(),
-                             buffer=self._serial_buffer)
+                             buffer=self._serial_buffer, signing_key=self.config.signing_key)
         save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
         if self.rank == 0:
             self._apply_retention()
@@ -451,6 +536,9 @@ class Checkpointer:
     def restore(self) -> Optional[RestoreResult]:
         """Load the newest committed version into the live objects; ``None`` if there is none.
 
+        The next ``save`` must be a later step; versions newer than the restored one (which
+        could not be read) are discarded before it is written.
+
         A version whose bytes fail their checksums is skipped (with a warning) in favour of
         the next older one; a version whose structure does not match raises
         :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
@@ -462,8 +550,22 @@ class Checkpointer:
             tiers.append(("durable", self._durable.store))
         result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
                                 group=self._bg_group, config=self.config)
+        if result is None and self.config.init_from:
+            from ._init_from import init_from
+
+            result = init_from(self.state, self.config.init_from, rank=self.rank, world_size=self.world_size,
+                               group=self._bg_group)
         if result is not None:
             log.info("rank %d: %s", self.rank, result.summary())
+            # Continue from here: versions newer than this one (damaged, or abandoned) are
+            # discarded before the next save is written, and never restored later.
+            self._restored, self._last_saved = result.step, None
+            existing = self._list_existing() if self.rank == 0 else ()
+            if self.world_size > 1:
+                box = [existing]
+                dist.broadcast_object_list(box, src=0, group=self._bg_group)
+                existing = box[0]
+            self._existing = tuple(existing)
         return result
 
 

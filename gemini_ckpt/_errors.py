@@ -47,3 +47,9 @@ class CheckpointTimeoutError(CheckpointError, TimeoutError):
 
 class MemoryBudgetError(CheckpointError, MemoryError):
     """Keeping the requested versions would exceed the configured memory budget."""
+
+
+class FencedError(CheckpointError):
+    """A newer ``Checkpointer`` opened this namespace: writes from this (older) one are refused,
+    so a zombie of an earlier attempt, or a second job sharing the namespace by mistake, can
+    never overwrite or drop the newer one's versions."""

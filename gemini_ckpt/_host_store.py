@@ -18,7 +18,7 @@ Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides
 3. readers: ``index``, ``manifest``, ``read``;
 4. the coordinator, for retention: ``drop``.
 
-The store never interprets the bytes (the manifest arrives pickled and leaves as it came);
+The store never interprets the bytes (the manifest arrives encoded and leaves as it came);
 checksums are verified by the reader, end to end.
 
 This module is self-contained on purpose (stdlib and numpy; nothing from ``gemini_ckpt``):
@@ -69,7 +69,7 @@ class _File:
 @dataclass
 class _Version:
     files: dict[str, _File] = field(default_factory=dict)
-    manifest: Optional[bytes] = None  # the pickled VersionManifest, once committed
+    manifest: Optional[bytes] = None  # the encoded VersionManifest (opaque here), once committed
     needs: dict[str, int] = field(default_factory=dict)  # its file sizes
     commit_id: str = ""
     committed_unix: float = 0.0
@@ -96,10 +96,26 @@ class HostStore:
         # against the budget too, and are released first when a put needs the room.
         self._free: list[np.ndarray] = []
         self._discarded: set[str] = set()  # puts given up by their rank: late chunks are ignored
+        # Fencing: the newest rendezvous epoch of the namespace seen here. Writes that carry an
+        # older one come from a zombie of an earlier attempt (or a second job sharing the
+        # namespace by mistake) and are refused, so they can never touch the newer versions.
+        self._epoch = 0
 
     # --- liveness and configuration ---------------------------------------------------------
     def ping(self) -> str:
         return self.node_id
+
+    def fence(self, epoch: int) -> int:
+        """The ranks of a new rendezvous (``epoch``) took over: refuse older epochs' writes."""
+        with self._lock:
+            self._epoch = max(self._epoch, int(epoch))
+            return self._epoch
+
+    def _check_epoch(self, epoch: int, what: str) -> None:
+        if epoch < self._epoch:
+            raise PermissionError(
+                f"host store on node {self.node_id[:12]} (namespace {self.namespace!r}) refused {what} from "
+                f"epoch {epoch}: a newer Checkpointer (epoch {self._epoch}) took over this namespace")
 
     def set_budget(self, budget_bytes: int) -> None:
         with self._lock:
@@ -107,7 +123,7 @@ class HostStore:
 
     # --- write ---------------------------------------------------------------------------------
     def put_chunk(self, step: int, name: str, put_id: str, offset: int, total: int, chunk: np.ndarray,
-                  owner_slot: int, holders: tuple[int, ...]) -> int:
+                  owner_slot: int, holders: tuple[int, ...], epoch: int = 0) -> int:
         """Copy ``chunk`` into bytes ``[offset, offset + len(chunk))`` of file ``name`` of
         ``step`` (``total`` bytes long). A new ``put_id`` replaces an earlier put of the same
         file; a put into a committed step replaces that version here (it is uncommitted at
@@ -116,6 +132,7 @@ class HostStore:
         if offset < 0 or offset + n > total:
             raise ValueError(f"chunk [{offset}, {offset + n}) is outside {name} ({total} bytes)")
         with self._lock:
+            self._check_epoch(epoch, f"a put of {name} of step {step}")
             if put_id in self._discarded:
                 return 0
             version = self._versions.get(step)
@@ -177,13 +194,15 @@ class HostStore:
         )
 
     def commit(self, step: int, manifest: bytes, needs: dict[str, int], commit_id: str,
-               put_ids: dict[str, str]) -> None:
-        """Keep ``manifest`` (pickled; ``needs`` are its file sizes) and mark ``step`` committed
+               put_ids: dict[str, str], epoch: int = 0) -> None:
+        """Keep ``manifest`` (encoded by the client, never read here; ``needs`` are its file
+        sizes) and mark ``step`` committed
         here as ``commit_id``. ``put_ids`` names
         the put of each file that belongs to this version; other copies (an earlier attempt, or
         an earlier version of the same step) are discarded. Raises when a file of the version
         held here is incomplete or not of the size the manifest names."""
         with self._lock:
+            self._check_epoch(epoch, f"committing step {step}")
             version = self._versions.setdefault(step, _Version())
             for name, record in list(version.files.items()):
                 if put_ids.get(name) != record.put_id:
@@ -281,10 +300,11 @@ class HostStore:
             written += arr.nbytes
         return written
 
-    def discard(self, step: int, name: str, put_id: str) -> None:
+    def discard(self, step: int, name: str, put_id: str, epoch: int = 0) -> None:
         """Forget a put its rank gave up on (another holder failed): its partial copy would
         only take memory until the next commit."""
         with self._lock:
+            self._check_epoch(epoch, f"a discard of {name} of step {step}")
             self._discarded.add(put_id)
             if len(self._discarded) > 1024:
                 self._discarded.pop()
@@ -295,9 +315,10 @@ class HostStore:
                 del version.files[name]
 
     # --- retention -----------------------------------------------------------------------------
-    def drop(self, step: int) -> int:
+    def drop(self, step: int, epoch: int = 0) -> int:
         """Forget ``step`` (idempotent); returns the bytes freed."""
         with self._lock:
+            self._check_epoch(epoch, f"dropping step {step}")
             return self._forget(step)
 
     def _forget(self, step: int) -> int:

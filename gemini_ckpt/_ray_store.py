@@ -280,7 +280,7 @@ class RayStore:
         # (checked by their CRC32C), signed when a key is set; never a pickle.
         encoded = encode_manifest(sign(manifest, resolve_key(self.config.signing_key)))
         failed = self._gather("commit", step, encoded, dict(manifest.file_sizes),
-                              uuid.uuid4().hex, put_ids, errors=True)
+                              uuid.uuid4().hex, put_ids, self.table.epoch, errors=True)
         self._forget_cached(step)
         fatal = {s: e for s, e in failed.items() if s in holder_slots or not isinstance(e, RayActorError)}
         if not fatal and len(failed) < len(index):

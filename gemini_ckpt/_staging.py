@@ -72,6 +72,14 @@ class StagingBuffers:
 
     def _copy(self, src: torch.Tensor, path: str) -> torch.Tensor:
         src = src.detach()
+        if any(stride == 0 and size > 1 for stride, size in zip(src.stride(), src.shape)):
+            # Loading writes into the live tensor, and a tensor whose elements share memory
+            # cannot be written (torch refuses it in load_state_dict too): refuse it now.
+            raise ValueError(
+                f"tensor {path.strip('/').replace('/', '.')!r} (shape {tuple(src.shape)}, stride "
+                f"{tuple(src.stride())}) is an expand()ed view whose elements share memory: it can be saved but "
+                f"never restored in place. Register it as a real tensor (.clone() or .contiguous()), or as a "
+                f"non-persistent buffer (register_buffer(..., persistent=False)) if it is derived")
         buf = self._buffers.get(path)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             if buf is not None:
@@ -139,7 +147,9 @@ def _pool(size: int) -> ThreadPoolExecutor:
 
 
 def _raw_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.numel() > 0
+    # Conjugate and negative views hold other bytes than they read as: Tensor.copy_ resolves them.
+    return (src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.numel() > 0
+            and not src.is_conj() and not src.is_neg())
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

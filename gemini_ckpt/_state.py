@@ -81,9 +81,19 @@ class TrainState(Stateful):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"TrainState({name}=...) needs state_dict() and load_state_dict(); got {type(obj).__name__}")
 
+    @property
+    def module(self) -> nn.Module:
+        """The model as one module (a ``ModuleDict`` when several were given)."""
+        return self._module
+
     # --- capture -----------------------------------------------------------------------------
     def tensor_state(self) -> dict[str, Any]:
         """Model, optimizer (and grads) state: live tensors, not copies."""
+        if next(iter(self._module.state_dict(keep_vars=True)), None) is None:
+            raise ValueError(
+                f"TrainState(model=...): the model ({type(self._module).__name__}) has no parameters or persistent "
+                f"buffers yet, so there is nothing to checkpoint; build (or run once, for lazy modules) the model "
+                f"before save()/restore()")
         model_sd, optim_sd = get_state_dict(self._module, self.optimizers)
         out: dict[str, Any] = {MODEL: model_sd}
         if self.optimizers:

@@ -2,7 +2,7 @@
 storage does: writes raise while ``failing`` is set (a full disk, a bucket refusing uploads),
 every operation raises while ``unreachable`` is set (the network to the bucket is down),
 and writes to paths containing ``stall_on`` block (a hung upload) so a test can kill the
-writer mid-persist."""
+writer mid-persist, and deletes raise while ``failing_deletes`` is set."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class FaultyHandler(pafs.FileSystemHandler):
         self.base = pafs.LocalFileSystem()
         self.failing = threading.Event()
         self.unreachable = threading.Event()
+        self.failing_deletes = threading.Event()  # deletes raise (a bucket policy without delete)
         self.stall_on = stall_on
         self.writes = 0
 
@@ -69,8 +70,13 @@ class FaultyHandler(pafs.FileSystemHandler):
         self._check_read(selector.base_dir)
         return self.base.get_file_info(selector)
 
-    def delete_dir(self, path):
+    def _check_delete(self, path) -> None:
         self._check_read(path)
+        if self.failing_deletes.is_set() and self.base.get_file_info(path).type != pafs.FileType.NotFound:
+            raise OSError(f"injected: deleting {path} is not allowed")
+
+    def delete_dir(self, path):
+        self._check_delete(path)
         self.base.delete_dir(path)
 
     def delete_dir_contents(self, path, missing_dir_ok=False):
@@ -81,7 +87,7 @@ class FaultyHandler(pafs.FileSystemHandler):
         raise OSError("refusing to delete the root")
 
     def delete_file(self, path):
-        self._check_read(path)
+        self._check_delete(path)
         self.base.delete_file(path)
 
     def copy_file(self, src, dest):

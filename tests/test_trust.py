@@ -322,8 +322,6 @@ def test_signing_key_config_is_validated_and_never_printed():
             CheckpointConfig(store="local", signing_key=bad)
 
 
-@pytest.mark.xfail(strict=False, reason="needs Checkpointer._write_version to pass config.signing_key to "
-                                        "StoreWriter (gemini_ckpt/_checkpointer.py, not owned here)")
 def test_config_signing_key_signs_local_store_versions(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_KEY, raising=False)
     root = tmp_path / "d"

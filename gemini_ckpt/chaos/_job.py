@@ -135,7 +135,7 @@ def load_full_state(state: "TrainState", full: dict[str, Any], opaque: dict[str,
     from .._loader_compat import fix_resume
     from .._state import DATALOADER, EXTRA, RANK_LOCAL, RNG, SCALER, SCHEDULER, derive_rng_state, restore_rng_state
 
-    set_state_dict(state._module, state.optimizers, model_state_dict=full["model"],
+    set_state_dict(state.module, state.optimizers, model_state_dict=full["model"],
                    optim_state_dict=full.get("optim", {}), options=StateDictOptions(full_state_dict=True))
     if state.schedulers:
         for sched, sd in zip(state.schedulers, pickle.loads(opaque[SCHEDULER]), strict=True):
