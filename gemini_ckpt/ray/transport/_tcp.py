@@ -1,0 +1,124 @@
+"""The TCP backend's shared plumbing: its configuration and socket helpers (the transport is in
+:mod:`._tcp_transport`, the two sides in :mod:`._tcp_send` and :mod:`._tcp_recv`).
+
+Threads, not asyncio: every blocking call is a socket call that releases the GIL, the host
+store that embeds this is itself a threaded actor, and a thread per stream keeps the hot loop
+(``recv_into`` straight into the sink's buffer) a few lines long.
+
+Liveness, in one place:
+
+* a peer that dies is noticed at once: its kernel closes the connections (FIN or RST), so the
+  other side's ``recv``/``send`` fails on the next call;
+* a peer that stops (SIGSTOP, a hung process, a host that vanished without a word) is noticed
+  by the *progress timeout*: every socket call waits at most :attr:`TcpConfig.tick_s`, and a
+  side with work outstanding that has heard nothing from its peer for ``progress_timeout_s``
+  gives up. The receiver reports progress every ~50 ms while bytes arrive (and while it
+  verifies a checksum), so a slow but live peer is never mistaken for a dead one;
+* TCP keepalive and ``TCP_USER_TIMEOUT`` back this up for idle connections to a host that
+  vanished (the next send would notice anyway).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from . import _wire as wire
+from ._errors import PeerLostError, ProgressTimeoutError, ProtocolError
+
+DEFAULT_STREAMS = 4
+DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_NAME_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class TcpConfig:
+    """How the TCP backend moves bytes.
+
+    ``streams`` connections per peer, each carrying whole chunks of ``chunk_bytes``
+    (benchmarks/bench_transport.py: 4 streams of 4 MiB chunks are within a few percent of a raw
+    socket on loopback). ``progress_timeout_s``: a peer that makes no progress for this long
+    while a transfer is outstanding fails it. ``max_send_bytes_per_s``: the sending host's cap,
+    shared by all its channels (None: unlimited). ``verify_checksum``: a function
+    ``f(data, value) -> int`` (``zlib.crc32``, ``crc32c.crc32c``) the receiver runs over a
+    complete transfer when the header carries a checksum; None leaves verification to the sink.
+    """
+
+    streams: int = DEFAULT_STREAMS
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress_timeout_s: float = 1.0
+    connect_timeout_s: float = 5.0
+    max_send_bytes_per_s: Optional[float] = None
+    verify_checksum: Optional[Callable[[Any, int], int]] = None
+    socket_buffer_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
+            raise ValueError(f"TcpConfig.streams must be an int in [1, 64], got {self.streams!r}")
+        if not isinstance(self.chunk_bytes, int) or not 64 << 10 <= self.chunk_bytes <= 1 << 30:
+            raise ValueError(f"TcpConfig.chunk_bytes must be an int in [64 KiB, 1 GiB], got {self.chunk_bytes!r}")
+        for name in ("progress_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TcpConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_send_bytes_per_s is not None and not self.max_send_bytes_per_s > 0:
+            raise ValueError(f"TcpConfig.max_send_bytes_per_s must be > 0 or None, got {self.max_send_bytes_per_s!r}")
+        if self.socket_buffer_bytes is not None and not self.socket_buffer_bytes > 0:
+            raise ValueError(f"TcpConfig.socket_buffer_bytes must be > 0 or None, got {self.socket_buffer_bytes!r}")
+
+    @property
+    def tick_s(self) -> float:
+        """The longest any socket call blocks before the stall check runs."""
+        return min(0.1, self.progress_timeout_s / 5)
+
+
+# --- socket helpers ---------------------------------------------------------------------------
+def tune(sock: socket.socket, config: TcpConfig) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(1000 * max(2.0, 2 * config.progress_timeout_s)))):
+        option = getattr(socket, name, None)
+        if option is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            except OSError:  # not on this platform: the progress timeout still holds
+                pass
+    if config.socket_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
+
+
+def recv_exact(sock: socket.socket, n: int, label: str) -> bytes:
+    """Exactly ``n`` small bytes under the socket's own timeout (handshakes only)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    pos = 0
+    while pos < n:
+        try:
+            k = sock.recv_into(view[pos:])
+        except socket.timeout:
+            raise ProgressTimeoutError(f"{label} did not answer the handshake in time", label) from None
+        if not k:
+            raise PeerLostError(f"{label} closed the connection", label)
+        pos += k
+    return bytes(buf)
+
+
+def recv_str(sock: socket.socket, label: str) -> str:
+    (n,) = wire.U16.unpack(recv_exact(sock, 2, label))
+    if n > MAX_NAME_BYTES:
+        raise ProtocolError(f"{label} sent a name of {n} bytes", label)
+    try:
+        return recv_exact(sock, n, label).decode()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{label} sent a name that is not utf-8", label) from None
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Wake every thread blocked on ``sock`` (they see EOF or an error) without closing the fd
+    under them; the owning thread closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
