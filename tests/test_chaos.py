@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 
 import pytest
@@ -34,6 +35,7 @@ from gemini_ckpt.chaos import (
     Scenario,
     ScenarioError,
     ScenarioResult,
+    TinyJob,
     add_chaos_command,
     ci_matrix,
     full_matrix,
@@ -42,6 +44,7 @@ from gemini_ckpt.chaos import (
     run_scenario,
     versions_after,
 )
+from gemini_ckpt.chaos._harness import JobRun, Rendezvous
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -158,6 +161,51 @@ def test_cli_lists_the_matrix(capsys):
     assert args.func(args) == 2  # too few steps for the matrix: a clear error, nothing started
 
 
+def test_an_infrastructure_failure_is_its_own_verdict_and_fails_the_run():
+    s = Scenario(name="x", at=At(step=2))
+    infra = ScenarioResult(scenario=s, error="InfraError: rank 1 (host 1): rendezvous failed", infra=True)
+    other = ScenarioResult(scenario=Scenario(name="y", at=At(step=2)), error="HarnessError: no commit")
+    ok = ScenarioResult(scenario=Scenario(name="z", at=At(step=2)), checks=[Check("prediction", True)])
+    report = MatrixReport(results=[infra, other, ok], config=CONFIG)
+    assert [r.verdict for r in report.results] == ["INFRA-ERROR", "ERROR", "PASS"]
+    assert report.counts() == {"INFRA-ERROR": 1, "ERROR": 1, "PASS": 1} and report.exit_code == 1
+    table = report.format_table()
+    assert "x: infrastructure error (not a verdict on the library): InfraError" in table
+    assert report.to_json()["scenarios"][0]["verdict"] == "INFRA-ERROR"
+
+
+def _listening(port):
+    """Whether a socket on this machine listens on TCP ``port`` (Linux: /proc/net/tcp{,6}).
+    Connections of a closed store (TIME_WAIT) and other processes' outgoing sockets that
+    happen to get the port next do not count."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as fh:
+                rows += [line.split() for line in fh.readlines()[1:]]
+    return any(int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A" for row in rows)  # 0A: LISTEN
+
+
+def test_the_rendezvous_port_is_bound_by_its_store_from_the_start():
+    """No port is found free, released and bound again later: the store binds port 0 and
+    holds the port the kernel gave it until ``close``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rendezvous = Rendezvous(world_size=2, timeout_s=10)
+    host, port = rendezvous.address
+    try:
+        assert port > 0 and _listening(port)
+        client = dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        del client
+    finally:
+        rendezvous.close()
+    assert rendezvous.closed and not _listening(port)
+
+
 # --- Ray: one harness for the module ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def harness():
@@ -253,3 +301,67 @@ def test_a_user_job_runs_under_the_harness(harness):
     result = run_scenario(s, harness, job=_UserJob())
     assert result.ok, (result.error, result.failed_checks())
     assert result.observed_label == "memory@2"
+
+
+@pytest.mark.ray
+def test_ranks_join_the_process_group_through_the_drivers_bound_store(harness):
+    hosts = tuple(range(CONFIG.hosts))
+    job = JobRun(harness, "rendezvous-port", job=TinyJob(), persist=False)
+    harness.ensure(hosts)
+    try:
+        answers = job.setup(hosts)
+        address = list(job.rendezvous.address)
+        assert {r: a["rendezvous"] for r, a in answers.items()} == {r: address for r in range(len(hosts))}
+        assert _listening(address[1])  # the driver's store holds it while the job runs
+    finally:
+        job.cleanup(hosts)
+    assert job.rendezvous is None and not _listening(address[1])  # and releases it with the job
+
+
+class _LosesItsRendezvousOnce(TinyJob):
+    """TinyJob, except that the second time rank 1 builds it (the first scenario's start, after
+    the reference run) it breaks that process's torch.distributed exactly as the incident of
+    issue 13 did: its process group's store cannot bind a port another socket holds
+    (EADDRINUSE). A failed init_process_group leaves the process unfit for the next one
+    (it used up a group name its peers did not), so the harness must replace it."""
+
+    def __init__(self, counter_path):
+        super().__init__()
+        self.counter_path = counter_path
+
+    def build(self, rank, world_size, seed):
+        if rank == 1:
+            with open(self.counter_path, "a") as fh:
+                fh.write("x")
+            if os.path.getsize(self.counter_path) == 2:
+                import datetime
+
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+                with socket.socket() as taken:
+                    taken.bind(("127.0.0.1", 0))
+                    taken.listen()
+                    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{taken.getsockname()[1]}",
+                                            rank=0, world_size=2, timeout=datetime.timedelta(seconds=5))
+                raise RuntimeError("the process group started on a port already taken")
+        return super().build(rank, world_size, seed)
+
+
+@pytest.mark.ray
+def test_a_scenario_that_fails_at_setup_is_an_infra_error_and_the_next_one_passes(harness, tmp_path):
+    job = _LosesItsRendezvousOnce(str(tmp_path / "builds-of-rank-1"))
+    scenarios = [Scenario(name="fails-at-setup", at=At(step=2), faults=(KillStore((1,)),)),
+                 Scenario(name="runs-next", at=At(step=2), faults=(KillStore((1,)),))]
+    report = run_matrix(scenarios, harness=harness, job=job, json_path=str(tmp_path / "chaos.json"))
+    print("\n" + report.format_table())
+    failed, after = report.results
+    assert failed.verdict == "INFRA-ERROR" and failed.infra, failed.error
+    assert "rank 1 (host 1): build failed" in failed.error and "EADDRINUSE" in failed.error
+    assert failed.prediction is None and not failed.checks  # no verdict on the library
+    assert after.ok, (after.error, after.failed_checks())
+    assert after.observed_label == "memory@2" and not after.notes  # nothing was left behind
+    assert report.exit_code == 1 and report.counts() == {"INFRA-ERROR": 1, "PASS": 1}
+    assert "fails-at-setup: infrastructure error (not a verdict on the library)" in report.format_table()
+    doc = json.loads((tmp_path / "chaos.json").read_text())
+    assert [s["verdict"] for s in doc["scenarios"]] == ["INFRA-ERROR", "PASS"]

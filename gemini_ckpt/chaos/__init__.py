@@ -32,7 +32,7 @@ from ._job import TinyJob, TrainJob
 from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
 from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._harness import Harness
-from ._results import Check, HarnessError, ScenarioResult
+from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario
 from ._spec import (
     PHASES,
@@ -62,6 +62,7 @@ __all__ = [
     "DurableWriteOutage",
     "Harness",
     "HarnessError",
+    "InfraError",
     "KillStore",
     "KillWorker",
     "MatrixReport",

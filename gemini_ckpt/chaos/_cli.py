@@ -16,7 +16,8 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
                     "host), inject faults (killed workers and host stores, lost hosts, faults in the "
                     "replicate/commit/persist phases, storage outages, corruption, a smaller world "
                     "size), and check that each restore matches the placement planner's prediction "
-                    "and continues bit-identically. Exit status 1 on any mismatch.")
+                    "and continues bit-identically. Exit status 1 unless every scenario passes "
+                    "(a mismatch, an ERROR, or an INFRA-ERROR: the harness's own machinery failed).")
     p.add_argument("--matrix", choices=("ci", "full"), default="full",
                    help="which scenarios: the reduced CI set or everything (default: full)")
     p.add_argument("--scenario", "-k", action="append", default=[], metavar="PATTERN",

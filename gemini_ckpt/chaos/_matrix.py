@@ -171,7 +171,8 @@ class MatrixReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for r in self.results:
             if r.error:
-                lines.append(f"{r.scenario.name}: harness error: {r.error}")
+                kind = "infrastructure error (not a verdict on the library)" if r.infra else "harness error"
+                lines.append(f"{r.scenario.name}: {kind}: {r.error}")
             for c in r.failed_checks():
                 lines.append(f"{r.scenario.name}: {c.name}: {c.detail}")
         counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts().items()))
@@ -196,7 +197,8 @@ def run_matrix(scenarios: Optional[Sequence[Scenario]] = None, *, config: Option
                harness: Optional[Harness] = None, job: Any = None, store_factory: Optional[StoreFactory] = None,
                json_path: Optional[str] = None, log: Optional[Callable[[str], None]] = None) -> MatrixReport:
     """Run ``scenarios`` (default: :func:`full_matrix`) and return the report; with
-    ``json_path`` also write it as JSON.
+    ``json_path`` also write it as JSON. A scenario that fails, for whatever reason, is
+    reported and torn down, and the next one runs; ``exit_code`` is 1 unless every one passed.
 
     Starts (and stops) its own :class:`Harness` unless one is given. Example::
 
@@ -220,7 +222,10 @@ def run_matrix(scenarios: Optional[Sequence[Scenario]] = None, *, config: Option
     results: list[ScenarioResult] = []
     try:
         harness.start()
-        harness.reference(train_job)
+        try:
+            harness.reference(train_job)
+        except Exception as exc:  # noqa: BLE001 - every scenario tries again and reports it
+            harness.log(f"the reference run failed ({type(exc).__name__}: {exc}); each scenario retries it")
         for i, s in enumerate(scenarios, 1):
             harness.log(f"[{i}/{len(scenarios)}] {s.name}: {s.describe()}")
             results.append(run_scenario(s, harness, job=train_job, store_factory=store_factory))

@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ._predict import Prediction, outcome_label
 from ._spec import Scenario
 
-PASS, MISMATCH, HARNESS_ERROR = "PASS", "MISMATCH", "ERROR"
+PASS, MISMATCH, HARNESS_ERROR, INFRA_ERROR = "PASS", "MISMATCH", "ERROR", "INFRA-ERROR"
 
 
 class HarnessError(RuntimeError):
     """The harness could not run a scenario as written (not a verdict on the library)."""
+
+
+class InfraError(HarnessError):
+    """The harness's own machinery failed: a rank process, the process group's rendezvous, the
+    job's ``build``, the simulated cluster. Not a verdict on the library: the scenario is
+    reported ``INFRA-ERROR``, its processes are replaced, and the matrix goes on."""
+
+
+@contextmanager
+def infrastructure(what: str) -> Iterator[None]:
+    """Report any failure inside as an :class:`InfraError` about ``what``."""
+    try:
+        yield
+    except InfraError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever broke, it was the harness's machinery
+        raise InfraError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 # --- results -------------------------------------------------------------------------------------------
@@ -37,6 +55,7 @@ class ScenarioResult:
     restore_s: Optional[float] = None
     checks: list[Check] = field(default_factory=list)
     error: Optional[str] = None
+    infra: bool = False  # ``error`` is the harness's machinery failing (INFRA-ERROR), not a verdict
     duration_s: float = 0.0
     timings: dict = field(default_factory=dict)  # seconds per stage of the recovery
     notes: list[str] = field(default_factory=list)  # things worth knowing that are not a verdict
@@ -44,7 +63,7 @@ class ScenarioResult:
     @property
     def verdict(self) -> str:
         if self.error is not None:
-            return HARNESS_ERROR
+            return INFRA_ERROR if self.infra else HARNESS_ERROR
         return PASS if all(c.ok is not False for c in self.checks) else MISMATCH
 
     @property

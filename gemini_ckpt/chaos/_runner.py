@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from ._harness import Harness, JobRun, StoreFactory, as_job
 from ._predict import DURABLE, ERROR, FRESH, MEMORY, Versions, make_placement, predict, versions_after
-from ._results import Check, HarnessError, Reference, ScenarioResult, Trace, err, short
+from ._results import Check, HarnessError, InfraError, Reference, ScenarioResult, Trace, err, infrastructure, short
 from ._spec import (
     PERSIST_PHASES,
     STEP,
@@ -88,7 +88,11 @@ def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
                  store_factory: Optional[StoreFactory] = None) -> ScenarioResult:
     """Run one scenario on ``harness`` (started if needed) and check it (see
     :mod:`gemini_ckpt.chaos`). Never raises for what the scenario finds: a failed check makes
-    the verdict ``MISMATCH``, a scenario the harness could not carry out ``ERROR``.
+    the verdict ``MISMATCH``; a scenario the harness's own machinery could not carry out (a
+    rank process, the rendezvous, the job's ``build``, the simulated cluster failed)
+    ``INFRA-ERROR``; any other reason it could not be carried out ``ERROR``. Whatever happens,
+    the scenario's job is torn down before this returns (its rank processes replaced when they
+    may be in any doubt), so the next scenario starts clean.
 
     ``job``: the training job (default: the harness's); its reference run is made once.
     ``store_factory``: replaces the faulty run's store (never the reference's), e.g. to check
@@ -99,9 +103,15 @@ def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
     harness.start()
     try:
         harness.config.check(scenario)
+        left = harness.sweep()
+        if left:
+            result.notes.append(f"removed host stores left over from before this scenario: {left}")
         _run(scenario, harness, as_job(job) if job is not None else harness.job, store_factory, result)
     except Exception as exc:  # noqa: BLE001 - reported as the scenario's harness error
+        from ray.exceptions import RayError  # a Ray call of the harness's own failed
+
         result.error = short(f"{type(exc).__name__}: {exc}", 1000)
+        result.infra = isinstance(exc, (InfraError, RayError))
     result.duration_s = time.perf_counter() - t_start
     harness.log(f"{scenario.name}: {result.verdict} predicted {result.prediction.label() if result.prediction else '-'}"
                 f", observed {result.observed_label} ({result.duration_s:.1f}s)"
@@ -126,9 +136,9 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
     restart_hosts = s.restart_hosts if s.restart_hosts is not None else hosts
     checks = result.checks
     trace = Trace()
+    ok = False
     try:
-        h.sim.ensure_hosts()
-        h.pool.ensure(hosts)
+        h.ensure(hosts)
         job.setup(hosts, rules=_rules(s, cfg))
         fresh = job.expect_all(job.call(hosts, "restore", timeout=cfg.timeout_s + 60), "restore")
         if any(r["step"] is not None for r in fresh.values()):
@@ -173,7 +183,8 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         h.pool.teardown(survivors)
         timings["teardown_s"] = time.perf_counter() - t_restart
         t = time.perf_counter()
-        h.pool.ensure(restart_hosts)
+        with infrastructure(f"starting rank processes on hosts {list(restart_hosts)}"):
+            h.pool.ensure(restart_hosts)
         timings["workers_s"] = time.perf_counter() - t
         t = time.perf_counter()
         setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False)
@@ -211,6 +222,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         if errors:
             for name in ("agreed", "exact_restore", "committed_only", "continued", "final_state", "finished"):
                 checks.append(Check(name, None, "restore failed"))
+            ok = True
             return
         _check_restore(checks, restored, versions, ref, cfg.hosts)
 
@@ -220,9 +232,12 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         after = job.run(restart_hosts, rest)
         closed = job.call(restart_hosts, "close", timeout=cfg.timeout_s + 60)
         _check_continuation(checks, h, train_job, ref, after, closed, restart_hosts, step0, rest)
+        ok = True
     finally:
         result.notes.extend(job.notes)
-        job.cleanup(hosts + tuple(x for x in restart_hosts if x not in hosts))
+        # After a failure the ranks may be anywhere (held at a phase, inside a collective):
+        # their processes are killed rather than asked to leave.
+        job.cleanup(hosts + tuple(x for x in restart_hosts if x not in hosts), kill=not ok)
 
 
 def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
@@ -301,12 +316,13 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
                     ray.kill(handle, no_restart=True)
     removed = s.removed_hosts()
     if removed:
-        h.sim.remove_hosts(removed)
-        for host in removed:
-            h.pool.forget(host)
-        for host in s.replaced_hosts():
-            h.sim.add_host(host)
-        h.pool.respawn(s.replaced_hosts())
+        with infrastructure(f"removing hosts {list(removed)} and adding replacements"):
+            h.sim.remove_hosts(removed)
+            for host in removed:
+                h.pool.forget(host)
+            for host in s.replaced_hosts():
+                h.sim.add_host(host)
+            h.pool.respawn(s.replaced_hosts())
     return corrupt_memory, corrupt_durable
 
 

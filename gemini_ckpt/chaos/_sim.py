@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -33,12 +32,6 @@ SYSTEM_CONFIG = {
     "health_check_timeout_ms": 300,
     "health_check_failure_threshold": 3,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):

@@ -46,6 +46,8 @@ class RankWorker:
         self._paused: Optional[dict] = None
         self._fs_handler = None
         self._hold_limit_s = 300.0
+        self._broken = False  # this process's torch.distributed state is not to be trusted again
+        self._stage: Optional[str] = None
 
     # --- liveness -------------------------------------------------------------------------------
     def info(self) -> dict:
@@ -56,8 +58,14 @@ class RankWorker:
     # --- a job (re)start --------------------------------------------------------------------------
     def setup(self, spec: dict) -> dict:
         """Join a new process group and build the job and its Checkpointer. ``spec``: rank,
-        world_size, port, config (CheckpointConfig fields), job, seed, timeout_s, durable_root,
-        chaos_fs, storage_mode, keep_durable, rules, store_factory."""
+        world_size, rendezvous (host, port of the driver's store), config (CheckpointConfig
+        fields), job, seed, timeout_s, durable_root, chaos_fs, storage_mode, keep_durable, rules,
+        store_factory.
+
+        Returns :meth:`info`, or ``{"error": ..., "stage": ...}`` where ``stage`` says what
+        failed: ``"rendezvous"`` (joining the process group) or ``"build"`` (the job's
+        ``build``) are the harness's machinery; ``"checkpointer"`` is the library under test.
+        After a failed rendezvous or build this process is not reused (see :meth:`teardown`)."""
         import torch.distributed as dist
 
         from .. import CheckpointConfig, Checkpointer
@@ -65,32 +73,54 @@ class RankWorker:
         from .._faults import set_hook
 
         self.teardown()
-        self.rank, self.world_size = spec["rank"], spec["world_size"]
-        self.timeout_s = spec["timeout_s"]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=self.rank,
-                                world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-        self.job = spec["job"]
-        self.state = self.job.build(self.rank, self.world_size, spec["seed"])
-        config = CheckpointConfig(**spec["config"])
-        durable = None
-        if spec.get("chaos_fs"):
-            from ._storage import chaos_filesystem
+        stage = self._stage = "rendezvous"
+        if self._broken:
+            return {"error": "an earlier setup of this process failed in its rendezvous or build; "
+                             "the harness replaces such a process", "stage": stage}
+        try:
+            self.rank, self.world_size = spec["rank"], spec["world_size"]
+            self.timeout_s = spec["timeout_s"]
+            timeout = datetime.timedelta(seconds=spec["timeout_s"])
+            host, port = spec["rendezvous"]
+            # A client of the store the driver already holds bound: no port is picked here.
+            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)
+            stage = self._stage = "build"
+            self.job = spec["job"]
+            self.state = self.job.build(self.rank, self.world_size, spec["seed"])
+            stage = self._stage = "checkpointer"
+            config = CheckpointConfig(**spec["config"])
+            durable = None
+            if spec.get("chaos_fs"):
+                from ._storage import chaos_filesystem
 
-            fs, self._fs_handler = chaos_filesystem()
-            self._fs_handler.set_mode(spec.get("storage_mode", "ok"))
-            # Built here, as a user would build it; with storage unreachable this may already fail.
-            durable = DurableTier(filesystem=fs, root=spec["durable_root"], keep=spec["keep_durable"])
-        store = None
-        if spec.get("store_factory") is not None:
-            store = spec["store_factory"](config, self.rank, self.world_size)
-        self.ckpt = Checkpointer(self.state, config, store=store, durable=durable)
+                fs, self._fs_handler = chaos_filesystem()
+                self._fs_handler.set_mode(spec.get("storage_mode", "ok"))
+                # Built here, as a user would build it; with storage unreachable this may already fail.
+                durable = DurableTier(filesystem=fs, root=spec["durable_root"], keep=spec["keep_durable"])
+            store = None
+            if spec.get("store_factory") is not None:
+                store = spec["store_factory"](config, self.rank, self.world_size)
+            self.ckpt = Checkpointer(self.state, config, store=store, durable=durable)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            if stage != "checkpointer":
+                # A failed init_process_group still used up a group name in this process (the next
+                # one would not match its peers'), and a job's build may have left anything behind.
+                self._broken = True
+            self._stage = None
+            return {"error": describe_error(exc), "stage": stage}
         self.persist_every = config.persist_every
         self._rules = list(spec.get("rules") or ())
         self._release = threading.Event()
         self._paused = None
         set_hook(self._hook if self._rules else None)
-        return self.info()
+        self._stage = None
+        return {**self.info(), "rendezvous": [host, port]}
+
+    def setup_stage(self) -> Optional[str]:
+        """Where a ``setup`` still running is (None when none is)."""
+        return self._stage
 
     def _hook(self, phase: str, **ctx) -> None:
         step = ctx.get("step")
@@ -194,8 +224,9 @@ class RankWorker:
 
     def teardown(self, limit_s: float = 10.0) -> bool:
         """Stop the Checkpointer and leave the process group. False when background work did
-        not stop within ``limit_s`` (stuck in a collective with a dead peer): the process is
-        then not safe to reuse and the driver replaces it."""
+        not stop within ``limit_s`` (stuck in a collective with a dead peer) or a setup failed
+        in its rendezvous or build: the process is then not safe to reuse and the driver
+        replaces it."""
         import torch.distributed as dist
 
         from .._faults import set_hook
@@ -217,7 +248,7 @@ class RankWorker:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group is still gone
                 traceback.print_exc()
-        return clean and not dist.is_initialized()
+        return clean and not self._broken and not dist.is_initialized()
 
 
 def _quiet_shutdown(ckpt) -> None:
