@@ -335,6 +335,8 @@ class Checkpointer:
             self._persist_thread.join(timeout=self.config.timeout_s)
             self._persist_thread = None
         self._closed = True
+        if self._store is not None:
+            self._store.close()
         _forget_plans(self._planner)
         if raise_errors:
             self._raise_background_errors()

@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import placement
 
 from . import _host_store
+from .ray import transport
 from ._config import CheckpointConfig
 from ._errors import ConfigError
 from ._host_store import HostStore, Registry
@@ -136,6 +137,7 @@ def _ship_actors_by_value() -> None:
     # The actor module imports nothing from gemini_ckpt; shipping it by value keeps the actor
     # processes from importing the package (and torch): they start fast and stay small.
     ray.cloudpickle.register_pickle_by_value(_host_store)
+    ray.cloudpickle.register_pickle_by_value(transport)
 
 
 def get_or_create_registry(namespace: str):

@@ -59,6 +59,9 @@ class CheckpointConfig:
         timeout_s: limit for every blocking call (waits, collectives, store calls).
         signing_key: bytes or str; signs every version's manifest (HMAC-SHA256) and refuses
             unsigned or wrongly signed ones at restore. None: ``$GEMINI_CKPT_SIGNING_KEY`` if set.
+        replication_bandwidth: cap on the bytes per second each training process sends to its
+            holders over the data plane (None: unlimited), so replication stays out of the way
+            of training's own traffic.
         overwrite: a job that starts without restoring, while the store or the durable tier
             already holds versions at or after its first step (an earlier run's), is refused;
             ``overwrite=True`` discards those versions instead (memory and durable).
@@ -83,6 +86,7 @@ class CheckpointConfig:
     world_size_change: str = "derive"
     timeout_s: float = 300.0
     signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
+    replication_bandwidth: Optional[int] = None
     overwrite: bool = False
     init_from: Optional[str] = None
 
@@ -113,6 +117,9 @@ class CheckpointConfig:
                 or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
             raise ConfigError(f"CheckpointConfig.timeout_s must be a positive, finite number of seconds "
                               f"(e.g. 300), got {self.timeout_s!r}")
+        if self.replication_bandwidth is not None:
+            _int_at_least(self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; "
+                          "None for unlimited")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):

@@ -153,6 +153,9 @@ class FsStore:
         with self.fs.open_input_file(self._path(step, name)) as f:
             return memoryview(f.read_at(length, offset))
 
+    def close(self) -> None:
+        pass
+
     def drop(self, step: int) -> None:
         try:
             self.fs.delete_dir(self._path(step))

@@ -9,8 +9,11 @@ status report can say "own" or "replica" and a commit can check that every copy 
 
 Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides status):
 
-1. each rank, per data file: ``put_chunk`` for every chunk, on every holder of its host, in
-   parallel. The first chunk reserves the whole file against the memory budget;
+1. each rank, per data file: the file's bytes to every holder of its host, in parallel, over
+   the data plane (``start_data_plane`` once: an authenticated TCP listener on the node's
+   address; the transport writes straight into the buffer the first bytes reserved against
+   the memory budget, see :mod:`gemini_ckpt.ray.transport`). ``put_chunk`` does the same
+   through Ray, for empty files;
 2. the coordinator (rank 0): ``index`` on every live store to check every copy, then
    ``commit`` on every live store, naming the put of each file that belongs to the version
    and a commit id shared by all stores. Committing step s forgets abandoned (never
@@ -21,9 +24,9 @@ Roles and call order (see :mod:`gemini_ckpt._ray_store`, the only caller besides
 The store never interprets the bytes (the manifest arrives encoded and leaves as it came);
 checksums are verified by the reader, end to end.
 
-This module is self-contained on purpose (stdlib and numpy; nothing from ``gemini_ckpt``):
-:mod:`gemini_ckpt._cluster` ships these classes to Ray by value, so an actor's process never
-imports the package (and torch with it) and starts in about a second. So actors raise
+This module is self-contained on purpose (stdlib, numpy and the transport, which is stdlib
+only): :mod:`gemini_ckpt._cluster` ships these classes and the transport to Ray by value, so
+an actor's process never imports torch and starts in about a second. So actors raise
 built-in exceptions, which the client maps onto the library's: ``MemoryError`` (budget),
 ``LookupError`` (no such version or file), ``ValueError`` (refused), ``TimeoutError``.
 """
@@ -31,13 +34,17 @@ built-in exceptions, which the client maps onto the library's: ``MemoryError`` (
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from gemini_ckpt.ray.transport import Endpoint, Header, TcpTransport
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -60,6 +67,8 @@ class _File:
     holders: tuple[int, ...]
     put_unix: float = 0.0
     received: int = 0
+    writers: int = 0  # transfers still writing into ``buffer`` (the data plane)
+    orphaned: bool = False  # dropped while written into: its buffer is freed when they stop
 
     @property
     def complete(self) -> bool:
@@ -100,6 +109,9 @@ class HostStore:
         # older one come from a zombie of an earlier attempt (or a second job sharing the
         # namespace by mistake) and are refused, so they can never touch the newer versions.
         self._epoch = 0
+        self._listener = None  # the data plane (``start_data_plane``)
+        self._writing: dict[tuple, _File] = {}  # transfers in progress -> the record they fill
+        self._secret = b""
 
     # --- liveness and configuration ---------------------------------------------------------
     def ping(self) -> str:
@@ -132,27 +144,9 @@ class HostStore:
         if offset < 0 or offset + n > total:
             raise ValueError(f"chunk [{offset}, {offset + n}) is outside {name} ({total} bytes)")
         with self._lock:
-            self._check_epoch(epoch, f"a put of {name} of step {step}")
-            if put_id in self._discarded:
+            record = self._record_for(step, name, put_id, total, owner_slot, holders, epoch)
+            if record is None:
                 return 0
-            version = self._versions.get(step)
-            if version is not None and version.manifest is not None:
-                log.info("node %s: step %d is saved again; its committed version here is replaced",
-                         self.node_id[:12], step)
-                self._forget(step)
-                version = None
-            record = version.files.get(name) if version is not None else None
-            if record is None or record.put_id != put_id:
-                replaced = record.buffer.nbytes if record is not None else 0
-                if self._held - replaced + total > self.budget_bytes:
-                    raise MemoryError(self._budget_message(step, name, total, replaced))
-                if version is None:
-                    version = self._versions[step] = _Version()
-                if record is not None:
-                    self._release(record.buffer)
-                buffer = self._reserve(total)
-                record = _File(buffer[:total], buffer, put_id, int(owner_slot), tuple(holders), time.time())
-                version.files[name] = record
         # The copy out of the object store runs without the lock: other ranks' puts and
         # reads of other files proceed meanwhile.
         if n:
@@ -160,6 +154,77 @@ class HostStore:
         with self._lock:
             record.received += n
             return record.received
+
+    def _record_for(self, step: int, name: str, put_id: str, total: int, owner_slot: int,
+                    holders: tuple[int, ...], epoch: int) -> Optional[_File]:
+        """The record a put of ``name`` writes into, reserved against the budget on its first
+        bytes; None for a put its rank gave up on. Call with the lock held."""
+        self._check_epoch(epoch, f"a put of {name} of step {step}")
+        if put_id in self._discarded:
+            return None
+        version = self._versions.get(step)
+        if version is not None and version.manifest is not None:
+            log.info("node %s: step %d is saved again; its committed version here is replaced",
+                     self.node_id[:12], step)
+            self._forget(step)
+            version = None
+        record = version.files.get(name) if version is not None else None
+        if record is None or record.put_id != put_id:
+            replaced = record.buffer.nbytes if record is not None else 0
+            if self._held - replaced + total > self.budget_bytes:
+                raise MemoryError(self._budget_message(step, name, total, replaced))
+            if version is None:
+                version = self._versions[step] = _Version()
+            if record is not None:
+                self._release(record)
+            buffer = self._reserve(total)
+            record = _File(buffer[:total], buffer, put_id, int(owner_slot), tuple(holders), time.time())
+            version.files[name] = record
+        return record
+
+    # --- data plane: puts arrive over the transport, straight into the kept buffers ----------
+    def start_data_plane(self, secret_hex: str) -> Endpoint:
+        """Listen for puts from this namespace's ranks on the node's address (idempotent; a
+        new secret, after the registry was recreated, restarts the listener). Returns the
+        endpoint ranks connect to."""
+        secret = bytes.fromhex(secret_hex)
+        with self._lock:
+            if self._listener is not None and self._secret == secret:
+                return self._listener.endpoint
+            old, self._listener, self._secret = self._listener, None, secret
+        if old is not None:
+            old.close()
+        import ray
+
+        transport = TcpTransport(secret, self.namespace, host_name=self.node_id)
+        listener = transport.listen(ray.util.get_node_ip_address(), _PutSink(self))
+        with self._lock:
+            self._listener = listener
+        return listener.endpoint
+
+    def _incoming(self, header: Header) -> memoryview:
+        put = json.loads(header.meta)
+        with self._lock:
+            record = self._record_for(header.step, header.name, header.put_id, header.total, put["owner"],
+                                      tuple(put["holders"]), put["epoch"])
+            if record is None:
+                raise ValueError(f"the put of {header.name} of step {header.step} was given up by its rank")
+            if record.array.nbytes != header.total:
+                raise ValueError(f"{header.name}: {header.total} bytes announced, {record.array.nbytes} reserved")
+            record.writers += 1
+            self._writing[_transfer_key(header)] = record
+        return memoryview(record.array[header.offset : header.offset + header.length])
+
+    def _transfer_ended(self, header: Header, ok: bool) -> None:
+        with self._lock:
+            record = self._writing.pop(_transfer_key(header), None)
+            if record is None:
+                return
+            record.writers -= 1
+            if ok and not record.orphaned:
+                record.received += header.length
+            if record.orphaned and not record.writers:
+                self._release(record)
 
     def _reserve(self, total: int) -> np.ndarray:
         """A buffer of at least ``total`` bytes: a pooled one of about that size, else a new one
@@ -178,7 +243,11 @@ class HostStore:
         self._held += buffer.nbytes
         return buffer
 
-    def _release(self, buffer: np.ndarray) -> None:
+    def _release(self, record: _File) -> None:
+        if record.writers:
+            record.orphaned = True  # the transport still writes into it: never reuse it before it stops
+            return
+        buffer = record.buffer
         self._held -= buffer.nbytes
         if buffer.nbytes:
             self._free.append(buffer)
@@ -206,7 +275,7 @@ class HostStore:
             version = self._versions.setdefault(step, _Version())
             for name, record in list(version.files.items()):
                 if put_ids.get(name) != record.put_id:
-                    self._release(record.buffer)
+                    self._release(record)
                     del version.files[name]
                     continue
                 size = needs[name]
@@ -311,7 +380,7 @@ class HostStore:
             version = self._versions.get(step)
             record = version.files.get(name) if version is not None else None
             if record is not None and record.put_id == put_id and version.manifest is None:
-                self._release(record.buffer)
+                self._release(record)
                 del version.files[name]
 
     # --- retention -----------------------------------------------------------------------------
@@ -328,7 +397,7 @@ class HostStore:
         freed = 0
         for record in version.files.values():
             freed += record.buffer.nbytes
-            self._release(record.buffer)
+            self._release(record)
         return freed
 
     # --- status --------------------------------------------------------------------------------
@@ -353,6 +422,28 @@ class HostStore:
                     for step, v in sorted(self._versions.items())
                 },
             }
+
+
+def _transfer_key(header: Header) -> tuple:
+    return (header.step, header.name, header.put_id, header.offset)
+
+
+class _PutSink:
+    """The transport's view of a host store: puts land straight in the kept buffers."""
+
+    def __init__(self, store: HostStore) -> None:
+        self.store = store
+
+    def buffer_for(self, header: Header) -> memoryview:
+        return self.store._incoming(header)
+
+    def received(self, header: Header) -> None:
+        self.store._transfer_ended(header, ok=True)
+
+    def failed(self, header: Header, error: BaseException) -> None:
+        # The partial copy stays incomplete, so no commit can use it; the rank discards it.
+        self.store._transfer_ended(header, ok=False)
+        log.info("node %s: a put of %s failed: %s", self.store.node_id[:12], header.describe(), error)
 
 
 # --- the slot registry ---------------------------------------------------------------------------
@@ -383,6 +474,9 @@ class Registry:
         self._round: Optional[_Round] = None
         self._failures: list[dict] = []
         self._events: list[dict] = []
+        # The data plane's shared secret: ranks get it at the rendezvous, host stores from their
+        # ranks; a connection that cannot prove it gets no bytes and can write none.
+        self._secret = os.urandom(32).hex()
 
     async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float) -> dict:
         """Rendezvous of all ranks; returns the slot table (``nodes``, ``epoch``, ``ranks``)
@@ -425,7 +519,7 @@ class Registry:
                     self._nodes.append(node)
                     self._event(f"node {node[:12]} got slot {len(self._nodes) - 1}")
         self._epoch += 1
-        return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": dict(pending)}
+        return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": dict(pending), "secret": self._secret}
 
     def table(self) -> Optional[dict]:
         if not self._nodes:

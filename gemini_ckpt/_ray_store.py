@@ -3,13 +3,13 @@
 Each rank talks to the host-store actors of its namespace (:mod:`gemini_ckpt._host_store`,
 one per host). What each call does, in the store protocol's call order:
 
-1. ``put_file`` (every rank, its own data file): the bytes go once into Ray's object store,
-   in chunks of :data:`CHUNK_BYTES` (at most :data:`CHUNKS_IN_FLIGHT` at a time, so memory
-   peaks stay bounded), and every holder of this rank's host (:func:`~gemini_ckpt._cluster.
-   holders_for`, the local store first) pulls each chunk in parallel and copies it into its
-   heap. ``put_file`` returns when every holder acknowledged every chunk, and raises when any
-   holder fails, dies or times out: DCP then fails the save on every rank and the version is
-   never committed. A holder found dead is skipped by the next version (see the rule in
+1. ``put_file`` (every rank, its own data file): the bytes go to every holder of this rank's
+   host (:func:`~gemini_ckpt._cluster.holders_for`, the local store first) in parallel over
+   the data plane (:mod:`gemini_ckpt.ray.transport`: authenticated TCP streams, bound to the
+   node address Ray reports, received straight into the holder's reused buffer; Ray never
+   carries these bytes). ``put_file`` returns when every holder acknowledged the file, and
+   raises when any holder refuses, dies (noticed in about a second) or times out: DCP then
+   fails the save on every rank and the version is never committed. A holder found dead is skipped by the next version (see the rule in
    :mod:`gemini_ckpt._cluster`), and reported to the registry so status shows it.
 2. ``commit`` (rank 0, after every rank's ``put_file`` returned): checks, on every live
    store, that each file of the manifest is complete on every holder it was sent to, then
@@ -28,8 +28,10 @@ rendezvous that fixes the host slots (:mod:`gemini_ckpt._cluster`).
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
+import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -59,15 +61,14 @@ from ._errors import (
     VersionNotFoundError,
 )
 from ._store import VersionManifest, as_uint8
+from .ray.transport import Header, TcpConfig, TcpTransport, TransferRejectedError, TransportError
 from ._trust import VerificationError, decode_manifest, encode_manifest, resolve_key, sign
 
-__all__ = ["CHUNK_BYTES", "IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
+__all__ = ["IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
            "connect_ray_store", "resolve_versions"]
 
 log = logging.getLogger("gemini_ckpt")
 
-CHUNK_BYTES = 64 << 20
-CHUNKS_IN_FLIGHT = 2
 READ_BLOCK_BYTES = 16 << 20  # read-ahead: DCP reads a file item by item, in offset order
 READ_AHEAD_BLOCKS = 4  # blocks requested ahead of the reader (transfers overlap deserializing)
 
@@ -111,8 +112,9 @@ def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -
     registry = get_or_create_registry(namespace)
     _start_local_store(config, node_id)
     try:
-        table = SlotTable.from_registry(namespace, ray.get(
-            registry.join.remote(rank, world_size, node_id, config.timeout_s), timeout=config.timeout_s + 10))
+        joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s),
+                         timeout=config.timeout_s + 10)
+        table = SlotTable.from_registry(namespace, joined)
     except RayTaskError as exc:
         raise _cause(exc) from None
     except GetTimeoutError:
@@ -120,7 +122,8 @@ def connect_ray_store(config: CheckpointConfig, *, rank: int, world_size: int) -
                                      f"within {config.timeout_s}s") from None
     # This rendezvous's epoch fences the writes of any earlier attempt on this host.
     ray.get(find_store(namespace, node_id).fence.remote(table.epoch), timeout=config.timeout_s)
-    return RayStore(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry)
+    return RayStore(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry,
+                    secret=joined["secret"])
 
 
 def _start_local_store(config: CheckpointConfig, node_id: str) -> None:
@@ -146,7 +149,7 @@ class RayStore:
     copies_on_put = True  # put_file copies the bytes out: a writer may reuse its buffer at once
 
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, node_id: str,
-                 table: SlotTable, registry=None) -> None:
+                 table: SlotTable, registry=None, secret: str = "") -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
@@ -164,6 +167,9 @@ class RayStore:
         self._where: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = {}
         self._chosen: dict[int, tuple[int, ...]] = {}  # step -> slots holding its newest whole commit
         self._stream: Optional[_BlockStream] = None  # read-ahead over the file being read
+        self._secret = secret
+        self._transport: Optional[TcpTransport] = None  # the data plane, opened by the first put
+        self._channels: dict[int, Any] = {}  # slot -> Channel to its host store
         if table.hosts < config.replicas:
             raise ConfigError(
                 f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
@@ -199,35 +205,148 @@ class RayStore:
 
     # --- write ---------------------------------------------------------------------------------
     def put_file(self, step: int, name: str, data) -> None:
+        """Send the file to every holder over the data plane, in parallel, straight into their
+        buffers; return when every holder acknowledged it (see the module docstring)."""
         arr = as_uint8(data)
         self._forget_cached(step)
         slots = self.holders()
-        live = self._live()
-        targets = [(s, live[s]) for s in slots]
         total = arr.nbytes
         put_id = uuid.uuid4().hex
         deadline = time.monotonic() + self.config.timeout_s
         t0 = time.perf_counter()
-        window: collections.deque = collections.deque()
+        if total == 0:
+            return self._put_empty(step, name, put_id, slots, deadline)
+        header = Header(self.config.resolved_namespace, step, name, 0, total, total=total, put_id=put_id,
+                        meta=json.dumps({"owner": self.slot, "holders": list(slots),
+                                         "epoch": self.table.epoch}).encode())
+        sends = []
         try:
-            for offset in range(0, total, CHUNK_BYTES) if total else (0,):
-                ref = ray.put(arr[offset : offset + CHUNK_BYTES])
-                window.append([(s, h.put_chunk.remote(step, name, put_id, offset, total, ref, self.slot, slots,
-                                                                   self.table.epoch))
-                               for s, h in targets])
-                del ref  # pending calls keep the chunk alive; once acknowledged it is freed
-                if len(window) >= CHUNKS_IN_FLIGHT:
-                    self._await_acks(window.popleft(), step, name, deadline)
-            while window:
-                self._await_acks(window.popleft(), step, name, deadline)
+            for slot in slots:
+                sends.append((slot, self._send(slot, header, arr)))
+            # The first holder to fail fails the put at once, not after the others finished.
+            concurrent.futures.wait([sent for _, sent in sends], return_when=concurrent.futures.FIRST_EXCEPTION,
+                                    timeout=max(0.001, deadline - time.monotonic()))
+            for slot, sent in sorted(sends, key=lambda ss: not (ss[1].done() and ss[1].exception())):
+                self._await_sent(slot, sent, step, name, deadline)
         except BaseException:
+            # Transfers still running read ``arr``, which the caller reuses once we return:
+            # closing their channels stops them (and their holders drop the partial copies).
+            for slot, sent in sends:
+                if not sent.done():
+                    with self._lock:
+                        channel = self._channels.pop(slot, None)
+                    if channel is not None:
+                        channel.close()
             # The holders that took part of the file would keep it until the next commit.
-            for s, h in targets:
-                if s not in self.dead_slots:
-                    h.discard.remote(step, name, put_id, self.table.epoch)
+            live = self._live()
+            for slot in slots:
+                if slot in live:
+                    live[slot].discard.remote(step, name, put_id, self.table.epoch)
             raise
         self.stats.bytes_put += total
         self.stats.last_put_s = time.perf_counter() - t0
+
+    def _send(self, slot: int, header: Header, arr: np.ndarray):
+        """Start sending; a cached channel found broken (its peer restarted or died since the
+        last version) is reopened once, which tells a dead store from a restarted one."""
+        try:
+            return self._channel(slot, header.step, header.name).send_async(header, arr)
+        except TransportError:
+            with self._lock:
+                self._channels.pop(slot, None)
+        try:
+            return self._channel(slot, header.step, header.name).send_async(header, arr)
+        except TransportError as exc:
+            with self._lock:
+                self._channels.pop(slot, None)
+            raise ReplicationError(f"rank {self.rank}: step {header.step}: cannot send {header.name} to "
+                                   f"{self._describe_slot(slot)}: {type(exc).__name__}: {exc}") from None
+
+    def _channel(self, slot: int, step: int, name: str):
+        """The data-plane channel to ``slot``'s host store (opened, and its listener started,
+        on first use; reopened after a failure)."""
+        with self._lock:
+            channel = self._channels.get(slot)
+            if channel is not None:
+                return channel
+            if self._transport is None:
+                self._transport = TcpTransport(
+                    bytes.fromhex(self._secret), self.config.resolved_namespace, host_name=self.node_id,
+                    config=TcpConfig(max_send_bytes_per_s=self.config.replication_bandwidth))
+        handle = self._live().get(slot)
+        where = self._describe_slot(slot)
+        if handle is None:
+            raise ReplicationError(f"rank {self.rank}: step {step}: the host store of {where} is gone; {name} "
+                                   f"cannot be copied there and the version is not committed")
+        try:
+            endpoint = ray.get(handle.start_data_plane.remote(self._secret), timeout=self.config.timeout_s)
+            channel = self._transport.connect(endpoint)
+        except RayActorError:
+            self._mark_dead(slot, "died")
+            raise ReplicationError(f"rank {self.rank}: step {step}: the host store of {where} died; the version "
+                                   f"is not committed and the next one goes to the surviving hosts") from None
+        except (TransportError, GetTimeoutError, RayTaskError) as exc:
+            raise ReplicationError(f"rank {self.rank}: step {step}: cannot open the data plane to {where}: "
+                                   f"{type(exc).__name__}: {exc}") from None
+        with self._lock:
+            self._channels[slot] = channel
+        return channel
+
+    def _await_sent(self, slot: int, sent, step: int, name: str, deadline: float) -> None:
+        where = f"slot {slot} (node {self.table.nodes[slot][:12]})"
+        try:
+            sent.result(timeout=max(0.001, deadline - time.monotonic()))
+            return
+        except concurrent.futures.TimeoutError:
+            raise CheckpointTimeoutError(
+                f"rank {self.rank}: step {step}: the host store of {where} did not acknowledge {name} "
+                f"within {self.config.timeout_s}s (CheckpointConfig.timeout_s); the version is not "
+                f"committed") from None
+        except TransferRejectedError as exc:
+            # The holder's refusal reads "<built-in exception>: <its message>".
+            found = re.search(r"\b(MemoryError|PermissionError): (.*)", str(exc), re.S)
+            kind, why = found.groups() if found else ("", str(exc))
+            message = f"rank {self.rank}: step {step}: {where} refused {name}: {why}"
+            raise {"MemoryError": MemoryBudgetError, "PermissionError": FencedError}.get(
+                kind, ReplicationError)(message) from None
+        except TransportError as exc:
+            with self._lock:
+                self._channels.pop(slot, None)
+            if not self._alive(slot):
+                self._mark_dead(slot, f"died ({type(exc).__name__})")
+                raise ReplicationError(
+                    f"rank {self.rank}: step {step}: the host store of {where} died while receiving {name}; "
+                    f"the version is not committed and the next one goes to the surviving hosts") from None
+            raise ReplicationError(f"rank {self.rank}: step {step}: copying {name} to {where} failed: "
+                                   f"{type(exc).__name__}: {exc}") from None
+
+    def _alive(self, slot: int) -> bool:
+        handle = self._live().get(slot)
+        if handle is None:
+            return False
+        try:
+            ray.get(handle.ping.remote(), timeout=min(5.0, self.config.timeout_s))
+            return True
+        except RayActorError:
+            return False
+        except GetTimeoutError:
+            return True  # busy, not known dead
+
+    def _put_empty(self, step: int, name: str, put_id: str, slots: tuple[int, ...], deadline: float) -> None:
+        live = self._live()
+        acks = [(s, live[s].put_chunk.remote(step, name, put_id, 0, 0, np.empty(0, np.uint8), self.slot, slots,
+                                             self.table.epoch)) for s in slots if s in live]
+        self._await_acks(acks, step, name, deadline)
+
+    def close(self) -> None:
+        """Close the data-plane channels (the host stores keep every version)."""
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+            transport, self._transport = self._transport, None
+        for channel in channels:
+            channel.close()
+        if transport is not None:
+            transport.close()
 
     def _await_acks(self, acks, step: int, name: str, deadline: float) -> None:
         for slot, ack in acks:

@@ -87,6 +87,9 @@ class Store(Protocol):
 
     def drop(self, step: int) -> None: ...
 
+    def close(self) -> None:
+        """Release this client's connections (versions stay where they are); idempotent."""
+
 
 def as_uint8(data) -> np.ndarray:
     """A flat uint8 view (no copy) of a bytes-like object."""
@@ -184,6 +187,9 @@ class MemoryStore:
         with self._lock:
             return sum(a.nbytes for v in self._versions.values() for a in v.files.values())
 
+    def close(self) -> None:
+        pass
+
     def corrupt_for_test(self, step: int, name: str, offset: int) -> None:
         """Flip one byte of a kept file: lets tests (and the chaos harness) prove checksums bite."""
         with self._lock:
@@ -223,6 +229,9 @@ class FencedStore:
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
+
+    def close(self) -> None:
+        pass
 
 
 _registry_lock = threading.Lock()

@@ -309,3 +309,43 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
     assert all(r[0]["committed"] for r in after)
     copies = {s.name: s.copies for s in status("takeover").versions[-1].shards}
     assert copies[_name(1)] == (1, 0)
+
+
+# --- the data plane ------------------------------------------------------------------------------
+@pytest.mark.ray
+def test_the_data_plane_gives_nothing_to_and_takes_nothing_from_a_peer_without_the_secret(ray_cluster):
+    from gemini_ckpt._ray_store import connect_ray_store
+    from gemini_ckpt.ray.transport import AuthenticationError, Header, PeerLostError, TcpTransport
+
+    store = connect_ray_store(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60),
+                              rank=0, world_size=1)
+    store.put_file(1, "__0_0.distcp", np.full(1000, 7, np.uint8))  # the job's own put goes through
+    actor = find_store("dataplane-auth", store.node_id)
+    endpoint = ray.get(actor.start_data_plane.remote(store._secret))
+    before = ray.get(actor.index.remote())
+    for secret, namespace in ((b"not-the-secret" * 3, "dataplane-auth"), (bytes.fromhex(store._secret), "other")):
+        intruder = TcpTransport(secret, namespace)
+        with pytest.raises((AuthenticationError, PeerLostError)):
+            channel = intruder.connect(endpoint)
+            channel.send(Header(namespace, 1, "__0_0.distcp", 0, 1000, total=1000, put_id="x",
+                                meta=b'{"owner": 0, "holders": [0], "epoch": 99}'),
+                         np.zeros(1000, np.uint8), timeout=10)
+        intruder.close()
+    assert ray.get(actor.index.remote()) == before  # not a byte written
+    store.close()
+
+
+@pytest.mark.ray
+def test_a_holder_that_dies_mid_transfer_fails_the_put_in_about_a_second(ray_cluster, ranks):
+    import time
+
+    ranks.restart("dataplane-death", replicas=2, placement="group",
+                  replication_bandwidth=16 << 20)  # 64 MiB take 4 s: the kill lands mid-transfer
+    assert all(r["committed"] for per_rank in ranks.train([0]) for r in per_rank)  # every rank connected
+    put = ranks.workers[0].store_call.remote("put_file", 7, _name(0), np.ones(64 << 20, np.uint8))
+    time.sleep(1.5)
+    ray.kill(find_store("dataplane-death", node_id_of_host(1)), no_restart=True)  # slot 0's other holder
+    killed = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="slot 1.*died while receiving"):
+        ray.get(put, timeout=60)
+    assert time.monotonic() - killed < 3.0  # noticed by the transport, not by timeout_s (120 s)
