@@ -44,7 +44,7 @@ from typing import Optional
 
 import numpy as np
 
-from gemini_ckpt.ray.transport import Endpoint, Header, TcpTransport
+from gemini_ckpt.ray.transport import Endpoint, Header, TcpTransport, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -67,7 +67,7 @@ class _File:
     holders: tuple[int, ...]
     put_unix: float = 0.0
     received: int = 0
-    writers: int = 0  # transfers still writing into ``buffer`` (the data plane)
+    writers: int = 0  # transfers still using ``buffer`` (writing a put into it, or sending it to a reader)
     orphaned: bool = False  # dropped while written into: its buffer is freed when they stop
 
     @property
@@ -111,6 +111,8 @@ class HostStore:
         self._epoch = 0
         self._listener = None  # the data plane (``start_data_plane``)
         self._writing: dict[tuple, _File] = {}  # transfers in progress -> the record they fill
+        self._transport = None
+        self._readers: dict[tuple, object] = {}  # (host, port) of a restoring reader -> its channel
         self._secret = b""
 
     # --- liveness and configuration ---------------------------------------------------------
@@ -199,8 +201,42 @@ class HostStore:
         transport = TcpTransport(secret, self.namespace, host_name=self.node_id)
         listener = transport.listen(ray.util.get_node_ip_address(), _PutSink(self))
         with self._lock:
-            self._listener = listener
+            self._listener, self._transport, self._readers = listener, transport, {}
         return listener.endpoint
+
+    def push_range(self, step: int, name: str, offset: int, length: int, reader: Endpoint, tag: str) -> int:
+        """Send bytes ``[offset, offset + length)`` of a complete file to a reader's data-plane
+        listener (a restore reading from a peer); returns once the reader has them. The buffer
+        is not reused while it is being sent, whatever happens to the version meanwhile."""
+        with self._lock:
+            version = self._versions.get(step)
+            record = version.files.get(name) if version is not None else None
+            if record is None or not record.complete:
+                raise LookupError(f"step {step} has no complete data file {name!r} on node {self.node_id[:12]}")
+            if offset < 0 or length <= 0 or offset + length > record.array.nbytes:
+                raise ValueError(f"range [{offset}, {offset + length}) is outside {name} ({record.array.nbytes} bytes)")
+            if self._transport is None:
+                raise LookupError(f"the data plane of node {self.node_id[:12]} is not started")
+            record.writers += 1
+            transport, key = self._transport, (reader.host, reader.port)
+            channel = self._readers.get(key)
+        try:
+            if channel is None:
+                channel = transport.connect(reader)
+                with self._lock:
+                    self._readers[key] = channel
+            channel.send(Header(self.namespace, step, name, offset, length, total=record.array.nbytes, put_id=tag),
+                         record.array[offset : offset + length], timeout=600)
+        except TransportError as exc:
+            with self._lock:
+                self._readers.pop(key, None)
+            raise ConnectionError(f"node {self.node_id[:12]} could not send {name} to the reader: {exc}") from None
+        finally:
+            with self._lock:
+                record.writers -= 1
+                if record.orphaned and not record.writers:
+                    self._release(record)
+        return length
 
     def _incoming(self, header: Header) -> memoryview:
         put = json.loads(header.meta)

@@ -18,8 +18,10 @@ one per host). What each call does, in the store protocol's call order:
    step at once, and the commit discards copies that are not the newest put of their file.
 3. ``committed_steps``: steps with a commit whose every file has a complete copy on at least
    one live store holding that same commit (manifest and bytes always come from one
-   version). ``manifest`` and ``read_range`` read from the local store first, then the
-   file's holders in placement order, then any other store holding the commit.
+   version). ``manifest`` and ``read_range`` read from the local store first (through Ray,
+   which maps the store's result without another copy), then the file's holders in
+   placement order, then any other store holding the commit; a peer pushes the range over
+   the data plane straight into the reader's buffer.
 4. ``drop`` on every live store.
 
 Call :func:`connect_ray_store` on every rank (``Checkpointer.start`` does): it is a
@@ -61,7 +63,7 @@ from ._errors import (
     VersionNotFoundError,
 )
 from ._store import VersionManifest, as_uint8
-from .ray.transport import Header, TcpConfig, TcpTransport, TransferRejectedError, TransportError
+from .ray.transport import Endpoint, Header, TcpConfig, TcpTransport, TransferRejectedError, TransportError
 from ._trust import VerificationError, decode_manifest, encode_manifest, resolve_key, sign
 
 __all__ = ["IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVersion",
@@ -170,6 +172,9 @@ class RayStore:
         self._secret = secret
         self._transport: Optional[TcpTransport] = None  # the data plane, opened by the first put
         self._channels: dict[int, Any] = {}  # slot -> Channel to its host store
+        self._read_sink = _ReadSink()  # peers push restore reads here
+        self._read_listener = None
+        self._peers_started: set[int] = set()
         if table.hosts < config.replicas:
             raise ConfigError(
                 f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
@@ -267,12 +272,9 @@ class RayStore:
         on first use; reopened after a failure)."""
         with self._lock:
             channel = self._channels.get(slot)
-            if channel is not None:
-                return channel
-            if self._transport is None:
-                self._transport = TcpTransport(
-                    bytes.fromhex(self._secret), self.config.resolved_namespace, host_name=self.node_id,
-                    config=TcpConfig(max_send_bytes_per_s=self.config.replication_bandwidth))
+        if channel is not None:
+            return channel
+        transport = self._data_plane()
         handle = self._live().get(slot)
         where = self._describe_slot(slot)
         if handle is None:
@@ -280,7 +282,7 @@ class RayStore:
                                    f"cannot be copied there and the version is not committed")
         try:
             endpoint = ray.get(handle.start_data_plane.remote(self._secret), timeout=self.config.timeout_s)
-            channel = self._transport.connect(endpoint)
+            channel = transport.connect(endpoint)
         except RayActorError:
             self._mark_dead(slot, "died")
             raise ReplicationError(f"rank {self.rank}: step {step}: the host store of {where} died; the version "
@@ -343,8 +345,12 @@ class RayStore:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
             transport, self._transport = self._transport, None
+            listener, self._read_listener = self._read_listener, None
+            self._peers_started = set()
         for channel in channels:
             channel.close()
+        if listener is not None:
+            listener.close()
         if transport is not None:
             transport.close()
 
@@ -493,18 +499,22 @@ class RayStore:
             handle = self._live().get(slot)
             if handle is None:
                 continue
-            stream = None if skip or length >= READ_BLOCK_BYTES else \
-                _BlockStream((step, name), slot, handle, size, self.config.timeout_s)
+            stream = None
             try:
-                if stream is not None:
+                if not skip and length < READ_BLOCK_BYTES:
+                    stream = _BlockStream((step, name), slot, size, self._fetcher(slot, handle, step, name),
+                                          self._resolve)
                     out = stream.read(offset, length)
                 else:
-                    out = memoryview(ray.get(handle.read.remote(step, name, offset, length),
-                                             timeout=self.config.timeout_s))
+                    out = memoryview(self._resolve(self._fetcher(slot, handle, step, name)(offset, length)))
             except RayActorError:
                 self._mark_dead(slot, "died")
                 continue
             except RayTaskError as exc:
+                if isinstance(exc.cause, ConnectionError):  # the data plane to that holder broke
+                    log.warning("rank %d: reading %s from %s failed: %s", self.rank, name,
+                                self._describe_slot(slot), exc.cause)
+                    continue
                 if isinstance(exc.cause, LookupError):
                     continue
                 raise _cause(exc) from None
@@ -522,6 +532,57 @@ class RayStore:
         if skip:
             raise VersionNotFoundError(f"step {step}: no live host store holds copy {skip + 1} of {name!r}")
         raise VersionNotFoundError(f"step {step}: no live host store holds a complete copy of {name!r}")
+
+    def _fetcher(self, slot: int, handle, step: int, name: str):
+        """``fetch(offset, length) -> pending read``: from the local store through Ray (which
+        maps its result without another copy), from a peer over the data plane (the peer
+        pushes the range straight into a buffer of ours)."""
+        if slot == self.slot:
+            return lambda offset, length: _PendingRead(handle.read.remote(step, name, offset, length))
+        endpoint = self._reader_endpoint(slot, handle)
+
+        def fetch(offset: int, length: int) -> _PendingRead:
+            tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
+            self._read_sink.expect(tag, into)
+            return _PendingRead(handle.push_range.remote(step, name, offset, length, endpoint, tag), into, tag)
+
+        return fetch
+
+    def _resolve(self, pending: "_PendingRead"):
+        try:
+            out = ray.get(pending.ref, timeout=self.config.timeout_s)
+        finally:
+            if pending.tag:
+                self._read_sink.forget(pending.tag)
+        return out if pending.into is None else pending.into
+
+    def _reader_endpoint(self, slot: int, handle) -> Endpoint:
+        """This reader's data-plane listener (started on first use), after making sure the
+        peer's data plane runs (it pushes to us with the namespace's secret)."""
+        with self._lock:
+            started = slot in self._peers_started
+            listener = self._read_listener
+        if not started:
+            ray.get(handle.start_data_plane.remote(self._secret), timeout=self.config.timeout_s)
+            with self._lock:
+                self._peers_started.add(slot)
+        if listener is None:
+            listener = self._data_plane().listen(ray.util.get_node_ip_address(), self._read_sink)
+            with self._lock:
+                if self._read_listener is None:
+                    self._read_listener = listener
+                else:
+                    listener.close()
+                    listener = self._read_listener
+        return listener.endpoint
+
+    def _data_plane(self) -> TcpTransport:
+        with self._lock:
+            if self._transport is None:
+                self._transport = TcpTransport(
+                    bytes.fromhex(self._secret), self.config.resolved_namespace, host_name=self.node_id,
+                    config=TcpConfig(max_send_bytes_per_s=self.config.replication_bandwidth))
+            return self._transport
 
     def _count_read(self, slot: int, nbytes: int) -> None:
         if slot == self.slot:
@@ -630,9 +691,9 @@ class _BlockStream:
     blocks, up to ``READ_AHEAD_BLOCKS`` requested ahead of the reader. DCP reads a file's
     items in offset order, so blocks behind the reader are dropped as it moves on."""
 
-    def __init__(self, key: tuple[int, str], slot: int, handle, size: int, timeout_s: float) -> None:
-        self.key, self.slot, self.handle, self.size, self.timeout_s = key, slot, handle, size, timeout_s
-        self.blocks: dict[int, Any] = {}  # block index -> ObjectRef, then the bytes once fetched
+    def __init__(self, key: tuple[int, str], slot: int, size: int, fetch, resolve) -> None:
+        self.key, self.slot, self.size, self.fetch, self.resolve = key, slot, size, fetch, resolve
+        self.blocks: dict[int, Any] = {}  # block index -> a pending read, then the bytes once fetched
 
     def read(self, offset: int, length: int) -> memoryview:
         first, last = offset // READ_BLOCK_BYTES, max(offset + length - 1, offset) // READ_BLOCK_BYTES
@@ -642,17 +703,54 @@ class _BlockStream:
         for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
             if i not in self.blocks:
                 start = i * READ_BLOCK_BYTES
-                self.blocks[i] = self.handle.read.remote(self.key[0], self.key[1], start,
-                                                         min(READ_BLOCK_BYTES, self.size - start))
+                self.blocks[i] = self.fetch(start, min(READ_BLOCK_BYTES, self.size - start))
         parts = []
         for i in range(first, last + 1):
             block = self.blocks[i]
-            if isinstance(block, ray.ObjectRef):
-                block = self.blocks[i] = ray.get(block, timeout=self.timeout_s)
+            if isinstance(block, _PendingRead):
+                block = self.blocks[i] = self.resolve(block)
             lo = max(offset - i * READ_BLOCK_BYTES, 0)
             hi = min(offset + length - i * READ_BLOCK_BYTES, READ_BLOCK_BYTES)
             parts.append(block[lo:hi])
         return memoryview(parts[0] if len(parts) == 1 else np.concatenate(parts))
+
+
+@dataclass(frozen=True)
+class _PendingRead:
+    """A read in flight: the call's ref, and for a peer's push the buffer it lands in."""
+
+    ref: Any
+    into: Optional[np.ndarray] = None
+    tag: str = ""
+
+
+class _ReadSink:
+    """Where peers push the ranges a restore asked for (one buffer per request tag)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: dict[str, np.ndarray] = {}
+
+    def expect(self, tag: str, into: np.ndarray) -> None:
+        with self._lock:
+            self._expected[tag] = into
+
+    def forget(self, tag: str) -> None:
+        with self._lock:
+            self._expected.pop(tag, None)
+
+    def buffer_for(self, header: Header) -> memoryview:
+        with self._lock:
+            into = self._expected.get(header.put_id)
+        if into is None or into.nbytes != header.length:
+            raise ValueError(f"no read of {header.length} bytes of {header.name} is expected under this tag")
+        return memoryview(into)
+
+    def received(self, header: Header) -> None:
+        pass  # the push call's return says so
+
+    def failed(self, header: Header, error: BaseException) -> None:
+        pass  # the push call raises
 
 
 def resolve_versions(index: dict[int, dict], *, local_slot: Optional[int] = None) -> dict[int, ResolvedVersion]:
