@@ -106,6 +106,80 @@ class BenchRank:
         self.ckpt = None
         return out
 
+    # --- the transport floor: the same bytes over plain TCP sockets between the same nodes -------
+    def raw_listen(self, expect: int, nbytes: int) -> tuple[str, int]:
+        """Accept ``expect`` senders of ``nbytes`` each (recv_into one buffer per sender, a
+        one-byte ack when all arrived); returns this node's address and the port."""
+        import threading
+
+        server = socket.create_server(("0.0.0.0", 0))
+        bufs = [np.empty(nbytes, np.uint8) for _ in range(expect)]
+
+        def serve(conn, buf):
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:], min(nbytes - got, 4 << 20))
+                if not n:
+                    break
+                got += n
+            conn.sendall(b"k")
+            conn.close()
+
+        def accept_all():
+            for buf in bufs:
+                conn, _ = server.accept()
+                threading.Thread(target=serve, args=(conn, buf), daemon=True).start()
+            server.close()
+
+        threading.Thread(target=accept_all, daemon=True).start()
+        return ray.util.get_node_ip_address(), server.getsockname()[1]
+
+    def raw_send(self, targets: list[tuple[str, int]], nbytes: int) -> float:
+        """Send ``nbytes`` to every target at once (one stream each); seconds until all acked."""
+        import threading
+
+        data = np.ones(nbytes, np.uint8)
+
+        def send(addr):
+            with socket.create_connection(addr) as sock:
+                sock.sendall(memoryview(data))
+                sock.recv(1)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=send, args=(t,)) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    # --- what the bandwidth cap buys: training step time while every step is replicated ------
+    def train_while_saving(self, steps: int, namespace: str | None, replicas: int, cap: int | None) -> list[float]:
+        """Step times of a fixed compute step (matmuls on one thread) followed by ``save()``;
+        ``namespace=None``: no checkpointing (the baseline)."""
+        import torch
+
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        ckpt = None
+        if namespace is not None:
+            ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
+                store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
+                replication_bandwidth=cap))
+        a = torch.rand(384, 384)
+        times = []
+        for step in range(steps + 1):
+            t0 = time.perf_counter()
+            for _ in range(6):
+                a = torch.tanh(a @ a)
+            if ckpt is not None:
+                ckpt.save(step)
+            if step:
+                times.append(time.perf_counter() - t0)
+        if ckpt is not None:
+            ckpt.close()
+        return times
+
     def dcp_async(self, directory: str, steps: int) -> list[dict]:
         import torch.distributed.checkpoint as dcp
 
@@ -161,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--steps", type=int, default=3, help="timed saves per configuration")
     ap.add_argument("--quick", action="store_true", help="16 MB shards, one timed save")
+    ap.add_argument("--cap-mb", type=int, default=200, help="replication_bandwidth for the step-time comparison")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "replicate.json"))
@@ -177,7 +252,8 @@ def main(argv=None) -> int:
         cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma)
     ray.init(address=cluster.address, log_to_driver=False)
     workdir = tempfile.mkdtemp(prefix="gemini_bench_dcp_", dir=os.environ.get("BENCH_DISK_DIR"))
-    namespaces = [f"bench-replicate-m{m}" for m in args.replicas]
+    namespaces = [f"bench-replicate-m{m}" for m in args.replicas] + ["bench-replicate-cap-none",
+                                                                       "bench-replicate-cap"]
     try:
         ranks = [ray.remote(BenchRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
                  for i in range(HOSTS)]
@@ -200,6 +276,14 @@ def main(argv=None) -> int:
         rows.append({"method": "DCP async_save to local disk", "replicas": 1,
                      "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
                      "raw": per_rank})
+        for m in args.replicas:
+            file_bytes = next(r["file_bytes"] for r in rows if r.get("replicas") == m and "put_s" in r)
+            floor = [_raw_tcp_round(ranks, m, int(file_bytes)) for _ in range(max(2, args.steps))]
+            rows.append({"method": f"raw TCP floor replicas={m}", "replicas": m, "floor_s": statistics.median(floor),
+                         "raw": floor})
+        cap_rows = _cap_effect(ranks, args)
+        shutdown_host_stores("bench-replicate-cap-none")
+        shutdown_host_stores("bench-replicate-cap")
         ray.get([r.teardown.remote() for r in ranks])
     finally:
         for ns in namespaces:
@@ -216,7 +300,7 @@ def main(argv=None) -> int:
         "hosts": HOSTS, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "steps": args.steps,
         "memcpy_gbps_single_thread": copy_gbps,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-        "rows": rows,
+        "rows": rows, "cap": cap_rows,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -224,6 +308,30 @@ def main(argv=None) -> int:
     print(_markdown(result))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _raw_tcp_round(ranks, replicas: int, nbytes: int) -> float:
+    """Every rank sends ``nbytes`` to each holder of its host (itself included), as a put does;
+    seconds until the slowest rank's sends are all acknowledged."""
+    from gemini_ckpt._cluster import holders_for
+
+    holders = [holders_for(r, hosts=HOSTS, replicas=replicas) for r in range(HOSTS)]
+    expect = [sum(h in hs for hs in holders) for h in range(HOSTS)]
+    addrs = ray.get([r.raw_listen.remote(expect[i], nbytes) for i, r in enumerate(ranks)])
+    return max(ray.get([r.raw_send.remote([addrs[h] for h in holders[i]], nbytes) for i, r in enumerate(ranks)]))
+
+
+def _cap_effect(ranks, args) -> dict:
+    """Median step time (slowest rank): no checkpoint, every step saved with replication
+    uncapped, and capped at ``--cap-mb`` MB/s per process."""
+    steps, m = (6 if args.quick else 12), 2
+    cap = args.cap_mb * 10**6
+    out = {"steps": steps, "replicas": m, "cap_bytes_per_s": cap}
+    for label, ns, limit in (("no checkpoint", None, None), ("uncapped", "bench-replicate-cap-none", None),
+                             (f"capped {args.cap_mb} MB/s", "bench-replicate-cap", cap)):
+        per_rank = ray.get([r.train_while_saving.remote(steps, ns, m, limit) for r in ranks])
+        out[label] = statistics.median(max(r[i] for r in per_rank) for i in range(steps))
+    return out
 
 
 def _markdown(result: dict) -> str:
@@ -235,12 +343,21 @@ def _markdown(result: dict) -> str:
              "| ingest GB/s per host | vs memcpy |",
              "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        if "put_s" in row:
+        if "floor_s" in row:
+            gem = next(r for r in result["rows"] if r.get("replicas") == row["replicas"] and "put_s" in r)
+            lines.append(f"| {row['method']} | - | {row['floor_s']:.3f} (gemini: {gem['commit_s'] / row['floor_s']:.2f}x "
+                         f"this floor) | - | - | - | - |")
+        elif "put_s" in row:
             ratio = row["per_host_ingest_gbps"] / result["memcpy_gbps_single_thread"]
             lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | {row['put_s']:.3f} "
                          f"| {row['per_rank_send_gbps']:.2f} | {row['per_host_ingest_gbps']:.2f} | {ratio:.0%} |")
         else:
             lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | - | - | - | - |")
+    cap = result.get("cap")
+    if cap:
+        lines += ["", f"Step time while every step is saved (replicas={cap['replicas']}, median of {cap['steps']} "
+                  f"steps, slowest rank):", ""]
+        lines += [f"- {k}: {v:.3f} s" for k, v in cap.items() if isinstance(v, float)]
     return "\n".join(lines)
 
 

@@ -97,12 +97,25 @@ def summary_rows(res: dict) -> list[list[str]]:
                          f"{dcp_async / ours:.1f}x less", "-", "-"])
     d = res.get("replicate")
     if d:
-        dcp = next((r for r in d["rows"] if "put_s" not in r), None)
+        dcp = next((r for r in d["rows"] if r["method"].startswith("DCP")), None)
         for r in d["rows"]:
             if "put_s" in r and dcp:
                 rows.append([f"time to safe (save -> committed in peer memory), {r['method']}",
                              _f(r["commit_s"]), f"dcp.async_save done {_f(dcp['commit_s'])}",
-                             f"{dcp['commit_s'] / r['commit_s']:.2f}x", "-", "-"])
+                             f"{dcp['commit_s'] / r['commit_s']:.2f}x", ">= 1.0x", _met(dcp["commit_s"] >= r["commit_s"])])
+                floor = next((f for f in d["rows"] if "floor_s" in f and f["replicas"] == r["replicas"]), None)
+                if floor:
+                    ratio = r["commit_s"] / floor["floor_s"]
+                    rows.append([f"time to safe vs the raw TCP floor, {r['method']}", _f(r["commit_s"]),
+                                 f"same bytes over raw TCP {_f(floor['floor_s'])}", f"{ratio:.2f}x floor",
+                                 "<= 1.5x floor", _met(ratio <= 1.5)])
+        cap = d.get("cap")
+        if cap:
+            capped = next(k for k in cap if k.startswith("capped"))
+            rows.append([f"step time, every step saved: uncapped / {capped}", f"{_f(cap['uncapped'])} / "
+                         f"{_f(cap[capped])}", f"no checkpoint {_f(cap['no checkpoint'])}",
+                         f"{cap['uncapped'] / cap['no checkpoint']:.2f}x / {cap[capped] / cap['no checkpoint']:.2f}x",
+                         "-", "-"])
     d = res.get("restore")
     if d:
         by = {r["method"]: r["seconds"] for r in d["rows"]}
