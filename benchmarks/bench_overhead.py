@@ -23,10 +23,10 @@ from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 from gemini_ckpt._toy import TinyLM, lm_loss
 
 
-def run(model, opt, batch, steps: int, ckpt) -> tuple[float, list[float]]:
+def run(model, opt, batch, steps: int, ckpt, first: int = 0) -> tuple[float, list[float]]:
     stalls = []
     t0 = time.perf_counter()
-    for step in range(steps):
+    for step in range(first, first + steps):
         lm_loss(model, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -53,9 +53,9 @@ def measure(args, threads: int) -> dict:
         ckpt.save(step).committed.result()
     background_s = (time.perf_counter() - t0) / 5
     never, every, stalls = [], [], []
-    for _ in range(args.rounds):
+    for i in range(args.rounds):
         never.append(run(model, opt, batch, args.steps, None)[0])
-        tput, s = run(model, opt, batch, args.steps, ckpt)
+        tput, s = run(model, opt, batch, args.steps, ckpt, first=1000 + i * args.steps)  # steps only go forward
         every.append(tput)
         stalls += s
     state_mb = ckpt.stats.staging_bytes / 2**20

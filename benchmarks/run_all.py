@@ -242,7 +242,7 @@ def write_plots(results: list[dict]) -> list[Path]:
     if d:
         bar("time_to_safe", f"time to safe: save -> committed ({d['hosts']} hosts, "
             f"{d['shard_bytes'] / 1e6:.0f} MB/rank)",
-            [r["method"] for r in d["rows"]], [r["commit_s"] for r in d["rows"]])
+            [r["method"] for r in d["rows"]], [r.get("commit_s", r.get("floor_s")) for r in d["rows"]])
     d = res.get("restore")
     if d:
         bar("restore", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts)",

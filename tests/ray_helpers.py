@@ -90,10 +90,15 @@ def node_id_of_host(i: int) -> str:
     raise LookupError(f"no alive node with resource host{i}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(world_size: int):
+    """A process-group store bound by the test process on port 0 (never a port picked and
+    released first: that races with everything else on the machine); ranks join as clients."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=180))
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
@@ -132,8 +137,9 @@ class RankWorker:
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 
         self.teardown()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=__import__("datetime").timedelta(seconds=180))
+        timeout = __import__("datetime").timedelta(seconds=180)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(seed)
@@ -256,7 +262,8 @@ class Ranks:
         return ray.remote(RankWorker).options(num_cpus=0, resources={f"host{i}": 0.01}, max_restarts=0).remote()
 
     def setup(self, namespace: str, **config) -> list[dict]:
-        port = free_port()
+        self._rendezvous = rendezvous_store(self.world_size)  # kept open while the job runs
+        port = self._rendezvous.port
         cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0,
                **config}
         self.infos = ray.get([w.setup.remote(r, self.world_size, port, cfg) for r, w in enumerate(self.workers)],

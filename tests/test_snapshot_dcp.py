@@ -4,7 +4,6 @@ FSDP2 state saved at one world size loads at others through our reader."""
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ from gemini_ckpt._dcp_storage import StoreWriter, save_version
 from gemini_ckpt._fs_store import FsStore
 from gemini_ckpt._store import METADATA_FILE, MemoryStore
 from gemini_ckpt._toy import TinyLM, build_training, lm_loss
+from rendezvous import join_group, master_store
 
 
 def _trained(seed=0):
@@ -83,12 +83,6 @@ def test_fs_store_version_is_a_stock_dcp_directory(tmp_path):
 
 # --- FSDP2 at world size 2 -> 1 and 3, through our reader ------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _full(t):
     from torch.distributed.tensor import DTensor
 
@@ -103,7 +97,7 @@ def _fsdp_worker(rank, world_size, port, root, phase):
     from torch.distributed.fsdp import fully_shard
 
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    join_group(port, rank, world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(0 if phase == "save" else 100 + world_size)
@@ -148,6 +142,8 @@ def _fsdp_worker(rank, world_size, port, root, phase):
 @pytest.mark.multiproc
 def test_fsdp2_saved_at_world_size_2_loads_at_1_and_3(tmp_path):
     root = str(tmp_path)
-    mp.spawn(_fsdp_worker, args=(2, _free_port(), root, "save"), nprocs=2, join=True)
+    store = master_store(2)
+    mp.spawn(_fsdp_worker, args=(2, store.port, root, "save"), nprocs=2, join=True)
     for world_size in (1, 3):
-        mp.spawn(_fsdp_worker, args=(world_size, _free_port(), root, "load"), nprocs=world_size, join=True)
+        store = master_store(world_size)
+        mp.spawn(_fsdp_worker, args=(world_size, store.port, root, "load"), nprocs=world_size, join=True)

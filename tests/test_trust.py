@@ -12,7 +12,6 @@ import os
 import pickle
 import random
 import shutil
-import socket
 import time
 import uuid
 import warnings
@@ -40,6 +39,7 @@ from gemini_ckpt._trust import (
     metadata_loads,
     value_loads,
 )
+from rendezvous import join_group, master_store
 
 MARKER, METADATA, EXTRA_KEY = ".gemini_complete", ".metadata", "rank_local.0.extra"
 NEWEST, OLDER = "step_000000001", "step_000000000"
@@ -530,17 +530,11 @@ def _crafted_frame(store, pwned) -> bytes:
 
 
 # --- 5. every rank takes the same decision ---------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank, world_size, port, roots, out):
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    join_group(port, rank, world_size)
     try:
         t, extra, state = _state(9)
         ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=FsStore(roots[rank]))
@@ -558,7 +552,8 @@ def test_ranks_agree_to_skip_a_version_only_one_rank_finds_damaged(versions, tmp
     and load step 0 (no hang, no mix of steps)."""
     intact, damaged = _copy(versions, tmp_path), _copy(versions, tmp_path)
     _truncate(damaged / NEWEST / METADATA)
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), [str(intact), str(damaged)], str(tmp_path)), nprocs=2,
+    store = master_store(2)
+    mp.spawn(_two_rank_worker, args=(2, store.port, [str(intact), str(damaged)], str(tmp_path)), nprocs=2,
              join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
