@@ -44,7 +44,7 @@ import ray  # noqa: E402
 import _raybench as rb  # noqa: E402
 
 HOSTS = 4
-TARGET = 3.0
+TARGET = 1.0  # issue 12: a peer restore at least as fast as a cold stock dcp.load
 
 
 def _restore(ranks, repeats: int = 2, **config) -> dict:

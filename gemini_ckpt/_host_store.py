@@ -44,10 +44,11 @@ from typing import Optional
 
 import numpy as np
 
-from gemini_ckpt.ray.transport import Endpoint, Header, TcpTransport, TransportError
+from gemini_ckpt.ray.transport import Endpoint, Header, TcpConfig, TcpTransport, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 
+PROGRESS_TIMEOUT_S = 5.0  # as the client's (gemini_ckpt._ray_store.PROGRESS_TIMEOUT_S): a dead peer resets at once
 DEFAULT_BUDGET_FRACTION = 0.3
 """Default per-host budget: this fraction of the node's RAM (``host_memory_budget_bytes=None``)."""
 
@@ -198,7 +199,8 @@ class HostStore:
             old.close()
         import ray
 
-        transport = TcpTransport(secret, self.namespace, host_name=self.node_id)
+        transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
+                                 config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S))
         listener = transport.listen(ray.util.get_node_ip_address(), _PutSink(self))
         with self._lock:
             self._listener, self._transport, self._readers = listener, transport, {}

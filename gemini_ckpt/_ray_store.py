@@ -71,6 +71,11 @@ __all__ = ["IncompleteVersionError", "RayStore", "ReplicationError", "ResolvedVe
 
 log = logging.getLogger("gemini_ckpt")
 
+PROGRESS_TIMEOUT_S = 5.0
+"""A data-plane peer that makes no progress this long fails the transfer. A peer that dies is
+noticed at once (its connections reset, in milliseconds); this catches one that hangs or whose
+machine vanished silently. Shorter gives false alarms on busy hosts: 1 s failed 256 MiB puts
+with 4 ranks and their host stores on 2 cores."""
 READ_BLOCK_BYTES = 16 << 20  # read-ahead: DCP reads a file item by item, in offset order
 READ_AHEAD_BLOCKS = 4  # blocks requested ahead of the reader (transfers overlap deserializing)
 
@@ -297,9 +302,10 @@ class RayStore:
     def _await_sent(self, slot: int, sent, step: int, name: str, deadline: float) -> None:
         where = f"slot {slot} (node {self.table.nodes[slot][:12]})"
         try:
-            sent.result(timeout=max(0.001, deadline - time.monotonic()))
-            return
-        except concurrent.futures.TimeoutError:
+            concurrent.futures.wait([sent], timeout=max(0.001, deadline - time.monotonic()))
+            if sent.done():
+                sent.result()  # a transport error is raised here (ProgressTimeoutError is a TimeoutError)
+                return
             raise CheckpointTimeoutError(
                 f"rank {self.rank}: step {step}: the host store of {where} did not acknowledge {name} "
                 f"within {self.config.timeout_s}s (CheckpointConfig.timeout_s); the version is not "
@@ -581,7 +587,8 @@ class RayStore:
             if self._transport is None:
                 self._transport = TcpTransport(
                     bytes.fromhex(self._secret), self.config.resolved_namespace, host_name=self.node_id,
-                    config=TcpConfig(max_send_bytes_per_s=self.config.replication_bandwidth))
+                    config=TcpConfig(max_send_bytes_per_s=self.config.replication_bandwidth,
+                                 progress_timeout_s=PROGRESS_TIMEOUT_S))
             return self._transport
 
     def _count_read(self, slot: int, nbytes: int) -> None:
