@@ -104,6 +104,8 @@ class Checkpointer:
         self._existing: tuple[int, ...] = ()  # steps the tiers held when this run started
         self._restored: Optional[int] = None  # the step restore() loaded, if any
         self._discard_pending = False  # versions newer than the restored step still to remove
+        self._discard_floor = -1  # ... namely those of ``_existing`` after this step
+        self._kept_by_run: set[int] = set()  # steps this run committed while a discard was pending
         self._run_id = uuid.uuid4().hex
         self._serial_buffer = SerialBuffer()  # the background thread's, reused by every version
 
@@ -261,7 +263,7 @@ class Checkpointer:
         if floor is not None:
             if step <= floor:
                 raise ValueError(f"save({step}): step {floor} was restored; the next save must be a later step")
-            self._discard_pending = any(s > floor for s in self._existing)
+            self._discard_pending, self._discard_floor = any(s > floor for s in self._existing), floor
             return
         clash = [s for s in self._existing if s >= step]
         if clash and not self.config.overwrite:
@@ -271,7 +273,7 @@ class Checkpointer:
                 f"from an earlier run, and this run did not restore. Call restore() first to continue that run, "
                 f"use another CheckpointConfig.namespace/durable_uri for a new run, or set "
                 f"CheckpointConfig(overwrite=True) to discard those versions")
-        self._discard_pending = bool(clash)
+        self._discard_pending, self._discard_floor = bool(clash), step - 1
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""
@@ -360,6 +362,8 @@ class Checkpointer:
                 self.stats.committed += 1
                 self.stats.last_commit_s = time.perf_counter() - t0
                 self._newest_committed = handle.step
+                if self._discard_pending and self.rank == 0:
+                    self._kept_by_run.add(handle.step)
                 handle.committed.set_result(handle.step)
                 if self._durable is not None and (persist or self._policy.should_persist(handle.step)):
                     self._queue_persist(handle)
@@ -497,18 +501,25 @@ class Checkpointer:
         abandoned (newer than the restored step, or at/after its first step with overwrite).
         The other ranks wait in the first collective of the save, so none writes before this."""
         self._discard_pending = False
-        floor = self._restored if self._restored is not None else step - 1
-        doomed = [s for s in self._existing if s > floor]
+        # Never the versions this run wrote since (a retry after a failed discard).
+        doomed = [s for s in self._existing if s > self._discard_floor and s not in self._kept_by_run]
         if not doomed:
+            self._kept_by_run.clear()
             return
         log.warning("rank 0: discarding steps %s of namespace %r (%s); they will never be restored", doomed,
                     self.config.resolved_namespace,
                     f"newer than the restored step {self._restored}" if self._restored is not None
                     else "overwrite=True")
-        for old in doomed:
-            self._store.drop(old)
-        if self._durable is not None:
-            self._durable.discard(doomed)
+        try:
+            for old in doomed:
+                self._store.drop(old)
+            if self._durable is not None:
+                self._durable.discard(doomed)
+            self._kept_by_run.clear()
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the save's collective: never fail here
+            self._discard_pending = True  # tried again before the next version
+            log.error("rank 0: could not discard steps %s yet (%s: %s); trying again at the next save", doomed,
+                      type(exc).__name__, exc)
 
     def _write_version(self, step: int, staged: dict[str, Any]) -> None:
         if self._discard_pending and self.rank == 0:

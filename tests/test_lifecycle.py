@@ -322,3 +322,36 @@ def test_init_from_never_runs_code_from_the_stock_checkpoint(tmp_path):
         ckpt.restore()
     assert not canary.exists()
     ckpt.close()
+
+
+def test_a_discard_that_fails_is_retried_and_never_drops_what_the_run_wrote_since(tmp_path):
+    fs, handler = faulty_filesystem()
+    root = str(tmp_path / "d")
+    config = _config(keep_in_memory=8, persist_every=4, persist_on_close=False)
+    first, t = _checkpointer(config, durable=DurableTier(filesystem=fs, root=root))
+    _train(first, t, range(8))
+    first.close()
+    first.store.corrupt_for_test(7, "__0_0.distcp", 100)
+    first.store.corrupt_for_test(6, "__0_0.distcp", 100)
+    durable = DurableTier(filesystem=fs, root=root)
+    data = tmp_path / "d" / "step_000000007" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+    second, t2 = _checkpointer(config, durable=durable)
+    with pytest.warns(UserWarning, match="skipped"):
+        assert second.restore().step == 5
+    handler.unreachable.set()  # the discard of the abandoned 6 and 7 fails...
+    _train(second, t2, [6])  # ...and the save goes on (no rank is left waiting)
+    handler.unreachable.clear()
+    assert durable.complete_steps() == [3, 7]  # not yet
+    _train(second, t2, [7])  # retried now: the old 7 goes, the new 6 stays
+    assert durable.complete_steps() == [3]
+    assert second.store.committed_steps()[-2:] == [6, 7]
+    second.close()
+    again, t3 = _checkpointer(config, durable=DurableTier(filesystem=fs, root=root))
+    assert again.restore().step == 7  # the new run's 7
+    for k, v in t2.model.state_dict().items():
+        assert torch.equal(t3.model.state_dict()[k], v), k
+    again.close()
