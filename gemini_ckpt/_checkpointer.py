@@ -1,4 +1,16 @@
-"""``Checkpointer``: the two-phase save (blocking snapshot, background commit) and restore."""
+"""``Checkpointer``: the two-phase save (blocking snapshot, background commit) and restore.
+
+The life of a version, on the trainer's side:
+
+1. ``save(step)``: the plan's sources are captured (:mod:`gemini_ckpt.save.sources`; the
+   first version, and a version whose structure changed, plan with DCP first:
+   :mod:`gemini_ckpt.save.plan`, the only collective saving runs), a free segment of the
+   memory tier is taken and the tensors are copied into it (:mod:`gemini_ckpt.save.stager`).
+   ``save`` returns: the snapshot aliases nothing live.
+2. The background thread hands the segment to the memory tier and waits for the version's
+   outcome. With host stores the checksums, replication and commit happen there, not here.
+3. A committed version due for the durable tier goes to the :class:`~gemini_ckpt.persister.Persister`.
+"""
 
 from __future__ import annotations
 
@@ -13,19 +25,20 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ._config import CheckpointConfig
-from ._dcp_storage import SerialBuffer, StoreWriter, save_version
 from ._durable import DurableTier, persist_policy
-from ._fs_store import step_dir_name
 from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError, ConfigError
 from ._faults import fire
 from ._handle import RestoreResult, SaveHandle, StageInfo
 from ._restore import restore_newest
-from ._staging import StagingPool
 from ._state import TrainState
-from ._store import Store, local_store
+from .persister import Persister
+from .save.plan import SnapshotPlan, make_plan
+from .save.sources import Sources
+from .save.stager import Stager, check_saveable
+from .stores.base import MemoryTier
+from .stores.memory import local_store
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -40,13 +53,24 @@ class CheckpointStats:
     failed: int = 0
     last_stall_s: float = 0.0
     total_stall_s: float = 0.0
-    staging_bytes: int = 0
-    staging_allocations: int = 0
+    staging_bytes: int = 0  # bytes of the newest version's shard (this rank)
+    staging_allocations: int = 0  # segments the memory tier created for this rank (not reused ones)
+    plans: int = 0  # snapshot plans made (the first version, and every change of structure)
     last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
     persisted: int = 0
     persist_failed: int = 0
     last_persisted_step: Optional[int] = None
     last_persist_error: Optional[str] = None
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    plan: SnapshotPlan
+    segment: Any
+    blobs: list
+    t0: float
+    persist: bool
 
 
 class Checkpointer:
@@ -68,50 +92,45 @@ class Checkpointer:
     """
 
     def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
-                 store: Optional[Store] = None, durable: Optional[DurableTier] = None) -> None:
+                 store: Optional[MemoryTier] = None, durable: Optional[DurableTier] = None) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
         self.state = state
         self.config = config if config is not None else CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
+        if store is not None and not isinstance(store, MemoryTier):
+            raise TypeError(f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
+                            f"got {type(store).__name__}; a durable location goes in CheckpointConfig.durable_uri")
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
         self._store = store
         self.stats = CheckpointStats()
-        self._pool = StagingPool(self.config.max_inflight)
         self._lock = threading.Condition()
         self._inflight = 0
         self._errors: list[BaseException] = []
         self._jobs: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._bg_group = None
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
-        # DCP caches plans per key; one key per checkpointer keeps two of them from mixing
-        # (not id(self): ids are reused, and a new Checkpointer would inherit a dead one's plans).
-        self._planner._cached_plans_key = f"gemini_ckpt:{uuid.uuid4().hex}"
         self._closed = False
         self._policy = persist_policy(self.config.persist_every,
                                       self.config.durable_uri or (durable.uri if durable else None))
         self._durable: Optional[DurableTier] = durable
-        self._persist_jobs: queue.Queue = queue.Queue()
-        self._persist_thread: Optional[threading.Thread] = None
-        self._pinned: set[int] = set()  # versions being persisted: retention must not drop them
-        self._persist_queued: set[int] = set()
+        self._persister: Optional[Persister] = None
+        self._sources = Sources(state, self.rank)
+        self._stager = Stager()
         self._newest_committed: Optional[int] = None
         self._last_saved: Optional[int] = None  # the newest step save() accepted in this run
         self._existing: tuple[int, ...] = ()  # steps the tiers held when this run started
         self._restored: Optional[int] = None  # the step restore() loaded, if any
-        self._discard_pending = False  # versions newer than the restored step still to remove
+        self._discard_pending = False  # versions an earlier run left that this run abandons
         self._discard_floor = -1  # ... namely those of ``_existing`` after this step
-        self._kept_by_run: set[int] = set()  # steps this run committed while a discard was pending
         self._run_id = uuid.uuid4().hex
-        self._serial_buffer = SerialBuffer()  # the background thread's, reused by every version
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
-        """Connect to the store and start the background thread (idempotent)."""
+        """Connect to the store and start the background threads (idempotent)."""
         if self._thread is not None:
             return self
         if self._closed:
@@ -138,9 +157,11 @@ class Checkpointer:
                     # Memory may hold everything needed; persists will report the outage.
                     log.warning("durable tier %s is not reachable at start (%s: %s); incomplete "
                                 "versions are cleaned up next time", self._durable.uri, type(exc).__name__, exc)
-            self._persist_thread = threading.Thread(target=self._persist_run, name="gemini-ckpt-persist",
-                                                    daemon=True)
-            self._persist_thread.start()
+            self._persister = Persister(
+                self._durable, self._store, rank=self.rank, world_size=self.world_size,
+                timeout_s=self.config.timeout_s, signing_key=self.config.signing_key, run_id=self._run_id,
+                job=self._job_description(), on_error=self._persist_failed, after_persist=self._after_persist)
+            self._persister.start()
         self._thread = threading.Thread(target=self._run, name="gemini-ckpt-bg", daemon=True)
         self._thread.start()
         return self
@@ -163,21 +184,21 @@ class Checkpointer:
             self.start()
         return self._durable
 
-    def _make_store(self) -> Store:
+    def _make_store(self) -> MemoryTier:
         if self.config.store == "local":
             if self.world_size > 1:
                 raise ConfigError(
                     f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
                     f"{self.world_size} ranks; use store='ray' (host stores) for multi-process jobs"
                 )
-            return local_store(self.config.resolved_namespace).fence()
-        from ._ray_store import connect_ray_store  # Ray is imported only when it is used
+            return local_store(self.config.resolved_namespace).attach(keep=self.config.keep_in_memory)
+        from .ray.client import connect  # Ray is imported only when it is used
 
-        return connect_ray_store(self.config, rank=self.rank, world_size=self.world_size)
+        return connect(self.config, rank=self.rank, world_size=self.world_size)
 
     @property
-    def store(self) -> Store:
-        """Where versions live (connects on first use; still readable after ``close``)."""
+    def store(self) -> MemoryTier:
+        """Where versions live in memory (connects on first use; still readable after ``close``)."""
         if self._store is None:
             self.start()
         return self._store
@@ -222,21 +243,26 @@ class Checkpointer:
                         f"save({step}) waited {self.config.timeout_s}s for the previous version's "
                         f"background work; raise CheckpointConfig.timeout_s or look at the store")
             self._inflight += 1
-        buffers, queued = None, False
+        segment, queued = None, False
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
             self._raise_background_errors()
-            buffers = self._pool.acquire()
-            staged = buffers.stage(self.state.tensor_state())
-            staged.update(self.state.opaque_state(self.rank))
+            captured = self._sources.capture()
+            if captured is None:
+                captured = self._plan()
+            tensors, blobs = captured
+            plan = self._sources.plan
+            segment = self._store.segment(plan.shard)
+            self._stager.stage(plan.shard, segment, tensors)
             stall = time.perf_counter() - t0
             handle = SaveHandle(step)
-            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=buffers.nbytes))
-            self._jobs.put((handle, staged, buffers, t0, persist))
+            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes))
+            due = self._durable is not None and (persist or self._policy.should_persist(step))
+            self._jobs.put(_Job(handle, plan, segment, blobs, t0, due))
             queued = True
         finally:
             if not queued:
-                if buffers is not None:
-                    self._pool.release(buffers)
+                if segment is not None:
+                    self._store.give_back(segment)
                 with self._lock:
                     self._inflight -= 1
                     self._lock.notify_all()
@@ -245,9 +271,22 @@ class Checkpointer:
         s.saves += 1
         s.last_stall_s = stall
         s.total_stall_s += stall
-        s.staging_bytes = self._pool.nbytes
-        s.staging_allocations = self._pool.allocations
+        s.staging_bytes = plan.shard.region_bytes
+        s.staging_allocations = self._store.allocations
         return handle
+
+    def _plan(self):
+        """Plan the state with every rank (collective) and bind the sources to the new plan."""
+        state_dict = self._sources.live_state()
+        plan, flat = make_plan(state_dict, rank=self.rank, world_size=self.world_size, group=self._bg_group,
+                               job=self._job_description())
+        for index in plan.tensor_index:
+            value = flat[index.fqn]
+            check_saveable(index.fqn, value._local_tensor if hasattr(value, "_local_tensor") else value)
+        self.stats.plans += 1
+        log.info("rank %d: planned the snapshot (%d tensor items, %d values, %.1f MB per version)", self.rank,
+                 len(plan.shard.tensors), len(plan.shard.values), plan.shard.region_bytes / 1e6)
+        return self._sources.bind(plan, flat)
 
     def _check_forward(self, step: int) -> None:
         """Steps only go forward: a step at or before one this job already has is refused,
@@ -303,8 +342,8 @@ class Checkpointer:
 
     def _persist_on_close(self) -> None:
         step = self._newest_committed
-        if (self._durable is None or not self.config.persist_on_close or self.config.persist_every <= 0
-                or step is None or step in self._persist_queued):
+        if (self._persister is None or not self.config.persist_on_close or self.config.persist_every <= 0
+                or step is None or self._persister.queued(step)):
             return
         try:
             if step in self._durable.complete_steps():
@@ -313,18 +352,12 @@ class Checkpointer:
             log.warning("rank %d: cannot list the durable tier on close (%s); trying to persist anyway",
                         self.rank, exc)
         log.info("rank %d: persisting step %d on close", self.rank, step)
-        handle = SaveHandle(step)
-        self._queue_persist(handle)
+        self._persister.queue(SaveHandle(step), pinned=False)
 
     def wait_persisted(self, timeout: Optional[float] = None) -> None:
         """Block until every queued persist is done (succeeded or failed)."""
-        limit = self.config.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with self._lock:
-            while self._persist_queued:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._lock.wait(timeout=left):
-                    raise CheckpointTimeoutError(f"persist did not finish within {limit}s")
+        if self._persister is not None:
+            self._persister.wait(self.config.timeout_s if timeout is None else timeout)
         self._raise_background_errors()
 
     def _shutdown(self, *, raise_errors: bool) -> None:
@@ -332,14 +365,11 @@ class Checkpointer:
             self._jobs.put(None)
             self._thread.join(timeout=self.config.timeout_s)
             self._thread = None
-        if self._persist_thread is not None:
-            self._persist_jobs.put(None)
-            self._persist_thread.join(timeout=self.config.timeout_s)
-            self._persist_thread = None
+        if self._persister is not None:
+            self._persister.stop(self.config.timeout_s)
         self._closed = True
         if self._store is not None:
             self._store.close()
-        _forget_plans(self._planner)
         if raise_errors:
             self._raise_background_errors()
 
@@ -356,17 +386,16 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            handle, staged, buffers, t0, persist = job
+            handle = job.handle
             try:
-                self._write_version(handle.step, staged)
+                self._hand_off(job)
                 self.stats.committed += 1
-                self.stats.last_commit_s = time.perf_counter() - t0
+                self.stats.last_commit_s = time.perf_counter() - job.t0
                 self._newest_committed = handle.step
-                if self._discard_pending and self.rank == 0:
-                    self._kept_by_run.add(handle.step)
                 handle.committed.set_result(handle.step)
-                if self._durable is not None and (persist or self._policy.should_persist(handle.step)):
-                    self._queue_persist(handle)
+                fire("committed", step=handle.step, rank=self.rank)
+                if job.persist:
+                    self._persister.queue(handle, pinned=True)
                 else:
                     handle.persisted.set_result(None)
             except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -379,132 +408,35 @@ class Checkpointer:
                 self.stats.failed += 1
                 log.error("%s", err)
                 for fut in (handle.committed, handle.persisted):
-                    fut.set_exception(err)
+                    if not fut.done():
+                        fut.set_exception(err)
                 with self._lock:
                     self._errors.append(err)
             finally:
-                del staged
-                self._pool.release(buffers)
                 with self._lock:
                     self._inflight -= 1
                     self._lock.notify_all()
 
-    def _queue_persist(self, handle: SaveHandle) -> None:
-        with self._lock:
-            self._pinned.add(handle.step)
-            self._persist_queued.add(handle.step)
-        self._persist_jobs.put(handle)
+    def _hand_off(self, job: _Job) -> None:
+        step = job.handle.step
+        if self._discard_pending and self.rank == 0:
+            self._discard_abandoned()
+        fire("replicate", step=step, rank=self.rank)
+        outcome = self._store.hand_off(step, job.plan.shard, job.segment, job.blobs,
+                                       persist=job.persist).result(timeout=self.config.timeout_s)
+        if not outcome.committed:
+            if outcome.error is not None:
+                raise outcome.error
+            raise CheckpointError(outcome.reason or "the memory tier did not commit it")
 
-    def _persist_run(self) -> None:
-        while True:
-            handle = self._persist_jobs.get()
-            if handle is None:
-                return
-            step = handle.step
-            try:
-                location = self._persist(step)
-                self.stats.persisted += 1
-                self.stats.last_persisted_step = step
-                handle.persisted.set_result(location)
-            except BaseException as exc:
-                err = BackgroundError(f"rank {self.rank}: version {step} was not persisted to "
-                                      f"{self._durable.uri}: {type(exc).__name__}: {exc}; "
-                                      f"the memory tier is unaffected and the next persist retries")
-                err.__cause__ = exc
-                self.stats.persist_failed += 1
-                self.stats.last_persist_error = str(err)
-                log.error("%s", err)
-                handle.persisted.set_exception(err)
-                if self.config.persist_errors == "raise":
-                    with self._lock:
-                        self._errors.append(err)
-            finally:
-                with self._lock:
-                    self._pinned.discard(step)
-                    self._persist_queued.discard(step)
-                    self._lock.notify_all()
-            if self.rank == 0 and self._store is not None:
-                try:
-                    self._apply_retention()
-                except Exception as exc:  # noqa: BLE001 - the persist thread must outlive any error
-                    log.error("rank 0: retention after persisting step %d failed (%s: %s); kept versions stay "
-                              "until the next one", step, type(exc).__name__, exc)
-
-    def _persist(self, step: int) -> str:
-        """Write a committed version from memory to the durable tier (coordinator commits)."""
-        if self.rank != 0:
-            return self._await_persist(step)
-        try:
-            return self._persist_as_coordinator(step)
-        except BaseException as exc:
-            self._publish_persist_failure(step, f"{type(exc).__name__}: {exc}")
-            try:
-                if self._durable.abandon(step):
-                    log.info("rank 0: removed the partial directory of step %d", step)
-            except Exception as cleanup:  # noqa: BLE001 - the next job's start removes it instead
-                log.warning("rank 0: could not remove the partial directory of step %d: %s", step, cleanup)
-            raise
-
-    def _persist_key(self, step: int) -> str:
-        return f"gemini_ckpt/{self._run_id}/persist_failed/{step}"
-
-    def _publish_persist_failure(self, step: int, error: Optional[str]) -> None:
-        """Rank 0 tells the other ranks (through torch.distributed's rendezvous store) that
-        persisting ``step`` failed, so they stop waiting for it at once; ``None`` clears it."""
-        store = _rendezvous_store() if self.world_size > 1 else None
-        if store is None:
-            return
-        try:
-            if error is None:
-                store.delete_key(self._persist_key(step))
-            else:
-                store.set(self._persist_key(step), error)
-        except Exception as exc:  # noqa: BLE001 - the others then find out by their timeout
-            log.warning("rank 0: could not publish the persist outcome of step %d: %s", step, exc)
-
-    def _await_persist(self, step: int) -> str:
-        """Ranks other than 0: the version is durable when the tier lists it complete; rank 0
-        publishes a failure in the rendezvous store (else the wait ends at ``timeout_s``)."""
-        durable, store = self._durable, _rendezvous_store()
-        key = self._persist_key(step)
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
-            try:
-                if step in durable.complete_steps():
-                    return durable.location(step)
-            except OSError as exc:
-                log.debug("rank %d: cannot list the durable tier yet: %s", self.rank, exc)
-            if store is not None and store.check([key]):
-                raise CheckpointError(f"rank 0 could not persist step {step}: {store.get(key).decode()}")
-            if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"step {step} did not become durable within {self.config.timeout_s}s")
-            time.sleep(0.2)
-
-    def _persist_as_coordinator(self, step: int) -> str:
-        durable = self._durable
-        self._publish_persist_failure(step, None)  # an earlier failure of this step is history
-        manifest = self._store.manifest(step)
-        fire("persist", step=step, rank=self.rank)
-        durable.begin(step)
-        persist_from_store = getattr(self._store, "persist", None)
-        if persist_from_store is not None and durable.uri_resolvable:
-            # Host stores write their own ranks' files from their memory, in parallel.
-            persist_from_store(step, durable.uri, step_dir_name(step))
-        else:
-            durable.write_files(step, {name: self._store.read_range(step, name, 0, size)
-                                       for name, size in manifest.file_sizes.items()})
-        fire("persist_commit", step=step, rank=self.rank)
-        return durable.commit(step, manifest)
-
-    def _discard_abandoned(self, step: int) -> None:
-        """Rank 0, before the first version of a run is written: remove versions this run
-        abandoned (newer than the restored step, or at/after its first step with overwrite).
-        The other ranks wait in the first collective of the save, so none writes before this."""
+    def _discard_abandoned(self) -> None:
+        """Rank 0, before its first version of a run: remove the versions this run abandons
+        (newer than the restored step, or at/after its first step with overwrite). Memory
+        tiers discard only versions written before this run attached, so a peer's new version
+        of the same step is never touched."""
         self._discard_pending = False
-        # Never the versions this run wrote since (a retry after a failed discard).
-        doomed = [s for s in self._existing if s > self._discard_floor and s not in self._kept_by_run]
+        doomed = [s for s in self._existing if s > self._discard_floor]
         if not doomed:
-            self._kept_by_run.clear()
             return
         log.warning("rank 0: discarding steps %s of namespace %r (%s); they will never be restored", doomed,
                     self.config.resolved_namespace,
@@ -512,32 +444,24 @@ class Checkpointer:
                     else "overwrite=True")
         try:
             for old in doomed:
-                self._store.drop(old)
+                self._store.discard(old)
             if self._durable is not None:
                 self._durable.discard(doomed)
-            self._kept_by_run.clear()
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the save's collective: never fail here
-            self._discard_pending = True  # tried again before the next version
+        except Exception as exc:  # noqa: BLE001 - never fail this version over it: retried at the next one
+            self._discard_pending = True
             log.error("rank 0: could not discard steps %s yet (%s: %s); trying again at the next save", doomed,
                       type(exc).__name__, exc)
 
-    def _write_version(self, step: int, staged: dict[str, Any]) -> None:
-        if self._discard_pending and self.rank == 0:
-            self._discard_abandoned(step)
-        writer = StoreWriter(self._store, step, world_size=self.world_size, job=self._job_description(),
-                             buffer=self._serial_buffer, signing_key=self.config.signing_key)
-        save_version(staged, writer, planner=self._planner, group=self._bg_group, no_dist=self.world_size == 1)
-        if self.rank == 0:
-            self._apply_retention()
-        fire("committed", step=step, rank=self.rank)
+    def _persist_failed(self, err: BaseException) -> None:
+        self.stats.persist_failed = self._persister.stats.failed
+        self.stats.last_persist_error = self._persister.stats.last_error
+        if self.config.persist_errors == "raise":
+            with self._lock:
+                self._errors.append(err)
 
-    def _apply_retention(self) -> None:
-        committed = self._store.committed_steps()
-        with self._lock:
-            pinned = set(self._pinned)
-        for old in committed[: -self.config.keep_in_memory]:
-            if old not in pinned:
-                self._store.drop(old)
+    def _after_persist(self, step: int) -> None:
+        p = self._persister.stats
+        self.stats.persisted, self.stats.last_persisted_step = p.persisted, p.last_step
 
     def _job_description(self) -> dict:
         from . import __version__
@@ -558,9 +482,9 @@ class Checkpointer:
         """
         self.start()
         self.wait()
-        tiers = [("memory", self._store)]
+        tiers = [self._store]
         if self._durable is not None:
-            tiers.append(("durable", self._durable.store))
+            tiers.append(self._durable)
         result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
                                 group=self._bg_group, config=self.config)
         if result is None and self.config.init_from:
@@ -580,24 +504,3 @@ class Checkpointer:
                 existing = box[0]
             self._existing = tuple(existing)
         return result
-
-
-def _forget_plans(planner: DefaultSavePlanner) -> None:
-    """Drop this checkpointer's entries from DCP's process-wide save-plan cache (class-level
-    dicts keyed by ``_cached_plans_key``), which would otherwise keep them for the process's life."""
-    key = getattr(planner, "_cached_plans_key", None)
-    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
-                 "_cached_final_save_plan"):
-        cache = getattr(type(planner), name, None)
-        if key is not None and isinstance(cache, dict):
-            cache.pop(key, None)
-
-
-def _rendezvous_store():
-    """The key-value store every rank of the default process group shares, if any."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store() if dist.is_available() and dist.is_initialized() else None
-    except Exception:  # noqa: BLE001 - a private API: without it ranks fall back to the timeout
-        return None

@@ -25,7 +25,7 @@ import logging
 import posixpath
 import time
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Optional, Protocol
 
 from ._checksum import checksum
 import pyarrow.fs as pafs
@@ -120,13 +120,13 @@ class DurableTier:
         info = self.store.fs.get_file_info(posixpath.join(self.location(step), IN_PROGRESS_FILE))
         return info.type == pafs.FileType.File
 
-    def write_files(self, step: int, files: Mapping[str, object]) -> int:
-        """Step 1 for one host: write these data files; returns bytes written."""
-        written = 0
-        for name, data in files.items():
-            self.store.put_file(step, name, data)
-            written += memoryview(data).nbytes
-        return written
+    def open_output(self, step: int, name: str):
+        """Step 1, when the persister writes a data file itself: a binary output stream."""
+        return self.store.fs.open_output_stream(posixpath.join(self.location(step), name))
+
+    def directory(self, step: int) -> str:
+        """The version's directory name under the tier's root (what host stores write into)."""
+        return step_dir_name(step)
 
     def commit(self, step: int, manifest: VersionManifest) -> str:
         """Steps 2-4, by the coordinator after every host's ``write_files`` returned; then retention."""
@@ -188,6 +188,25 @@ class DurableTier:
 
     def complete_steps(self) -> list[int]:
         return self.store.committed_steps()
+
+    # --- as a tier restore reads (gemini_ckpt.stores.base.Tier) --------------------------------
+    name = "durable"
+
+    def committed_steps(self) -> list[int]:
+        return self.complete_steps()
+
+    def open(self, step: int, *, key: Optional[bytes] = None):
+        """A verified view of a complete version (marker, ``.metadata`` checksum, signature
+        with ``key``, ``.metadata`` through the allow-list)."""
+        from .save.dcp import DurableVersion
+
+        manifest = self.store.manifest(step)
+        metadata = load_metadata(manifest, key)
+        return DurableVersion(step, manifest, metadata,
+                              lambda name, offset, length: self.store.read_range(step, name, offset, length))
+
+    def close(self) -> None:
+        pass
 
     # --- housekeeping -------------------------------------------------------------------------
     def apply_retention(self) -> list[int]:

@@ -10,26 +10,23 @@ Only a structure mismatch (the job changed, not the version) is raised instead.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 import warnings
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ._config import CheckpointConfig
-from ._dcp_storage import Source, StoreReader, load_version as dcp_load
-from ._checksum import checksum
 from ._errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
 from ._handle import RestoreResult
 from ._state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
-from ._store import Store
-from ._trust import canonical_bytes, load_metadata, resolve_key
+from ._trust import resolve_key
+from .save.dcp import load as dcp_load
+from .save.sources import flatten
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -38,25 +35,25 @@ class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
 
 
-def survey(tiers: list[tuple[str, Store]]) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
+def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
     """What every tier holds: ``([(step, tier indices holding it, in tier order)] newest first,
     {tier name: why it could not be listed})``. A tier that cannot be listed (storage
     unreachable) is left out and named, never taken for an empty one."""
     held: dict[int, list[int]] = {}
     unreachable: dict[str, str] = {}
-    for i, (name, store) in enumerate(tiers):
+    for i, tier in enumerate(tiers):
         try:
-            steps = store.committed_steps()
+            steps = tier.committed_steps()
         except OSError as exc:
-            unreachable[name] = f"{type(exc).__name__}: {exc}"
-            log.warning("the %s tier cannot be listed: %s", name, unreachable[name])
+            unreachable[tier.name] = f"{type(exc).__name__}: {exc}"
+            log.warning("the %s tier cannot be listed: %s", tier.name, unreachable[tier.name])
             continue
         for step in steps:
             held.setdefault(step, []).append(i)
     return [(step, tuple(held[step])) for step in sorted(held, reverse=True)], unreachable
 
 
-def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: int, world_size: int, group,
+def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
                    config: CheckpointConfig) -> Optional[RestoreResult]:
     """Try versions newest first (memory before durable at equal steps) until one loads.
 
@@ -70,11 +67,9 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
     skipped: list[int] = []
     reasons: list[str] = []
     for step, holding in order:
-        name = tiers[holding[0]][0]
-        # The newest tier holding the step first; later tiers back it up item by item.
-        sources = [tiers[i] for i in holding]
+        name = tiers[holding[0]].name
         try:
-            result = load_version(state, sources, step, rank=rank, world_size=world_size,
+            result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
                                   group=group, config=config, t0=t0)
         except _Unreadable as exc:
             warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
@@ -99,21 +94,32 @@ def restore_newest(state: TrainState, tiers: list[tuple[str, Store]], *, rank: i
     return None
 
 
-def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int, *, rank: int,
-                 world_size: int, group, config: CheckpointConfig, t0: float) -> RestoreResult:
-    tier, store = sources[0]
+def _open_views(tiers: list, step: int, key) -> tuple[list, list[str]]:
+    """Verified views of ``step`` in every tier that holds it (best first), and why the others
+    could not be opened."""
+    views, problems = [], []
+    for tier in tiers:
+        try:
+            views.append(tier.open(step, key=key))
+        except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
+            problems.append(f"{tier.name}: {type(exc).__name__}: {exc}")
+    return views, problems
+
+
+def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
+                 config: CheckpointConfig, t0: float) -> RestoreResult:
     outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "structure" or "config"
     fingerprint = None
-    try:
-        manifest = store.manifest(step)
-        metadata: Metadata = load_metadata(manifest, resolve_key(config.signing_key))
-        fingerprint = checksum(canonical_bytes(manifest))
-    except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
-        outcome = ("skip", f"{type(exc).__name__}: {exc}")
-    if outcome is None:
+    views, problems = _open_views(tiers, step, resolve_key(config.signing_key))
+    if not views:
+        outcome = ("skip", "; ".join(problems))
+    else:
+        primary = views[0]
+        fingerprint = (primary.tier, primary.fingerprint)
         try:
+            metadata: Metadata = primary.metadata
             saved_keys = set(metadata.state_dict_metadata)
-            saved_ws = manifest.world_size
+            saved_ws = primary.world_size
             source_rank = _source_rank(rank, saved_ws, world_size, config)
             target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
             check_structure(target, metadata)
@@ -125,11 +131,8 @@ def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int,
             outcome = ("skip", f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})")
     _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
 
-    reader = StoreReader(manifest, [Source(t, _fetcher(s, step), _refetcher(s, step)) for t, s in sources],
-                         metadata=metadata)
-    before = _local_peer(store)
     try:
-        dcp_load(target, reader, group=group, no_dist=world_size == 1)
+        report = dcp_load(target, views, group=group, world_size=world_size)
     except CheckpointException as exc:
         raise _Unreadable(_first_failure(exc)) from exc
     except StructureMismatchError:
@@ -144,7 +147,7 @@ def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int,
             restore_rng_state(derive_rng_state(rank, step))
     except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
         outcome = ("skip", f"the loaded state could not be applied ({type(exc).__name__}: {exc})")
-    bytes_read = _bytes_by_source(reader, store, before)
+    bytes_read = {k: v for k, v in report.bytes_by_source.items() if v}
     # A rank's source is the farthest tier it had to reach: durable > peer > local.
     where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
     sources = {rank: where}
@@ -155,14 +158,14 @@ def load_version(state: TrainState, sources: list[tuple[str, Store]], step: int,
         _raise_agreed([(r, o, None) for r, _, o in everyone], rank)
     else:
         _raise_agreed([(rank, outcome, None)], rank)
-    return RestoreResult(step=step, source=tier, sources=sources,
+    return RestoreResult(step=step, source=primary.tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws)
 
 
 def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
     """Raise StructureMismatchError naming the model/optimizer keys (and shapes) that differ."""
-    flat, _ = flatten_state_dict(target)
+    flat = flatten(target)
     saved = metadata.state_dict_metadata
     tensor_prefixes = (MODEL + ".", OPTIM + ".", GRADS + ".")
     missing = sorted(k for k in flat if k not in saved)
@@ -238,45 +241,6 @@ def _agree(survey_result, world_size: int, group):
     box = [survey_result]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
-
-
-def _fetcher(store: Store, step: int):
-    def fetch(name: str, offset: int, length: int):
-        return store.read_range(step, name, offset, length)
-
-    return fetch
-
-
-def _refetcher(store: Store, step: int):
-    """Another holder's copy of a range, for stores whose ``read_range`` takes ``skip``."""
-    try:
-        if "skip" not in inspect.signature(store.read_range).parameters:
-            return None
-    except (TypeError, ValueError):
-        return None
-
-    def refetch(name: str, offset: int, length: int, n: int):
-        return store.read_range(step, name, offset, length, skip=n)
-
-    return refetch
-
-
-def _local_peer(store: Store) -> tuple[int, int]:
-    stats = getattr(store, "stats", None)
-    return (getattr(stats, "bytes_read_local", 0), getattr(stats, "bytes_read_peer", 0))
-
-
-def _bytes_by_source(reader: StoreReader, store: Store, before: tuple[int, int]) -> dict[str, int]:
-    """Bytes per source: ``local``/``peer`` memory (host stores count them), ``durable``."""
-    out = {k: v for k, v in reader.bytes_by_tier.items() if k != "memory" and v}
-    memory = reader.bytes_by_tier.get("memory", 0)
-    if memory:
-        local, peer = _local_peer(store)
-        if (local, peer) == before:  # a process-local store: everything was local
-            out["local"] = memory
-        else:
-            out["local"], out["peer"] = local - before[0], peer - before[1]
-    return {k: v for k, v in out.items() if v}
 
 
 class _Unreadable(Exception):

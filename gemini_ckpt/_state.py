@@ -191,22 +191,24 @@ class TrainState(Stateful):
 
 
 def capture_rng() -> dict[str, Any]:
+    """Every RNG stream of this process. Torch generator states are kept as bytes: a pickled
+    tensor records its memory address, so the same state would pickle differently each time."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
+        "torch": _state_bytes(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_state_bytes(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(_state_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_state_tensor(s) for s in state["cuda"]])
 
 
 def derive_rng_state(rank: int, step: int) -> dict[str, Any]:
@@ -214,8 +216,17 @@ def derive_rng_state(rank: int, step: int) -> dict[str, Any]:
     seed = (step * 1_000_003 + rank * 7_919 + 0x6E6D) % (2**31)
     py = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    state = {"python": py.getstate(), "numpy": np.random.RandomState(seed).get_state(), "torch": gen.get_state()}
-    return state
+    return {"python": py.getstate(), "numpy": np.random.RandomState(seed).get_state(),
+            "torch": _state_bytes(gen.get_state())}
+
+
+def _state_bytes(t: torch.Tensor) -> bytes:
+    return t.cpu().numpy().tobytes()
+
+
+def _state_tensor(v: Any) -> torch.Tensor:
+    """A generator state as torch wants it (versions saved before 0.2 hold tensors)."""
+    return v if isinstance(v, torch.Tensor) else torch.frombuffer(bytearray(v), dtype=torch.uint8)
 
 
 def _as_list(obj: Any) -> list:

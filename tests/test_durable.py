@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from faulty_fs import faulty_filesystem
+from helpers import corrupt_item, local_tier
 from rendezvous import join_group, master_store
 from gemini_ckpt import BackgroundError, CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt._durable import DurableTier
@@ -279,14 +280,14 @@ def test_corrupt_memory_copy_is_replaced_by_the_durable_copy_of_the_same_step(tm
                               persist_on_close=False)
     ckpt, kept, handles = _train_and_save(config, 3, record=(2,))
     handles[2].persisted.result(timeout=60)
-    manifest = ckpt.store.manifest(2)
-    biggest = max(manifest.checksums, key=lambda c: c.length)
-    ckpt.store.corrupt_for_test(2, biggest.file, biggest.offset + 7)
+    fqn = corrupt_item(ckpt.store, 2)
+    on_disk = next(info.length for index, info in DurableTier(uri).open(2).metadata.storage_data.items()
+                   if index.fqn == fqn)
     t = build_training(seed=4, dataset_size=32)
     again = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config)
     result = again.restore()
     assert result.step == 2 and result.source == "memory" and result.skipped_steps == ()
-    assert result.bytes_read["durable"] == biggest.length  # just the bad item came from disk
+    assert result.bytes_read["durable"] == on_disk  # just the bad item came from disk
     _assert_matches(t.model, t.optimizer, kept[2])
     ckpt.close()
     again.close()
@@ -301,10 +302,8 @@ def _persist_failure_worker(rank: int, world_size: int, port: int, root: str, qu
         handler.failing.set()  # rank 0 (the coordinator) cannot write; the others only wait
         config = CheckpointConfig(persist_every=1, timeout_s=120, persist_on_close=False)
         t = build_training(seed=rank, dataset_size=32)
-        from gemini_ckpt._fs_store import FsStore
-
-        # The ranks share one directory as their "memory" store (a store both processes see).
-        ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer), config, store=FsStore(root + "-mem"),
+        # Each rank keeps its own shard in its own memory: enough for a persist that fails at its start.
+        ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer), config, store=local_tier(),
                             durable=DurableTier(filesystem=fs, root=root))
         handle = ckpt.save(0)
         handle.committed.result(timeout=60)

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from faulty_fs import faulty_filesystem
+from helpers import corrupt_durable_item, corrupt_item
 from gemini_ckpt import (
     BackgroundError,
     CheckpointConfig,
@@ -98,11 +99,8 @@ def test_versions_newer_than_the_restored_one_are_discarded_before_the_next_save
     # Steps 6 and 7 cannot be read any more (memory), nor can durable step 7.
     store = first.store
     for step in (6, 7):
-        store.corrupt_for_test(step, "__0_0.distcp", 100)
-    data = tmp_path / "d" / "step_000000007" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[100] ^= 0xFF
-    data.write_bytes(bytes(raw))
+        fqn = corrupt_item(store, step)
+    corrupt_durable_item(uri, 7, fqn)
 
     second, t2 = _checkpointer(config)
     with pytest.warns(UserWarning, match="could not be restored and was skipped"):
@@ -332,13 +330,9 @@ def test_a_discard_that_fails_is_retried_and_never_drops_what_the_run_wrote_sinc
     first, t = _checkpointer(config, durable=DurableTier(filesystem=fs, root=root))
     _train(first, t, range(8))
     first.close()
-    first.store.corrupt_for_test(7, "__0_0.distcp", 100)
-    first.store.corrupt_for_test(6, "__0_0.distcp", 100)
+    corrupt_durable_item(root, 7, corrupt_item(first.store, 7))
+    corrupt_item(first.store, 6)
     durable = DurableTier(filesystem=fs, root=root)
-    data = tmp_path / "d" / "step_000000007" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[100] ^= 0xFF
-    data.write_bytes(bytes(raw))
 
     # The same job, persisting no more (so the durable listing below is only about the discard).
     second, t2 = _checkpointer(replace(config, persist_every=0), durable=durable)

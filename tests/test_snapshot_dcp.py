@@ -13,10 +13,8 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt._dcp_storage import StoreWriter, save_version
-from gemini_ckpt._fs_store import FsStore
-from gemini_ckpt._store import METADATA_FILE, MemoryStore
 from gemini_ckpt._toy import TinyLM, build_training, lm_loss
+from dir_tier import DirTier
 from rendezvous import join_group, master_store
 
 
@@ -29,30 +27,26 @@ def _trained(seed=0):
     return t
 
 
-def test_data_file_is_byte_identical_to_filesystemwriter(tmp_path):
+def test_persisted_data_file_is_byte_identical_to_filesystemwriter(tmp_path):
     t = _trained()
     state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
     staged = {**state.tensor_state(), **state.opaque_state(0)}
-    dcp.save(staged, storage_writer=FileSystemWriter(str(tmp_path), sync_files=False), no_dist=True)
-    store = MemoryStore()
-    save_version(staged, StoreWriter(store, 1, world_size=1), planner=None, group=None, no_dist=True)
-    theirs = (tmp_path / "__0_0.distcp").read_bytes()
-    manifest = store.manifest(1)
-    ours = bytes(store.read_range(1, "__0_0.distcp", 0, manifest.file_sizes["__0_0.distcp"]))
+    dcp.save(staged, storage_writer=FileSystemWriter(str(tmp_path / "stock"), sync_files=False), no_dist=True)
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex,
+                                                durable_uri=str(tmp_path / "ours")))
+    ckpt.save(1, persist=True).persisted.result(timeout=60)
+    ckpt.close()
+    theirs = (tmp_path / "stock" / "__0_0.distcp").read_bytes()
+    ours = (tmp_path / "ours" / "step_000000001" / "__0_0.distcp").read_bytes()
     assert len(ours) == len(theirs) and ours == theirs
 
 
-def test_version_dumped_as_files_loads_with_stock_dcp_and_filesystemreader(tmp_path):
+def test_persisted_version_loads_with_stock_dcp_and_filesystemreader(tmp_path):
     t = _trained(seed=1)
-    ns = f"dump-{uuid.uuid4().hex}"
     ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                        CheckpointConfig(store="local", namespace=ns))
-    ckpt.save(7)
-    ckpt.wait()
-    store, manifest = ckpt.store, ckpt.store.manifest(7)
-    for name, size in manifest.file_sizes.items():
-        (tmp_path / name).write_bytes(bytes(store.read_range(7, name, 0, size)))
-    (tmp_path / METADATA_FILE).write_bytes(manifest.metadata)
+                        CheckpointConfig(store="local", namespace=f"dump-{uuid.uuid4().hex}",
+                                         durable_uri=str(tmp_path)))
+    ckpt.save(7, persist=True).persisted.result(timeout=60)
     ckpt.close()
 
     fresh = TinyLM()
@@ -61,24 +55,12 @@ def test_version_dumped_as_files_loads_with_stock_dcp_and_filesystemreader(tmp_p
 
     msd, osd = get_state_dict(fresh, opt)
     target = {"model": msd, "optim": osd}
-    dcp.load(target, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    dcp.load(target, storage_reader=FileSystemReader(str(tmp_path / "step_000000007")), no_dist=True)
     set_state_dict(fresh, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
     for (n, a), (_, b) in zip(t.model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(a, b), n
     for k, v in t.optimizer.state_dict()["state"].items():
         assert torch.equal(v["exp_avg"], opt.state_dict()["state"][k]["exp_avg"])
-
-
-def test_fs_store_version_is_a_stock_dcp_directory(tmp_path):
-    t = _trained(seed=2)
-    store = FsStore(str(tmp_path))
-    ckpt = Checkpointer(TrainState(model=t.model), CheckpointConfig(store="local"), store=store)
-    ckpt.save(3)
-    ckpt.close()
-    target = {"model": TinyLM().state_dict()}
-    dcp.load(target, checkpoint_id=str(tmp_path / "step_000000003"), no_dist=True)
-    for k, v in t.model.state_dict().items():
-        assert torch.equal(target["model"][k], v), k
 
 
 # --- FSDP2 at world size 2 -> 1 and 3, through our reader ------------------------------------
@@ -107,7 +89,8 @@ def _fsdp_worker(rank, world_size, port, root, phase):
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         state = TrainState(model=model, optimizer=opt, extra={"rank": rank})
-        ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=FsStore(root))
+        ckpt = Checkpointer(state, CheckpointConfig(store="local"),
+                            store=DirTier(root, rank=rank, world_size=world_size))
         if phase == "save":
             batch = torch.arange(4 * 17).reshape(4, 17) % 64
             for _ in range(2):

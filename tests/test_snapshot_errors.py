@@ -18,7 +18,8 @@ from gemini_ckpt import (
     StructureMismatchError,
     TrainState,
 )
-from gemini_ckpt._store import MemoryStore
+from gemini_ckpt.stores.memory import LocalTier
+from helpers import local_tier
 from gemini_ckpt._toy import TinyLM, build_training, lm_loss
 
 
@@ -69,9 +70,8 @@ def test_corrupted_newest_version_is_refused_and_restore_falls_back():
             p.add_(1.0)
     ckpt.save(2)
     ckpt.wait()
-    store, manifest = ckpt.store, ckpt.store.manifest(2)
-    biggest = max(manifest.checksums, key=lambda c: c.length)
-    store.corrupt_for_test(2, biggest.file, biggest.offset + biggest.length // 2)
+    biggest = max(ckpt.store.open(2).plans[0].tensors, key=lambda t: t.nbytes)
+    ckpt.store.corrupt_for_test(2, 0, biggest.at + biggest.nbytes // 2)
     with pytest.warns(UserWarning, match=r"step 2 \(memory\) could not be restored"):
         result = ckpt.restore()
     assert result.step == 1 and result.skipped_steps == (2,)
@@ -86,8 +86,8 @@ def test_corrupted_only_version_raises_a_clear_checksum_error():
     ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=ns))
     ckpt.save(1)
     ckpt.wait()
-    c = ckpt.store.manifest(1).checksums[-1]
-    ckpt.store.corrupt_for_test(1, c.file, c.offset)
+    last = ckpt.store.open(1).plans[0].tensors[-1]
+    ckpt.store.corrupt_for_test(1, 0, last.at)
     with pytest.warns(UserWarning), pytest.raises(ChecksumError, match="no committed version"):
         ckpt.restore()
     ckpt.close()
@@ -109,24 +109,26 @@ def test_structure_mismatch_names_the_keys():
         c.close()
 
 
-class FailingStore(MemoryStore):
-    """A store whose Nth data-file write fails, like a full disk or a dropped connection."""
+class FailingTier(LocalTier):
+    """A memory tier whose Nth hand-off fails, like a store that runs out of memory or dies."""
 
     def __init__(self, fail_on: set[int]) -> None:
-        super().__init__()
+        base = local_tier()
+        super().__init__(base.store, base.epoch, base.keep)
         self.fail_on = fail_on
         self.puts = 0
 
-    def put_file(self, step, name, data):
+    def hand_off(self, step, plan, segment, blobs, *, persist=False):
         self.puts += 1
         if self.puts in self.fail_on:
+            self.give_back(segment)
             raise OSError(f"injected write failure on put #{self.puts}")
-        super().put_file(step, name, data)
+        return super().hand_off(step, plan, segment, blobs, persist=persist)
 
 
 def test_failed_background_write_keeps_previous_version_and_raises_on_training_thread():
     _, state = _setup()
-    store = FailingStore(fail_on={2})
+    store = FailingTier(fail_on={2})
     ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=store)
     ckpt.save(1).committed.result(timeout=60)
     bad = ckpt.save(2)
@@ -141,19 +143,20 @@ def test_failed_background_write_keeps_previous_version_and_raises_on_training_t
     ckpt.close()
 
 
-class GatedStore(MemoryStore):
+class GatedTier(LocalTier):
     def __init__(self) -> None:
-        super().__init__()
+        base = local_tier()
+        super().__init__(base.store, base.epoch, base.keep)
         self.gate = threading.Event()
 
-    def put_file(self, step, name, data):
+    def hand_off(self, step, plan, segment, blobs, *, persist=False):
         self.gate.wait(timeout=60)
-        super().put_file(step, name, data)
+        return super().hand_off(step, plan, segment, blobs, persist=persist)
 
 
 def test_skip_policy_drops_saves_while_busy_and_counts_them():
     _, state = _setup()
-    store = GatedStore()
+    store = GatedTier()
     ckpt = Checkpointer(state, CheckpointConfig(store="local", inflight_policy="skip"), store=store)
     first = ckpt.save(1)
     second = ckpt.save(2)
@@ -167,7 +170,7 @@ def test_skip_policy_drops_saves_while_busy_and_counts_them():
 
 def test_wait_policy_blocks_until_the_previous_version_is_done():
     _, state = _setup()
-    store = GatedStore()
+    store = GatedTier()
     ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=store)
     ckpt.save(1)
     threading.Timer(0.3, store.gate.set).start()

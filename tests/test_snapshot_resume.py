@@ -150,22 +150,26 @@ def test_mutating_live_state_after_save_does_not_change_the_snapshot():
     ckpt.close()
 
 
-def test_staging_buffers_are_reused_across_saves():
+def test_staging_segments_are_reused_across_saves():
+    # A version lives in the segment it was staged into: keep_in_memory versions plus the one
+    # being saved need that many segments, and from then on every save reuses a released one.
     ns = f"reuse-{uuid.uuid4().hex}"
     t = build_training(seed=4, dataset_size=32)
     state = _state(t)
-    ckpt = Checkpointer(state, _config(ns))
+    config = _config(ns)
+    ckpt = Checkpointer(state, config)
     batches = t.batches()
     seen = []
-    for step in range(5):
+    for step in range(8):
         _train(t, state, batches, [step])
-        ckpt.save(step)
+        ckpt.save(step).committed.result()
         seen.append((ckpt.stats.staging_allocations, ckpt.stats.staging_bytes))
     ckpt.close()
-    first_allocs, first_bytes = seen[0]
     model_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())
-    assert first_bytes >= 3 * model_bytes  # params + exp_avg + exp_avg_sq
-    assert all(s == seen[0] for s in seen[1:]), seen
+    assert seen[0][1] >= 3 * model_bytes  # params + exp_avg + exp_avg_sq
+    segments = config.keep_in_memory + config.max_inflight
+    assert [a for a, _ in seen] == [min(i + 1, segments) for i in range(8)], seen
+    assert len({b for _, b in seen}) == 1 and ckpt.stats.plans == 1
 
 
 def test_keep_in_memory_retains_only_the_newest_versions():

@@ -15,6 +15,7 @@ import shutil
 import time
 import uuid
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,20 +26,21 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError, TrainState
 from gemini_ckpt.__main__ import main as cli
 from gemini_ckpt._checksum import checksum
-from gemini_ckpt._dcp_storage import StoreWriter, save_version
 from gemini_ckpt._durable import DurableTier
 from gemini_ckpt._fs_store import FsStore, parse_step_dir
-from gemini_ckpt._store import ItemChecksum, MemoryStore, VersionManifest
+from gemini_ckpt._store import ItemChecksum, VersionManifest
+from gemini_ckpt.save.dcp import MemoryVersion
+from gemini_ckpt.stores.memory import LocalTier
+from gemini_ckpt.stores.shards import ShardFormatError, ShardPlan, ShardRecord
 from gemini_ckpt._toy import build_training, lm_loss
 from gemini_ckpt._trust import (
     ENV_KEY,
     VerificationError,
     canonical_bytes,
-    decode_manifest,
-    encode_manifest,
     metadata_loads,
     value_loads,
 )
+from helpers import local_tier
 from rendezvous import join_group, master_store
 
 MARKER, METADATA, EXTRA_KEY = ".gemini_complete", ".metadata", "rank_local.0.extra"
@@ -194,26 +196,37 @@ def test_crafted_tensor_item_never_runs(versions, tmp_path):
     assert not pwned.exists()
 
 
-def test_host_store_manifest_is_json_and_checked_not_pickled(tmp_path):
-    pwned = tmp_path / "pwned"
+def _memory_version(step=3):
+    """A real version in a process-local memory tier, and its plan and record."""
     _, _, state = _state(0)
-    store = MemoryStore()
-    save_version({**state.tensor_state(), **state.opaque_state(0)}, StoreWriter(store, 3, world_size=1),
-                 planner=None, group=None, no_dist=True)
-    m = store.manifest(3)
-    assert m.metadata_crc == checksum(m.metadata)
-    encoded = encode_manifest(m)
-    assert decode_manifest(encoded) == m
-    assert encoded.startswith(b"GEMINI-MANIFEST\x00") and b'"metadata_crc":' in encoded  # JSON, not a pickle
-    # What the old format was (a pickled VersionManifest) is refused without being unpickled.
-    with pytest.raises(VerificationError, match="not an encoded gemini_ckpt manifest"):
-        decode_manifest(_evil_pickle(pwned))
-    # A frame whose metadata is a crafted pickle with its CRCs recomputed decodes (it is
+    tier = local_tier()
+    ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=tier)
+    ckpt.save(step).committed.result(timeout=60)
+    ckpt.close()
+    view = tier.open(step)
+    return view.plans[0], view.records[0]
+
+
+def test_shard_plans_and_records_are_json_and_checked_not_pickled(tmp_path):
+    pwned = tmp_path / "pwned"
+    plan, record = _memory_version()
+    for obj, cls, magic in ((plan, ShardPlan, b"GEMINI-PLAN\x00"), (record, ShardRecord, b"GEMINI-SHARD\x00")):
+        encoded = obj.encode()
+        assert cls.decode(encoded) == obj
+        assert encoded.startswith(magic) and b'"crc":' in encoded  # JSON, not a pickle
+        # A pickle in their place is refused without being unpickled.
+        with pytest.raises(ShardFormatError, match="not an encoded"):
+            cls.decode(_evil_pickle(pwned))
+        with pytest.raises(ShardFormatError, match="signing key"):
+            cls.decode(encoded, b"a key")  # unsigned, and a key is set
+        assert cls.decode(obj.encode(b"a key"), b"a key") == obj
+        with pytest.raises(ShardFormatError, match="does not match this signing key"):
+            cls.decode(obj.encode(b"a key"), b"another key")
+    # A plan whose metadata skeleton is a crafted pickle, every CRC recomputed, decodes (it is
     # consistent), but the metadata allow-list refuses it.
-    forged = VersionManifest(step=3, world_size=1, metadata=_evil_pickle(pwned), checksums=m.checksums,
-                             file_sizes=m.file_sizes, metadata_crc=checksum(_evil_pickle(pwned)))
+    forged = ShardPlan.decode(replace(plan, metadata=_evil_pickle(pwned)).encode())
     with pytest.raises(VerificationError, match="not allow-listed"):
-        metadata_loads(decode_manifest(encode_manifest(forged)).metadata)
+        metadata_loads(forged.metadata)
     assert not pwned.exists()
 
 
@@ -231,7 +244,7 @@ def test_allow_lists_take_what_our_state_needs(versions):
     for key, blob in flat.items():
         assert _same(value_loads(blob), pickle.loads(blob)), key
     rng = value_loads(flat["rank_local.0.rng"])
-    assert rng["python"] == random.getstate() and torch.equal(rng["torch"], torch.get_rng_state())
+    assert rng["python"] == random.getstate() and rng["torch"] == torch.get_rng_state().numpy().tobytes()
     md = metadata_loads((versions[0] / NEWEST / METADATA).read_bytes())
     assert "model.pos" in md.state_dict_metadata
 
@@ -472,14 +485,14 @@ def test_fuzz_damage_to_any_file_never_runs_code_and_restores_the_older_version(
     assert n >= 40
 
 
-def test_fuzz_host_store_manifest_bytes(tmp_path):
-    """The manifest a host store keeps (opaque bytes): truncations, flips and crafted pickles
-    never run code; a damaged newest manifest means the older version is restored."""
+def test_fuzz_shard_records_and_plans_held_in_memory(tmp_path):
+    """The records and plans a memory tier keeps as bytes (as host stores do): truncations,
+    flips and crafted pickles never run code; a damaged newest one means the older version is
+    restored."""
     pwned, rng = tmp_path / "pwned", random.Random(7)
     t, extra, state = _state(0)
-    store = _EncodedStore()
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, keep_in_memory=5),
-                        store=store)
+    tier = _EncodedTier()
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", keep_in_memory=5), store=tier)
     for step in range(2):
         lm_loss(t.model, next(t.batches())).backward()
         t.optimizer.step()
@@ -487,46 +500,57 @@ def test_fuzz_host_store_manifest_bytes(tmp_path):
         extra["tokens"] = step + 1
         ckpt.save(step)
     ckpt.close()
-    good = store.encoded[1]
-    md_at = good.index(store.manifest(1).metadata)
-    offsets = sorted({0, 5, 16, 20, md_at - 2, md_at, len(good) - 1, *(rng.randrange(len(good)) for _ in range(12))})
-    cases = [("truncate", good[:k]) for k in (0, 10, 30, md_at, len(good) - 1)]
-    cases += [(f"flip@{o}", good[:o] + bytes([good[o] ^ 0x10]) + good[o + 1 :]) for o in offsets]
-    cases += [("pickled-manifest", _evil_pickle(pwned)), ("crafted-metadata", _crafted_frame(store, pwned))]
+    cases = []
+    for kind in ("record", "plan"):
+        good = tier.encoded[(1, kind)]
+        offsets = sorted({0, 5, 16, 20, len(good) - 1, *(rng.randrange(len(good)) for _ in range(10))})
+        cases += [(kind, f"truncate@{k}", good[:k]) for k in (0, 10, 30, len(good) - 1)]
+        cases += [(kind, f"flip@{o}", good[:o] + bytes([good[o] ^ 0x10]) + good[o + 1 :]) for o in offsets]
+        cases += [(kind, "pickled", _evil_pickle(pwned))]
+    plan = ShardPlan.decode(tier.encoded[(1, "plan")])
+    cases.append(("plan", "crafted-metadata", replace(plan, metadata=_evil_pickle(pwned)).encode()))
     t0 = time.perf_counter()
-    for name, blob in cases:
-        store.encoded[1] = blob
+    for kind, name, blob in cases:
+        good = tier.encoded[(1, kind)]
+        tier.encoded[(1, kind)] = blob
         t2, extra2, state2 = _state(9)
-        reader = Checkpointer(state2, CheckpointConfig(store="local", namespace=uuid.uuid4().hex), store=store)
+        reader = Checkpointer(state2, CheckpointConfig(store="local"), store=tier.reader())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             result = reader.restore()
         reader.close()
+        tier.encoded[(1, kind)] = good
         assert not pwned.exists(), name
-        assert result.step == 0 and tuple(result.skipped_steps) == (1,) and extra2 == {"tokens": 1}, name
-    print(f"\nfuzz: {len(cases)} host-store manifest cases in {time.perf_counter() - t0:.1f}s")
+        assert result.step == 0 and tuple(result.skipped_steps) == (1,) and extra2 == {"tokens": 1}, (kind, name)
+    print(f"\nfuzz: {len(cases)} memory-tier record/plan cases in {time.perf_counter() - t0:.1f}s")
+    assert len(cases) >= 40
 
 
-class _EncodedStore(MemoryStore):
-    """A MemoryStore that keeps manifests the way host stores do: as opaque encoded bytes."""
+class _EncodedTier(LocalTier):
+    """A memory tier that keeps each version's plan and record as bytes (as host stores do)
+    and decodes them, checked, whenever a version is opened."""
 
-    def __init__(self):
-        super().__init__()
-        self.encoded: dict[int, bytes] = {}
+    def __init__(self, base=None, encoded=None):
+        base = base or local_tier(keep=5)
+        super().__init__(base.store, base.epoch, base.keep)
+        self.encoded: dict = encoded if encoded is not None else {}
 
-    def commit(self, step, manifest):
-        super().commit(step, manifest)
-        self.encoded[step] = encode_manifest(manifest)
+    def hand_off(self, step, plan, segment, blobs, *, persist=False):
+        fut = super().hand_off(step, plan, segment, blobs, persist=persist)
+        view = super().open(step)
+        self.encoded[(step, "plan")] = view.plans[0].encode()
+        self.encoded[(step, "record")] = view.records[0].encode()
+        return fut
 
-    def manifest(self, step):
-        super().manifest(step)  # VersionNotFoundError when not committed
-        return decode_manifest(self.encoded[step])
+    def open(self, step, *, key=None):
+        view = super().open(step)
+        plan = ShardPlan.decode(self.encoded[(step, "plan")], key)
+        record = ShardRecord.decode(self.encoded[(step, "record")], key)
+        return MemoryVersion(step, {0: plan}, {0: record}, view.copies)
 
-
-def _crafted_frame(store, pwned) -> bytes:
-    m, evil = store.manifest(1), _evil_pickle(pwned)
-    return encode_manifest(VersionManifest(step=1, world_size=1, metadata=evil, checksums=m.checksums,
-                                           file_sizes=m.file_sizes, metadata_crc=checksum(evil)))
+    def reader(self):
+        """Another Checkpointer's view of the same versions (a new job, the same host)."""
+        return _EncodedTier(self, self.encoded)
 
 
 # --- 5. every rank takes the same decision ---------------------------------------------------------
@@ -537,7 +561,9 @@ def _two_rank_worker(rank, world_size, port, roots, out):
     join_group(port, rank, world_size)
     try:
         t, extra, state = _state(9)
-        ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=FsStore(roots[rank]))
+        # Every rank reads its own copy of the durable tier: rank 1's newest one is damaged.
+        ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=local_tier(),
+                            durable=DurableTier(roots[rank]))
         result = ckpt.restore()
         ckpt.close()
         torch.save({"step": result.step, "skipped": tuple(result.skipped_steps), "extra": dict(extra),

@@ -1,0 +1,168 @@
+"""The snapshot plan: which items this rank saves and where their bytes go, made once by DCP.
+
+The first version (and any version whose state changed structure) runs DCP's own save
+planning through public API (``torch.distributed.checkpoint.save`` with
+``DefaultSavePlanner`` and :class:`_PlanCapture`, a ``StorageWriter`` that writes nothing):
+the ranks agree on who saves which item (replicated tensors deduplicated, DTensor shards by
+their owners) and rank 0 gets the global ``Metadata``. That is the only collective saving ever
+runs. The result is this rank's :class:`~gemini_ckpt.stores.shards.ShardPlan`: tensor items at
+fixed, aligned offsets of a region (in DCP's plan order), non-tensor items as blobs, a
+verified ``torch.save`` template per tensor signature (so a host store can write the
+durable layout without torch), and, on rank 0, the pickled skeleton of the global metadata.
+
+Every later version reuses the plan while :func:`signature` of the state is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from ..stores.shards import ShardPlan, TensorItem, ValueItem, align
+from .templates import template_for
+
+
+@dataclass(frozen=True)
+class RawLocation:
+    """``storage_data`` of an item in a memory version: item ``item`` of rank ``rank``'s shard
+    (tensor items first, then value items, each in plan order)."""
+
+    rank: int
+    item: int
+
+
+@dataclass
+class SnapshotPlan:
+    """This rank's plan and what the trainer needs to fill it each version."""
+
+    shard: ShardPlan
+    signature: tuple
+    tensor_index: list[MetadataIndex]
+    value_index: list[MetadataIndex]
+
+    @property
+    def plan_id(self) -> str:
+        return self.shard.plan_id
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def signature(flat: dict[str, Any]) -> tuple:
+    """What a plan depends on: every key, and each tensor's dtype, global and local shape."""
+    out = []
+    for key, value in flat.items():
+        if isinstance(value, DTensor):
+            local = value._local_tensor
+            out.append((key, dtype_name(value.dtype), tuple(value.shape), tuple(local.shape),
+                        tuple(value.placements), tuple(value.device_mesh.mesh.shape)))
+        elif isinstance(value, torch.Tensor):
+            out.append((key, dtype_name(value.dtype), tuple(value.shape)))
+        else:
+            out.append((key,))
+    return tuple(out)
+
+
+class _PlanCapture(StorageWriter):
+    """A ``StorageWriter`` that writes nothing: it keeps DCP's final local plan, the planner
+    (to resolve each item to its live tensor) and, on the coordinator, the global metadata.
+    The coordinator picks the plan id and hands it to every rank with its plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank = 0
+        self.plan_id = ""
+        self.items: list = []
+        self.planner: Optional[SavePlanner] = None
+        self.metadata: Optional[Metadata] = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = kwargs.get("rank") or 0
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plan_id = uuid.uuid4().hex
+        return [dataclasses.replace(p, storage_data=(plan_id, i)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.plan_id, rank = plan.storage_data
+        self.items, self.planner = list(plan.items), planner
+        tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        values = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=RawLocation(rank, j))
+                   for j, item in enumerate(tensors + values)]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata
+
+    def storage_meta(self):
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False
+
+
+def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict) -> tuple[SnapshotPlan, dict]:
+    """Plan ``state_dict`` (the live state: tensors and values) with every rank of ``group``
+    (collective when ``world_size > 1``). Returns the plan and the flattened state dict DCP's
+    planner resolved (key -> live value), from which the first version is filled."""
+    capture = _PlanCapture()
+    planner = DefaultSavePlanner()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(state_dict, storage_writer=capture, planner=planner, process_group=group,
+                 no_dist=world_size == 1)
+    flat = planner.state_dict
+    tensors, values, templates, keyed = [], [], [], {}
+    tensor_index, value_index = [], []
+    at = 0
+    for item in capture.items:
+        if item.type == WriteItemType.BYTE_IO:
+            value = planner.lookup_object(item.index)
+            kind = "bytes" if isinstance(value, bytes) else "pickle"
+            values.append(ValueItem(item.index.fqn, item.index.index, kind))
+            value_index.append(item.index)
+            continue
+        tensor = planner.resolve_data(item)
+        dtype, shape = tensor.dtype, tuple(tensor.shape)
+        key = (dtype, shape)
+        if key not in keyed:
+            keyed[key] = len(templates)
+            templates.append(template_for(dtype, shape))
+        nbytes = tensor.numel() * tensor.element_size()
+        at = align(at)
+        chunk = None if item.index.offset is None else tuple(int(x) for x in item.index.offset)
+        tensors.append(TensorItem(item.index.fqn, chunk, item.index.index, dtype_name(dtype), shape, at, nbytes,
+                                  keyed[key]))
+        tensor_index.append(item.index)
+        at += nbytes
+    skeleton = b""
+    if capture.metadata is not None:
+        bare = dataclasses.replace(capture.metadata, storage_data={}, storage_meta=None)
+        skeleton = pickle.dumps(bare, protocol=pickle.HIGHEST_PROTOCOL)
+    shard = ShardPlan(plan_id=capture.plan_id, rank=rank, world_size=world_size, tensors=tuple(tensors),
+                      values=tuple(values), templates=tuple(templates), metadata=skeleton, job=dict(job))
+    return SnapshotPlan(shard, signature(flat), tensor_index, value_index), flat

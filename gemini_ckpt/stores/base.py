@@ -1,0 +1,124 @@
+"""What a tier of versions offers, declared rather than probed.
+
+Two kinds of tier hold versions:
+
+- a **memory tier** (:class:`MemoryTier`: this process's memory, ``store="local"``; or the host
+  stores, ``store="ray"``) takes each version's shards as they are staged and decides when a
+  version is committed;
+- the **durable tier** (:class:`gemini_ckpt.stores.fs.FsStore` under
+  :class:`gemini_ckpt._durable.DurableTier`) holds persisted versions as DCP directories.
+
+Both answer the reader's questions the same way (:class:`Tier`): which steps are committed,
+and a verified, item-by-item view of one (:mod:`gemini_ckpt.save.dcp`). What a memory tier
+can do beyond the protocol is in its :class:`Capabilities`, which callers read instead of
+probing for methods.
+
+Call order of a memory tier, per version (the Checkpointer is the only writer)::
+
+    plan  = ...                              # the rank's ShardPlan (new structure: again)
+    seg   = tier.segment(plan)               # a free segment of plan.region_bytes, mapped here
+    ...                                      # the trainer copies the version into seg
+    fut   = tier.hand_off(step, plan, seg, blobs, persist=...)   # seg now belongs to the tier
+    fut.result()                             # Outcome: committed, or why not
+    tier.unpin(step)                         # a version handed off with persist=True is kept
+                                             # until its persist is done (or failed)
+
+Readers: ``committed_steps()``, ``open(step, key=...)``. Retention is the tier's own
+(``keep_in_memory``); ``discard(step)`` removes a version an earlier run left behind.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+from .shards import Segment, ShardPlan
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a memory tier does beyond the protocol.
+
+    ``persists_itself``: its stores write their own ranks' files to the durable tier
+    (:meth:`MemoryTier.persist_files`) instead of handing the bytes to the persister.
+    ``read_sources``: where its copies can be read from (``local``, ``peer``).
+    ``outlives_process``: versions survive the training process (host stores).
+    """
+
+    persists_itself: bool = False
+    read_sources: tuple[str, ...] = ("local",)
+    outlives_process: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a version ended in its memory tier: committed, or not and why."""
+
+    step: int
+    committed: bool
+    reason: str = ""
+    error: Optional[BaseException] = None
+
+
+class Tier(abc.ABC):
+    """Anything restore reads versions from."""
+
+    name: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def committed_steps(self) -> list[int]:
+        """Steps whose every shard is readable here, oldest first (``OSError``: unreachable)."""
+
+    @abc.abstractmethod
+    def open(self, step: int, *, key: Optional[bytes] = None):
+        """A verified view of ``step`` (:class:`gemini_ckpt.save.dcp.MemoryVersion` or
+        ``DurableVersion``), signatures checked with ``key``; ``VersionNotFoundError`` when it
+        is not committed here, a ``VerificationError`` when what describes it is damaged."""
+
+    def close(self) -> None:
+        """Release this client's connections (versions stay where they are); idempotent."""
+
+
+class MemoryTier(Tier):
+    """A tier that takes versions shard by shard (see the module docstring for the order)."""
+
+    name = "memory"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    @abc.abstractmethod
+    def segment(self, plan: ShardPlan) -> Segment:
+        """A free segment for one version of ``plan``'s shard, mapped into this process.
+        ``MemoryBudgetError`` when the tier cannot hold another one."""
+
+    @abc.abstractmethod
+    def give_back(self, segment: Segment) -> None:
+        """A segment from :meth:`segment` that will not be handed off (the save failed)."""
+
+    @abc.abstractmethod
+    def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
+                 persist: bool = False) -> "Future[Outcome]":
+        """The staged shard of ``step`` now belongs to the tier; the future resolves once the
+        version is committed or failed. ``persist``: keep it until :meth:`unpin`."""
+
+    @abc.abstractmethod
+    def unpin(self, step: int) -> None:
+        """The persist of ``step`` is over: retention may release it."""
+
+    @abc.abstractmethod
+    def discard(self, step: int) -> None:
+        """Remove the versions of ``step`` written before this tier was opened (an earlier
+        run's, abandoned by this one); a version this run wrote is never touched."""
+
+    @property
+    def allocations(self) -> int:
+        """Segments created for this process's shards (reused ones are not counted)."""
+        return 0
+
+    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes]) -> dict:
+        """With ``capabilities.persists_itself``: write each rank's data file of ``step`` under
+        ``uri``/``directory`` from the stores' memory, ``sections[rank]`` (the non-tensor items,
+        already ``torch.save``-d) first. Returns rank -> list of (offset, length, crc32c) of
+        its tensor items."""
+        raise NotImplementedError(f"{type(self).__name__} does not persist by itself")

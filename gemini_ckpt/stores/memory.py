@@ -1,0 +1,214 @@
+"""``store="local"``: versions kept in this process's memory (single-process jobs, rollback).
+
+A :class:`LocalStore` per namespace lives as long as the process, so a new ``Checkpointer``
+over rebuilt training objects finds the versions an earlier one kept. Each ``Checkpointer``
+opens it through :meth:`LocalStore.attach`, which takes a fencing epoch: the tier it gets
+refuses writes once a newer one was attached (:class:`~gemini_ckpt.FencedError`).
+
+A version here is one shard (the world is one rank): committed as soon as the store has
+checksummed it, in the caller's thread (the Checkpointer's background thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Optional
+
+from .._errors import FencedError, MemoryBudgetError, VersionNotFoundError
+from .base import Capabilities, MemoryTier, Outcome
+from .shards import Segment, SegmentPool, ShardPlan, ShardRecord, make_record
+
+DEFAULT_LOCAL_BUDGET = 1 << 62  # a process's own memory: the OS is the limit
+
+
+@dataclass
+class _Version:
+    epoch: int
+    plan: ShardPlan
+    record: ShardRecord
+    segment: Segment
+    pinned: bool = False
+
+
+class LocalStore:
+    """The process-wide versions of one namespace (see the module docstring)."""
+
+    def __init__(self, namespace: str, budget_bytes: int = DEFAULT_LOCAL_BUDGET) -> None:
+        self.namespace = namespace
+        self._lock = threading.Lock()
+        self._versions: dict[int, _Version] = {}
+        self._pool = SegmentPool(budget_bytes, shared=False)
+        self._retired: list[_Version] = []  # let go of while a persist still reads them
+        self._epoch = 0
+
+    def attach(self, *, keep: int) -> "LocalTier":
+        """Take the namespace over: a tier whose writes succeed until the next ``attach``."""
+        with self._lock:
+            self._epoch += 1
+            return LocalTier(self, self._epoch, keep)
+
+    # --- called through a LocalTier, with its epoch ----------------------------------------
+    def _check(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            raise FencedError(
+                f"a newer Checkpointer opened namespace {self.namespace!r} in this process (epoch {self._epoch}, "
+                f"this one has {epoch}); this one's writes are refused. Two Checkpointers that live at the "
+                f"same time (a GAN's G and D) need their own CheckpointConfig.namespace")
+
+    def _segment(self, epoch: int, plan: ShardPlan) -> Segment:
+        with self._lock:  # not a write: a fenced tier is refused at hand-off, in the background
+            try:
+                return self._pool.reserve(plan.region_bytes)
+            except MemoryError as exc:
+                raise MemoryBudgetError(f"namespace {self.namespace!r}: {exc}") from None
+
+    @property
+    def allocations(self) -> int:
+        """Segments created (not reused) over the store's life."""
+        return self._pool.created
+
+    def _give_back(self, seg: Segment) -> None:
+        with self._lock:
+            self._pool.release(seg)
+
+    def _commit(self, epoch: int, step: int, plan: ShardPlan, seg: Segment, blobs: list[bytes], persist: bool,
+                keep: int) -> None:
+        record = make_record(plan, seg.array, blobs, epoch=epoch, step=step)
+        with self._lock:
+            self._check(epoch)
+            old = self._versions.pop(step, None)
+            if old is not None:
+                self._release(old)
+            self._versions[step] = _Version(epoch, plan, record, seg, pinned=persist)
+            self._retain(keep)
+
+    def _retain(self, keep: int) -> None:
+        """Call with the lock held: keep the newest ``keep`` versions (and pinned ones)."""
+        for s in sorted(self._versions)[:-keep]:
+            if not self._versions[s].pinned:
+                self._release(self._versions.pop(s))
+
+    def _release(self, v: _Version) -> None:
+        """Call with the lock held: free ``v``'s segment, or once its persist is done."""
+        if v.pinned:
+            self._retired.append(v)
+        else:
+            self._pool.release(v.segment)
+
+    def _unpin(self, step: int, keep: int) -> None:
+        with self._lock:
+            v = self._versions.get(step)
+            if v is not None:
+                v.pinned = False
+            for old in [r for r in self._retired if r.record.step == step]:
+                self._retired.remove(old)
+                old.pinned = False
+                self._pool.release(old.segment)
+            self._retain(keep)
+
+    def _discard(self, epoch: int, step: int) -> None:
+        with self._lock:
+            self._check(epoch)
+            v = self._versions.get(step)
+            if v is not None and v.epoch < epoch:
+                self._release(self._versions.pop(step))
+
+    def committed_steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._versions)
+
+    def _get(self, step: int) -> _Version:
+        with self._lock:
+            v = self._versions.get(step)
+            if v is None:
+                raise VersionNotFoundError(f"step {step} is not committed in this process's memory "
+                                           f"(namespace {self.namespace!r})")
+            return v
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(v.segment.nbytes for v in self._versions.values())
+
+    def corrupt_for_test(self, step: int, rank: int, offset: int) -> None:
+        """Flip one byte of a kept shard: lets tests (and the chaos harness) prove checksums bite."""
+        v = self._get(step)
+        v.segment.array[offset] ^= 0xFF
+
+
+class LocalTier(MemoryTier):
+    """One Checkpointer's view of its namespace's :class:`LocalStore`."""
+
+    capabilities = Capabilities(persists_itself=False, read_sources=("local",), outlives_process=False)
+
+    def __init__(self, store: LocalStore, epoch: int, keep: int) -> None:
+        self.store, self.epoch, self.keep = store, epoch, keep
+
+    def segment(self, plan: ShardPlan) -> Segment:
+        return self.store._segment(self.epoch, plan)
+
+    def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
+                 persist: bool = False) -> "Future[Outcome]":
+        fut: Future[Outcome] = Future()
+        try:
+            self.store._commit(self.epoch, step, plan, segment, blobs, persist, self.keep)
+        except BaseException:
+            self.store._give_back(segment)
+            raise
+        fut.set_result(Outcome(step, True))
+        return fut
+
+    def unpin(self, step: int) -> None:
+        self.store._unpin(step, self.keep)
+
+    def committed_steps(self) -> list[int]:
+        return self.store.committed_steps()
+
+    def give_back(self, segment: Segment) -> None:
+        self.store._give_back(segment)
+
+    def open(self, step: int, *, key: Optional[bytes] = None):
+        from ..save.dcp import MemoryVersion, ShardCopy
+
+        v = self.store._get(step)
+        array = v.segment.array
+
+        def fetch(offset: int, length: int, array=array):
+            return array[offset : offset + length]
+
+        return MemoryVersion(step, {0: v.plan}, {0: v.record}, {0: [ShardCopy("local", fetch, "this process")]})
+
+    def discard(self, step: int) -> None:
+        self.store._discard(self.epoch, step)
+
+    def corrupt_for_test(self, step: int, rank: int, offset: int) -> None:
+        self.store.corrupt_for_test(step, rank, offset)
+
+    @property
+    def allocations(self) -> int:
+        return self.store.allocations
+
+    def held_bytes(self) -> int:
+        return self.store.held_bytes()
+
+
+_registry_lock = threading.Lock()
+_registry: dict[str, LocalStore] = {}
+
+
+def local_store(namespace: str) -> LocalStore:
+    """The process-wide :class:`LocalStore` of ``namespace`` (created on first use)."""
+    with _registry_lock:
+        store = _registry.get(namespace)
+        if store is None:
+            store = _registry[namespace] = LocalStore(namespace)
+        return store
+
+
+def forget(namespace: Optional[str] = None) -> None:
+    """Drop the kept versions of ``namespace`` (every namespace when None)."""
+    with _registry_lock:
+        names = [namespace] if namespace is not None else list(_registry)
+        for name in names:
+            _registry.pop(name, None)

@@ -1,0 +1,406 @@
+"""Shards in memory: their plan, their per-version record, the segments they live in. No torch.
+
+A **shard** is one rank's part of a version, kept raw: every tensor item's bytes at a fixed,
+64-byte aligned offset of one *region* (a :class:`Segment`), and every non-tensor item a small
+blob. Its layout is the rank's :class:`ShardPlan`, made once by the trainer (with DCP's
+planner, :mod:`gemini_ckpt.save.plan`) and reused by every version until the structure of the
+state changes. Each version of a shard adds a :class:`ShardRecord`: which version, the blobs,
+and a CRC32C of every item, computed by the store that took the shard from its rank.
+
+Both travel as checked bytes (:meth:`ShardPlan.encode`, :meth:`ShardRecord.encode`): JSON
+(never a pickle) whose canonical encoding carries a CRC32C of everything else, and, with a
+signing key, an HMAC-SHA256 over it. The plan of rank 0 also carries the pickled skeleton of
+DCP's global ``Metadata`` (checked by its CRC32C here, decoded through the allow-list by the
+trainer that reads it).
+
+This module imports only the standard library, numpy and crc32c: host-store actors use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Optional
+
+import crc32c
+import numpy as np
+
+from ..save.framing import Template
+
+ALIGN = 64  # tensor items start at multiples of this in a region
+PLAN_MAGIC = b"GEMINI-PLAN\x00v001"
+RECORD_MAGIC = b"GEMINI-SHARD\x00v01"
+_LEN = struct.Struct("<Q")
+_MAX_JSON = 1 << 30
+_SIGN_PLAN = b"gemini_ckpt shard plan hmac-sha256 v1\x00"
+_SIGN_RECORD = b"gemini_ckpt shard record hmac-sha256 v1\x00"
+VALUE_KINDS = ("bytes", "pickle")
+"""How a non-tensor item's blob encodes its value: ``bytes`` (the value *is* these bytes:
+TrainState's opaque blobs) or ``pickle`` (``pickle.dumps`` of the value, decoded through the
+value allow-list)."""
+
+
+class ShardFormatError(ValueError):
+    """Bytes that claim to be a shard plan or record are damaged, forged or malformed."""
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _mac(key: bytes, context: bytes, payload: bytes) -> str:
+    return hmac.new(key, context + payload, hashlib.sha256).hexdigest()
+
+
+# --- the plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorItem:
+    """One tensor item: DCP's ``MetadataIndex`` (``fqn``, ``chunk`` offsets, chunk ``index``),
+    its dtype (torch's name without ``torch.``) and shape, and where its ``nbytes`` lie."""
+
+    fqn: str
+    chunk: Optional[tuple[int, ...]]
+    index: Optional[int]
+    dtype: str
+    shape: tuple[int, ...]
+    at: int
+    nbytes: int
+    template: int  # index into ShardPlan.templates
+
+
+@dataclass(frozen=True)
+class ValueItem:
+    """One non-tensor item (DCP's ``BYTE_IO``): ``fqn`` and how its blob encodes it."""
+
+    fqn: str
+    index: Optional[int]
+    kind: str
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank ``rank``'s layout under plan ``plan_id`` (the same id on every rank of a plan)."""
+
+    plan_id: str
+    rank: int
+    world_size: int
+    tensors: tuple[TensorItem, ...]
+    values: tuple[ValueItem, ...]
+    templates: tuple[Template, ...]
+    metadata: bytes = b""  # rank 0: the pickled DCP Metadata skeleton; others: empty
+    job: dict = field(default_factory=dict)
+
+    @property
+    def region_bytes(self) -> int:
+        return max((align(t.at + t.nbytes) for t in self.tensors), default=0)
+
+    def fields(self) -> dict:
+        return {
+            "plan_id": self.plan_id, "rank": self.rank, "world_size": self.world_size,
+            "tensors": [[t.fqn, None if t.chunk is None else list(t.chunk), t.index, t.dtype, list(t.shape),
+                         t.at, t.nbytes, t.template] for t in self.tensors],
+            "values": [[v.fqn, v.index, v.kind] for v in self.values],
+            "templates": [t.to_json() for t in self.templates],
+            "metadata_bytes": len(self.metadata), "metadata_crc": crc32c.crc32c(self.metadata),
+            "job": self.job,
+        }
+
+    def encode(self, key: Optional[bytes] = None) -> bytes:
+        body = self.fields()
+        payload = canonical(body)
+        head = {"plan": body, "crc": crc32c.crc32c(payload)}
+        if key is not None:
+            head["signature"] = _mac(key, _SIGN_PLAN, payload)
+        text = canonical(head)
+        return PLAN_MAGIC + _LEN.pack(len(text)) + text + self.metadata
+
+    @classmethod
+    def decode(cls, data: Any, key: Optional[bytes] = None) -> "ShardPlan":
+        head, rest = _unframe(data, PLAN_MAGIC, "shard plan")
+        try:
+            body = head["plan"]
+            payload = canonical(body)
+            _check_crc_and_signature(head, payload, key, _SIGN_PLAN, "shard plan")
+            metadata = bytes(rest)
+            if len(metadata) != _nat(body["metadata_bytes"]) or crc32c.crc32c(metadata) != body["metadata_crc"]:
+                raise ShardFormatError("the shard plan's metadata fails its checksum")
+            templates = tuple(Template.from_json(t) for t in body["templates"])
+            tensors = tuple(_tensor_item(row, len(templates)) for row in body["tensors"])
+            values = tuple(_value_item(row) for row in body["values"])
+            plan = cls(plan_id=_text(body["plan_id"]), rank=_nat(body["rank"]), world_size=_nat(body["world_size"]),
+                       tensors=tensors, values=values, templates=templates, metadata=metadata,
+                       job=_dict(body["job"]))
+        except ShardFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ShardFormatError(f"malformed shard plan ({type(exc).__name__}: {exc})") from None
+        if plan.rank >= plan.world_size:
+            raise ShardFormatError(f"shard plan of rank {plan.rank} in a world of {plan.world_size}")
+        end = 0
+        for t in sorted(tensors, key=lambda t: t.at):
+            if t.at < end or t.at % ALIGN:
+                raise ShardFormatError(f"tensor item {t.fqn} overlaps another or is not aligned")
+            if templates[t.template].nbytes != t.nbytes:
+                raise ShardFormatError(f"tensor item {t.fqn} does not match its template's size")
+            end = t.at + t.nbytes
+        return plan
+
+
+def _tensor_item(row: Any, n_templates: int) -> TensorItem:
+    fqn, chunk, index, dtype, shape, at, nbytes, template = row
+    if not 0 <= _nat(template) < n_templates:
+        raise ShardFormatError(f"tensor item {fqn!r} names template {template} of {n_templates}")
+    return TensorItem(_text(fqn), None if chunk is None else tuple(_nat(c) for c in chunk),
+                      None if index is None else _nat(index), _text(dtype), tuple(_nat(s) for s in shape),
+                      _nat(at), _nat(nbytes), template)
+
+
+def _value_item(row: Any) -> ValueItem:
+    fqn, index, kind = row
+    if kind not in VALUE_KINDS:
+        raise ShardFormatError(f"value item {fqn!r} has unknown kind {kind!r}")
+    return ValueItem(_text(fqn), None if index is None else _nat(index), kind)
+
+
+# --- one version of a shard ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardRecord:
+    """Rank ``rank``'s shard of version ``(epoch, step)``: the blob of every value item and a
+    CRC32C of every item (tensor items over their raw bytes, in plan order)."""
+
+    epoch: int
+    step: int
+    rank: int
+    world_size: int
+    plan_id: str
+    crcs: tuple[int, ...]
+    values: tuple[bytes, ...]
+    value_crcs: tuple[int, ...] = ()
+
+    def fields(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "rank": self.rank, "world_size": self.world_size,
+                "plan_id": self.plan_id, "crcs": list(self.crcs), "value_lengths": [len(v) for v in self.values],
+                "value_crcs": list(self.value_crcs)}
+
+    def encode(self, key: Optional[bytes] = None) -> bytes:
+        body = self.fields()
+        payload = canonical(body)
+        head = {"record": body, "crc": crc32c.crc32c(payload)}
+        if key is not None:
+            head["signature"] = _mac(key, _SIGN_RECORD, payload)
+        text = canonical(head)
+        return RECORD_MAGIC + _LEN.pack(len(text)) + text + b"".join(self.values)
+
+    @classmethod
+    def decode(cls, data: Any, key: Optional[bytes] = None) -> "ShardRecord":
+        head, rest = _unframe(data, RECORD_MAGIC, "shard record")
+        try:
+            body = head["record"]
+            _check_crc_and_signature(head, canonical(body), key, _SIGN_RECORD, "shard record")
+            lengths = [_nat(n) for n in body["value_lengths"]]
+            crcs = tuple(_nat(c) for c in body["value_crcs"])
+            if sum(lengths) != len(rest) or len(crcs) != len(lengths):
+                raise ShardFormatError("the shard record's blobs do not match their lengths")
+            values, at = [], 0
+            for n, crc in zip(lengths, crcs):
+                blob = bytes(rest[at : at + n])
+                if crc32c.crc32c(blob) != crc:
+                    raise ShardFormatError("a blob of the shard record fails its checksum")
+                values.append(blob)
+                at += n
+            return cls(epoch=_nat(body["epoch"]), step=_nat(body["step"]), rank=_nat(body["rank"]),
+                       world_size=_nat(body["world_size"]), plan_id=_text(body["plan_id"]),
+                       crcs=tuple(_nat(c) for c in body["crcs"]), values=tuple(values), value_crcs=crcs)
+        except ShardFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise ShardFormatError(f"malformed shard record ({type(exc).__name__}: {exc})") from None
+
+
+def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int, step: int) -> ShardRecord:
+    """The record of one staged shard: a CRC32C of every tensor item's bytes in ``region`` and
+    of every blob (the store that took the shard from its rank computes it)."""
+    view = memoryview(region).cast("B")
+    values = tuple(bytes(v) for v in values)
+    if len(values) != len(plan.values):
+        raise ValueError(f"rank {plan.rank}: {len(values)} blobs for {len(plan.values)} value items")
+    if len(view) < plan.region_bytes:
+        raise ValueError(f"rank {plan.rank}: a region of {len(view)} bytes for a plan of {plan.region_bytes}")
+    crcs = tuple(crc32c.crc32c(view[t.at : t.at + t.nbytes]) for t in plan.tensors)
+    return ShardRecord(epoch=epoch, step=step, rank=plan.rank, world_size=plan.world_size, plan_id=plan.plan_id,
+                       crcs=crcs, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values))
+
+
+def check_record(record: ShardRecord, plan: ShardPlan) -> None:
+    """Raise ShardFormatError unless ``record`` fits ``plan`` (same plan, rank, item counts)."""
+    if (record.plan_id, record.rank, record.world_size) != (plan.plan_id, plan.rank, plan.world_size):
+        raise ShardFormatError(f"the record of rank {record.rank} (plan {record.plan_id[:8]}) does not belong to "
+                               f"the plan of rank {plan.rank} (plan {plan.plan_id[:8]})")
+    if len(record.crcs) != len(plan.tensors) or len(record.values) != len(plan.values):
+        raise ShardFormatError(f"the record of rank {record.rank} does not have one entry per item of its plan")
+
+
+def with_values(record: ShardRecord, values: tuple[bytes, ...]) -> ShardRecord:
+    return replace(record, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values))
+
+
+# --- framing helpers ------------------------------------------------------------------------------
+def _unframe(data: Any, magic: bytes, what: str) -> tuple[dict, memoryview]:
+    view = memoryview(data).cast("B")
+    start = len(magic) + _LEN.size
+    if len(view) < start or bytes(view[: len(magic)]) != magic:
+        raise ShardFormatError(f"not an encoded {what}")
+    (n,) = _LEN.unpack(view[len(magic) : start])
+    if n > min(_MAX_JSON, len(view) - start):
+        raise ShardFormatError(f"the {what} is truncated")
+    try:
+        head = json.loads(bytes(view[start : start + n]))
+    except (ValueError, RecursionError) as exc:
+        raise ShardFormatError(f"the {what} is damaged ({exc})") from None
+    if not isinstance(head, dict):
+        raise ShardFormatError(f"the {what} is not a JSON object")
+    return head, view[start + n :]
+
+
+def _check_crc_and_signature(head: dict, payload: bytes, key: Optional[bytes], context: bytes, what: str) -> None:
+    if head.get("crc") != crc32c.crc32c(payload):
+        raise ShardFormatError(f"the {what} fails its checksum (damaged)")
+    signature = head.get("signature")
+    if key is None:
+        return
+    if signature is None:
+        raise ShardFormatError(f"the {what} is not signed, and a signing key is set; refused")
+    if not isinstance(signature, str) or not hmac.compare_digest(signature, _mac(key, context, payload)):
+        raise ShardFormatError(f"the {what} has a signature that does not match this signing key; refused")
+
+
+def _nat(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ShardFormatError(f"expected an int >= 0, got {v!r}")
+    return v
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ShardFormatError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _dict(v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise ShardFormatError(f"expected an object, got {type(v).__name__}")
+    return v
+
+
+# --- segments ---------------------------------------------------------------------------------------
+_ids = iter(range(1, 1 << 62))
+_ids_lock = threading.Lock()
+
+
+def _next_id() -> int:
+    with _ids_lock:
+        return next(_ids)
+
+
+class Segment:
+    """``nbytes`` of memory a store owns and lends: a memfd mapped here (``shared=True``: a
+    local training process maps the same pages through the fd, which the store passes over
+    its attach socket), or anonymous memory. The memory lives while any process maps it, so a
+    store that dies leaves nothing behind in ``/dev/shm``."""
+
+    def __init__(self, nbytes: int, *, shared: bool = False, fd: Optional[int] = None, seg_id: Optional[int] = None,
+                 writable: bool = True) -> None:
+        self.nbytes = int(nbytes)
+        self.id = seg_id if seg_id is not None else _next_id()
+        length = max(self.nbytes, 1)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        if fd is not None:
+            self.fd: Optional[int] = fd
+            self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+        elif shared and hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create(f"gemini-ckpt-{self.id}", getattr(os, "MFD_CLOEXEC", 0))
+            try:
+                os.ftruncate(self.fd, length)
+                self._mm = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:
+            self.fd = None
+            self._mm = mmap.mmap(-1, length, mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20), prot)
+        self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
+
+    def close(self) -> None:
+        """Unmap (views of :attr:`array` must be gone) and close the fd; idempotent."""
+        self.array = np.empty(0, np.uint8)
+        try:
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass  # a view still exists: the mapping goes when it does
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+class SegmentPool:
+    """Segments reused from version to version within a byte budget.
+
+    A fresh segment costs a page fault per page on first touch, slower than the copy itself,
+    so released segments are kept and handed out again for a request of about their size.
+    Kept segments count against the budget and are the first to go when a request needs the
+    room. Not thread-safe: the owner holds its lock around calls."""
+
+    def __init__(self, budget_bytes: int, *, shared: bool) -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.shared = shared
+        self.held = 0  # bytes of segments handed out and not released
+        self.created = 0  # segments made (not reused) over the pool's life
+        self._free: list[Segment] = []
+
+    @property
+    def pooled(self) -> int:
+        return sum(s.nbytes for s in self._free)
+
+    def fits(self, nbytes: int, replaced: int = 0) -> bool:
+        return self.held - replaced + nbytes <= self.budget_bytes
+
+    def reserve(self, nbytes: int) -> Segment:
+        """A segment of at least ``nbytes`` (MemoryError over budget)."""
+        if not self.fits(nbytes):
+            raise MemoryError(f"{nbytes:,} bytes more would exceed the budget of {self.budget_bytes:,} bytes "
+                              f"({self.held:,} held)")
+        slack = max(1 << 20, nbytes // 8)
+        fits = [s for s in self._free if nbytes <= s.nbytes <= nbytes + slack
+                and self.held + s.nbytes <= self.budget_bytes]
+        if fits:
+            seg = min(fits, key=lambda s: s.nbytes)
+            self._free = [s for s in self._free if s is not seg]
+        else:
+            while self._free and self.held + self.pooled + nbytes > self.budget_bytes:
+                self._free.pop(0).close()
+            seg = Segment(nbytes, shared=self.shared)
+            self.created += 1
+        self.held += seg.nbytes
+        return seg
+
+    def release(self, seg: Segment) -> None:
+        self.held -= seg.nbytes
+        self._free.append(seg)
+
+    def close(self) -> None:
+        for seg in self._free:
+            seg.close()
+        self._free = []
