@@ -22,12 +22,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ._dcp_storage import SafeLoadPlanner
 from ._errors import CheckpointError
 from ._handle import RestoreResult
 from ._restore import check_structure
 from ._state import MODEL, OPTIM, TrainState
 from ._trust import metadata_loads
+from .save.dcp import SafeLoadPlanner
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -129,7 +129,12 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             outcome = ("config", str(exc))
         except (AttributeError, TypeError) as exc:  # crafted metadata of the wrong shape
             outcome = ("skip", f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})")
-    _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
+    try:
+        _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
+    except BaseException:
+        for view in views:
+            view.close()
+        raise
 
     try:
         report = dcp_load(target, views, group=group, world_size=world_size)
@@ -139,6 +144,9 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
         raise
     except Exception as exc:  # noqa: BLE001 - a failed read of this version: try the next one
         raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        for view in views:
+            view.close()
     derived = source_rank != rank
     outcome = None
     try:

@@ -2,12 +2,12 @@
 
 Read-only: asks the registry and every host store of a namespace (actors in the Ray namespace
 ``gemini_ckpt``) and the Ray GCS which nodes are alive. A version's ``state`` follows the
-rule restore uses (:meth:`gemini_ckpt._ray_store.RayStore.committed_steps`):
+rule restore uses (:mod:`gemini_ckpt.ray.resolve`):
 
-- ``committed``: a live store holds its manifest and every shard has a complete copy on a
+- ``committed``: a live store committed it and every rank's shard has a complete copy on a
   live store;
 - ``lost``: it was committed, but some shard has no live copy left;
-- ``pending``: not committed (being replicated now, or an abandoned save).
+- ``pending``: not committed (being replicated now, or a save that failed).
 """
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ class HostStatus:
 
 @dataclass(frozen=True)
 class ShardStatus:
-    name: str
-    owner: Optional[int]
+    rank: int
+    owner: Optional[int]  # the slot (host) that saved it
     nbytes: int
     copies: tuple[int, ...]  # slots holding a complete copy (owner first)
-    holders: tuple[int, ...]  # slots it was sent to
 
 
 @dataclass(frozen=True)
@@ -154,38 +153,30 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
             why = errors.get(node) or "no host store"
             hosts.append(HostStatus(slot, node, node in alive_nodes, False, error=why))
             continue
-        files = [f for v in d["versions"].values() for f in v["files"].values()]
-        own = sum(1 for f in files if f["owner"] == slot)
+        shards = [sh for v in d["versions"].values() for sh in v["shards"].values()]
+        own = sum(1 for sh in shards if sh["owner"] == slot)
         hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
-                                own, len(files) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"]))
+                                own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"]))
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
     return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
                            table["epoch"] if table is not None else 0, tuple(failures), tuple(events))
 
 
 def _versions(index: dict[int, dict]) -> tuple[VersionStatus, ...]:
-    from ._ray_store import resolve_versions  # the rule restore uses
+    from .ray.resolve import resolve  # the rule restore uses
 
     out = []
-    for step, resolved in resolve_versions(index).items():
-        records: dict[str, dict] = {}
-        needs: dict[str, int] = {}
-        for slot, ix in index.items():
-            v = ix.get(step)
-            if v is None:
-                continue
-            if v["committed"] and (not resolved.committed or slot in resolved.commit_slots):
-                needs.update(v["needs"])
-            for name, rec in v["files"].items():
-                if name not in records or rec["put_unix"] > records[name]["put_unix"]:
-                    records[name] = rec
-        shards = []
-        for name in sorted(set(records) | set(needs)):
-            rec = records.get(name, {})
-            nbytes, copies = resolved.files.get(name, (needs.get(name, rec.get("nbytes", 0)), ()))
-            shards.append(ShardStatus(name, rec.get("owner"), nbytes, copies, tuple(rec.get("holders", ()))))
-        state = "committed" if resolved.committed else "lost" if resolved.had_commit else "pending"
-        out.append(VersionStatus(step, state, tuple(shards)))
+    for step, resolved in resolve(index).items():
+        owners, sizes = {}, {}
+        for ix in index.values():
+            entry = ix.get(step)
+            if entry is not None and entry["epoch"] == resolved.epoch:
+                for rank, shard in entry["shards"].items():
+                    owners[int(rank)], sizes[int(rank)] = shard["owner"], shard["nbytes"]
+        ranks = sorted(set(owners) | set(range(resolved.world_size)))
+        shards = tuple(ShardStatus(r, owners.get(r), sizes.get(r, 0), resolved.copies.get(r, ())) for r in ranks)
+        state = "committed" if resolved.committed else "lost" if resolved.lost else "pending"
+        out.append(VersionStatus(step, state, shards))
     return tuple(out)
 
 
@@ -215,12 +206,11 @@ def _format_namespace(ns: NamespaceStatus) -> str:
                      h.error or ("spare (no ranks)" if h.slot is None else "")])
     lines.append(_table(rows))
     if ns.versions:
-        rows = [["step", "state", "shard", "owner", "bytes", "copies on slots", "sent to"]]
+        rows = [["step", "state", "shard", "saved by slot", "bytes", "copies on slots"]]
         for v in ns.versions:
             for i, s in enumerate(v.shards):
-                rows.append([str(v.step) if i == 0 else "", v.state if i == 0 else "", s.name,
-                             str(s.owner), _size(s.nbytes), ",".join(map(str, s.copies)) or "NONE",
-                             ",".join(map(str, s.holders))])
+                rows.append([str(v.step) if i == 0 else "", v.state if i == 0 else "", f"rank {s.rank}",
+                             str(s.owner), _size(s.nbytes), ",".join(map(str, s.copies)) or "NONE"])
         lines += ["", _table(rows)]
     for title, items in (("events", ns.events), ("failures reported by ranks", ns.failures)):
         if items:

@@ -2,8 +2,9 @@
 
 Bytes from the durable tier or from a host store are hostile until verified:
 
-1. A manifest travels as JSON (``manifest_to_json`` for the durable marker, ``encode_manifest``
-   for the host store's opaque bytes), never as a pickle. Its canonical encoding
+1. A manifest travels as JSON (``manifest_to_json`` for the durable marker; a memory
+   version's shard plans and records are JSON too, :mod:`gemini_ckpt.stores.shards`), never
+   as a pickle. Its canonical encoding
    (``canonical_bytes``: sorted keys, no whitespace) carries a CRC32C of the DCP ``.metadata``
    bytes and of every data item; the marker also records a CRC32C of that canonical encoding,
    so accidental damage anywhere is caught before anything is decoded further.
@@ -27,7 +28,6 @@ import io
 import json
 import os
 import pickle
-import struct
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Optional, Union
@@ -40,8 +40,6 @@ ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
 FORMAT = "gemini_ckpt/2"
 LEGACY_FORMATS = ("gemini_ckpt/1",)  # markers without metadata/manifest checksums
 _SIGN_CONTEXT = b"gemini_ckpt manifest hmac-sha256 v1\x00"
-_FRAME_MAGIC = b"GEMINI-MANIFEST\x00"
-_MAX_JSON = 1 << 30
 
 
 class VerificationError(ChecksumError):
@@ -198,29 +196,6 @@ def check_metadata(manifest: VersionManifest) -> None:
     if manifest.metadata_crc is not None and checksum(manifest.metadata) != manifest.metadata_crc:
         raise VerificationError(f"step {manifest.step}: .metadata fails its checksum "
                                 f"({len(manifest.metadata)} bytes; damaged or replaced)")
-
-
-def encode_manifest(m: VersionManifest) -> bytes:
-    """Opaque bytes for a host store: magic, JSON length, JSON (as the marker), metadata."""
-    header = json.dumps(manifest_to_json(m), sort_keys=True, separators=(",", ":")).encode()
-    return _FRAME_MAGIC + struct.pack("<Q", len(header)) + header + bytes(m.metadata)
-
-
-def decode_manifest(data: Any) -> VersionManifest:
-    """The inverse of :func:`encode_manifest`, checking everything it can; VerificationError
-    on any damage (never unpickles)."""
-    view = memoryview(data).cast("B")
-    head = len(_FRAME_MAGIC) + 8
-    if len(view) < head or bytes(view[: len(_FRAME_MAGIC)]) != _FRAME_MAGIC:
-        raise VerificationError("the host store's manifest is not an encoded gemini_ckpt manifest")
-    (n,) = struct.unpack("<Q", view[len(_FRAME_MAGIC) : head])
-    if n > min(_MAX_JSON, len(view) - head):
-        raise VerificationError("the host store's manifest is truncated")
-    try:
-        d = json.loads(bytes(view[head : head + n]))
-    except (ValueError, RecursionError) as exc:
-        raise VerificationError(f"the host store's manifest is damaged ({exc})") from None
-    return manifest_from_json(d, bytes(view[head + n :]))
 
 
 # --- allow-listed unpickling -------------------------------------------------------------------
@@ -386,8 +361,6 @@ def torch_load_value(data: Any, what: str) -> Any:
     """A ``torch.save``-d item (a tensor, or a non-tensor DCP item) with ``weights_only=True``."""
     import torch
 
-    from ._dcp_storage import ViewFile
-
     try:
         return torch.load(ViewFile(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure decoding hostile bytes means "refused"
@@ -410,3 +383,32 @@ def safe_opaque(fqn: str, value: Any) -> Any:
     if is_opaque_key(fqn) and isinstance(value, (bytes, bytearray)):
         return pickle.dumps(value_loads(value, fqn), protocol=pickle.HIGHEST_PROTOCOL)
     return value
+
+
+class ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a bytes-like object, without copying it first."""
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos

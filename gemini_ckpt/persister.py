@@ -23,13 +23,12 @@ is done with it (``unpin``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import pickle
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -175,6 +174,13 @@ class Persister:
         fire("persist", step=step, rank=self.rank)
         durable.begin(step)
         view = self.tier.open(step)
+        try:
+            return self._write_version(step, view)
+        finally:
+            view.close()
+
+    def _write_version(self, step: int, view) -> str:
+        durable = self.durable
         sections, value_items = {}, {}
         for rank, plan in sorted(view.plans.items()):
             record = view.records[rank]

@@ -224,12 +224,12 @@ class RankWorker:
     def restore(self) -> dict:
         result = self.ckpt.restore()
         store = self.ckpt.store
-        stats = getattr(store, "stats", None)
+        read = {} if result is None else result.bytes_read
         return {"step": None if result is None else result.step, "digest": self.digest(),
                 "source": None if result is None else result.source,
                 "sources": None if result is None else result.sources,
-                "read_local": getattr(stats, "bytes_read_local", 0), "read_peer": getattr(stats, "bytes_read_peer", 0),
-                "slot": getattr(store, "slot", None)}
+                "read_local": read.get("local", 0), "read_peer": read.get("peer", 0),
+                "read_durable": read.get("durable", 0), "slot": getattr(store, "slot", None)}
 
     def store_call(self, method: str, *args) -> Any:
         """Call the Checkpointer's store directly (the Store protocol, on this rank)."""
@@ -331,3 +331,25 @@ def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: st
     from gemini_ckpt._cluster import holders_for
 
     return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead or ())
+
+
+def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
+    """Flip one byte inside the biggest tensor item of host ``host``'s copy of rank ``rank``'s
+    shard of ``step``; returns the item's key."""
+    from gemini_ckpt._cluster import find_store
+    from gemini_ckpt.stores.shards import ShardPlan
+
+    store = find_store(namespace, node_id_of_host(host))
+    plan_bytes, _ = ray.get(store.shard_info.remote(step, [rank]))[rank]
+    item = max(ShardPlan.decode(plan_bytes).tensors, key=lambda t: t.nbytes)
+    ray.get(store.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2))
+    return item.fqn
+
+
+def holds_own_shard(namespace: str, host: int, step: int) -> bool:
+    """Whether host ``host``'s store holds a complete copy of its own rank's shard of ``step``."""
+    from gemini_ckpt._cluster import find_store
+
+    index = ray.get(find_store(namespace, node_id_of_host(host)).index.remote())
+    shard = index.get(step, {}).get("shards", {}).get(host)
+    return bool(shard and shard["complete"])

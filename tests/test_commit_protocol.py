@@ -24,11 +24,11 @@ from gemini_ckpt.ray.commit import (
     Replicate,
     Send,
     ShardStaged,
-    Simulator,
     VersionId,
     Vote,
     _Tree,
 )
+from gemini_ckpt.ray.commit_sim import Simulator
 
 HOSTS = 1024
 C = 2  # per-participant bound: C * (replicas + ceil(log2 hosts)) control messages per version

@@ -13,8 +13,8 @@ import ray
 import torch
 
 import placement
-from gemini_ckpt._cluster import find_store
-from ray_helpers import Ranks, add_host, host_node, node_id_of_host, ray_cluster, wait_for  # noqa: F401
+from ray_helpers import (Ranks, add_host, corrupt_shard_copy, holds_own_shard, host_node,  # noqa: F401
+                         node_id_of_host, ray_cluster, wait_for)
 
 HOSTS = 4
 LAYOUT = placement.make("group", hosts=HOSTS, replicas=2)
@@ -135,19 +135,15 @@ def test_ranks_never_mix_versions_when_one_dies_mid_save(ray_cluster, ranks, ref
     ns = f"mixed-{uuid.uuid4().hex[:8]}"
     ranks.restart(ns)
     ranks.train(range(4))
-    # Rank 3 dies just before sending its shard of step 4: hosts 0-2 hold files of step 4 that
-    # are never committed.
+    # Rank 3 dies just before handing its shard of step 4 to its store: hosts 0-2 hold shards of
+    # step 4 that are never committed.
     ray.get(ranks.workers[3].die_at.remote("replicate", 4))
     for w in ranks.workers:
         w.train.remote([4], 60.0)
     wait_for(lambda: not ranks.alive(3), timeout=60, what="rank 3 to die")
 
-    def own_file_of_step_4_held(h: int) -> bool:
-        index = ray.get(find_store(ns, node_id_of_host(h)).index.remote())
-        return f"__{h}_0.distcp" in index.get(4, {}).get("files", {})
-
-    wait_for(lambda: all(own_file_of_step_4_held(h) for h in range(3)), timeout=60,
-             what="ranks 0-2 to put their shards of step 4")
+    wait_for(lambda: all(holds_own_shard(ns, h, 4) for h in range(3)), timeout=60,
+             what="ranks 0-2 to hand their shards of step 4 to their stores")
     # The job is torn down (as Ray Train does when a worker dies) and started again.
     for w in ranks.workers[:3]:
         ray.kill(w, no_restart=True)
@@ -163,10 +159,7 @@ def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, 
     ranks.restart(ns)
     ranks.train(range(4))
     # Flip a byte in the middle of rank 1's shard of step 3, in host 1's own store (the local copy).
-    store = find_store(ns, node_id_of_host(1))
-    name = "__1_0.distcp"
-    nbytes = ray.get(store.index.remote())[3]["files"][name]["nbytes"]
-    ray.get(store.corrupt_for_test.remote(3, name, nbytes // 2))
+    corrupt_shard_copy(ns, host=1, step=3, rank=1)
     ranks.restart(ns)
     restored = ranks.call("restore")
     # Same step, still from memory: only the bad item came from host 0, the other holder.

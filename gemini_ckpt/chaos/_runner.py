@@ -286,7 +286,7 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
     import ray
 
     from .._cluster import find_store
-    from .._dcp_storage import data_file_name
+    from ..persister import data_file_name
     from .._fs_store import step_dir_name
 
     corrupt_memory: dict[int, dict[int, set]] = {}

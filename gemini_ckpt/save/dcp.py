@@ -68,8 +68,9 @@ class MemoryVersion:
     tier = "memory"
 
     def __init__(self, step: int, plans: dict[int, ShardPlan], records: dict[int, ShardRecord],
-                 copies: dict[int, list[ShardCopy]]) -> None:
+                 copies: dict[int, list[ShardCopy]], *, on_close: Optional[Callable[[], None]] = None) -> None:
         self.step = step
+        self._on_close = on_close
         self.plans, self.records, self.copies = plans, records, copies
         self.bytes_by_source: dict[str, int] = {}
         self.problems: list[str] = []
@@ -101,6 +102,12 @@ class MemoryVersion:
         metadata.storage_meta = StorageMeta()
         return metadata
 
+    def close(self) -> None:
+        """Let go of what the copies hold for the reader (mapped shards)."""
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
     def read(self, index: MetadataIndex) -> Any:
         loc = self.metadata.storage_data.get(index)
         if not isinstance(loc, RawLocation):
@@ -116,6 +123,8 @@ class MemoryVersion:
                 raw = copy.fetch(t.at, t.nbytes)
             except (LookupError, OSError, ValueError, CheckpointError) as exc:
                 self.problems.append(f"{copy.source} {copy.label}: {where}: {type(exc).__name__}: {exc}")
+                log.warning("the %s copy (%s) of %s could not be read (%s: %s); trying the next copy", copy.source,
+                            copy.label, where, type(exc).__name__, exc)
                 continue
             arr = _uint8(raw)
             if arr.nbytes != t.nbytes or checksum(arr) != record.crcs[loc.item]:
@@ -142,6 +151,9 @@ class DurableVersion:
         self.fingerprint = checksum(_canonical_manifest(manifest))
         self.bytes_by_source: dict[str, int] = {}
         self.problems: list[str] = []
+
+    def close(self) -> None:
+        pass
 
     def read(self, index: MetadataIndex) -> Any:
         info = self.metadata.storage_data.get(index)
@@ -287,8 +299,9 @@ class VersionReader(StorageReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except for non-tensor items: DCP's loads them with
-    ``torch.load(weights_only=False)`` (any pickle runs); here the reader hands over values it
-    already decoded through the allow-lists (:meth:`load_value`)."""
+    ``torch.load(weights_only=False)`` (any pickle runs); here :class:`VersionReader` hands over
+    values it already decoded through the allow-lists (:meth:`load_value`), and a stock reader's
+    bytes are decoded with ``weights_only=True`` (:meth:`load_bytes`)."""
 
     def load_value(self, read_item, value: Any) -> None:
         fqn = read_item.dest_index.fqn
@@ -298,7 +311,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = value
 
     def load_bytes(self, read_item, value) -> None:
-        raise CheckpointError("SafeLoadPlanner takes decoded values only (VersionReader)")
+        """A stock reader's non-tensor item (``init_from``): ``weights_only=True``, and our
+        opaque blobs through the value allow-list."""
+        fqn = read_item.dest_index.fqn
+        self.load_value(read_item, safe_opaque(fqn, torch_load_value(value.getbuffer(), fqn)))
 
 
 def load(state_dict: dict, views: list, *, group, world_size: int) -> ReadReport:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import crc32c
 
@@ -168,16 +168,3 @@ def write_tensors(out, region, items: Iterable[tuple[int, int, Template]], *, st
         placed.append(FileItem(at, template.framed_size, crc_c))
         at += template.framed_size
     return placed
-
-
-def framed_sizes(templates: Iterable[Template]) -> list[int]:
-    return [t.framed_size for t in templates]
-
-
-def check_templates(templates: Iterable[Optional[Template]]) -> list[Template]:
-    out = []
-    for i, t in enumerate(templates):
-        if t is None:
-            raise ValueError(f"tensor item {i} has no template")
-        out.append(t)
-    return out

@@ -204,11 +204,3 @@ def local_store(namespace: str) -> LocalStore:
         if store is None:
             store = _registry[namespace] = LocalStore(namespace)
         return store
-
-
-def forget(namespace: Optional[str] = None) -> None:
-    """Drop the kept versions of ``namespace`` (every namespace when None)."""
-    with _registry_lock:
-        names = [namespace] if namespace is not None else list(_registry)
-        for name in names:
-            _registry.pop(name, None)

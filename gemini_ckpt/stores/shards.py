@@ -25,7 +25,7 @@ import mmap
 import os
 import struct
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import crc32c
@@ -248,10 +248,6 @@ def check_record(record: ShardRecord, plan: ShardPlan) -> None:
                                f"the plan of rank {plan.rank} (plan {plan.plan_id[:8]})")
     if len(record.crcs) != len(plan.tensors) or len(record.values) != len(plan.values):
         raise ShardFormatError(f"the record of rank {record.rank} does not have one entry per item of its plan")
-
-
-def with_values(record: ShardRecord, values: tuple[bytes, ...]) -> ShardRecord:
-    return replace(record, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values))
 
 
 # --- framing helpers ------------------------------------------------------------------------------

@@ -1,0 +1,212 @@
+"""What a host store holds: versions of shards in segments, within a byte budget. No Ray, no I/O.
+
+Two kinds of segment, one pool (:class:`~gemini_ckpt.stores.shards.SegmentPool`):
+
+- **lent** segments belong to one rank of this host: the store lends a free one for each
+  version the rank stages (the trainer maps it once, through the attach channel) and keeps it
+  while the version lives; released, it is free for the same rank again;
+- **replica** segments receive a peer's shard over the data plane and go back to the pool.
+
+A segment is never reused while anything still uses it: a transfer writing into it or
+sending from it, a reader that mapped it, or a persist (``writers``/``pins``); a release
+then only marks it, and the last user frees it.
+
+The owner (:class:`~gemini_ckpt.ray.actors.host_store.HostStore`) holds its lock around
+every call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ...stores.shards import Segment, SegmentPool, ShardPlan, ShardRecord
+
+
+@dataclass
+class Lent:
+    seg: Segment
+    rank: int
+    state: str = "free"  # free | staging (the trainer is filling it) | held (a version lives in it)
+
+
+@dataclass
+class Shard:
+    """One copy of rank ``rank``'s shard of a version (``owner``: the slot that saved it)."""
+
+    rank: int
+    owner: int
+    seg: Segment
+    lent: bool
+    plan_id: str = ""
+    record: Optional[ShardRecord] = None
+    record_bytes: bytes = b""
+    received: bool = False  # every byte of the region is here
+    users: int = 0  # transfers and readers using seg right now
+    dropped: bool = False  # released while in use: freed by the last user
+
+    @property
+    def complete(self) -> bool:
+        return self.received and self.record is not None
+
+
+@dataclass
+class Version:
+    epoch: int
+    step: int
+    shards: dict[int, Shard] = field(default_factory=dict)  # rank -> the copy kept here
+    state: str = "pending"  # pending | prepared | committed | aborted
+    persist: bool = False  # kept until the persister unpins it
+    released: bool = False  # retention let it go while pinned
+    world_size: int = 0
+    started_unix: float = field(default_factory=time.time)
+    acked: set = field(default_factory=set)  # owners whose copies this store acknowledged
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.epoch, self.step)
+
+
+class VersionTable:
+    """Versions and segments of one host store (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int, *, node: str = "") -> None:
+        self.pool = SegmentPool(budget_bytes, shared=True)
+        self.node = node
+        self.versions: dict[int, Version] = {}
+        self.lent: dict[int, Lent] = {}
+        self.plans: dict[tuple[str, int], tuple[ShardPlan, bytes]] = {}
+        self.forgotten: dict[int, list[int]] = {}  # rank -> lent segments its trainer should unmap
+
+    # --- plans -----------------------------------------------------------------------------
+    def add_plan(self, plan: ShardPlan, encoded: bytes) -> None:
+        self.plans[(plan.plan_id, plan.rank)] = (plan, encoded)
+        used = {(s.plan_id, r) for v in self.versions.values() for r, s in v.shards.items()}
+        keep = used | {(plan.plan_id, plan.rank)}
+        for key in [k for k in self.plans if k not in keep and k[1] == plan.rank]:
+            del self.plans[key]
+
+    def plan(self, plan_id: str, rank: int) -> ShardPlan:
+        found = self.plans.get((plan_id, rank))
+        if found is None:
+            raise LookupError(f"node {self.node[:12]}: no plan {plan_id[:8]} of rank {rank}")
+        return found[0]
+
+    # --- lending segments to this host's ranks ----------------------------------------------
+    def lend(self, rank: int, nbytes: int) -> Lent:
+        """A free segment of rank ``rank`` of exactly ``nbytes``; new ones count against the
+        budget (MemoryError past it, after letting go of this rank's free ones of other sizes)."""
+        for lent in self.lent.values():
+            if lent.rank == rank and lent.state == "free" and lent.seg.nbytes == nbytes:
+                lent.state = "staging"
+                return lent
+        if not self.pool.fits(nbytes):
+            for seg_id in [i for i, x in self.lent.items() if x.state == "free"]:
+                self._forget_lent(seg_id)
+        seg = self.pool.reserve(nbytes)
+        lent = self.lent[seg.id] = Lent(seg, rank, "staging")
+        return lent
+
+    def give_back(self, seg_id: int) -> None:
+        lent = self.lent.get(seg_id)
+        if lent is not None and lent.state == "staging":
+            lent.state = "free"
+
+    def _forget_lent(self, seg_id: int) -> None:
+        lent = self.lent.pop(seg_id)
+        self.pool.held -= lent.seg.nbytes
+        lent.seg.close()
+        self.forgotten.setdefault(lent.rank, []).append(seg_id)
+
+    # --- versions ---------------------------------------------------------------------------
+    def version(self, epoch: int, step: int, *, world_size: int = 0, create: bool = True) -> Optional[Version]:
+        """The version of ``step`` in ``epoch``; one of an older epoch is replaced (a step
+        saved again after restoring an older version), one of a newer epoch wins (None)."""
+        v = self.versions.get(step)
+        if v is not None and v.epoch == epoch:
+            return v
+        if v is not None and v.epoch > epoch:
+            return None
+        if not create:
+            return None
+        if v is not None:
+            self.release(v, force=True)
+        v = self.versions[step] = Version(epoch, step, world_size=world_size)
+        return v
+
+    def stage(self, v: Version, rank: int, seg_id: int, plan: ShardPlan, record: ShardRecord, *, owner: int,
+              record_bytes: bytes) -> Shard:
+        lent = self.lent.get(seg_id)
+        if lent is None or lent.rank != rank or lent.state != "staging":
+            raise ValueError(f"node {self.node[:12]}: segment {seg_id} is not lent to rank {rank} for staging")
+        old = v.shards.get(rank)
+        if old is not None:
+            self._free_shard(old)
+        lent.state = "held"
+        shard = v.shards[rank] = Shard(rank, owner, lent.seg, True, plan.plan_id, record, record_bytes, True)
+        return shard
+
+    def receive(self, v: Version, rank: int, owner: int, nbytes: int) -> Shard:
+        """A replica segment for a peer's shard (MemoryError over budget)."""
+        old = v.shards.get(rank)
+        if old is not None and old.received:
+            raise ValueError(f"node {self.node[:12]}: step {v.step} already holds rank {rank}'s shard")
+        if old is not None:
+            self._free_shard(old)
+        seg = self.pool.reserve(nbytes)
+        shard = v.shards[rank] = Shard(rank, owner, seg, False)
+        return shard
+
+    def release(self, v: Version, *, force: bool = False) -> int:
+        """Let ``v`` go (retention, abort, discard). A pinned version (persist) waits for
+        :meth:`unpin` unless ``force``. Returns the bytes freed or left to free."""
+        if v.persist and not force:
+            v.released = True
+            return 0
+        if self.versions.get(v.step) is v:
+            del self.versions[v.step]
+        freed = 0
+        for shard in v.shards.values():
+            freed += shard.seg.nbytes
+            self._free_shard(shard)
+        v.shards = {}
+        return freed
+
+    def unpin(self, step: int) -> None:
+        v = self.versions.get(step)
+        if v is None:
+            return
+        v.persist = False
+        if v.released:
+            self.release(v)
+
+    def _free_shard(self, shard: Shard) -> None:
+        if shard.users:
+            shard.dropped = True
+            return
+        if shard.lent:
+            lent = self.lent.get(shard.seg.id)
+            if lent is not None:
+                lent.state = "free"
+        else:
+            self.pool.release(shard.seg)
+
+    def use(self, shard: Shard) -> None:
+        shard.users += 1
+
+    def done_with(self, shard: Shard) -> None:
+        shard.users -= 1
+        if shard.dropped and not shard.users:
+            shard.dropped = False
+            self._free_shard(shard)
+
+    # --- views -----------------------------------------------------------------------------
+    def index(self) -> dict[int, dict]:
+        return {step: {"epoch": v.epoch, "state": v.state, "world_size": v.world_size,
+                       "shards": {r: {"owner": s.owner, "complete": s.complete, "plan_id": s.plan_id,
+                                      "nbytes": s.seg.nbytes} for r, s in v.shards.items()}}
+                for step, v in self.versions.items()}
+
+    def held_bytes(self) -> int:
+        return sum(s.seg.nbytes for v in self.versions.values() for s in v.shards.values())

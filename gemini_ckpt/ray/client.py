@@ -1,0 +1,521 @@
+"""``store="ray"``: one rank's view of its namespace's host stores (a memory tier).
+
+Per version (the :class:`~gemini_ckpt.stores.base.MemoryTier` call order), everything goes
+through the attach channel to this node's store (:mod:`gemini_ckpt.ray.attach`): the plan once,
+a lent segment (mapped here once), then one ``staged`` message with the value blobs; the
+outcome comes back on the same channel. The training process sends no bytes to peers and
+makes no Ray call per version.
+
+Reading (restore, persist): every live store's ``index`` says which steps are committed and
+where each shard's copies are (:mod:`gemini_ckpt.ray.resolve`); a shard held on this node is
+mapped (no transfer), one held only by peers is pushed by a peer over the data plane into a
+buffer here, 16 MiB blocks at a time, a few ahead of the reader.
+
+Call :func:`connect` on every rank (``Checkpointer.start`` does): it is the rendezvous that
+fixes the host slots and opens the epoch, which fences an earlier attempt's writes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from .._cluster import current_node_id, ensure_ray, find_store, get_or_create_registry, get_or_create_store
+from .._config import CheckpointConfig
+from .._errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    ConfigError,
+    FencedError,
+    MemoryBudgetError,
+    VersionNotFoundError,
+)
+from .._trust import resolve_key
+from ..save.dcp import MemoryVersion, ShardCopy
+from ..stores.base import Capabilities, MemoryTier, Outcome
+from ..stores.shards import Segment, ShardFormatError, ShardPlan, ShardRecord
+from .attach import AttachClient, AttachError
+from .resolve import Resolved, resolve
+from .slots import SlotTable
+from .transport import Endpoint, Header, TcpConfig, TcpTransport
+
+log = logging.getLogger("gemini_ckpt")
+
+PROGRESS_TIMEOUT_S = 5.0  # as the host store's (gemini_ckpt.ray.actors.host_store.PROGRESS_TIMEOUT_S)
+READ_BLOCK_BYTES = 16 << 20  # read-ahead: the reader takes a shard's items in offset order
+READ_AHEAD_BLOCKS = 4  # blocks requested ahead of the reader (transfers overlap the copies)
+
+
+class ReplicationError(CheckpointError, RuntimeError):
+    """A version could not be committed in the host stores (a holder died or refused its copy)."""
+
+
+def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier":
+    """Connect rank ``rank`` of ``world_size`` to its namespace's host stores.
+
+    Collective: every rank of the job calls it (``Checkpointer.start`` does, at the first
+    ``save``/``restore``); it returns once all have, with the slot table they share. Creates
+    the registry and this host's store when they do not exist yet.
+    """
+    if config.namespace is None:
+        raise ConfigError(
+            "CheckpointConfig.namespace is required with store='ray' outside Ray Train: host stores are "
+            "reachable by every job on the Ray cluster, and a job must not restore (or drop) another's "
+            "versions. Name this job's versions, e.g. CheckpointConfig(namespace='lm-7'); a restarted job "
+            "uses the same name to find them. (gemini_ckpt.ray_train uses the run name.)")
+    ensure_ray()
+    namespace = config.resolved_namespace
+    node_id = current_node_id()
+    registry = get_or_create_registry(namespace)
+    store = _start_local_store(config, node_id)
+    try:
+        joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory),
+                         timeout=config.timeout_s + 10)
+    except RayTaskError as exc:
+        raise _cause(exc) from None
+    except GetTimeoutError:
+        raise CheckpointTimeoutError(f"rank {rank}: the registry of namespace {namespace!r} did not answer "
+                                     f"within {config.timeout_s}s") from None
+    table = SlotTable.from_registry(namespace, joined)
+    if table.hosts < config.replicas:
+        raise ConfigError(
+            f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
+            f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts")
+    key = resolve_key(config.signing_key)
+    info = {"slot": table.slot_of(node_id), "nodes": list(table.nodes), "world_size": world_size,
+            "ranks_here": [int(r) for r, n in joined["ranks"].items() if n == node_id],
+            "replicas": config.replicas, "strategy": config.placement, "keep": config.keep_in_memory,
+            "dead": joined["dead"], "idle": joined["idle"], "committed": joined["committed"],
+            "secret": joined["secret"], "key": key.hex() if key else None, "timeout_s": config.timeout_s}
+    try:
+        attached = ray.get(store.attach.remote(table.epoch, info), timeout=config.timeout_s)
+    except RayTaskError as exc:
+        raise _cause(exc, f"rank {rank}: ") from None
+    secret = bytes.fromhex(joined["secret"])
+    channel = AttachClient(attached["attach"], secret, rank=rank, epoch=table.epoch, timeout_s=config.timeout_s)
+    return RayTier(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry,
+                   secret=secret, attach=channel, dead=set(joined["dead"]))
+
+
+def _start_local_store(config: CheckpointConfig, node_id: str):
+    # A store killed a moment ago may still hold its name; retry until a live one answers.
+    deadline = time.monotonic() + config.timeout_s
+    while True:
+        handle = get_or_create_store(config.resolved_namespace, node_id, config.host_memory_budget_bytes)
+        try:
+            ray.get(handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            return handle
+        except RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+        except GetTimeoutError:
+            raise CheckpointTimeoutError(f"the host store on node {node_id[:12]} did not start within "
+                                         f"{config.timeout_s}s (CheckpointConfig.timeout_s)") from None
+
+
+class RayTier(MemoryTier):
+    """One rank's view of the host stores of its namespace (see the module docstring)."""
+
+    capabilities = Capabilities(persists_itself=True, read_sources=("local", "peer"), outlives_process=True)
+
+    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, node_id: str, table: SlotTable,
+                 registry, secret: bytes, attach: AttachClient, dead: set[int]) -> None:
+        self.config, self.rank, self.world_size, self.node_id = config, rank, world_size, node_id
+        self.table, self.epoch, self.slot = table, table.epoch, table.slot_of(node_id)
+        self._registry, self._secret, self._attach = registry, secret, attach
+        self._lock = threading.Lock()
+        self._handles = {s: find_store(config.resolved_namespace, n) for s, n in enumerate(table.nodes)}
+        self._dead: dict[int, str] = {s: "gone at the rendezvous" for s in dead}
+        self._dead.update({s: "no host store" for s, h in self._handles.items() if h is None})
+        self._segments: dict[int, Segment] = {}
+        self._plans: set[str] = set()
+        self._where: dict[int, Resolved] = {}
+        self._transport: Optional[TcpTransport] = None
+        self._read_sink = _ReadSink()
+        self._read_listener = None
+
+    # --- write: this node's store does the work ----------------------------------------------
+    def segment(self, plan: ShardPlan) -> Segment:
+        try:
+            if plan.plan_id not in self._plans:
+                self._attach.request({"type": "plan"}, plan.encode())
+                self._plans.add(plan.plan_id)
+            reply, fds = self._attach.request({"type": "segment", "plan_id": plan.plan_id})
+        except MemoryError as exc:
+            raise MemoryBudgetError(f"rank {self.rank}: {exc}") from None
+        except (AttachError, OSError) as exc:
+            raise ReplicationError(f"rank {self.rank}: the host store of this node is unreachable: {exc}") from None
+        for seg_id in reply.get("forget", []):
+            old = self._segments.pop(seg_id, None)
+            if old is not None:
+                old.close()
+        seg_id = int(reply["seg"])
+        seg = self._segments.get(seg_id)
+        if seg is None:
+            if not fds:
+                raise ReplicationError(f"rank {self.rank}: the host store lent segment {seg_id} without its memory")
+            seg = self._segments[seg_id] = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=seg_id)
+        return seg
+
+    def give_back(self, segment: Segment) -> None:
+        try:
+            self._attach.send({"type": "give_back", "seg": segment.id})
+        except (AttachError, OSError):
+            pass
+
+    def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
+                 persist: bool = False) -> "concurrent.futures.Future[Outcome]":
+        outcome = self._attach.outcome(step)
+        self._attach.send({"type": "staged", "step": step, "plan_id": plan.plan_id, "seg": segment.id,
+                           "persist": persist, "lengths": [len(b) for b in blobs]}, b"".join(blobs))
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finish(fut) -> None:
+            self._attach.forget_outcome(step)
+            exc = fut.exception()
+            if exc is not None:
+                done.set_result(Outcome(step, False, str(exc), ReplicationError(f"rank {self.rank}: {exc}")))
+            else:
+                reply = fut.result()
+                done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", "")))
+
+        outcome.add_done_callback(finish)
+        return done
+
+    @property
+    def allocations(self) -> int:
+        return len(self._segments)
+
+    # --- placement and liveness --------------------------------------------------------------
+    def _live(self) -> dict[int, Any]:
+        with self._lock:
+            return {s: h for s, h in self._handles.items() if s not in self._dead and h is not None}
+
+    def _mark_dead(self, slot: int, why: str) -> None:
+        with self._lock:
+            if slot in self._dead:
+                return
+            self._dead[slot] = why
+        log.warning("rank %d: host store of slot %d (node %s) is unusable: %s", self.rank, slot,
+                    self.table.nodes[slot][:12], why)
+        if self._registry is not None:
+            self._registry.suspect.remote(slot, f"rank {self.rank}: {why}")
+
+    def _gather(self, method: str, *args) -> dict[int, Any]:
+        """Call ``method`` on every live store in parallel; slot -> result (stores that died
+        are marked, ones that do not answer in time are left out)."""
+        calls = {s: getattr(h, method).remote(*args) for s, h in self._live().items()}
+        deadline = time.monotonic() + self.config.timeout_s
+        out = {}
+        for slot, ref in calls.items():
+            try:
+                out[slot] = ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
+            except RayActorError as exc:
+                self._mark_dead(slot, f"died ({type(exc).__name__})")
+            except RayTaskError as exc:
+                raise _cause(exc, f"{self._describe(slot)}: ") from None
+            except GetTimeoutError:
+                log.warning("rank %d: %s did not answer %s within %ss", self.rank, self._describe(slot), method,
+                            self.config.timeout_s)
+        return out
+
+    def _describe(self, slot: int) -> str:
+        why = self._dead.get(slot)
+        return f"slot {slot} on node {self.table.nodes[slot][:12]}" + (f", {why}" if why else "")
+
+    # --- read ----------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        found = resolve(self._gather("index"), local_slot=self.slot)
+        with self._lock:
+            self._where = found
+        return sorted(s for s, r in found.items() if r.committed)
+
+    def open(self, step: int, *, key: Optional[bytes] = None) -> MemoryVersion:
+        with self._lock:
+            where = self._where.get(step)
+        if where is None or not where.committed:
+            self.committed_steps()
+            with self._lock:
+                where = self._where.get(step)
+        if where is None or not where.committed:
+            raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
+                                       f"{self.config.resolved_namespace!r}")
+        plans, records, copies, problems = {}, {}, {}, []
+        for rank in range(where.world_size):
+            for slot in where.copies[rank]:
+                handle = self._live().get(slot)
+                if handle is None:
+                    continue
+                try:
+                    got = ray.get(handle.shard_info.remote(step, [rank]), timeout=self.config.timeout_s).get(rank)
+                    if got is None:
+                        continue
+                    plans[rank], records[rank] = ShardPlan.decode(got[0], key), ShardRecord.decode(got[1], key)
+                    break
+                except ShardFormatError as exc:
+                    problems.append(f"{self._describe(slot)}: rank {rank}: {exc}")
+                    log.warning("rank %d: the plan or record of rank %d held by %s is damaged: %s", self.rank, rank,
+                                self._describe(slot), exc)
+                except RayActorError:
+                    self._mark_dead(slot, "died")
+                except (RayTaskError, GetTimeoutError) as exc:
+                    problems.append(f"{self._describe(slot)}: {type(exc).__name__}")
+            if rank not in plans:
+                raise ShardFormatError(f"step {step}: no live store has an intact plan and record of rank {rank}'s "
+                                       f"shard" + (f" ({'; '.join(problems)})" if problems else ""))
+            copies[rank] = [self._copy(step, rank, slot, plans[rank].region_bytes) for slot in where.copies[rank]]
+        return MemoryVersion(step, plans, records, copies, on_close=lambda: self._release_maps(copies))
+
+    def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
+        if slot == self.slot:
+            return ShardCopy("local", _LocalCopy(self, step, rank).fetch, "this node")
+        handle = self._live().get(slot)
+        return ShardCopy("peer", _PeerCopy(self, slot, handle, step, rank, nbytes).fetch, self._describe(slot))
+
+    def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
+        for rank_copies in copies.values():
+            for copy in rank_copies:
+                owner = getattr(copy.fetch, "__self__", None)
+                if isinstance(owner, _LocalCopy):
+                    owner.release()
+
+    def _reader_endpoint(self, handle) -> Endpoint:
+        """This reader's data-plane listener (started on first use), where peers push ranges."""
+        with self._lock:
+            listener = self._read_listener
+        if listener is None:
+            listener = self._data_plane().listen(ray.util.get_node_ip_address(), self._read_sink)
+            with self._lock:
+                if self._read_listener is None:
+                    self._read_listener = listener
+                else:
+                    listener.close()
+                    listener = self._read_listener
+        return listener.endpoint
+
+    def _data_plane(self) -> TcpTransport:
+        with self._lock:
+            if self._transport is None:
+                self._transport = TcpTransport(self._secret, self.config.resolved_namespace, host_name=self.node_id,
+                                               config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S))
+            return self._transport
+
+    # --- persist, retention, discards ------------------------------------------------------------
+    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes]) -> dict:
+        """Have the host stores write ``step``'s data files from their memory, in parallel: each
+        rank's file by a store holding an intact copy, the owner's host first (so each host
+        writes its own ranks' shards)."""
+        with self._lock:
+            where = self._where.get(step)
+        if where is None:
+            self.committed_steps()
+            with self._lock:
+                where = self._where.get(step)
+        if where is None or not where.committed:
+            raise VersionNotFoundError(f"step {step} is not committed on the live host stores")
+        from ..persister import data_file_name
+
+        def write(rank: int) -> list:
+            problems = []
+            for slot in sorted(where.copies[rank], key=lambda s: s != self._owner(where, rank)):
+                handle = self._live().get(slot)
+                if handle is None:
+                    continue
+                try:
+                    return ray.get(handle.persist_shard.remote(step, rank, uri, directory, data_file_name(rank),
+                                                               sections[rank]), timeout=self.config.timeout_s)
+                except RayActorError:
+                    self._mark_dead(slot, "died while persisting")
+                    problems.append(f"{self._describe(slot)} died")
+                except (RayTaskError, GetTimeoutError) as exc:
+                    cause = getattr(exc, "cause", exc)
+                    problems.append(f"{self._describe(slot)}: {type(cause).__name__}: {cause}")
+            raise ReplicationError(f"step {step}: no host store could write rank {rank}'s file: "
+                                   + "; ".join(problems))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, where.world_size))) as pool:
+            futures = {rank: pool.submit(write, rank) for rank in range(where.world_size)}
+            return {rank: fut.result() for rank, fut in futures.items()}
+
+    @staticmethod
+    def _owner(where: Resolved, rank: int) -> int:
+        copies = where.copies[rank]
+        return copies[0] if copies else -1
+
+    def unpin(self, step: int) -> None:
+        self._gather("unpin", step)
+
+    def discard(self, step: int) -> None:
+        self._gather("discard", step, self.epoch)
+
+    def corrupt_for_test(self, step: int, rank: int, offset: int, *, slot: Optional[int] = None) -> None:
+        """Flip one byte of a copy of rank ``rank``'s shard (this node's copy, else the first)."""
+        self.committed_steps()
+        where = self._where[step]
+        slot = slot if slot is not None else where.copies[rank][0]
+        ray.get(self._live()[slot].corrupt_for_test.remote(step, rank, offset))
+
+    def close(self) -> None:
+        """Close this client's channels (the host stores keep every version)."""
+        with self._lock:
+            transport, self._transport = self._transport, None
+            listener, self._read_listener = self._read_listener, None
+            segments, self._segments = list(self._segments.values()), {}
+        if listener is not None:
+            listener.close()
+        if transport is not None:
+            transport.close()
+        self._attach.close()
+        for seg in segments:
+            seg.close()
+
+
+class _LocalCopy:
+    """A shard held by this node's store, mapped read-only through the attach channel."""
+
+    def __init__(self, tier: RayTier, step: int, rank: int) -> None:
+        self.tier, self.step, self.rank = tier, step, rank
+        self.seg: Optional[Segment] = None
+
+    def fetch(self, offset: int, length: int):
+        if self.seg is None:
+            try:
+                reply, fds = self.tier._attach.request({"type": "map", "step": self.step, "rank": self.rank})
+            except (LookupError, AttachError) as exc:
+                raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
+            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False)
+        if offset < 0 or offset + length > self.seg.nbytes:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
+        return self.seg.array[offset : offset + length]
+
+    def release(self) -> None:
+        if self.seg is not None:
+            seg, self.seg = self.seg, None
+            try:
+                self.tier._attach.request({"type": "unmap", "seg": seg.id})
+            except (AttachError, OSError, LookupError):
+                pass
+            seg.close()
+
+
+class _PeerCopy:
+    """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
+
+    def __init__(self, tier: RayTier, slot: int, handle, step: int, rank: int, size: int) -> None:
+        self.tier, self.slot, self.handle = tier, slot, handle
+        self.step, self.rank, self.size = step, rank, size
+        self.blocks: dict[int, Any] = {}
+
+    def fetch(self, offset: int, length: int):
+        if self.handle is None:
+            raise LookupError(f"the host store of slot {self.slot} is gone")
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
+        if length == 0:
+            return np.empty(0, np.uint8)
+        if length >= READ_BLOCK_BYTES:
+            return self._resolve(self._push(offset, length))
+        first, last = offset // READ_BLOCK_BYTES, (offset + length - 1) // READ_BLOCK_BYTES
+        for i in [i for i in self.blocks if i < first]:
+            del self.blocks[i]
+        n_blocks = -(-self.size // READ_BLOCK_BYTES)
+        for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
+            if i not in self.blocks:
+                start = i * READ_BLOCK_BYTES
+                self.blocks[i] = self._push(start, min(READ_BLOCK_BYTES, self.size - start))
+        parts = []
+        for i in range(first, last + 1):
+            block = self.blocks[i]
+            if isinstance(block, _Pending):
+                block = self.blocks[i] = self._resolve(block)
+            lo = max(offset - i * READ_BLOCK_BYTES, 0)
+            hi = min(offset + length - i * READ_BLOCK_BYTES, READ_BLOCK_BYTES)
+            parts.append(block[lo:hi])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _push(self, offset: int, length: int) -> "_Pending":
+        endpoint = self.tier._reader_endpoint(self.handle)
+        tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
+        self.tier._read_sink.expect(tag, into)
+        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, tag)
+
+    def _resolve(self, pending: "_Pending") -> np.ndarray:
+        try:
+            ray.get(pending.ref, timeout=self.tier.config.timeout_s)
+        except RayActorError:
+            self.tier._mark_dead(self.slot, "died")
+            raise LookupError(f"the host store of slot {self.slot} died while sending") from None
+        except RayTaskError as exc:
+            raise LookupError(f"{self.tier._describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
+        except GetTimeoutError:
+            raise LookupError(f"{self.tier._describe(self.slot)} did not send in time") from None
+        finally:
+            self.tier._read_sink.forget(pending.tag)
+        return pending.into
+
+
+@dataclass(frozen=True)
+class _Pending:
+    ref: Any
+    into: np.ndarray
+    tag: str
+
+
+class _ReadSink:
+    """Where peers push the ranges a reader asked for (one buffer per request tag)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
+
+    def expect(self, tag: str, into: np.ndarray) -> None:
+        with self._lock:
+            self._expected[tag] = into
+
+    def forget(self, tag: str) -> None:
+        with self._lock:
+            self._expected.pop(tag, None)
+
+    def buffer_for(self, header: Header) -> memoryview:
+        with self._lock:
+            into = self._expected.get(header.put_id)
+        if into is None or into.nbytes != header.length:
+            raise ValueError(f"no read of {header.length} bytes of {header.name} is expected under this tag")
+        return memoryview(into)
+
+    def received(self, header: Header) -> None:
+        pass  # the push call's return says so
+
+    def failed(self, header: Header, error: BaseException) -> None:
+        pass  # the push call raises
+
+
+def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:
+    """The library's exception for what an actor raised (actors raise built-ins), with
+    ``prefix`` in front of its message."""
+    cause = getattr(exc, "cause", None)
+    message = prefix + str(cause if cause is not None else exc)
+    if isinstance(cause, PermissionError):
+        return FencedError(message)
+    if isinstance(cause, CheckpointError):
+        return type(cause)(message)
+    if isinstance(cause, MemoryError):
+        return MemoryBudgetError(message)
+    if isinstance(cause, LookupError):
+        return VersionNotFoundError(message)
+    if isinstance(cause, TimeoutError):
+        return CheckpointTimeoutError(message)
+    if isinstance(cause, ValueError):
+        return ValueError(message)
+    return ReplicationError(f"{prefix}{type(cause).__name__ if cause else 'error'}: {cause or exc}")
