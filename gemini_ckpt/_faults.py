@@ -5,11 +5,12 @@ The chaos harness (and tests) install a hook with :func:`set_hook` to kill a pro
 or raise exactly there, so a fault lands in the phase it is meant for rather than "roughly
 around" it.
 
-Phases (``ctx`` always has ``step`` and ``rank``):
+Phases in the training process (``ctx`` always has ``step`` and ``rank``; the host store's
+own phase, its vote held before the decision, is :meth:`HostStore.hold_vote`):
 
-- ``"replicate"``: a rank is about to send its data file to its holders (``name``).
-- ``"commit"``: the coordinator is about to commit a version whose files all arrived.
-- ``"committed"``: a version was committed (after retention).
+- ``"replicate"``: a rank is about to hand its staged shard to its host store (which replicates
+  it to the other holders).
+- ``"committed"``: a version was committed (the training process heard the outcome).
 - ``"persist"``: the coordinator is about to write a committed version to the durable tier.
 - ``"persist_commit"``: the durable data files are written; the DCP metadata and marker are next.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-PHASES = ("replicate", "commit", "committed", "persist", "persist_commit")
+PHASES = ("replicate", "committed", "persist", "persist_commit")
 Hook = Callable[..., None]
 _hook: Optional[Hook] = None
 

@@ -242,13 +242,14 @@ def test_ci_matrix_matches_the_planner_and_resumes_bit_identically(harness, tmp_
 
 
 def _acknowledges_without_copying(config, rank, world_size):
-    """A deliberately broken store: every rank's shard stays on its own host only, yet each put
-    is acknowledged and the version commits (a placement bug that "forgets" the peers)."""
-    from gemini_ckpt._ray_store import connect_ray_store
+    """A deliberately broken store: every rank's shard stays on its own host only, yet the
+    version commits (the host stores are told one copy is enough: a placement bug that
+    "forgets" the peers)."""
+    import dataclasses
 
-    store = connect_ray_store(config, rank=rank, world_size=world_size)
-    store.holders = lambda: (store.slot,)
-    return store
+    from gemini_ckpt.ray.client import connect
+
+    return connect(dataclasses.replace(config, replicas=1), rank=rank, world_size=world_size)
 
 
 @pytest.mark.ray

@@ -4,8 +4,10 @@ Two steps, both pure:
 
 1. :func:`versions_after` — which versions exist after the fault: the committed and persisted
    steps observed before it, plus the fate of the version in flight, which follows from the
-   phase and the faults (a process or store lost before the commit means the version is never
-   committed; a persist finishes only if rank 0 survives and every shard is still readable).
+   phase and the faults (a process or store lost before its shard is handed to its host store,
+   or a host store lost before the decision, means the version is never committed; a training
+   process lost after its shard is handed off does not stop the commit; a persist finishes only
+   if rank 0 survives and every shard is still readable).
 2. :func:`predict` — ``placement.plan_recovery(p, failed_slots, durable_available=...)`` says
    whether memory still holds every shard; restore then takes the newest candidate version,
    memory before durable at equal steps, skipping copies known to be corrupt (a corrupt copy
@@ -19,7 +21,7 @@ from typing import Iterable, Mapping, Optional
 
 import placement
 
-from ._spec import BEFORE_COMMIT, STEP, ChaosConfig, DurableWriteOutage, Scenario
+from ._spec import STEP, ChaosConfig, DurableWriteOutage, Scenario
 
 MEMORY, DURABLE, FRESH, ERROR = "memory", "durable", "fresh", "error"
 
@@ -84,7 +86,12 @@ def versions_after(s: Scenario, config: ChaosConfig, *, committed: Iterable[int]
     in_flight = ok = durable = None
     if s.at.phase != STEP:
         in_flight = s.at.step
-        ok = not (s.at.phase in BEFORE_COMMIT and s.destructive())
+        if s.at.phase == "replicate":  # a lost process or store before its shard is handed off
+            ok = not s.destructive()
+        elif s.at.phase == "commit":  # every copy acknowledged: only a lost host store stops it
+            ok = not s.failed_slots()
+        else:
+            ok = True
         if ok:
             committed.append(in_flight)
         outage = s.condition(DurableWriteOutage)

@@ -12,6 +12,7 @@ from ._results import Check, HarnessError, InfraError, Reference, ScenarioResult
 from ._spec import (
     PERSIST_PHASES,
     STEP,
+    STORE_PHASES,
     ChaosConfig,
     CorruptDurable,
     CorruptReplica,
@@ -34,7 +35,8 @@ def _rules(s: Scenario, config: ChaosConfig) -> dict[int, list[HookRule]]:
         steps = slow.steps or tuple(range(0, f + 1))
         rules.setdefault(slow.rank, []).append(HookRule("replicate", None, "delay", slow.seconds, steps))
     if s.at.phase != STEP:
-        rules.setdefault(s.at.rank, []).append(HookRule(s.at.phase, f, "pause"))
+        if s.at.phase not in STORE_PHASES:
+            rules.setdefault(s.at.rank, []).append(HookRule(s.at.phase, f, "pause"))
         if s.at.phase not in PERSIST_PHASES and config.persisted_by_policy(f):
             # Rank 0 would persist the version meanwhile; hold it so its fate follows the fault.
             rules.setdefault(0, []).append(HookRule("persist", f, "hold"))
@@ -58,19 +60,35 @@ def _durable_steps(root: str) -> list[int]:
     return FsStore(root).committed_steps()
 
 
-def _corrupt_replica(namespace: str, node_id: str, step: int, name: str) -> int:
-    import ray
-
+def _store(namespace: str, node_id: str):
     from .._cluster import find_store
 
     handle = find_store(namespace, node_id)
     if handle is None:
-        raise HarnessError(f"no host store of namespace {namespace!r} on node {node_id[:12]} to corrupt")
-    files = ray.get(handle.index.remote(), timeout=30).get(step, {}).get("files", {})
-    if name not in files:
-        raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of {name} of step {step}")
-    offset = files[name]["nbytes"] // 2  # inside some item: every item is read at restore
-    return ray.get(handle.corrupt_for_test.remote(step, name, offset), timeout=30)
+        raise HarnessError(f"no host store of namespace {namespace!r} on node {node_id[:12]}")
+    return handle
+
+
+def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int) -> int:
+    """Flip a byte in the middle of the biggest tensor item of that store's copy of rank
+    ``rank``'s shard (every tensor item is read at restore)."""
+    import ray
+
+    from ..stores.shards import ShardPlan
+
+    handle = _store(namespace, node_id)
+    held = ray.get(handle.shard_info.remote(step, [rank]), timeout=30)
+    if rank not in held:
+        raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of rank {rank}'s shard of "
+                           f"step {step}")
+    item = max(ShardPlan.decode(held[rank][0]).tensors, key=lambda t: t.nbytes)
+    return ray.get(handle.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2), timeout=30)
+
+
+def ray_get(ref, timeout: float = 30.0):
+    import ray
+
+    return ray.get(ref, timeout=timeout)
 
 
 def _corrupt_file(path: str) -> int:
@@ -157,14 +175,16 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
 
         # 2. strike
         in_flight: dict[int, Any] = {}
+        if s.at.phase in STORE_PHASES:
+            ray_get(_store(job.namespace, h.sim.node_id(hosts[s.at.rank])).hold_vote.remote(f))
         if s.at.phase != STEP:
             in_flight = job.run_async(hosts, [f], outage_steps=outage_steps)
-            _wait_paused(h, hosts[s.at.rank], s, in_flight, cfg.timeout_s + 30)
+            _wait_paused(h, hosts[s.at.rank], s, in_flight, cfg.timeout_s + 30, job.namespace)
         t_fault = time.perf_counter()
         corrupt_memory, corrupt_durable = _inject(s, h, job, hosts, committed, persisted)
         replace_s = time.perf_counter() - t_fault
         if in_flight:
-            late = _let_go(s, h, cfg, hosts, in_flight)
+            late = _let_go(s, h, cfg, hosts, in_flight, job.namespace)
             trace.add({r: v for r, v in late.items() if isinstance(v, list)})
 
         # 3. what the planner says should happen
@@ -241,7 +261,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
 
 
 def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
-            grace_s: float = 3.0) -> dict[int, Any]:
+            namespace: str, grace_s: float = 3.0) -> dict[int, Any]:
     """Release the ranks held at the fault's phase and collect what their in-flight step did.
 
     Survivors whose peers died sit in a collective until the process group's timeout; they are
@@ -249,6 +269,14 @@ def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], i
     persisting the version in flight, so the durable tier ends up as the prediction assumes."""
     dead = s.dead_ranks(hosts)  # their hosts already run replacement workers
     alive = {r: hosts[r] for r in range(len(hosts)) if r not in dead and hosts[r] in h.pool.workers}
+    if s.at.phase in STORE_PHASES and hosts[s.at.rank] not in s.failed_slots():
+        # The held vote goes out only once the registry knows of every store the faults took:
+        # then the coordinator decides with that knowledge, as it would had the vote been slower.
+        _wait_known_dead(namespace, s.failed_slots(), timeout=cfg.timeout_s)
+        try:
+            ray_get(_store(namespace, h.sim.node_id(hosts[s.at.rank])).release_vote.remote())
+        except Exception:  # noqa: BLE001 - the store died with its host: nothing to let go
+            pass
     h.pool.collect({r: h.pool.workers[x].release.remote() for r, x in alive.items()}, timeout=10)
     out = h.pool.collect(in_flight, timeout=grace_s)
     persisting = s.at.phase in ("committed", "persist", "persist_commit") and cfg.persisted_by_policy(s.at.step)
@@ -260,14 +288,31 @@ def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], i
     return out
 
 
-def _wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: float) -> None:
+def _wait_known_dead(namespace: str, slots, timeout: float) -> None:
+    from .._cluster import find_registry
+
+    registry = find_registry(namespace)
+    deadline = time.monotonic() + timeout
+    while slots and registry is not None and time.monotonic() < deadline:
+        table = ray_get(registry.table.remote()) or {}
+        if set(slots) <= set(table.get("dead", ())):
+            return
+        time.sleep(0.2)
+
+
+def _wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: float, namespace: str) -> None:
     import ray
 
     deadline = time.monotonic() + timeout
     worker = h.pool.workers[host]
+    store = _store(namespace, h.sim.node_id(host)) if s.at.phase in STORE_PHASES else None
     while time.monotonic() < deadline:
         try:
-            state = ray.get(worker.paused.remote(), timeout=10)
+            if store is not None:
+                held = ray.get(store.held.remote(), timeout=10)
+                state = {"step": held, "phase": s.at.phase} if held is not None else None
+            else:
+                state = ray.get(worker.paused.remote(), timeout=10)
         except ray.exceptions.GetTimeoutError:
             state = None
         if state and state["step"] == s.at.step and state["phase"] == s.at.phase:
@@ -296,7 +341,7 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
             if not committed:
                 raise HarnessError(f"{fault!r}: no committed version to corrupt yet")
             step = max(committed)
-            _corrupt_replica(job.namespace, h.sim.node_id(fault.host), step, data_file_name(fault.owner))
+            _corrupt_replica(job.namespace, h.sim.node_id(fault.host), step, fault.owner)
             corrupt_memory.setdefault(step, {}).setdefault(fault.owner, set()).add(fault.host)
         elif isinstance(fault, CorruptDurable):
             if not persisted:

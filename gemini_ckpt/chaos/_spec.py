@@ -11,12 +11,15 @@ from typing import Optional, Union
 from .._faults import PHASES as LIBRARY_PHASES
 
 STEP = "step"
-PHASES = (STEP,) + LIBRARY_PHASES
+STORE_PHASES = ("commit",)
+"""Phases of a host store: ``"commit"``, the host store of rank 0's host holds its yes vote
+(every copy of its ranks' shards acknowledged) before the coordinator decides."""
+PHASES = (STEP,) + LIBRARY_PHASES[:1] + STORE_PHASES + LIBRARY_PHASES[1:]
 """Where a fault can strike: ``"step"`` (at the step boundary, after the step's version was
-committed, and persisted when due) or one of the library's phases (:mod:`gemini_ckpt._faults`)."""
+committed, and persisted when due), one of the training process's phases
+(:mod:`gemini_ckpt._faults`) or a host store's (:data:`STORE_PHASES`)."""
 COORDINATOR_PHASES = ("commit", "persist", "persist_commit")
-"""Phases that only rank 0 (the coordinator) passes through."""
-BEFORE_COMMIT = ("replicate", "commit")
+"""Phases held on rank 0 (its host store, or its persister)."""
 PERSIST_PHASES = ("persist", "persist_commit")
 PLACEMENTS = ("group", "ring", "mixed")
 
@@ -49,9 +52,11 @@ class At:
     """The moment a fault strikes: ``phase`` of version ``step`` on rank ``rank``.
 
     ``phase="step"``: after the version of ``step`` is committed (and persisted when due), before
-    the next step trains. Any other phase: rank ``rank`` is held at that phase of saving ``step``
-    (inside its background thread) while the faults are injected, then let go if it is still
-    alive. ``commit``, ``persist`` and ``persist_commit`` happen only on rank 0.
+    the next step trains. ``phase="commit"``: the host store of rank ``rank``'s host holds its
+    vote for ``step`` while the faults are injected, then lets it go if it is still alive. Any
+    other phase: rank ``rank`` is held at that phase of saving ``step`` (inside its background
+    thread) while the faults are injected, then let go if it is still alive. ``commit``,
+    ``persist`` and ``persist_commit`` happen only on rank 0.
     """
 
     step: int
@@ -119,7 +124,7 @@ class RemoveHosts:
 
 @dataclass(frozen=True)
 class CorruptReplica:
-    """Flip one byte of ``host``'s in-memory copy of ``owner``'s data file of the newest
+    """Flip one byte of ``host``'s in-memory copy of rank ``owner``'s shard of the newest
     committed version (a bad DIMM, a stray write). The copy must be skipped, never loaded."""
 
     host: int = 1
@@ -153,7 +158,7 @@ FAULT_TYPES = (KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurabl
 # --- conditions: what holds around the fault ----------------------------------------------------------
 @dataclass(frozen=True)
 class SlowReplication:
-    """Rank ``rank`` waits ``seconds`` before sending its data file to its holders (a slow
+    """Rank ``rank`` waits ``seconds`` before handing its shard to its host store (a slow
     holder: every acknowledgement of its copies comes that much later), for ``steps`` (all
     steps before the fault when empty)."""
 

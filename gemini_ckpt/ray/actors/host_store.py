@@ -54,6 +54,7 @@ from ..commit import (
     Send,
     ShardStaged,
     VersionId,
+    Vote,
 )
 from ..slots import holders_for
 from ..transport import Endpoint, Header, TcpConfig, TcpTransport, TransportError
@@ -138,7 +139,8 @@ class HostStore:
         self._early_records: dict[tuple, tuple] = {}  # (epoch, step, rank) -> a record whose region is not here yet
         self._refs: list[tuple[Any, int]] = []  # fire-and-forget control calls (ref, to whom)
         self._readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel
-        self._failures: list[str] = []
+        self._vote_hold: Optional[int] = None  # fault injection: see hold_vote
+        self._held_votes: list = []
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
         self._stopped = False
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()
@@ -344,6 +346,8 @@ class HostStore:
             log.debug("node %s: %s", self.node_id[:12], "; ".join(type(a).__name__ + ("->" + str(a.to) + " "
                       + type(a.message).__name__ if isinstance(a, Send) else "") for a in actions))
         for a in actions:
+            if isinstance(a, Send) and self._hold(a):
+                continue
             if isinstance(a, Send):
                 self._send(a.to, a.message)
             elif isinstance(a, Replicate):
@@ -771,6 +775,32 @@ class HostStore:
                                                    "nbytes": s["nbytes"]} for r, s in sorted(e["shards"].items())}}
                              for step, e in sorted(index.items())},
             }
+
+    def hold_vote(self, step: int) -> None:
+        """Fault injection (the chaos harness): keep this store's yes vote for ``step`` until
+        :meth:`release_vote`, so a fault lands after every copy is acknowledged and before the
+        coordinator decides."""
+        with self._lock:
+            self._vote_hold, self._held_votes = step, []
+
+    def held(self) -> Optional[int]:
+        """The step whose vote is being held, once it is (else None)."""
+        with self._lock:
+            return self._vote_hold if self._held_votes else None
+
+    def release_vote(self) -> None:
+        with self._lock:
+            held, self._held_votes, self._vote_hold = self._held_votes, [], None
+        self._apply(held)
+
+    def _hold(self, action: Send) -> bool:
+        message = action.message
+        with self._lock:
+            if (self._vote_hold is None or not isinstance(message, Vote) or not message.ok
+                    or message.version.step != self._vote_hold):
+                return False
+            self._held_votes.append(action)
+            return True
 
     def corrupt_for_test(self, step: int, rank: int, offset: int) -> int:
         """Flip one byte of a kept copy (in place): lets tests and the chaos harness prove that
