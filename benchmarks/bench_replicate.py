@@ -313,7 +313,7 @@ def main(argv=None) -> int:
 def _raw_tcp_round(ranks, replicas: int, nbytes: int) -> float:
     """Every rank sends ``nbytes`` to each holder of its host (itself included), as a put does;
     seconds until the slowest rank's sends are all acknowledged."""
-    from gemini_ckpt._cluster import holders_for
+    from gemini_ckpt.ray.slots import holders_for
 
     holders = [holders_for(r, hosts=HOSTS, replicas=replicas) for r in range(HOSTS)]
     expect = [sum(h in hs for hs in holders) for h in range(HOSTS)]

@@ -127,7 +127,7 @@ class RankWorker:
     def info(self) -> dict:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
-    def setup(self, rank: int, world_size: int, port: int, config: dict, seed: int = 0) -> dict:
+    def setup(self, rank: int, world_size: int, port: int, config: dict, seed: int = 0, ballast_mb: int = 0) -> dict:
         import torch
         import torch.distributed as dist
         from torch import nn
@@ -148,6 +148,11 @@ class RankWorker:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        if ballast_mb:  # saved state that takes no part in training: ``ballast_mb`` MB per rank
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            model.register_buffer("ballast", distribute_tensor(torch.ones(ballast_mb * world_size * 2**18), mesh,
+                                                               [Shard(0)]))
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.state = TrainState(model=model, optimizer=self.opt, extra={"seen": 0})
@@ -175,7 +180,12 @@ class RankWorker:
         out = []
         for step in steps:
             self.train_step(step)
-            handle = self.ckpt.save(step)
+            try:
+                handle = self.ckpt.save(step)
+            except Exception as exc:  # noqa: BLE001 - e.g. this node's store is gone: reported
+                out.append({"step": step, "committed": False, "error": f"{type(exc).__name__}: {exc}",
+                            "digest": self.digest()})
+                continue
             digest = self.digest()
             try:
                 handle.committed.result(timeout=timeout)
@@ -232,9 +242,19 @@ class RankWorker:
                 "read_durable": read.get("durable", 0), "slot": getattr(store, "slot", None)}
 
     def store_call(self, method: str, *args) -> Any:
-        """Call the Checkpointer's store directly (the Store protocol, on this rank)."""
-        result = getattr(self.ckpt.store, method)(*args)
-        return bytes(result) if isinstance(result, memoryview) else result
+        """Call the Checkpointer's memory tier directly (on this rank)."""
+        return getattr(self.ckpt.store, method)(*args)
+
+    def save_timed(self, step: int, timeout: float = 120.0) -> dict:
+        """Train and save ``step``; when the outcome came (monotonic clock) and what it was."""
+        self.train_step(step)
+        handle = self.ckpt.save(step)
+        try:
+            handle.committed.result(timeout=timeout)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        return {"done": time.monotonic(), "error": error}
 
     def teardown(self) -> None:
         import torch.distributed as dist
@@ -261,13 +281,13 @@ class Ranks:
     def _start(i: int):
         return ray.remote(RankWorker).options(num_cpus=0, resources={f"host{i}": 0.01}, max_restarts=0).remote()
 
-    def setup(self, namespace: str, **config) -> list[dict]:
+    def setup(self, namespace: str, ballast_mb: int = 0, **config) -> list[dict]:
         self._rendezvous = rendezvous_store(self.world_size)  # kept open while the job runs
         port = self._rendezvous.port
         cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0,
                **config}
-        self.infos = ray.get([w.setup.remote(r, self.world_size, port, cfg) for r, w in enumerate(self.workers)],
-                             timeout=300)
+        self.infos = ray.get([w.setup.remote(r, self.world_size, port, cfg, 0, ballast_mb)
+                              for r, w in enumerate(self.workers)], timeout=300)
         return self.infos
 
     def restart(self, namespace: str, **config) -> list[dict]:
@@ -328,7 +348,7 @@ def status(namespace: str):
 
 def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: str = "auto",
                       dead: Optional[set] = None) -> tuple[int, ...]:
-    from gemini_ckpt._cluster import holders_for
+    from gemini_ckpt.ray.slots import holders_for
 
     return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead or ())
 

@@ -13,7 +13,7 @@ import random
 import pytest
 
 import placement
-from gemini_ckpt._cluster import holders_for
+from gemini_ckpt.ray.slots import holders_for
 from gemini_ckpt.ray.commit import (
     COORDINATOR,
     DEFAULT_FANOUT,
@@ -302,3 +302,18 @@ def test_invalid_inputs_are_refused():
         store.start_version(VersionId(0, 0), holders=(0, 1), shards=0)
     with pytest.raises(TypeError):
         store.on_message(Send(1, None))
+
+
+def test_slots_without_ranks_hold_copies_and_take_no_part_in_the_vote():
+    # A job restarted on fewer hosts: slots 2 and 3 keep their stores but run no rank. They
+    # still hold copies (ring placement sends slot 1's copy to slot 2), and the tree is built
+    # over the other slots only, on every participant alike.
+    holders = make_holders(4, 2, "ring")
+    sim = Simulator(hosts=4, replicas=2, holders=holders, idle={2, 3}, seed=3)
+    for step in range(3):
+        report = sim.run_version(step)
+        assert report.outcome is True and report.acknowledged and not report.timed_out, report
+        assert set(report.outcomes) == {0, 1} and all(o is True for o in report.outcomes.values())
+    assert sim.coordinator.committed_versions() == (VersionId(0, 1), VersionId(0, 2))
+    with pytest.raises(ValueError, match="idle"):
+        HostCommit(2, hosts=4, replicas=2, idle={2})

@@ -190,3 +190,9 @@ def test_bad_step_and_bad_state_are_rejected():
         Checkpointer({"model": 1})
     with pytest.raises(TypeError, match="dataloader"):
         TrainState(model=TinyLM(), dataloader=object())
+
+
+def test_the_process_local_tier_keeps_the_memory_tier_contract():
+    from tier_contract import check_tier_contract
+
+    check_tier_contract(local_tier(keep=2), keep=2)

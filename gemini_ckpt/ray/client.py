@@ -96,7 +96,8 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
             "ranks_here": [int(r) for r, n in joined["ranks"].items() if n == node_id],
             "replicas": config.replicas, "strategy": config.placement, "keep": config.keep_in_memory,
             "dead": joined["dead"], "idle": joined["idle"], "committed": joined["committed"],
-            "secret": joined["secret"], "key": key.hex() if key else None, "timeout_s": config.timeout_s}
+            "secret": joined["secret"], "key": key.hex() if key else None, "timeout_s": config.timeout_s,
+            "bandwidth": config.replication_bandwidth}
     try:
         attached = ray.get(store.attach.remote(table.epoch, info), timeout=config.timeout_s)
     except RayTaskError as exc:
@@ -412,9 +413,10 @@ class _LocalCopy:
 class _PeerCopy:
     """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
 
-    def __init__(self, tier: RayTier, slot: int, handle, step: int, rank: int, size: int) -> None:
+    def __init__(self, tier: RayTier, slot: int, handle, step: int, rank: int, size: int, *,
+                 block_bytes: int = READ_BLOCK_BYTES) -> None:
         self.tier, self.slot, self.handle = tier, slot, handle
-        self.step, self.rank, self.size = step, rank, size
+        self.step, self.rank, self.size, self.block = step, rank, size, block_bytes
         self.blocks: dict[int, Any] = {}
 
     def fetch(self, offset: int, length: int):
@@ -424,23 +426,23 @@ class _PeerCopy:
             raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
         if length == 0:
             return np.empty(0, np.uint8)
-        if length >= READ_BLOCK_BYTES:
+        size = self.block
+        if length >= size:
             return self._resolve(self._push(offset, length))
-        first, last = offset // READ_BLOCK_BYTES, (offset + length - 1) // READ_BLOCK_BYTES
+        first, last = offset // size, (offset + length - 1) // size
         for i in [i for i in self.blocks if i < first]:
             del self.blocks[i]
-        n_blocks = -(-self.size // READ_BLOCK_BYTES)
+        n_blocks = -(-self.size // size)
         for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
             if i not in self.blocks:
-                start = i * READ_BLOCK_BYTES
-                self.blocks[i] = self._push(start, min(READ_BLOCK_BYTES, self.size - start))
+                self.blocks[i] = self._push(i * size, min(size, self.size - i * size))
         parts = []
         for i in range(first, last + 1):
             block = self.blocks[i]
             if isinstance(block, _Pending):
                 block = self.blocks[i] = self._resolve(block)
-            lo = max(offset - i * READ_BLOCK_BYTES, 0)
-            hi = min(offset + length - i * READ_BLOCK_BYTES, READ_BLOCK_BYTES)
+            lo = max(offset - i * size, 0)
+            hi = min(offset + length - i * size, size)
             parts.append(block[lo:hi])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 

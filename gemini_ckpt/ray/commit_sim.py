@@ -56,17 +56,19 @@ class Simulator:
     seeded random order (no FIFO assumed). Checks as it runs that no store commits before the
     coordinator decided COMMIT and that no two participants decide differently.
 
-    ``holders(slot, dead)`` is the placement rule (``gemini_ckpt._cluster.holders_for``).
+    ``holders(slot, dead)`` is the placement rule (``gemini_ckpt.ray.slots.holders_for``).
     """
 
     def __init__(self, *, hosts: int, replicas: int, holders: Callable, ranks_per_host: int = 1,
-                 keep: int = 2, fanout: int = DEFAULT_FANOUT, seed: int = 0, epoch: int = 0) -> None:
+                 keep: int = 2, fanout: int = DEFAULT_FANOUT, seed: int = 0, epoch: int = 0,
+                 idle: Iterable[int] = ()) -> None:
         self.hosts, self.replicas, self.ranks_per_host, self.epoch = hosts, replicas, ranks_per_host, epoch
         self._holders = holders
         self.rng = random.Random(seed)
-        self.stores: dict = {s: HostCommit(s, hosts=hosts, replicas=replicas, keep=keep, fanout=fanout)
-                             for s in range(hosts)}
-        self.coordinator = Coordinator(hosts=hosts, keep=keep, fanout=fanout)
+        self.idle = frozenset(idle)  # slots without ranks: they keep copies and acknowledge them, nothing more
+        self.stores: dict = {s: HostCommit(s, hosts=hosts, replicas=replicas, keep=keep, fanout=fanout, idle=self.idle)
+                             for s in range(hosts) if s not in self.idle}
+        self.coordinator = Coordinator(hosts=hosts, keep=keep, fanout=fanout, idle=self.idle)
         self.dead: set = set()
         self.committed_at: set = set()  # (slot, version): stores that marked a version committed
         self.aborted: set = set()  # versions some participant aborted
@@ -180,6 +182,10 @@ class Simulator:
                 if isinstance(message, ReplicaAck) and message.ok:
                     self._acked.setdefault(to, set()).add(message.holder)
             self._apply(to, participant.on_message(message))
+            return
+        if kind == "stored" and to in self.idle:  # a copy on a slot without ranks: just its ack
+            self._deliveries += 1
+            self._queue.append(("msg", to, event[2], ReplicaAck(self._v, to)))
             return
         participant = self.coordinator if to == COORDINATOR else self.stores.get(to)
         if participant is None:

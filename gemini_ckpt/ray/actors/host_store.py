@@ -124,6 +124,7 @@ class HostStore:
         self._cfg: Optional[EpochConfig] = None
         self._commit: Optional[HostCommit] = None
         self._secret = b""
+        self._bandwidth: Optional[int] = None
         self._key: Optional[bytes] = None
         self._transport: Optional[TcpTransport] = None
         self._listener = None
@@ -186,8 +187,9 @@ class HostStore:
         self._epoch, self._cfg = epoch, cfg
         self._key = bytes.fromhex(info["key"]) if info.get("key") else None
         secret = bytes.fromhex(info["secret"])
-        if secret != self._secret or self._listener is None:
-            self._start_data_plane(secret)
+        bandwidth = info.get("bandwidth")
+        if secret != self._secret or self._listener is None or bandwidth != self._bandwidth:
+            self._start_data_plane(secret, bandwidth)
         if self._attach is None:
             self._attach = AttachServer(secret, lambda: self._epoch, self._on_attach, self._on_detach)
         else:
@@ -201,11 +203,14 @@ class HostStore:
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
 
-    def _start_data_plane(self, secret: bytes) -> None:
+    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None) -> None:
+        """The listener for copies, and the transport this store sends with: its bandwidth cap
+        (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends."""
         old = self._listener
-        self._secret = secret
+        self._secret, self._bandwidth = secret, bandwidth
         self._transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
-                                       config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S))
+                                       config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S,
+                                                        max_send_bytes_per_s=bandwidth))
         self._listener = self._transport.listen(ray.util.get_node_ip_address(), _Sink(self))
         self._readers = {}
         if old is not None:

@@ -1,0 +1,98 @@
+"""Shards in memory without torch or Ray: segments shared through a memfd, a pool within its
+budget, a host store's version table (lent segments, users, pins), checked plan encoding."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from gemini_ckpt.ray.actors.versions import VersionTable
+from gemini_ckpt.save.framing import Template
+from gemini_ckpt.stores.shards import (ALIGN, Segment, SegmentPool, ShardFormatError, ShardPlan, ShardRecord,
+                                       TensorItem, ValueItem, make_record)
+
+
+def _plan(sizes=(100, 3000), rank=0, plan_id="p1") -> ShardPlan:
+    items, at = [], 0
+    templates = tuple(Template(prefix=b"P" * 8, suffix=b"S" * 40, nbytes=n) for n in sizes)
+    for i, n in enumerate(sizes):
+        items.append(TensorItem(f"model.w{i}", (0,), i, "uint8", (n,), at, n, i))
+        at += (n + ALIGN - 1) // ALIGN * ALIGN
+    return ShardPlan(plan_id=plan_id, rank=rank, world_size=2, tensors=tuple(items),
+                     values=(ValueItem("rank_local.0.extra", None, "bytes"),), templates=templates,
+                     metadata=b"skeleton" if rank == 0 else b"", job={"world_size": 2})
+
+
+def test_a_shared_segment_is_the_same_memory_through_its_fd_and_outlives_the_first_mapping():
+    seg = Segment(1 << 20, shared=True)
+    seg.array[:4] = [1, 2, 3, 4]
+    other = Segment(seg.nbytes, fd=os.dup(seg.fd), seg_id=seg.id)  # what a training process maps
+    assert list(other.array[:4]) == [1, 2, 3, 4]
+    other.array[5] = 9
+    assert seg.array[5] == 9
+    seg.close()  # the store lets go: the trainer's mapping still holds the pages
+    assert list(other.array[:6]) == [1, 2, 3, 4, 0, 9]
+    other.close()
+
+
+def test_the_pool_reuses_released_segments_and_refuses_past_its_budget():
+    pool = SegmentPool(10 << 20, shared=False)
+    a = pool.reserve(4 << 20)
+    pool.release(a)
+    b = pool.reserve(4 << 20)
+    assert b is a and pool.created == 1  # reused, no new allocation
+    pool.reserve(5 << 20)
+    with pytest.raises(MemoryError, match="budget of 10,485,760 bytes"):
+        pool.reserve(2 << 20)
+    assert pool.held == 9 << 20
+
+
+def test_lent_segments_are_reused_only_when_their_version_is_released_and_nobody_uses_them():
+    table = VersionTable(1 << 30)
+    plan = _plan()
+    lent = table.lend(0, plan.region_bytes)
+    lent.seg.array[:] = 7
+    record = make_record(plan, lent.seg.array, [b"extra"], epoch=1, step=5)
+    v = table.version(1, 5, world_size=2)
+    shard = table.stage(v, 0, lent.seg.id, plan, record, owner=0, record_bytes=record.encode())
+    assert table.lend(0, plan.region_bytes).seg is not lent.seg  # held by step 5: another one
+    table.use(shard)  # e.g. being sent to a holder
+    table.release(v)
+    assert lent.state == "held"  # still in use: not free yet
+    table.done_with(shard)
+    assert lent.state == "free" and table.lend(0, plan.region_bytes).seg is lent.seg
+    # A pinned version (being persisted) waits for unpin.
+    v2 = table.version(1, 6, world_size=2)
+    v2.persist = True
+    table.release(v2)
+    assert 6 in table.versions
+    table.unpin(6)
+    assert 6 not in table.versions
+
+
+def test_a_version_of_a_newer_epoch_replaces_an_older_one_of_the_same_step_and_never_the_reverse():
+    table = VersionTable(1 << 30)
+    old = table.version(1, 5)
+    new = table.version(2, 5)
+    assert new is not old and table.versions[5] is new
+    assert table.version(1, 5) is None  # a zombie of epoch 1 cannot bring its version back
+
+
+def test_plans_and_records_refuse_what_does_not_fit_them():
+    plan = _plan()
+    assert ShardPlan.decode(plan.encode()) == plan
+    overlapping = replace(plan, tensors=(plan.tensors[0], replace(plan.tensors[1], at=64)))
+    with pytest.raises(ShardFormatError, match="overlaps"):
+        ShardPlan.decode(overlapping.encode())
+    wrong_size = replace(plan, tensors=(replace(plan.tensors[0], nbytes=99), plan.tensors[1]))
+    with pytest.raises(ShardFormatError, match="template"):
+        ShardPlan.decode(wrong_size.encode())
+    record = make_record(plan, bytearray(plan.region_bytes), [b"x"], epoch=3, step=9)
+    encoded = bytearray(record.encode())
+    encoded[-1] ^= 1  # a blob byte
+    with pytest.raises(ShardFormatError, match="blob"):
+        ShardRecord.decode(bytes(encoded))
+    with pytest.raises(ValueError, match="blobs for"):
+        make_record(plan, bytearray(plan.region_bytes), [], epoch=3, step=9)
