@@ -7,8 +7,9 @@ The life of a version, on the trainer's side:
    :mod:`gemini_ckpt.save.plan`, the only collective saving runs), a free segment of the
    memory tier is taken and the tensors are copied into it (:mod:`gemini_ckpt.save.stager`).
    ``save`` returns: the snapshot aliases nothing live.
-2. The background thread hands the segment to the memory tier and waits for the version's
-   outcome. With host stores the checksums, replication and commit happen there, not here.
+   The segment is handed to the memory tier before ``save`` returns (one small message);
+   with host stores the checksums, replication and commit happen there, not here.
+2. The background thread waits for the version's outcome.
 3. A committed version due for the durable tier goes to the :class:`~gemini_ckpt.persister.Persister`.
 """
 
@@ -34,7 +35,7 @@ from ._handle import RestoreResult, SaveHandle, StageInfo
 from ._restore import restore_newest
 from ._state import TrainState
 from .persister import Persister
-from .save.plan import SnapshotPlan, make_plan
+from .save.plan import make_plan
 from .save.sources import Sources
 from .save.stager import Stager, check_saveable
 from .stores.base import MemoryTier
@@ -66,9 +67,7 @@ class CheckpointStats:
 @dataclass
 class _Job:
     handle: SaveHandle
-    plan: SnapshotPlan
-    segment: Any
-    blobs: list
+    outcome: Any  # Future[Outcome] from the memory tier
     t0: float
     persist: bool
 
@@ -253,11 +252,16 @@ class Checkpointer:
             plan = self._sources.plan
             segment = self._store.segment(plan.shard)
             self._stager.stage(plan.shard, segment, tensors)
+            due = self._durable is not None and (persist or self._policy.should_persist(step))
+            fire("replicate", step=step, rank=self.rank)
+            # Handed off before save() returns: a training process that dies right after still
+            # leaves a whole shard with its host store, which commits the version without it.
+            outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due)
+            segment = None  # the tier's now
             stall = time.perf_counter() - t0
             handle = SaveHandle(step)
             handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes))
-            due = self._durable is not None and (persist or self._policy.should_persist(step))
-            self._jobs.put(_Job(handle, plan, segment, blobs, t0, due))
+            self._jobs.put(_Job(handle, outcome, t0, due))
             queued = True
         finally:
             if not queued:
@@ -418,12 +422,9 @@ class Checkpointer:
                     self._lock.notify_all()
 
     def _hand_off(self, job: _Job) -> None:
-        step = job.handle.step
         if self._discard_pending and self.rank == 0:
             self._discard_abandoned()
-        fire("replicate", step=step, rank=self.rank)
-        outcome = self._store.hand_off(step, job.plan.shard, job.segment, job.blobs,
-                                       persist=job.persist).result(timeout=self.config.timeout_s)
+        outcome = job.outcome.result(timeout=self.config.timeout_s)
         if not outcome.committed:
             if outcome.error is not None:
                 raise outcome.error

@@ -245,6 +245,14 @@ class RankWorker:
         """Call the Checkpointer's memory tier directly (on this rank)."""
         return getattr(self.ckpt.store, method)(*args)
 
+    def save_then_die(self, step: int) -> None:
+        """Train and save ``step``, then SIGKILL this process the moment ``save`` returns."""
+        import signal
+
+        self.train_step(step)
+        self.ckpt.save(step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def save_timed(self, step: int, timeout: float = 120.0) -> dict:
         """Train and save ``step``; when the outcome came (monotonic clock) and what it was."""
         self.train_step(step)

@@ -166,3 +166,24 @@ def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, 
     assert [(r["step"], r["source"]) for r in restored] == [(3, "memory")] * HOSTS
     assert restored[1]["sources"][1] == "peer" and restored[1]["read_peer"] > 0
     assert [r["digest"] for r in restored] == [reference[rank][3] for rank in range(HOSTS)]
+
+
+@pytest.mark.ray
+def test_a_training_process_killed_right_after_save_returned_still_commits_its_version(ray_cluster, ranks,
+                                                                                         reference):
+    ns = f"afterkill-{uuid.uuid4().hex[:8]}"
+    ranks.restart(ns)
+    ranks.train(range(3))
+    # Rank 2 is SIGKILLed the moment save(3) returns: its shard is with its host store already,
+    # which replicates it and votes without the process.
+    dying = ranks.workers[2].save_then_die.remote(3)
+    others = [ranks.workers[r].train.remote([3], 60.0) for r in (0, 1, 3)]
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(dying, timeout=120)
+    for per_rank in ray.get(others, timeout=120):
+        assert per_rank[0]["committed"], per_rank
+    ranks.restart(ns)
+    restored = ranks.call("restore")
+    assert [r["step"] for r in restored] == [3] * HOSTS  # every committed version is found
+    assert [r["digest"] for r in restored] == [reference[r][3] for r in range(HOSTS)]
+

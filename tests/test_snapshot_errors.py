@@ -118,12 +118,12 @@ class FailingTier(LocalTier):
         self.fail_on = fail_on
         self.puts = 0
 
-    def hand_off(self, step, plan, segment, blobs, *, persist=False):
+    def _commit(self, step, plan, segment, blobs, persist):
         self.puts += 1
         if self.puts in self.fail_on:
             self.give_back(segment)
             raise OSError(f"injected write failure on put #{self.puts}")
-        return super().hand_off(step, plan, segment, blobs, persist=persist)
+        return super()._commit(step, plan, segment, blobs, persist)
 
 
 def test_failed_background_write_keeps_previous_version_and_raises_on_training_thread():
@@ -149,9 +149,9 @@ class GatedTier(LocalTier):
         super().__init__(base.store, base.epoch, base.keep)
         self.gate = threading.Event()
 
-    def hand_off(self, step, plan, segment, blobs, *, persist=False):
+    def _commit(self, step, plan, segment, blobs, persist):
         self.gate.wait(timeout=60)
-        return super().hand_off(step, plan, segment, blobs, persist=persist)
+        return super()._commit(step, plan, segment, blobs, persist)
 
 
 def test_skip_policy_drops_saves_while_busy_and_counts_them():

@@ -535,12 +535,12 @@ class _EncodedTier(LocalTier):
         super().__init__(base.store, base.epoch, base.keep)
         self.encoded: dict = encoded if encoded is not None else {}
 
-    def hand_off(self, step, plan, segment, blobs, *, persist=False):
-        fut = super().hand_off(step, plan, segment, blobs, persist=persist)
+    def _commit(self, step, plan, segment, blobs, persist):
+        outcome = super()._commit(step, plan, segment, blobs, persist)
         view = super().open(step)
         self.encoded[(step, "plan")] = view.plans[0].encode()
         self.encoded[(step, "record")] = view.records[0].encode()
-        return fut
+        return outcome
 
     def open(self, step, *, key=None):
         view = super().open(step)

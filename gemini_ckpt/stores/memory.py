@@ -12,7 +12,7 @@ checksummed it, in the caller's thread (the Checkpointer's background thread).
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -144,20 +144,33 @@ class LocalTier(MemoryTier):
 
     def __init__(self, store: LocalStore, epoch: int, keep: int) -> None:
         self.store, self.epoch, self.keep = store, epoch, keep
+        self._pool: Optional[ThreadPoolExecutor] = None
 
     def segment(self, plan: ShardPlan) -> Segment:
         return self.store._segment(self.epoch, plan)
 
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
                  persist: bool = False) -> "Future[Outcome]":
-        fut: Future[Outcome] = Future()
+        """Checksums and commit run on the tier's own thread, not the caller's."""
+        return self._worker().submit(self._commit, step, plan, segment, blobs, persist)
+
+    def _commit(self, step, plan, segment, blobs, persist) -> Outcome:
         try:
             self.store._commit(self.epoch, step, plan, segment, blobs, persist, self.keep)
         except BaseException:
             self.store._give_back(segment)
             raise
-        fut.set_result(Outcome(step, True))
-        return fut
+        return Outcome(step, True)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-local")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def unpin(self, step: int) -> None:
         self.store._unpin(step, self.keep)

@@ -350,7 +350,9 @@ class HostStore:
         if actions and log.isEnabledFor(logging.DEBUG):
             log.debug("node %s: %s", self.node_id[:12], "; ".join(type(a).__name__ + ("->" + str(a.to) + " "
                       + type(a.message).__name__ if isinstance(a, Send) else "") for a in actions))
-        for a in actions:
+        # Retention first: when a rank hears its version committed, the segments the commit
+        # released are free for its next save.
+        for a in sorted(actions, key=lambda a: not isinstance(a, Release)):
             if isinstance(a, Send) and self._hold(a):
                 continue
             if isinstance(a, Send):
