@@ -120,9 +120,15 @@ def summary_rows(res: dict) -> list[list[str]]:
     if d:
         by = {r["method"]: r["seconds"] for r in d["rows"]}
         base = by[d["baseline"]]
+        warm = by.get("stock dcp.load, local disk, page cache warm")
         for m, s in by.items():
             if m.startswith("gemini_ckpt"):
-                peer = "peer memory" in m
+                peer, local = "peer memory" in m, "local memory" in m
+                if local and warm:
+                    rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"dcp.load, page cache warm {_f(warm)}",
+                                 f"{warm / s:.2f}x speedup", f">= {d.get('local_target', 2.0):.0f}x",
+                                 _met(d.get("local_target_met"))])
+                    continue
                 rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"{d['baseline'][len('stock '):]} "
                              f"{_f(base)}", f"{base / s:.2f}x speedup",
                              f">= {d['target_speedup']:.0f}x" if peer else "-",
@@ -142,8 +148,18 @@ def summary_rows(res: dict) -> list[list[str]]:
                      f"{st['next_step_during_persist_s'] / st['memory_only_s']:.2f}x", "-", "-"])
     d = res.get("overhead")
     if d:
-        rows.append(["training throughput, checkpoint every step / never", f"{d['ratio']:.3f}", "1.000",
-                     f"{d['ratio']:.3f}", f">= {d['target']}", _met(d.get("target_met"))])
+        t = d.get("targets", {})
+        rows.append(["training throughput, checkpoint every step / never, every core training", f"{d['ratio']:.3f}",
+                     "1.000", f"{d['ratio']:.3f}", f">= {t.get('all_cores', 0.85)}",
+                     _met(d["ratio"] >= t.get("all_cores", 0.85))])
+        if "ratio_one_core_free" in d:
+            rows.append(["same, one core left free", f"{d['ratio_one_core_free']:.3f}", "1.000",
+                         f"{d['ratio_one_core_free']:.3f}", f">= {t.get('one_core_free', 0.97)}",
+                         _met(d["ratio_one_core_free"] >= t.get("one_core_free", 0.97))])
+        if "trainer_cpu_outside_copy_s" in d:
+            rows.append(["training process CPU per version outside the staging copy",
+                         f"{d['trainer_cpu_outside_copy_s'] * 1e3:.2f} ms", "-", "-", "< 5 ms",
+                         _met(d["trainer_cpu_outside_copy_s"] < 0.005)])
     d = res.get("scaling")
     if d and d.get("slope_s_per_host") is not None:
         by = {r["hosts"]: r for r in d["rows"]}

@@ -251,7 +251,8 @@ class Checkpointer:
             tensors, blobs = captured
             plan = self._sources.plan
             segment = self._store.segment(plan.shard)
-            self._stager.stage(plan.shard, segment, tensors)
+            self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
+                               volatile=self._sources.volatile)
             due = self._durable is not None and (persist or self._policy.should_persist(step))
             fire("replicate", step=step, rank=self.rank)
             # Handed off before save() returns: a training process that dies right after still

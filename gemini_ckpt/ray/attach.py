@@ -236,6 +236,10 @@ class AttachClient:
     def request(self, header: dict, payload: bytes = b"", *, timeout: Optional[float] = None
                 ) -> tuple[dict, list[int]]:
         """Send a message and wait for its reply: ``(reply header, received fds)``."""
+        return self.reply(self.request_async(header, payload), timeout=timeout)
+
+    def request_async(self, header: dict, payload: bytes = b"") -> Future:
+        """Send a message; :meth:`reply` of the returned future waits for its answer."""
         fut: Future = Future()
         with self._lock:
             if self._broken is not None:
@@ -243,6 +247,9 @@ class AttachClient:
             rid, self._next = self._next, self._next + 1
             self._replies[rid] = fut
         self.conn.send({**header, "id": rid}, payload)
+        return fut
+
+    def reply(self, fut: Future, *, timeout: Optional[float] = None) -> tuple[dict, list[int]]:
         reply, fds = fut.result(timeout=self.timeout_s if timeout is None else timeout)
         if "error" in reply:
             _close_all(fds)

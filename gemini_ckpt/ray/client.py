@@ -141,6 +141,7 @@ class RayTier(MemoryTier):
         self._dead.update({s: "no host store" for s, h in self._handles.items() if h is None})
         self._segments: dict[int, Segment] = {}
         self._plans: set[str] = set()
+        self._ahead: dict[str, concurrent.futures.Future] = {}  # plan id -> a segment asked for ahead
         self._where: dict[int, Resolved] = {}
         self._transport: Optional[TcpTransport] = None
         self._read_sink = _ReadSink()
@@ -152,7 +153,12 @@ class RayTier(MemoryTier):
             if plan.plan_id not in self._plans:
                 self._attach.request({"type": "plan"}, plan.encode())
                 self._plans.add(plan.plan_id)
-            reply, fds = self._attach.request({"type": "segment", "plan_id": plan.plan_id})
+            with self._lock:
+                ahead = self._ahead.pop(plan.plan_id, None)
+            if ahead is not None:
+                reply, fds = self._attach.reply(ahead)
+            else:
+                reply, fds = self._attach.request({"type": "segment", "plan_id": plan.plan_id})
         except MemoryError as exc:
             raise MemoryBudgetError(f"rank {self.rank}: {exc}") from None
         except (AttachError, OSError) as exc:
@@ -187,9 +193,19 @@ class RayTier(MemoryTier):
             exc = fut.exception()
             if exc is not None:
                 done.set_result(Outcome(step, False, str(exc), ReplicationError(f"rank {self.rank}: {exc}")))
-            else:
-                reply = fut.result()
-                done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", "")))
+                return
+            reply = fut.result()
+            if reply["committed"]:
+                # The segment for the next save, asked for now (the version just released one):
+                # save() then takes it without a round trip.
+                with self._lock:
+                    if plan.plan_id not in self._ahead:
+                        try:
+                            self._ahead[plan.plan_id] = self._attach.request_async(
+                                {"type": "segment", "plan_id": plan.plan_id})
+                        except AttachError:
+                            pass
+            done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", "")))
 
         outcome.add_done_callback(finish)
         return done

@@ -49,16 +49,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def fingerprint(state: TrainState) -> tuple:
+def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
     """Storage address and shape of every parameter, buffer and optimizer-state tensor, and
-    the shape of every optimizer's param_groups (about 1 us per tensor)."""
+    the shape of every optimizer's param_groups and module tree (under 1 us per tensor).
+    ``modules``: the module tree as last seen (``module.modules()``), to skip walking it."""
     out: list = []
-    for t in state.module.parameters():
-        local = _local(t)
-        out.append((local.data_ptr(), local.shape))
-    for t in state.module.buffers():
-        local = _local(t)
-        out.append((local.data_ptr(), local.shape))
+    for m in modules if modules is not None else state.module.modules():
+        out.append(len(m._modules))  # a submodule added or removed changes the tree
+        for t in m._parameters.values():
+            if t is not None:
+                local = _local(t)
+                out.append((local.data_ptr(), local.shape))
+        for t in m._buffers.values():
+            if t is not None:
+                local = _local(t)
+                out.append((local.data_ptr(), local.shape))
     for opt in state.optimizers:
         out.append(len(opt.param_groups))
         for group in opt.param_groups:
@@ -95,8 +100,11 @@ class Sources:
         self._grads: list[tuple[int, str, Any]] = []  # (item, parameter name, index) refreshed every version
         self._values: list[Callable[[dict], bytes]] = []
         self._fingerprint: Optional[tuple] = None
+        self._modules: list = []
         self.fast = False
         self.rebuilt = 0  # full state dicts built (first version included)
+        self.generation = 0  # bumped whenever the cached sources change (stagers cache by it)
+        self.volatile: tuple[int, ...] = ()  # tensor items read afresh every version (grads)
 
     def live_state(self) -> dict:
         return {**self.state.tensor_state(), **self.state.opaque_state(self.rank)}
@@ -106,7 +114,7 @@ class Sources:
         longer fits the plan (build it again: :meth:`bind` after planning)."""
         if self.plan is None:
             return None
-        if self.fast and fingerprint(self.state) == self._fingerprint:
+        if self.fast and fingerprint(self.state, self._modules) == self._fingerprint:
             opaque = self.state.opaque_state(self.rank)
             tensors = self._with_grads(self._tensors)
             if tensors is None:
@@ -143,7 +151,10 @@ class Sources:
         self._tensors = [find_state_dict_object(flat, index) for index in plan.tensor_index]
         self._grads = [(i, index.fqn[len(GRADS) + 1:], index) for i, index in enumerate(plan.tensor_index)
                        if index.fqn.startswith(GRADS + ".")]
-        self._fingerprint = fingerprint(self.state)
+        self.volatile = tuple(i for i, _, _ in self._grads)
+        self.generation += 1
+        self._modules = list(self.state.module.modules())
+        self._fingerprint = fingerprint(self.state, self._modules)
         why = self._why_not_fast(flat)
         if why and self.fast is not False:
             log.info("rank %d: building the state dict every version (%s)", self.rank, why)

@@ -48,14 +48,32 @@ class Stager:
 
     def __init__(self) -> None:
         self._views: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self._pairs: dict[tuple, tuple[list, list]] = {}  # (segment, plan, generation) -> copies
         self._pinned: set[int] = set()
         self._stream = None
 
-    def stage(self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor]) -> None:
+    def stage(self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor], *,
+              generation: Optional[int] = None, volatile: tuple[int, ...] = ()) -> None:
+        """Copy ``tensors`` (one per tensor item of ``plan``) into ``segment``. With a
+        ``generation`` (the sources' cache generation: the same tensors as last time, except the
+        ``volatile`` items), the memcpy pairs of the last version into this segment are reused."""
         key = (segment.id, plan.plan_id)
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = segment_views(plan, segment)
+        if generation is not None and all(t.device.type == "cpu" for t in tensors[:1]):
+            cached = self._pairs.get((segment.id, plan.plan_id, generation))
+            if cached is not None:
+                pairs, slow = cached
+                fresh = [(i, views[i], tensors[i].detach()) for i in volatile]
+                extra = [(_bytes_of(d), _bytes_of(t)) for _, d, t in fresh if _raw_copyable(d, t)]
+                for _, d, t in fresh:
+                    if not _raw_copyable(d, t):
+                        d.copy_(t)
+                for i in slow:
+                    views[i].copy_(tensors[i].detach())
+                copy_parallel(pairs + extra)
+                return
         device = next((t.device for t in tensors if t.device.type != "cpu"), None)
         stream = None
         if device is not None and device.type == "cuda":
@@ -64,26 +82,37 @@ class Stager:
                 self._stream = torch.cuda.Stream(device=device)
             stream = self._stream
             stream.wait_stream(torch.cuda.current_stream(device))
-        pairs = []
+        pairs, cached_pairs, slow = [], [], []
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
-            for dst, src in zip(views, tensors):
+            for i, (dst, src) in enumerate(zip(views, tensors)):
                 src = src.detach()
                 if src.device.type == "cpu":
                     if _raw_copyable(dst, src):
-                        pairs.append((_bytes_of(dst), _bytes_of(src)))
+                        pair = (_bytes_of(dst), _bytes_of(src))
+                        pairs.append(pair)
+                        if i not in volatile:
+                            cached_pairs.append(pair)
                     else:
                         dst.copy_(src)
+                        if i not in volatile:
+                            slow.append(i)
                 else:
                     dst.copy_(src, non_blocking=stream is not None and segment.id in self._pinned)
         copy_parallel(pairs)
         if stream is not None:
             stream.synchronize()
+        elif generation is not None:
+            for k in [k for k in self._pairs if k[0] == segment.id or k[2] != generation]:
+                del self._pairs[k]
+            self._pairs[(segment.id, plan.plan_id, generation)] = (cached_pairs, slow)
 
     def forget(self, segment_id: int) -> None:
         """Drop the views of a segment its store took back (before it is unmapped)."""
         for key in [k for k in self._views if k[0] == segment_id]:
             del self._views[key]
+        for key in [k for k in self._pairs if k[0] == segment_id]:
+            del self._pairs[key]
         self._pinned.discard(segment_id)
 
     def _pin(self, segment: Segment) -> None:

@@ -100,9 +100,12 @@ class ShardPlan:
     metadata: bytes = b""  # rank 0: the pickled DCP Metadata skeleton; others: empty
     job: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_region", max((align(t.at + t.nbytes) for t in self.tensors), default=0))
+
     @property
     def region_bytes(self) -> int:
-        return max((align(t.at + t.nbytes) for t in self.tensors), default=0)
+        return self._region  # type: ignore[attr-defined]
 
     def fields(self) -> dict:
         return {
