@@ -271,7 +271,8 @@ def main(argv=None) -> int:
                          "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
                          "put_s": put, "file_bytes": file_bytes,
                          "per_rank_send_gbps": file_bytes / put / 1e9,
-                         "per_host_ingest_gbps": m * file_bytes / put / 1e9, "raw": per_rank})
+                         "per_host_ingest_gbps": m * file_bytes / put / 1e9, "raw": per_rank,
+                         "store_timeline": _store_timeline(ns, args.steps + 1)})
             shutdown_host_stores(ns)
         per_rank = ray.get([r.dcp_async.remote(workdir, args.steps) for r in ranks])
         rows.append({"method": "DCP async_save to local disk", "replicas": 1,
@@ -309,6 +310,25 @@ def main(argv=None) -> int:
     print(_markdown(result))
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _store_timeline(namespace: str, step: int) -> dict:
+    """Per host store, when each phase of ``step`` happened, in seconds after the first store
+    had a shard staged (where the time after the stall goes)."""
+    from gemini_ckpt._cluster import alive_node_ids, find_store
+
+    marks = {}
+    for node in alive_node_ids():
+        handle = find_store(namespace, node)
+        if handle is not None:
+            got = ray.get(handle.timeline.remote(step), timeout=60)
+            if got:
+                marks[node[:12]] = got
+    if not marks:
+        return {}
+    start = min(m.get("staged", float("inf")) for m in marks.values())
+    return {node: {k: round(v - start, 4) for k, v in sorted(m.items(), key=lambda kv: kv[1])}
+            for node, m in marks.items()}
 
 
 def _raw_tcp_round(ranks, replicas: int, nbytes: int) -> float:
@@ -354,6 +374,9 @@ def _markdown(result: dict) -> str:
                          f"| {row['per_rank_send_gbps']:.2f} | {row['per_host_ingest_gbps']:.2f} | {ratio:.0%} |")
         else:
             lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | - | - | - | - |")
+    for row in result["rows"]:
+        for node, marks in (row.get("store_timeline") or {}).items():
+            lines.append(f"- {row['method']}, store {node}: " + ", ".join(f"{k} +{v * 1e3:.0f} ms" for k, v in marks.items()))
     cap = result.get("cap")
     if cap:
         lines += ["", f"Step time while every step is saved (replicas={cap['replicas']}, median of {cap['steps']} "

@@ -14,7 +14,7 @@ keep_in_memory=K)``, a fresh namespace per host count. Measured per host count:
 - **host memory vs the predicted footprint**: per host store, the bytes it holds
   (``cluster_status``: ``held`` = the shards of kept versions, ``reserved`` = held plus
   buffers pooled for reuse) and its process's resident memory, sampled from
-  ``/proc/<pid>/status`` during the saves (peak anonymous memory over the baseline before the
+  ``/proc/<pid>/status`` during the saves (peak anonymous + shared memory over the baseline before the
   first save; ``VmHWM`` also counts the object-store pages the process mapped while pulling
   chunks). Predicted: K x m x shard (the issue's formula: K versions kept, m copies, one rank
   per host so each host keeps its own shard and m - 1 peers'), and (K + 1) x m x shard: the
@@ -93,6 +93,8 @@ def _proc_status(pid: int) -> dict[str, int]:
                     out[key] = int(parts[0]) * 1024
     except OSError:
         pass
+    # A host store's shards live in memfd segments (shared memory), its heap in anonymous memory.
+    out["RssAnon"] = out.get("RssAnon", 0) + out.get("RssShmem", 0)
     return out
 
 
@@ -300,7 +302,7 @@ def _markdown(result: dict) -> str:
         lines += ["", f"slope {result['slope_s_per_host'] * 1e3:+.1f} ms per added host (least squares); "
                       f"{result['ratio_label']} = {result['ratio_largest_to_smallest']:.2f} (flat scaling: 1.00)"]
     lines += ["", "Store columns: the largest host; held = shards of kept versions, reserved = held + buffers "
-                  "pooled for the next version, peak anon growth = the store process's anonymous memory over "
+                  "pooled for the next version, peak anon growth = the store process's anonymous + shared (segment) memory over "
                   "its baseline before the first save (sampled every 10 ms), peak RSS includes mapped "
                   "object-store pages and the process's baseline."]
     return "\n".join(lines)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import posixpath
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,7 @@ alarms on busy hosts: 1 s failed 256 MiB transfers with 4 ranks and their stores
 DEFAULT_BUDGET_FRACTION = 0.3
 """Default per-host budget: this fraction of the node's RAM (``host_memory_budget_bytes=None``)."""
 TICK_S = 0.2
+SWITCH_INTERVAL_S = 0.0005
 
 
 def configure_logging() -> None:
@@ -116,6 +118,10 @@ class HostStore:
 
     def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None) -> None:
         configure_logging()
+        # Copies stream through several threads while another checksums a shard item by item
+        # (the GIL released for each large item): hand the GIL over sooner than every 5 ms,
+        # or a checksum of a few hundred items waits whole intervals between them.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.namespace, self.node_id = namespace, node_id
         self.started_unix = time.time()
         self._lock = threading.RLock()
@@ -280,46 +286,64 @@ class HostStore:
         self._apply(actions)
 
     def _staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
+        """A rank handed off its shard of a step: copies to the other holders start at once,
+        while this thread checksums the shard into its record; the rank's part of the version
+        is done (``ShardStaged``) once the record is made."""
         step, seg_id = int(header["step"]), int(header["seg"])
+        received = time.time()
         blobs, at = [], 0
         for n in header.get("lengths", []):
             blobs.append(payload[at : at + n])
             at += n
         with self._lock:
             epoch, cfg = self._epoch, self._cfg
-            plan = self._table.plan(header["plan_id"], rank)
-            lent = self._table.lent.get(seg_id)
             self._waiters.setdefault((epoch, step), []).append((conn, rank))
+            vid = VersionId(epoch, step)
+            try:
+                plan = self._table.plan(header["plan_id"], rank)
+                v = self._table.version(epoch, step, world_size=cfg.world_size)
+                if v is None:
+                    raise ValueError(f"step {step} was saved again by a newer epoch")
+                v.marks.setdefault("staged", received)
+                v.persist |= bool(header.get("persist"))
+                shard = self._table.stage(v, rank, seg_id, plan, owner=cfg.slot)
+                self._table.use(shard)
+                holders: tuple = ()
+                if self._commit is not None:
+                    holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
+                                          dead=self._commit.dead)
+                    actions = self._commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
+                else:
+                    actions = []
+            except Exception as exc:  # noqa: BLE001 - e.g. too few live hosts for the replicas asked
+                reason = f"{type(exc).__name__}: {exc}"
+                self._tell(conn, step, False, reason)
+                self._apply(self._commit.on_local_failure(vid, reason) if self._commit is not None else [])
+                return
+        self._apply(actions)
+        for holder in holders[1:]:  # the protocol allows copies to start before it says Replicate
+            self._pool.submit(self._copy, vid, holder, shard, len(cfg.ranks_here))
         try:
-            if lent is None or lent.rank != rank:
-                raise ValueError(f"segment {seg_id} is not lent to rank {rank}")
-            record = make_record(plan, lent.seg.array, blobs, epoch=epoch, step=step)  # CRC32C: GIL released
+            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step)  # CRC32C: GIL released
             record_bytes = record.encode(self._key)
-        except Exception as exc:  # noqa: BLE001 - the rank learns it as the outcome
+        except Exception as exc:  # noqa: BLE001 - the version cannot be committed without its record
+            shard.recorded.set()
+            with self._lock:
+                self._table.done_with(shard)
+                actions = self._commit.on_local_failure(vid, f"rank {rank}'s record: {exc}") \
+                    if self._commit is not None else []
             self._tell(conn, step, False, f"{type(exc).__name__}: {exc}")
+            self._apply(actions)
             return
-        actions = []
         with self._lock:
+            shard.record, shard.record_bytes = record, record_bytes
+            shard.recorded.set()
+            v.mark("recorded")
+            self._table.done_with(shard)
             if epoch != self._epoch:
                 self._tell(conn, step, False, f"a newer Checkpointer (epoch {self._epoch}) took over this namespace")
                 return
-            v = self._table.version(epoch, step, world_size=cfg.world_size)
-            if v is None:
-                self._tell(conn, step, False, f"step {step} was saved again by a newer epoch")
-                return
-            vid = VersionId(epoch, step)
-            try:
-                v.persist |= bool(header.get("persist"))
-                self._table.stage(v, rank, seg_id, plan, record, owner=cfg.slot, record_bytes=record_bytes)
-                if self._commit is not None:  # start_version: once per version, the later calls do nothing
-                    holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
-                                          dead=self._commit.dead)
-                    actions += self._commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
-                    actions += self._commit.on_message(ShardStaged(vid, rank))
-            except Exception as exc:  # noqa: BLE001 - e.g. too few live hosts for the replicas asked
-                reason = f"{type(exc).__name__}: {exc}"
-                actions = self._commit.on_local_failure(vid, reason) if self._commit is not None else []
-                self._tell(conn, step, False, reason)
+            actions = self._commit.on_message(ShardStaged(vid, rank)) if self._commit is not None else []
         self._apply(actions)
 
     def _tell(self, conn: Connection, step: int, committed: bool, reason: str = "") -> None:
@@ -358,7 +382,7 @@ class HostStore:
             if isinstance(a, Send):
                 self._send(a.to, a.message)
             elif isinstance(a, Replicate):
-                self._pool.submit(self._replicate, a.version, a.holders)
+                pass  # the copies began when the shards were handed off (see _staged)
             elif isinstance(a, Committed):
                 self._decided(a.version, True, "")
             elif isinstance(a, Aborted):
@@ -373,6 +397,7 @@ class HostStore:
         with self._lock:
             v = self._table.versions.get(vid.step)
             if v is not None and v.key == (vid.epoch, vid.step):
+                v.mark("decided")
                 v.state = "committed" if committed else "aborted"
                 if not committed:
                     self._table.release(v, force=True)
@@ -422,54 +447,42 @@ class HostStore:
             registry.suspect.remote(slot, f"node {self.node_id[:12]}: {why}")
 
     # --- replication: owner side -------------------------------------------------------------------
-    def _replicate(self, vid: VersionId, holders: tuple) -> None:
+    def _copy(self, vid: VersionId, holder: int, shard, count: int) -> None:
+        """Send one shard to ``holder``: its plan once per peer (waited for: the holder checks
+        the copy against it), the region at once, the record once it is made. A failure
+        vetoes the version."""
         with self._lock:
+            self._table.use(shard)
             v = self._table.versions.get(vid.step)
-            if v is None or v.key != (vid.epoch, vid.step):
-                return
-            cfg = self._cfg
-            mine = [s for s in v.shards.values() if s.owner == cfg.slot and s.lent]
-            for shard in mine:
-                self._table.use(shard)
-        try:
-            futures = []
-            for holder in holders:
-                futures += self._send_shards(vid, holder, mine, len(cfg.ranks_here))
-            for holder, fut in futures:
-                try:
-                    fut.result(timeout=cfg.timeout_s)
-                except Exception as exc:  # noqa: BLE001 - any failed copy vetoes the version
-                    self._copy_failed(vid, holder, exc)
-                    return
-        finally:
-            with self._lock:
-                for shard in mine:
-                    self._table.done_with(shard)
-
-    def _send_shards(self, vid: VersionId, holder: int, shards: list, count: int) -> list:
         try:
             channel = self._channel(holder)
-            out = []
-            for shard in shards:
-                meta = json.dumps({"epoch": vid.epoch, "owner": self._cfg.slot, "rank": shard.rank, "shards": count,
-                                   "plan_id": shard.plan_id}).encode()
-                key = (holder, shard.plan_id, shard.rank)
-                if key not in self._plans_sent:
-                    # Once per plan and holder, and acknowledged before the shard: the holder
-                    # checks a copy against its plan the moment the copy is complete.
-                    _, encoded = self._table.plans[(shard.plan_id, shard.rank)]
-                    channel.send(self._header(vid, f"plan/{shard.rank}", encoded, meta), encoded,
-                                 timeout=self._cfg.timeout_s)
-                    self._plans_sent.add(key)
-                region = shard.seg.array
-                out.append((holder, channel.send_async(self._header(vid, f"region/{shard.rank}", region, meta),
-                                                       region)))
-                out.append((holder, channel.send_async(
-                    self._header(vid, f"record/{shard.rank}", shard.record_bytes, meta), shard.record_bytes)))
-            return out
-        except Exception as exc:  # noqa: BLE001
+            meta = json.dumps({"epoch": vid.epoch, "owner": self._cfg.slot, "rank": shard.rank, "shards": count,
+                               "plan_id": shard.plan_id}).encode()
+            key = (holder, shard.plan_id, shard.rank)
+            if key not in self._plans_sent:
+                _, encoded = self._table.plans[(shard.plan_id, shard.rank)]
+                channel.send(self._header(vid, f"plan/{shard.rank}", encoded, meta), encoded,
+                             timeout=self._cfg.timeout_s)
+                self._plans_sent.add(key)
+            if v is not None:
+                v.mark("replicating")
+            region = channel.send_async(self._header(vid, f"region/{shard.rank}", shard.seg.array, meta),
+                                        shard.seg.array)
+            if not shard.recorded.wait(self._cfg.timeout_s) or shard.record is None:
+                region.cancel()
+                return  # the record failed: the version is vetoed already
+            record = channel.send_async(self._header(vid, f"record/{shard.rank}", shard.record_bytes, meta),
+                                        shard.record_bytes)
+            region.result(timeout=self._cfg.timeout_s)
+            record.result(timeout=self._cfg.timeout_s)
+            if v is not None:
+                with self._lock:
+                    v.mark("sent")
+        except Exception as exc:  # noqa: BLE001 - any failed copy vetoes the version
             self._copy_failed(vid, holder, exc)
-            return []
+        finally:
+            with self._lock:
+                self._table.done_with(shard)
 
     def _header(self, vid: VersionId, name: str, data, meta: bytes) -> Header:
         n = memoryview(data).nbytes
@@ -571,6 +584,7 @@ class HostStore:
             if len(theirs) < count or not all(s.complete for s in theirs):
                 return
             v.acked.add(owner)
+            v.mark(f"copies of slot {owner} complete")
             for s in theirs:
                 self._table.use(s)
         try:
@@ -583,6 +597,8 @@ class HostStore:
             log.warning("node %s: %s", self.node_id[:12], problem)
         log.debug("node %s: acknowledging slot %d's copies of %s (ok=%s)", self.node_id[:12], owner, vid,
                   problem is None)
+        with self._lock:
+            v.mark(f"copies of slot {owner} checked")
         ack = ReplicaAck(vid, self._cfg.slot, ok=problem is None, reason=problem or "")
         with self._lock:
             actions = self._commit.replica_stored(vid, owner, ok=ack.ok, reason=ack.reason) \
@@ -808,6 +824,14 @@ class HostStore:
                 return False
             self._held_votes.append(action)
             return True
+
+    def timeline(self, step: int) -> dict[str, float]:
+        """When each phase of ``step`` happened here (unix seconds): staged, recorded,
+        replicating, sent, copies of slot N complete/checked, decided (for benchmarks and
+        ``gemini_ckpt status``)."""
+        with self._lock:
+            v = self._table.versions.get(step)
+            return dict(v.marks) if v is not None else {}
 
     def corrupt_for_test(self, step: int, rank: int, offset: int) -> int:
         """Flip one byte of a kept copy (in place): lets tests and the chaos harness prove that

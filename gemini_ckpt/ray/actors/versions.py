@@ -17,6 +17,7 @@ every call.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -45,6 +46,7 @@ class Shard:
     received: bool = False  # every byte of the region is here
     users: int = 0  # transfers and readers using seg right now
     dropped: bool = False  # released while in use: freed by the last user
+    recorded: threading.Event = field(default_factory=threading.Event)  # the record is set (or failed)
 
     @property
     def complete(self) -> bool:
@@ -62,6 +64,10 @@ class Version:
     world_size: int = 0
     started_unix: float = field(default_factory=time.time)
     acked: set = field(default_factory=set)  # owners whose copies this store acknowledged
+    marks: dict = field(default_factory=dict)  # what happened when (time.time()), for timelines
+
+    def mark(self, what: str) -> None:
+        self.marks.setdefault(what, time.time())
 
     @property
     def key(self) -> tuple[int, int]:
@@ -135,8 +141,8 @@ class VersionTable:
         v = self.versions[step] = Version(epoch, step, world_size=world_size)
         return v
 
-    def stage(self, v: Version, rank: int, seg_id: int, plan: ShardPlan, record: ShardRecord, *, owner: int,
-              record_bytes: bytes) -> Shard:
+    def stage(self, v: Version, rank: int, seg_id: int, plan: ShardPlan, *, owner: int) -> Shard:
+        """The segment lent to ``rank`` now holds its shard of ``v`` (the record follows)."""
         lent = self.lent.get(seg_id)
         if lent is None or lent.rank != rank or lent.state != "staging":
             raise ValueError(f"node {self.node[:12]}: segment {seg_id} is not lent to rank {rank} for staging")
@@ -144,7 +150,7 @@ class VersionTable:
         if old is not None:
             self._free_shard(old)
         lent.state = "held"
-        shard = v.shards[rank] = Shard(rank, owner, lent.seg, True, plan.plan_id, record, record_bytes, True)
+        shard = v.shards[rank] = Shard(rank, owner, lent.seg, True, plan.plan_id, received=True)
         return shard
 
     def receive(self, v: Version, rank: int, owner: int, nbytes: int) -> Shard:
