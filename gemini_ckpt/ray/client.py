@@ -269,30 +269,43 @@ class RayTier(MemoryTier):
             raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
                                        f"{self.config.resolved_namespace!r}")
         plans, records, copies, problems = {}, {}, {}, []
+        held = self._shard_infos(step, where)  # one call per store, all in parallel
         for rank in range(where.world_size):
             for slot in where.copies[rank]:
-                handle = self._live().get(slot)
-                if handle is None:
+                got = held.get(slot, {}).get(rank)
+                if got is None:
                     continue
                 try:
-                    got = ray.get(handle.shard_info.remote(step, [rank]), timeout=self.config.timeout_s).get(rank)
-                    if got is None:
-                        continue
                     plans[rank], records[rank] = ShardPlan.decode(got[0], key), ShardRecord.decode(got[1], key)
                     break
                 except ShardFormatError as exc:
                     problems.append(f"{self._describe(slot)}: rank {rank}: {exc}")
                     log.warning("rank %d: the plan or record of rank %d held by %s is damaged: %s", self.rank, rank,
                                 self._describe(slot), exc)
-                except RayActorError:
-                    self._mark_dead(slot, "died")
-                except (RayTaskError, GetTimeoutError) as exc:
-                    problems.append(f"{self._describe(slot)}: {type(exc).__name__}")
             if rank not in plans:
                 raise ShardFormatError(f"step {step}: no live store has an intact plan and record of rank {rank}'s "
                                        f"shard" + (f" ({'; '.join(problems)})" if problems else ""))
             copies[rank] = [self._copy(step, rank, slot, plans[rank].region_bytes) for slot in where.copies[rank]]
         return MemoryVersion(step, plans, records, copies, on_close=lambda: self._release_maps(copies))
+
+    def _shard_infos(self, step: int, where: Resolved) -> dict[int, dict]:
+        """slot -> {rank: (plan bytes, record bytes)} from every live store holding a copy."""
+        wanted: dict[int, list[int]] = {}
+        for rank, slots in where.copies.items():
+            for slot in slots:
+                wanted.setdefault(slot, []).append(rank)
+        live = self._live()
+        calls = {slot: live[slot].shard_info.remote(step, ranks) for slot, ranks in wanted.items() if slot in live}
+        out = {}
+        for slot, ref in calls.items():
+            try:
+                out[slot] = ray.get(ref, timeout=self.config.timeout_s)
+            except RayActorError:
+                self._mark_dead(slot, "died")
+            except (RayTaskError, GetTimeoutError) as exc:
+                log.warning("rank %d: %s did not say what it holds of step %d: %s", self.rank, self._describe(slot),
+                            step, type(exc).__name__)
+        return out
 
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
