@@ -59,7 +59,7 @@ class CheckpointConfig:
         timeout_s: limit for every blocking call (waits, collectives, store calls).
         signing_key: bytes or str; signs every version's manifest (HMAC-SHA256) and refuses
             unsigned or wrongly signed ones at restore. None: ``$GEMINI_CKPT_SIGNING_KEY`` if set.
-        replication_bandwidth: cap on the bytes per second each training process sends to its
+        replication_bandwidth: cap on the bytes per second each host store sends to the other
             holders over the data plane (None: unlimited), so replication stays out of the way
             of training's own traffic.
         overwrite: a job that starts without restoring, while the store or the durable tier
