@@ -56,7 +56,8 @@ def test_lent_segments_are_reused_only_when_their_version_is_released_and_nobody
     lent.seg.array[:] = 7
     record = make_record(plan, lent.seg.array, [b"extra"], epoch=1, step=5)
     v = table.version(1, 5, world_size=2)
-    shard = table.stage(v, 0, lent.seg.id, plan, record, owner=0, record_bytes=record.encode())
+    shard = table.stage(v, 0, lent.seg.id, plan, owner=0)
+    shard.record, shard.record_bytes = record, record.encode()  # computed after staging, as the store does
     assert table.lend(0, plan.region_bytes).seg is not lent.seg  # held by step 5: another one
     table.use(shard)  # e.g. being sent to a holder
     table.release(v)
