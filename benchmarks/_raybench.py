@@ -53,7 +53,7 @@ def start_cluster(hosts: int, plasma_bytes: int) -> Cluster:
 
 
 def stop_cluster(cluster: Cluster, namespaces=()) -> None:
-    from gemini_ckpt._cluster import shutdown_host_stores
+    from gemini_ckpt.ray.cluster import shutdown_host_stores
 
     for ns in namespaces:
         try:
@@ -62,10 +62,6 @@ def stop_cluster(cluster: Cluster, namespaces=()) -> None:
             pass
     ray.shutdown()
     cluster.shutdown()
-
-
-def slowest(values: list[float]) -> float:
-    return max(values)
 
 
 def median(values: list[float]) -> float:
@@ -84,32 +80,17 @@ class Rank:
     def setup(self, rank: int, world_size: int, port: int, mb: int, fill: bool = True) -> int:
         import datetime
 
-        import torch
         import torch.distributed as dist
-        from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from gemini_ckpt.demo.toy import linear_stack
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=900))
         self.rank, self.world_size = rank, world_size
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
-        with torch.device("meta"):
-            model = nn.Sequential(*[nn.Linear(LAYER_DIM, LAYER_DIM, bias=False) for _ in range(layers)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(rank)
-            for p in model.parameters():
-                local = p.to_local()
-                if fill:
-                    local.copy_(torch.rand(local.shape, generator=gen))
-                else:
-                    local.zero_()
-        self.model = model
+        self.model = model = linear_stack(layers, LAYER_DIM, mesh, seed=rank, fill=fill)
         return sum(p.to_local().nbytes for p in model.parameters())
 
     def node_id(self) -> str:

@@ -59,29 +59,17 @@ class BenchRank:
     def setup(self, rank: int, world_size: int, port: int, mb: int) -> int:
         import datetime
 
-        import torch
         import torch.distributed as dist
-        from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+
+        from gemini_ckpt.demo.toy import linear_stack
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=600))
         self.rank, self.world_size = rank, world_size
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
-        with torch.device("meta"):
-            model = nn.Sequential(*[nn.Linear(LAYER_DIM, LAYER_DIM, bias=False) for _ in range(layers)])
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for p in model.parameters():
-                local = p.to_local()
-                local.copy_(torch.rand(local.shape, generator=gen))
-        self.model = model
+        self.model = model = linear_stack(layers, LAYER_DIM, mesh, seed=rank)
         return sum(p.to_local().nbytes for p in model.parameters())
 
     def gemini(self, replicas: int, steps: int, namespace: str) -> list[dict]:
@@ -244,7 +232,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.mb, args.steps = 16, 1
 
-    from gemini_ckpt._cluster import shutdown_host_stores
+    from gemini_ckpt.ray.cluster import shutdown_host_stores
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
@@ -315,7 +303,7 @@ def main(argv=None) -> int:
 def _store_timeline(namespace: str, step: int) -> dict:
     """Per host store, when each phase of ``step`` happened, in seconds after the first store
     had a shard staged (where the time after the stall goes)."""
-    from gemini_ckpt._cluster import alive_node_ids, find_store
+    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
 
     marks = {}
     for node in alive_node_ids():

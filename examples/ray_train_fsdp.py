@@ -34,7 +34,7 @@ def train_loop_per_worker(config: dict) -> None:
     from torch.distributed.fsdp import fully_shard
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from gemini_ckpt._toy import TinyLM, TokenDataset, lm_loss, warmup_cosine
+    from gemini_ckpt.demo.toy import TinyLM, TokenDataset, lm_loss, warmup_cosine
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
@@ -126,13 +126,13 @@ def main() -> None:
         run_config=RunConfig(
             name=args.name,
             storage_path=os.path.abspath(args.storage) if "://" not in args.storage else args.storage,
-            callbacks=[gray.HostStores(ckpt_config)],  # gemini_ckpt: host stores live as long as fit()
             failure_config=FailureConfig(max_failures=3),  # restarts restore from peer memory
             checkpoint_config=RayCheckpointConfig(num_to_keep=3),  # retention of durable versions
         ),
     )
     try:
-        result = trainer.fit()
+        with gray.host_stores(ckpt_config, run_name=args.name):  # gemini_ckpt: host stores live as long as fit()
+            result = trainer.fit()
         print(f"final metrics: {result.metrics}")
         print(f"newest durable version (a stock DCP checkpoint): {result.checkpoint.path}")
     finally:

@@ -22,31 +22,55 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _EXPORTS = {
-    "BackgroundError": "._errors",
-    "CheckpointConfig": "._config",
-    "CheckpointError": "._errors",
-    "CheckpointStats": "._checkpointer",
-    "CheckpointTimeoutError": "._errors",
-    "Checkpointer": "._checkpointer",
-    "ChecksumError": "._errors",
-    "ConfigError": "._errors",
-    "FencedError": "._errors",
-    "MemoryBudgetError": "._errors",
-    "RestoreResult": "._handle",
-    "SaveHandle": "._handle",
-    "StructureMismatchError": "._errors",
-    "TrainState": "._state",
-    "VersionNotFoundError": "._errors",
-    "cluster_status": "._status",
+    "BackgroundError": ".errors",
+    "CheckpointConfig": ".config",
+    "CheckpointError": ".errors",
+    "CheckpointStats": ".results",
+    "CheckpointTimeoutError": ".errors",
+    "Checkpointer": ".checkpointer",
+    "ChecksumError": ".errors",
+    "ConfigError": ".errors",
+    "FencedError": ".errors",
+    "MemoryBudgetError": ".errors",
+    "RestoreResult": ".results",
+    "SaveHandle": ".results",
+    "StructureMismatchError": ".errors",
+    "TrainState": ".state",
+    "VersionNotFoundError": ".errors",
+    "cluster_status": ".cli.status",
 }
+_MODULES = {"ray_train": ".integrations.ray_train"}  # ``from gemini_ckpt import ray_train as gray``
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # a literal, so that tools see what the lazy names are
+    "BackgroundError",
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointStats",
+    "CheckpointTimeoutError",
+    "Checkpointer",
+    "ChecksumError",
+    "ConfigError",
+    "FencedError",
+    "MemoryBudgetError",
+    "RestoreResult",
+    "SaveHandle",
+    "StructureMismatchError",
+    "TrainState",
+    "VersionNotFoundError",
+    "cluster_status",
+    "ray_train",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name], __name__)
+        globals()[name] = value
+        return value
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'gemini_ckpt' has no attribute {name!r}")
@@ -60,11 +84,20 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from ._checkpointer import Checkpointer, CheckpointStats
-    from ._config import CheckpointConfig
-    from ._errors import (BackgroundError, CheckpointError, CheckpointTimeoutError, ChecksumError,
-                          ConfigError, FencedError, MemoryBudgetError, StructureMismatchError,
-                          VersionNotFoundError)
-    from ._handle import RestoreResult, SaveHandle
-    from ._state import TrainState
-    from ._status import cluster_status
+    from .checkpointer import Checkpointer
+    from .cli.status import cluster_status
+    from .config import CheckpointConfig
+    from .errors import (
+        BackgroundError,
+        CheckpointError,
+        CheckpointTimeoutError,
+        ChecksumError,
+        ConfigError,
+        FencedError,
+        MemoryBudgetError,
+        StructureMismatchError,
+        VersionNotFoundError,
+    )
+    from .integrations import ray_train
+    from .results import CheckpointStats, RestoreResult, SaveHandle
+    from .state import TrainState

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Optional
 
-from ._demo import add_demo_command
 from .chaos._cli import add_chaos_command
-from ._durable_cli import add_ls_command, add_verify_command
-from ._status import add_status_command
+from .cli.durable import add_ls_command, add_verify_command
+from .cli.status import add_status_command
+from .demo.cli import add_demo_command
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_status_command,

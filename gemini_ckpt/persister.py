@@ -35,16 +35,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
-from ._checksum import checksum
-from ._durable import DurableTier
-from ._errors import BackgroundError, CheckpointError, CheckpointTimeoutError
-from ._faults import fire
-from ._handle import SaveHandle
-from ._store import ItemChecksum, VersionManifest
-from ._trust import metadata_loads, resolve_key, sign, value_loads
+from .checksum import checksum
+from .errors import BackgroundError, CheckpointError, CheckpointTimeoutError
+from .faults import fire
+from .results import CheckpointStats, SaveHandle
 from .save.framing import FileItem, value_section, write_tensors
 from .save.templates import torch_save_bytes
 from .stores.base import MemoryTier
+from .stores.durable import DurableTier
+from .stores.manifest import ItemChecksum, VersionManifest
+from .trust import metadata_loads, resolve_key, sign, value_loads
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -57,14 +57,6 @@ def data_file_name(rank: int) -> str:
 
 
 @dataclass
-class PersistStats:
-    persisted: int = 0
-    failed: int = 0
-    last_step: Optional[int] = None
-    last_error: Optional[str] = None
-
-
-@dataclass
 class _Job:
     handle: SaveHandle
     pinned: bool
@@ -74,14 +66,17 @@ class Persister:
     """Persists the versions it is given, one at a time (see the module docstring)."""
 
     def __init__(self, durable: DurableTier, tier: MemoryTier, *, rank: int, world_size: int, timeout_s: float,
-                 signing_key, run_id: str, job: dict, on_error: Callable[[BaseException], None],
-                 after_persist: Optional[Callable[[int], None]] = None) -> None:
+                 signing_key, run_id: str, job: dict, stats: CheckpointStats,
+                 on_error: Callable[[BaseException], None]) -> None:
+        """Versions go to ``durable``, whose retention runs after each commit. ``stats``: the
+        Checkpointer's counters (``persisted``, ``persist_failed``, ...), updated here;
+        ``on_error``: called with each failure (on the persist thread)."""
         self.durable, self.tier = durable, tier
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.signing_key = signing_key
         self.run_id, self.job = run_id, job
-        self.stats = PersistStats()
-        self._on_error, self._after = on_error, after_persist
+        self.stats = stats
+        self._on_error = on_error
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Condition()
         self._queued: set[int] = set()
@@ -108,6 +103,20 @@ class Persister:
         with self._lock:
             return step in self._queued
 
+    def persist_on_close(self, step: Optional[int]) -> None:
+        """``close()``: queue ``step`` (the newest committed version) unless it is durable or
+        queued already, so a run's last version is durable once the job ends."""
+        if step is None or self.queued(step):
+            return
+        try:
+            if step in self.durable.complete_steps():
+                return
+        except OSError as exc:
+            log.warning("rank %d: cannot list the durable tier on close (%s); trying to persist anyway",
+                        self.rank, exc)
+        log.info("rank %d: persisting step %d on close", self.rank, step)
+        self.queue(SaveHandle(step), pinned=False)
+
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -126,15 +135,15 @@ class Persister:
             try:
                 location = self.persist(step)
                 self.stats.persisted += 1
-                self.stats.last_step = step
+                self.stats.last_persisted_step = step
                 job.handle.persisted.set_result(location)
             except BaseException as exc:  # noqa: BLE001 - the thread must outlive any failure
                 err = BackgroundError(f"rank {self.rank}: version {step} was not persisted to {self.durable.uri}: "
                                       f"{type(exc).__name__}: {exc}; the memory tier is unaffected and the next "
                                       f"persist retries")
                 err.__cause__ = exc
-                self.stats.failed += 1
-                self.stats.last_error = str(err)
+                self.stats.persist_failed += 1
+                self.stats.last_persist_error = str(err)
                 log.error("%s", err)
                 job.handle.persisted.set_exception(err)
                 self._on_error(err)
@@ -147,11 +156,6 @@ class Persister:
                 with self._lock:
                     self._queued.discard(step)
                     self._lock.notify_all()
-            if self._after is not None:
-                try:
-                    self._after(step)
-                except Exception as exc:  # noqa: BLE001 - the persist thread must outlive any error
-                    log.error("rank %d: after persisting step %d: %s: %s", self.rank, step, type(exc).__name__, exc)
 
     def persist(self, step: int) -> str:
         """Write one committed version (rank 0 writes; the others wait for its outcome)."""
@@ -192,7 +196,13 @@ class Persister:
             placed = {rank: self._write_file(step, view, rank, sections[rank]) for rank in sorted(view.plans)}
         fire("persist_commit", step=step, rank=self.rank)
         manifest = self._manifest(step, view, value_items, placed, sections)
-        return durable.commit(step, manifest)
+        location = durable.commit(step, manifest)
+        try:
+            durable.apply_retention()
+        except OSError as exc:  # the version is durable; old ones go at the next commit instead
+            log.error("durable tier %s: step %d is committed, but removing older versions failed (%s: %s)",
+                      durable.uri, step, type(exc).__name__, exc)
+        return location
 
     def _write_file(self, step: int, view, rank: int, section: bytes) -> list[FileItem]:
         plan = view.plans[rank]

@@ -14,14 +14,14 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from gemini_ckpt._errors import VersionNotFoundError
+from gemini_ckpt.errors import VersionNotFoundError
 from gemini_ckpt.save.dcp import MemoryVersion, ShardCopy
 from gemini_ckpt.stores.base import Capabilities, MemoryTier, Outcome
 from gemini_ckpt.stores.shards import Segment, ShardPlan, ShardRecord, make_record
 
 
 class DirTier(MemoryTier):
-    capabilities = Capabilities(read_sources=("local",))
+    capabilities = Capabilities()
 
     def __init__(self, root: str, *, rank: int, world_size: int, timeout_s: float = 60.0) -> None:
         self.root, self.rank, self.world_size, self.timeout_s = root, rank, world_size, timeout_s

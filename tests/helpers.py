@@ -25,7 +25,7 @@ def corrupt_durable_item(root, step: int, fqn: str) -> None:
     """Flip one byte inside item ``fqn`` of a durable version under the local directory ``root``."""
     import os
 
-    from gemini_ckpt._durable import DurableTier
+    from gemini_ckpt.stores.durable import DurableTier
 
     view = DurableTier(str(root)).open(step)
     info = next(info for index, info in view.metadata.storage_data.items() if index.fqn == fqn)
@@ -35,3 +35,17 @@ def corrupt_durable_item(root, step: int, fqn: str) -> None:
         byte = f.read(1)
         f.seek(info.offset + info.length // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def listening(port: int) -> bool:
+    """Whether a socket on this machine listens on TCP ``port`` (Linux: /proc/net/tcp{,6}).
+    Connections of a closed store (TIME_WAIT) and other processes' outgoing sockets that
+    happen to get the port next do not count."""
+    import os
+
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as fh:
+                rows += [line.split() for line in fh.readlines()[1:]]
+    return any(int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A" for row in rows)  # 0A: LISTEN

@@ -1,89 +1,30 @@
-"""A local Ray cluster of simulated hosts, and training ranks as Ray actors, for multi-host tests.
+"""Training ranks as Ray actors, for the multi-host tests (on the session's
+:class:`gemini_ckpt.ray.local.LocalCluster`, the ``ray_cluster`` fixture of
+``tests/integration/conftest.py``).
 
-- :func:`start_cluster` / the ``ray_cluster`` fixture (module scope): a head node plus ``hosts``
-  nodes, node ``i`` carrying the custom resource ``host{i}``; fast node health checks so a
-  removed node is noticed within about a second. Teardown kills every detached gemini_ckpt actor.
 - :class:`Ranks`: one :class:`RankWorker` actor per host (rank ``i`` pinned to ``host{i}``), each
   training a small FSDP2 model over gloo with a ``Checkpointer``; dead workers are replaced by
   :meth:`Ranks.replace_dead`, and a job restarts with :meth:`Ranks.setup` (new process group).
 
-Add/remove nodes only from the main thread (``Cluster`` is not thread-safe).
+Add/remove hosts only from the main thread (``Cluster`` is not thread-safe).
 """
 
 from __future__ import annotations
 
 import os
-import socket
-import sys
 import time
 from typing import Any, Optional
-
-import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from gemini_ckpt._digest import digest as digest_state  # noqa: E402
-
-SYSTEM_CONFIG = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 3,
-}
-OBJECT_STORE_BYTES = 120 * 2**20
-
-
-def start_cluster(hosts: int = 4, *, object_store_bytes: int = OBJECT_STORE_BYTES) -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "include_dashboard": False, "object_store_memory": object_store_bytes,
-        "_system_config": SYSTEM_CONFIG})
-    for i in range(hosts):
-        add_host(cluster, i, object_store_bytes=object_store_bytes)
-    ray.init(address=cluster.address, log_to_driver=False, namespace="gemini_tests")
-    # Workers cannot import this file (tests/ is not a package on their path): ship it by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return cluster
-
-
-def add_host(cluster: Cluster, i: int, *, object_store_bytes: int = OBJECT_STORE_BYTES):
-    """Add simulated host ``i`` (resource ``host{i}``), e.g. a replacement for a removed one."""
-    node = cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=object_store_bytes)
-    if not hasattr(cluster, "gemini_hosts"):
-        cluster.gemini_hosts = {}
-    cluster.gemini_hosts[i] = node
-    return node
-
-
-def stop_cluster(cluster: Cluster) -> None:
-    from gemini_ckpt._cluster import named_actors, shutdown_host_stores
-
-    try:
-        for namespace in named_actors():
-            shutdown_host_stores(namespace)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    cluster = start_cluster()
-    try:
-        yield cluster
-    finally:
-        stop_cluster(cluster)
-
-
-def host_node(cluster: Cluster, i: int):
-    """The cluster's node object of simulated host ``i`` (for ``cluster.remove_node``)."""
-    return cluster.gemini_hosts[i]
+from gemini_ckpt.state.digest import digest as digest_state  # noqa: E402
 
 
 def node_id_of_host(i: int) -> str:
+    """The Ray node id of live simulated host ``i``."""
     for n in ray.nodes():
         if n["Alive"] and n["Resources"].get(f"host{i}"):
             return n["NodeID"]
@@ -130,11 +71,10 @@ class RankWorker:
     def setup(self, rank: int, world_size: int, port: int, config: dict, seed: int = 0, ballast_mb: int = 0) -> dict:
         import torch
         import torch.distributed as dist
-        from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+        from gemini_ckpt.demo.toy import fully_shard_layers, mlp
 
         self.teardown()
         timeout = __import__("datetime").timedelta(seconds=180)
@@ -143,11 +83,7 @@ class RankWorker:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_shard_layers(mlp(64), mesh)
         if ballast_mb:  # saved state that takes no part in training: ``ballast_mb`` MB per rank
             from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -223,7 +159,7 @@ class RankWorker:
         """SIGKILL this process when the library reaches ``phase`` of version ``step``."""
         import signal
 
-        from gemini_ckpt import _faults
+        from gemini_ckpt import faults as _faults
 
         def hook(p, **ctx):
             if p == phase and ctx.get("step") == step:
@@ -349,7 +285,7 @@ class Ranks:
 
 
 def status(namespace: str):
-    from gemini_ckpt._status import cluster_status
+    from gemini_ckpt.cli.status import cluster_status
 
     return cluster_status(namespace)[namespace]
 
@@ -364,7 +300,7 @@ def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: st
 def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
     """Flip one byte inside the biggest tensor item of host ``host``'s copy of rank ``rank``'s
     shard of ``step``; returns the item's key."""
-    from gemini_ckpt._cluster import find_store
+    from gemini_ckpt.ray.cluster import find_store
     from gemini_ckpt.stores.shards import ShardPlan
 
     store = find_store(namespace, node_id_of_host(host))
@@ -376,7 +312,7 @@ def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
 
 def holds_own_shard(namespace: str, host: int, step: int) -> bool:
     """Whether host ``host``'s store holds a complete copy of its own rank's shard of ``step``."""
-    from gemini_ckpt._cluster import find_store
+    from gemini_ckpt.ray.cluster import find_store
 
     index = ray.get(find_store(namespace, node_id_of_host(host)).index.remote())
     shard = index.get(step, {}).get("shards", {}).get(host)

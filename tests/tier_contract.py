@@ -1,5 +1,7 @@
-"""What every memory tier must do (the process-local one, the host stores), as one function:
-the call order of :mod:`gemini_ckpt.stores.base`, from one rank of a world of one."""
+"""What every tier must do, as two functions: :func:`check_read_contract` for anything restore
+reads from (the process-local memory tier, the host stores, the durable tier), and
+:func:`check_tier_contract` for a memory tier (the call order of :mod:`gemini_ckpt.stores.base`,
+from one rank of a world of one), which includes the read contract."""
 
 from __future__ import annotations
 
@@ -30,16 +32,32 @@ def _save(tier, step: int, fill: float, plan=None):
     return plan
 
 
+def check_read_contract(tier, step: int, expected: dict) -> None:
+    """``tier`` holds version ``step`` whose items ``expected`` maps (MetadataIndex -> tensor)."""
+    steps = tier.committed_steps()
+    assert step in steps and steps == sorted(steps)
+    view = tier.open(step)
+    try:
+        assert view.step == step and view.world_size >= 1
+        for index, value in expected.items():
+            got = view.read(index)
+            assert torch.equal(got, value), index
+        with pytest.raises(LookupError):
+            view.read(MetadataIndex("no.such.item", torch.Size([0])))
+    finally:
+        view.close()
+    with pytest.raises(VersionNotFoundError):
+        tier.open(max(steps) + 10_000)
+
+
 def check_tier_contract(tier, *, keep: int) -> None:
     plan = _save(tier, 10, 1.0)
     # 1. committed_steps lists what was handed off; open() gives a verified, item-by-item view.
-    assert 10 in tier.committed_steps()
+    check_read_contract(tier, 10, {MetadataIndex("model.w", torch.Size([0, 0]), 0): torch.full((64, 33), 1.0),
+                                   MetadataIndex("model.b", torch.Size([0]), 1): torch.arange(7) + 1})
     view = tier.open(10)
     try:
-        assert view.plans[0] == plan.shard and view.world_size == 1 and view.step == 10
-        w = view.read(MetadataIndex("model.w", torch.Size([0, 0]), 0))
-        assert torch.equal(w, torch.full((64, 33), 1.0))
-        assert torch.equal(view.read(MetadataIndex("model.b", torch.Size([0]), 1)), torch.arange(7) + 1)
+        assert view.plans[0] == plan.shard and view.world_size == 1
         assert pickle.loads(view.read(MetadataIndex("rank_local.0.extra"))) == {"fill": 1.0}  # via the allow-list
     finally:
         view.close()

@@ -28,10 +28,10 @@ Or from a shell: ``python -m gemini_ckpt chaos --matrix ci --json chaos.json``. 
 """
 
 from ._cli import add_chaos_command
+from ._harness import Harness
 from ._job import TinyJob, TrainJob
 from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
 from ._predict import Prediction, plan_scenario, predict, versions_after
-from ._harness import Harness
 from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario
 from ._spec import (

@@ -76,7 +76,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     job = load_job(args.job) if args.job else None
     log = (lambda message: None) if args.quiet else None
-    from .._ray_noise import KILLED_PROCESS, expected_deaths_hidden
+    from ..cli.quiet import KILLED_PROCESS, expected_deaths_hidden
 
     with expected_deaths_hidden(() if args.verbose else KILLED_PROCESS):
         report = run_matrix(scenarios, config=config, job=job, json_path=args.json, log=log)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pickle
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from .._digest import digest  # noqa: F401  (part of this module's interface)
+from ..state.digest import digest  # noqa: F401  (part of this module's interface)
 
 if TYPE_CHECKING:  # keep importing the facade cheap: torch is imported inside the rank processes
     from .. import TrainState
@@ -71,21 +71,15 @@ class TinyJob:
 
     def build(self, rank: int, world_size: int, seed: int) -> "TrainState":
         import torch
-        from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         from .. import TrainState
+        from ..demo.toy import fully_shard_layers, mlp
 
         self.rank, self.seed = rank, seed
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(seed)
-        w = self.width
-        model = nn.Sequential(nn.Linear(32, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 16))
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = fully_shard_layers(mlp(self.width), mesh)
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.extra = {"seen": 0}
@@ -132,8 +126,17 @@ def load_full_state(state: "TrainState", full: dict[str, Any], opaque: dict[str,
     path: the independent reference a resized job is compared with."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from .._loader_compat import fix_resume
-    from .._state import DATALOADER, EXTRA, RANK_LOCAL, RNG, SCALER, SCHEDULER, derive_rng_state, restore_rng_state
+    from ..state.loader import fix_resume
+    from ..state.train_state import (
+        DATALOADER,
+        EXTRA,
+        RANK_LOCAL,
+        RNG,
+        SCALER,
+        SCHEDULER,
+        derive_rng_state,
+        restore_rng_state,
+    )
 
     set_state_dict(state.module, state.optimizers, model_state_dict=full["model"],
                    optim_state_dict=full.get("optim", {}), options=StateDictOptions(full_state_dict=True))

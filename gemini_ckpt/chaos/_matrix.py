@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from ._harness import Harness, StoreFactory, as_job
+from ._harness import Harness, as_job
+from ._jobrun import StoreFactory
 from ._results import ScenarioResult
 from ._runner import run_scenario
 from ._spec import (

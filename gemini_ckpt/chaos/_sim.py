@@ -1,10 +1,7 @@
-"""A local Ray cluster of simulated hosts, and the pool of training ranks on it.
+"""The pool of training ranks on a local cluster of simulated hosts
+(:class:`gemini_ckpt.ray.local.LocalCluster`: ``remove_hosts`` is a machine loss, ``add_host``
+brings a replacement with the same ``host{i}`` resource).
 
-- :class:`SimCluster`: a head node plus ``hosts`` nodes (``ray.cluster_utils.Cluster``), node
-  ``i`` carrying the custom resource ``host{i}``, with fast health checks so a removed node is
-  noticed within about a second. ``remove_host`` is a machine loss (``allow_graceful=False``:
-  its raylet and every process on it die at once); ``add_host`` brings a replacement with the
-  same ``host{i}`` resource. Only the thread that created the cluster may add or remove nodes.
 - :class:`RankPool`: at most one :class:`~gemini_ckpt.chaos._worker.RankWorker` per host, reused
   across jobs; a dead or unclean worker is replaced on the same host.
 """
@@ -13,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from typing import Callable, Optional
 
@@ -23,17 +19,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayError  # noqa: E402
 
+from ..ray.local import LocalCluster  # noqa: E402
 from ._worker import RankWorker  # noqa: E402
 
 RAY_NAMESPACE = "gemini_chaos"
-SYSTEM_CONFIG = {
-    "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 3,
-}
-
-
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:
@@ -45,87 +34,10 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-class SimCluster:
-    """Head + ``hosts`` simulated hosts on this machine (see the module docstring)."""
-
-    def __init__(self, hosts: int, *, object_store_bytes: int = 80 << 20) -> None:
-        self.hosts = hosts
-        self.object_store_bytes = object_store_bytes
-        self.cluster = None
-        self._nodes: dict[int, object] = {}
-        self._thread = threading.get_ident()
-
-    def start(self) -> "SimCluster":
-        from ray.cluster_utils import Cluster
-
-        if ray.is_initialized():
-            raise RuntimeError("chaos: this process is already connected to Ray; the harness starts its own "
-                               "cluster of simulated hosts: call ray.shutdown() first")
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
-            "_system_config": SYSTEM_CONFIG})
-        try:
-            for i in range(self.hosts):
-                self.add_host(i)
-            ray.init(address=self.cluster.address, log_to_driver=False, namespace=RAY_NAMESPACE)
-        except BaseException:
-            self.cluster.shutdown()
-            raise
-        return self
-
-    def _main_thread_only(self, what: str) -> None:
-        if threading.get_ident() != self._thread:
-            raise RuntimeError(f"chaos: {what} must run on the thread that started the cluster")
-
-    def add_host(self, i: int):
-        self._main_thread_only("add_host")
-        node = self.cluster.add_node(num_cpus=1, resources={f"host{i}": 1},
-                                     object_store_memory=self.object_store_bytes)
-        self._nodes[i] = node
-        return node
-
-    def remove_hosts(self, hosts: tuple[int, ...], *, timeout: float = 60.0) -> None:
-        """Hard-remove hosts at once and wait until Ray knows they are dead."""
-        self._main_thread_only("remove_hosts")
-        ids = {self.node_id(i) for i in hosts}
-        for i in hosts:
-            self.cluster.remove_node(self._nodes.pop(i), allow_graceful=False)
-        wait_for(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] in ids), timeout,
-                 f"hosts {list(hosts)} to be reported dead")
-
-    def node_id(self, i: int) -> str:
-        for n in ray.nodes():
-            if n["Alive"] and n["Resources"].get(f"host{i}"):
-                return n["NodeID"]
-        raise LookupError(f"chaos: no alive node with resource host{i}")
-
-    def present(self) -> set[int]:
-        return set(self._nodes)
-
-    def ensure_hosts(self) -> list[int]:
-        """Add back every host that was removed without a replacement."""
-        added = [i for i in range(self.hosts) if i not in self._nodes]
-        for i in added:
-            self.add_host(i)
-        return added
-
-    def shutdown(self) -> None:
-        from .._cluster import named_actors, shutdown_host_stores
-
-        try:
-            if ray.is_initialized():
-                for namespace in named_actors():
-                    shutdown_host_stores(namespace)
-        finally:
-            ray.shutdown()
-            if self.cluster is not None:
-                self.cluster.shutdown()
-
-
 class RankPool:
     """Rank actors by host (see the module docstring)."""
 
-    def __init__(self, sim: SimCluster) -> None:
+    def __init__(self, sim: LocalCluster) -> None:
         self.sim = sim
         self.workers: dict[int, object] = {}
         self.infos: dict[int, dict] = {}

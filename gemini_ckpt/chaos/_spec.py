@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from .._faults import PHASES as LIBRARY_PHASES
+from ..faults import PHASES as LIBRARY_PHASES
 
 STEP = "step"
 STORE_PHASES = ("commit",)
@@ -17,7 +17,7 @@ STORE_PHASES = ("commit",)
 PHASES = (STEP,) + LIBRARY_PHASES[:1] + STORE_PHASES + LIBRARY_PHASES[1:]
 """Where a fault can strike: ``"step"`` (at the step boundary, after the step's version was
 committed, and persisted when due), one of the training process's phases
-(:mod:`gemini_ckpt._faults`) or a host store's (:data:`STORE_PHASES`)."""
+(:mod:`gemini_ckpt.faults`) or a host store's (:data:`STORE_PHASES`)."""
 COORDINATOR_PHASES = ("commit", "persist", "persist_commit")
 """Phases held on rank 0 (its host store, or its persister)."""
 PERSIST_PHASES = ("persist", "persist_commit")

@@ -69,8 +69,8 @@ class RankWorker:
         import torch.distributed as dist
 
         from .. import CheckpointConfig, Checkpointer
-        from .._durable import DurableTier
-        from .._faults import set_hook
+        from ..faults import set_hook
+        from ..stores.durable import DurableTier
 
         self.teardown()
         stage = self._stage = "rendezvous"
@@ -229,7 +229,7 @@ class RankWorker:
         replaces it."""
         import torch.distributed as dist
 
-        from .._faults import set_hook
+        from ..faults import set_hook
 
         set_hook(None)
         self._rules = []

@@ -66,7 +66,6 @@ class Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._send_lock = threading.Lock()
-        self._pending_fds: list[int] = []
 
     def send(self, header: dict, payload: bytes = b"", fds: tuple[int, ...] = ()) -> None:
         head = json.dumps(header, separators=(",", ":")).encode()

@@ -9,7 +9,7 @@ makes no Ray call per version.
 Reading (restore, persist): every live store's ``index`` says which steps are committed and
 where each shard's copies are (:mod:`gemini_ckpt.ray.resolve`); a shard held on this node is
 mapped (no transfer), one held only by peers is pushed by a peer over the data plane into a
-buffer here, 16 MiB blocks at a time, a few ahead of the reader.
+buffer here, 16 MiB blocks at a time, a few ahead of the reader (:mod:`.readahead`).
 
 Call :func:`connect` on every rank (``Checkpointer.start`` does): it is the rendezvous that
 fixes the host slots and opens the epoch, which fences an earlier attempt's writes.
@@ -21,18 +21,13 @@ import concurrent.futures
 import logging
 import threading
 import time
-import uuid
-import weakref
-from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from .._cluster import current_node_id, ensure_ray, find_store, get_or_create_registry, get_or_create_store
-from .._config import CheckpointConfig
-from .._errors import (
+from ..config import CheckpointConfig
+from ..errors import (
     CheckpointError,
     CheckpointTimeoutError,
     ConfigError,
@@ -40,20 +35,26 @@ from .._errors import (
     MemoryBudgetError,
     VersionNotFoundError,
 )
-from .._trust import resolve_key
 from ..save.dcp import MemoryVersion, ShardCopy
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..stores.shards import Segment, ShardFormatError, ShardPlan, ShardRecord
+from ..trust import resolve_key
 from .attach import AttachClient, AttachError
+from .cluster import (
+    current_node_id,
+    ensure_ray,
+    find_store,
+    get_or_create_registry,
+    get_or_create_store,
+)
+from .readahead import LocalCopy, PeerCopy, ReadSink
 from .resolve import Resolved, resolve
 from .slots import SlotTable
-from .transport import Endpoint, Header, TcpConfig, TcpTransport
+from .transport import Endpoint, TcpConfig, TcpTransport
 
 log = logging.getLogger("gemini_ckpt")
 
 PROGRESS_TIMEOUT_S = 5.0  # as the host store's (gemini_ckpt.ray.actors.host_store.PROGRESS_TIMEOUT_S)
-READ_BLOCK_BYTES = 16 << 20  # read-ahead: the reader takes a shard's items in offset order
-READ_AHEAD_BLOCKS = 4  # blocks requested ahead of the reader (transfers overlap the copies)
 
 
 class ReplicationError(CheckpointError, RuntimeError):
@@ -72,7 +73,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
             "CheckpointConfig.namespace is required with store='ray' outside Ray Train: host stores are "
             "reachable by every job on the Ray cluster, and a job must not restore (or drop) another's "
             "versions. Name this job's versions, e.g. CheckpointConfig(namespace='lm-7'); a restarted job "
-            "uses the same name to find them. (gemini_ckpt.ray_train uses the run name.)")
+            "uses the same name to find them. (gemini_ckpt.integrations.ray_train uses the run name.)")
     ensure_ray()
     namespace = config.resolved_namespace
     node_id = current_node_id()
@@ -128,7 +129,7 @@ def _start_local_store(config: CheckpointConfig, node_id: str):
 class RayTier(MemoryTier):
     """One rank's view of the host stores of its namespace (see the module docstring)."""
 
-    capabilities = Capabilities(persists_itself=True, read_sources=("local", "peer"), outlives_process=True)
+    capabilities = Capabilities(persists_itself=True)
 
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, node_id: str, table: SlotTable,
                  registry, secret: bytes, attach: AttachClient, dead: set[int]) -> None:
@@ -144,7 +145,7 @@ class RayTier(MemoryTier):
         self._ahead: dict[str, concurrent.futures.Future] = {}  # plan id -> a segment asked for ahead
         self._where: dict[int, Resolved] = {}
         self._transport: Optional[TcpTransport] = None
-        self._read_sink = _ReadSink()
+        self._read_sink = ReadSink()
         self._read_listener = None
 
     # --- write: this node's store does the work ----------------------------------------------
@@ -309,15 +310,15 @@ class RayTier(MemoryTier):
 
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
-            return ShardCopy("local", _LocalCopy(self, step, rank).fetch, "this node")
+            return ShardCopy("local", LocalCopy(self, step, rank).fetch, "this node")
         handle = self._live().get(slot)
-        return ShardCopy("peer", _PeerCopy(self, slot, handle, step, rank, nbytes).fetch, self._describe(slot))
+        return ShardCopy("peer", PeerCopy(self, slot, handle, step, rank, nbytes).fetch, self._describe(slot))
 
     def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
         for rank_copies in copies.values():
             for copy in rank_copies:
                 owner = getattr(copy.fetch, "__self__", None)
-                if isinstance(owner, _LocalCopy):
+                if isinstance(owner, LocalCopy):
                     owner.release()
 
     def _reader_endpoint(self, handle) -> Endpoint:
@@ -409,127 +410,6 @@ class RayTier(MemoryTier):
         self._attach.close()
         for seg in segments:
             seg.close()
-
-
-class _LocalCopy:
-    """A shard held by this node's store, mapped read-only through the attach channel."""
-
-    def __init__(self, tier: RayTier, step: int, rank: int) -> None:
-        self.tier, self.step, self.rank = tier, step, rank
-        self.seg: Optional[Segment] = None
-
-    def fetch(self, offset: int, length: int):
-        if self.seg is None:
-            try:
-                reply, fds = self.tier._attach.request({"type": "map", "step": self.step, "rank": self.rank})
-            except (LookupError, AttachError) as exc:
-                raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
-            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False)
-        if offset < 0 or offset + length > self.seg.nbytes:
-            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
-        return self.seg.array[offset : offset + length]
-
-    def release(self) -> None:
-        if self.seg is not None:
-            seg, self.seg = self.seg, None
-            try:
-                self.tier._attach.request({"type": "unmap", "seg": seg.id})
-            except (AttachError, OSError, LookupError):
-                pass
-            seg.close()
-
-
-class _PeerCopy:
-    """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
-
-    def __init__(self, tier: RayTier, slot: int, handle, step: int, rank: int, size: int, *,
-                 block_bytes: int = READ_BLOCK_BYTES) -> None:
-        self.tier, self.slot, self.handle = tier, slot, handle
-        self.step, self.rank, self.size, self.block = step, rank, size, block_bytes
-        self.blocks: dict[int, Any] = {}
-
-    def fetch(self, offset: int, length: int):
-        if self.handle is None:
-            raise LookupError(f"the host store of slot {self.slot} is gone")
-        if offset < 0 or offset + length > self.size:
-            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
-        if length == 0:
-            return np.empty(0, np.uint8)
-        size = self.block
-        if length >= size:
-            return self._resolve(self._push(offset, length))
-        first, last = offset // size, (offset + length - 1) // size
-        for i in [i for i in self.blocks if i < first]:
-            del self.blocks[i]
-        n_blocks = -(-self.size // size)
-        for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
-            if i not in self.blocks:
-                self.blocks[i] = self._push(i * size, min(size, self.size - i * size))
-        parts = []
-        for i in range(first, last + 1):
-            block = self.blocks[i]
-            if isinstance(block, _Pending):
-                block = self.blocks[i] = self._resolve(block)
-            lo = max(offset - i * size, 0)
-            hi = min(offset + length - i * size, size)
-            parts.append(block[lo:hi])
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def _push(self, offset: int, length: int) -> "_Pending":
-        endpoint = self.tier._reader_endpoint(self.handle)
-        tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
-        self.tier._read_sink.expect(tag, into)
-        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, tag)
-
-    def _resolve(self, pending: "_Pending") -> np.ndarray:
-        try:
-            ray.get(pending.ref, timeout=self.tier.config.timeout_s)
-        except RayActorError:
-            self.tier._mark_dead(self.slot, "died")
-            raise LookupError(f"the host store of slot {self.slot} died while sending") from None
-        except RayTaskError as exc:
-            raise LookupError(f"{self.tier._describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
-        except GetTimeoutError:
-            raise LookupError(f"{self.tier._describe(self.slot)} did not send in time") from None
-        finally:
-            self.tier._read_sink.forget(pending.tag)
-        return pending.into
-
-
-@dataclass(frozen=True)
-class _Pending:
-    ref: Any
-    into: np.ndarray
-    tag: str
-
-
-class _ReadSink:
-    """Where peers push the ranges a reader asked for (one buffer per request tag)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._expected: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
-
-    def expect(self, tag: str, into: np.ndarray) -> None:
-        with self._lock:
-            self._expected[tag] = into
-
-    def forget(self, tag: str) -> None:
-        with self._lock:
-            self._expected.pop(tag, None)
-
-    def buffer_for(self, header: Header) -> memoryview:
-        with self._lock:
-            into = self._expected.get(header.put_id)
-        if into is None or into.nbytes != header.length:
-            raise ValueError(f"no read of {header.length} bytes of {header.name} is expected under this tag")
-        return memoryview(into)
-
-    def received(self, header: Header) -> None:
-        pass  # the push call's return says so
-
-    def failed(self, header: Header, error: BaseException) -> None:
-        pass  # the push call raises
 
 
 def _cause(exc: RayTaskError, prefix: str = "") -> BaseException:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import placement
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)

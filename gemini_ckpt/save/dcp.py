@@ -38,10 +38,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .._checksum import checksum
-from .._errors import CheckpointError, ChecksumError
-from .._trust import VerificationError, metadata_loads, safe_opaque, torch_load_value, value_loads
+from ..checksum import checksum
+from ..errors import CheckpointError, ChecksumError
 from ..stores.shards import ShardPlan, ShardRecord, canonical
+from ..trust import (
+    VerificationError,
+    metadata_loads,
+    safe_opaque,
+    torch_load_value,
+    value_loads,
+)
 from .plan import RawLocation
 from .stager import torch_dtype
 
@@ -188,7 +194,7 @@ def _bytes_md():
 
 
 def _canonical_manifest(manifest) -> bytes:
-    from .._trust import canonical_bytes
+    from ..trust import canonical_bytes
 
     return canonical_bytes(manifest)
 

@@ -132,15 +132,6 @@ def value_section(archives: Iterable[bytes]) -> tuple[bytes, list[FileItem]]:
     return b"".join(out), items
 
 
-def tensor_offsets(start: int, templates: Iterable[Template]) -> list[tuple[int, int]]:
-    """``(offset, length)`` of each tensor item after a value section of ``start`` bytes."""
-    out, at = [], start
-    for t in templates:
-        out.append((at, t.framed_size))
-        at += t.framed_size
-    return out
-
-
 def write_tensors(out, region, items: Iterable[tuple[int, int, Template]], *, start: int,
                   chunk_bytes: int = 8 << 20) -> list[FileItem]:
     """Append every tensor item to ``out`` (a writable binary stream that is ``start`` bytes

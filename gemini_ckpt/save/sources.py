@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
-from .._state import GRADS, TrainState
-from .._trust import is_opaque_key
+from ..state.train_state import GRADS, TrainState
+from ..trust import is_opaque_key
 from .plan import SnapshotPlan
 
 log = logging.getLogger("gemini_ckpt")

@@ -6,7 +6,7 @@ Two kinds of tier hold versions:
   stores, ``store="ray"``) takes each version's shards as they are staged and decides when a
   version is committed;
 - the **durable tier** (:class:`gemini_ckpt.stores.fs.FsStore` under
-  :class:`gemini_ckpt._durable.DurableTier`) holds persisted versions as DCP directories.
+  :class:`gemini_ckpt.stores.durable.DurableTier`) holds persisted versions as DCP directories.
 
 Both answer the reader's questions the same way (:class:`Tier`): which steps are committed,
 and a verified, item-by-item view of one (:mod:`gemini_ckpt.save.dcp`). What a memory tier
@@ -43,13 +43,9 @@ class Capabilities:
 
     ``persists_itself``: its stores write their own ranks' files to the durable tier
     (:meth:`MemoryTier.persist_files`) instead of handing the bytes to the persister.
-    ``read_sources``: where its copies can be read from (``local``, ``peer``).
-    ``outlives_process``: versions survive the training process (host stores).
     """
 
     persists_itself: bool = False
-    read_sources: tuple[str, ...] = ("local",)
-    outlives_process: bool = False
 
 
 @dataclass(frozen=True)

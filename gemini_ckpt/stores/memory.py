@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from .._errors import FencedError, MemoryBudgetError, VersionNotFoundError
+from ..errors import FencedError, MemoryBudgetError, VersionNotFoundError
+from ..retention import Retention, as_retention
 from .base import Capabilities, MemoryTier, Outcome
 from .shards import Segment, SegmentPool, ShardPlan, ShardRecord, make_record
 
@@ -43,11 +44,12 @@ class LocalStore:
         self._retired: list[_Version] = []  # let go of while a persist still reads them
         self._epoch = 0
 
-    def attach(self, *, keep: int) -> "LocalTier":
-        """Take the namespace over: a tier whose writes succeed until the next ``attach``."""
+    def attach(self, *, keep: "int | Retention") -> "LocalTier":
+        """Take the namespace over: a tier whose writes succeed until the next ``attach``.
+        ``keep``: committed versions kept, or a :mod:`~gemini_ckpt.retention` policy."""
         with self._lock:
             self._epoch += 1
-            return LocalTier(self, self._epoch, keep)
+            return LocalTier(self, self._epoch, as_retention(keep))
 
     # --- called through a LocalTier, with its epoch ----------------------------------------
     def _check(self, epoch: int) -> None:
@@ -74,7 +76,7 @@ class LocalStore:
             self._pool.release(seg)
 
     def _commit(self, epoch: int, step: int, plan: ShardPlan, seg: Segment, blobs: list[bytes], persist: bool,
-                keep: int) -> None:
+                keep: Retention) -> None:
         record = make_record(plan, seg.array, blobs, epoch=epoch, step=step)
         with self._lock:
             self._check(epoch)
@@ -84,11 +86,11 @@ class LocalStore:
             self._versions[step] = _Version(epoch, plan, record, seg, pinned=persist)
             self._retain(keep)
 
-    def _retain(self, keep: int) -> None:
-        """Call with the lock held: keep the newest ``keep`` versions (and pinned ones)."""
-        for s in sorted(self._versions)[:-keep]:
-            if not self._versions[s].pinned:
-                self._release(self._versions.pop(s))
+    def _retain(self, keep: Retention) -> None:
+        """Call with the lock held: let go of what ``keep`` dooms (never a pinned version)."""
+        pinned = [s for s, v in self._versions.items() if v.pinned]
+        for s in keep.doomed(list(self._versions), protected=pinned):
+            self._release(self._versions.pop(s))
 
     def _release(self, v: _Version) -> None:
         """Call with the lock held: free ``v``'s segment, or once its persist is done."""
@@ -97,7 +99,7 @@ class LocalStore:
         else:
             self._pool.release(v.segment)
 
-    def _unpin(self, step: int, keep: int) -> None:
+    def _unpin(self, step: int, keep: Retention) -> None:
         with self._lock:
             v = self._versions.get(step)
             if v is not None:
@@ -140,9 +142,9 @@ class LocalStore:
 class LocalTier(MemoryTier):
     """One Checkpointer's view of its namespace's :class:`LocalStore`."""
 
-    capabilities = Capabilities(persists_itself=False, read_sources=("local",), outlives_process=False)
+    capabilities = Capabilities(persists_itself=False)
 
-    def __init__(self, store: LocalStore, epoch: int, keep: int) -> None:
+    def __init__(self, store: LocalStore, epoch: int, keep: Retention) -> None:
         self.store, self.epoch, self.keep = store, epoch, keep
         self._pool: Optional[ThreadPoolExecutor] = None
 

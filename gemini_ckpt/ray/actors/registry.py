@@ -121,7 +121,7 @@ class Registry:
                 "committed": [[v.epoch, v.step] for v in committed]}
 
     async def _store_exists(self, node: str) -> bool:
-        from ..._cluster import find_store
+        from ..cluster import find_store
 
         return find_store(self.namespace, node) is not None
 
@@ -167,7 +167,7 @@ class Registry:
     def _store(self, slot: int):
         handle = self._handles.get(slot)
         if handle is None and 0 <= slot < len(self._nodes):
-            from ..._cluster import find_store
+            from ..cluster import find_store
 
             handle = self._handles[slot] = find_store(self.namespace, self._nodes[slot])
         return handle

@@ -34,7 +34,6 @@ from typing import Optional
 from ._base import Header
 
 
-
 class Fmt:
     """A ``struct`` format. Not a ``struct.Struct``: this package is pickled by value, and a
     module-level ``Struct`` cannot be (the ``struct`` module caches compiled formats anyway)."""

@@ -1,0 +1,428 @@
+"""``Checkpointer``: the two-phase save (blocking snapshot, background commit) and restore.
+
+The life of a version, on the trainer's side:
+
+1. ``save(step)``: the plan's sources are captured (:mod:`gemini_ckpt.save.sources`; the
+   first version, and a version whose structure changed, plan with DCP first:
+   :mod:`gemini_ckpt.save.plan`, the only collective saving runs), a free segment of the
+   memory tier is taken and the tensors are copied into it (:mod:`gemini_ckpt.save.stager`).
+   ``save`` returns: the snapshot aliases nothing live.
+   The segment is handed to the memory tier before ``save`` returns (one small message);
+   with host stores the checksums, replication and commit happen there, not here.
+2. The background thread waits for the version's outcome.
+3. A committed version due for the durable tier goes to the :class:`~gemini_ckpt.persister.Persister`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import CheckpointConfig
+from .errors import (
+    BackgroundError,
+    CheckpointError,
+    CheckpointTimeoutError,
+    ConfigError,
+)
+from .faults import fire
+from .lineage import Lineage, survey
+from .persister import Persister
+from .restore import restore_newest
+from .retention import KeepNewest, Retention
+from .results import CheckpointStats, RestoreResult, SaveHandle, StageInfo
+from .save.plan import make_plan
+from .save.sources import Sources
+from .save.stager import Stager, check_saveable
+from .state.train_state import TrainState
+from .stores.base import MemoryTier
+from .stores.durable import DurableTier, persist_policy
+from .stores.memory import local_store
+
+log = logging.getLogger("gemini_ckpt")
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    outcome: Any  # Future[Outcome] from the memory tier
+    t0: float
+    persist: bool
+
+
+class Checkpointer:
+    """Checkpoint a :class:`TrainState` every step into memory (and every Nth to disk).
+
+    Example::
+
+        ckpt = Checkpointer(state, CheckpointConfig(store="local", keep_in_memory=2))
+        result = ckpt.restore()          # None on a fresh start
+        start = result.step + 1 if result else 0
+        for step in range(start, total_steps):
+            ...                          # forward, backward, optimizer.step()
+            ckpt.save(step)              # returns once staged
+        ckpt.close()
+
+    Nothing is started at construction; the background thread (and, with ``store="ray"``,
+    the connection to the host stores) starts at the first ``save``/``restore``/``start``.
+    Rank and world size come from ``torch.distributed`` when it is initialized.
+    """
+
+    def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
+                 store: Optional[MemoryTier] = None, durable: Optional[DurableTier] = None,
+                 durable_retention: Optional[Retention] = None) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
+        self.state = state
+        self.config = config if config is not None else CheckpointConfig()
+        if not isinstance(self.config, CheckpointConfig):
+            raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
+        if store is not None and not isinstance(store, MemoryTier):
+            raise TypeError(f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
+                            f"got {type(store).__name__}; a durable location goes in CheckpointConfig.durable_uri")
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        self._store = store
+        self.stats = CheckpointStats()
+        self._lock = threading.Condition()
+        self._inflight = 0
+        self._errors: list[BaseException] = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._bg_group = None
+        self._closed = False
+        self._policy = persist_policy(self.config.persist_every,
+                                      self.config.durable_uri or (durable.uri if durable else None))
+        self._durable: Optional[DurableTier] = durable
+        # what the durable tier built from ``durable_uri`` lets go of (default: keep_durable newest)
+        self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
+        self._persister: Optional[Persister] = None
+        self._sources = Sources(state, self.rank)
+        self._stager = Stager()
+        self._newest_committed: Optional[int] = None
+        self._lineage = Lineage(self.config.resolved_namespace, overwrite=self.config.overwrite,
+                                durable_uri=self.config.durable_uri or (durable.uri if durable else None))
+        self._run_id = uuid.uuid4().hex
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Checkpointer":
+        """Connect to the store and start the background threads (idempotent)."""
+        if self._thread is not None:
+            return self
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; build a new one")
+        if self._store is None:
+            self._store = self._make_store()
+        if self._durable is None and self.config.durable_uri:
+            self._durable = DurableTier(self.config.durable_uri, keep=self._durable_retention)
+        existing = self._list_existing() if self.rank == 0 else ()
+        if self.world_size > 1:
+            # Background collectives get their own gloo group: sharing the training group from
+            # another thread deadlocks when the two interleave differently on two ranks.
+            self._bg_group = dist.new_group(backend="gloo")
+            box = [(self._run_id, existing)]
+            dist.broadcast_object_list(box, src=0, group=self._bg_group)
+            # rank 0's run id names this job's persist outcomes in the rendezvous store
+            self._run_id, existing = box[0]
+        self._lineage.started(existing)
+        if self._durable is not None:
+            if self.rank == 0:
+                try:
+                    self._durable.cleanup_incomplete()
+                except OSError as exc:
+                    # Memory may hold everything needed; persists will report the outage.
+                    log.warning("durable tier %s is not reachable at start (%s: %s); incomplete "
+                                "versions are cleaned up next time", self._durable.uri, type(exc).__name__, exc)
+            self._persister = Persister(
+                self._durable, self._store, rank=self.rank, world_size=self.world_size,
+                timeout_s=self.config.timeout_s, signing_key=self.config.signing_key, run_id=self._run_id,
+                job=self._job_description(), stats=self.stats, on_error=self._persist_failed)
+            self._persister.start()
+        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-bg", daemon=True)
+        self._thread.start()
+        return self
+
+    def _list_existing(self) -> tuple[int, ...]:
+        """Steps the memory and durable tiers hold now (rank 0; every rank gets its answer)."""
+        return survey(self._store, self._durable)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran (the first ``save``/``restore`` starts it)."""
+        return self._thread is not None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`abort` ran; a closed Checkpointer does not start again."""
+        return self._closed
+
+    @property
+    def durable(self) -> Optional[DurableTier]:
+        """The durable tier, when ``durable_uri`` is set (still readable after ``close``)."""
+        if self._durable is None and not self._closed:
+            self.start()
+        return self._durable
+
+    def _make_store(self) -> MemoryTier:
+        if self.config.store == "local":
+            if self.world_size > 1:
+                raise ConfigError(
+                    f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
+                    f"{self.world_size} ranks; use store='ray' (host stores) for multi-process jobs"
+                )
+            return local_store(self.config.resolved_namespace).attach(keep=KeepNewest(self.config.keep_in_memory))
+        from .ray.client import connect  # Ray is imported only when it is used
+
+        return connect(self.config, rank=self.rank, world_size=self.world_size)
+
+    @property
+    def store(self) -> MemoryTier:
+        """Where versions live in memory (connects on first use; still readable after ``close``)."""
+        if self._store is None:
+            self.start()
+        return self._store
+
+    def __enter__(self) -> "Checkpointer":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop without waiting for in-flight versions and without raising what failed: for a
+        job that is going down anyway (an exception in the training loop, a peer that died).
+        Versions already committed stay in the store; one still in flight never commits."""
+        if not self._closed:
+            self._shutdown(raise_errors=False)
+
+    # --- save ---------------------------------------------------------------------------------
+    def save(self, step: int, *, persist: bool = False) -> SaveHandle:
+        """Snapshot the state as version ``step`` and return once the copy is independent of
+        the live tensors. Raises what failed in the background since the last call."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"save(step) needs a non-negative int step, got {step!r}")
+        self.start()
+        if persist and self._durable is None:
+            raise ConfigError("save(persist=True) needs CheckpointConfig.durable_uri (a path or pyarrow.fs URI)")
+        self._raise_background_errors()
+        self._lineage.admit(step)
+        t0 = time.perf_counter()
+        with self._lock:
+            while self._inflight >= self.config.max_inflight:
+                if self.config.inflight_policy == "skip":
+                    self.stats.skipped += 1
+                    log.warning("skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
+                                step, self._inflight, self.stats.skipped)
+                    return SaveHandle(step, skipped=True)
+                if not self._lock.wait(timeout=self.config.timeout_s):
+                    raise CheckpointTimeoutError(
+                        f"save({step}) waited {self.config.timeout_s}s for the previous version's "
+                        f"background work; raise CheckpointConfig.timeout_s or look at the store")
+            self._inflight += 1
+        segment, queued = None, False
+        try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
+            self._raise_background_errors()
+            captured = self._sources.capture()
+            if captured is None:
+                captured = self._plan()
+            tensors, blobs = captured
+            plan = self._sources.plan
+            segment = self._store.segment(plan.shard)
+            self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
+                               volatile=self._sources.volatile)
+            due = self._durable is not None and (persist or self._policy.should_persist(step))
+            fire("replicate", step=step, rank=self.rank)
+            # Handed off before save() returns: a training process that dies right after still
+            # leaves a whole shard with its host store, which commits the version without it.
+            outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due)
+            segment = None  # the tier's now
+            stall = time.perf_counter() - t0
+            handle = SaveHandle(step)
+            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes))
+            self._jobs.put(_Job(handle, outcome, t0, due))
+            queued = True
+        finally:
+            if not queued:
+                if segment is not None:
+                    self._store.give_back(segment)
+                with self._lock:
+                    self._inflight -= 1
+                    self._lock.notify_all()
+        self._lineage.saved(step)
+        s = self.stats
+        s.saves += 1
+        s.last_stall_s = stall
+        s.total_stall_s += stall
+        s.staging_bytes = plan.shard.region_bytes
+        s.staging_allocations = self._store.allocations
+        return handle
+
+    def _plan(self):
+        """Plan the state with every rank (collective) and bind the sources to the new plan."""
+        state_dict = self._sources.live_state()
+        plan, flat = make_plan(state_dict, rank=self.rank, world_size=self.world_size, group=self._bg_group,
+                               job=self._job_description())
+        for index in plan.tensor_index:
+            value = flat[index.fqn]
+            check_saveable(index.fqn, value._local_tensor if hasattr(value, "_local_tensor") else value)
+        self.stats.plans += 1
+        log.info("rank %d: planned the snapshot (%d tensor items, %d values, %.1f MB per version)", self.rank,
+                 len(plan.shard.tensors), len(plan.shard.values), plan.shard.region_bytes / 1e6)
+        return self._sources.bind(plan, flat)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every version in flight is committed (or failed); raise what failed."""
+        limit = self.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._lock.wait(timeout=left):
+                    raise CheckpointTimeoutError(f"wait() timed out after {limit}s with {self._inflight} in flight")
+        self._raise_background_errors()
+
+    def close(self) -> None:
+        """Wait for in-flight work, stop the background thread, raise what failed."""
+        if self._closed:
+            return
+        try:
+            if self._thread is not None:
+                self.wait()
+                if self._persister is not None and self.config.persist_on_close and self.config.persist_every > 0:
+                    self._persister.persist_on_close(self._newest_committed)
+                self.wait_persisted()
+        finally:
+            self._shutdown(raise_errors=True)
+            if self.stats.persist_failed:
+                warnings.warn(f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
+                              f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
+
+    def wait_persisted(self, timeout: Optional[float] = None) -> None:
+        """Block until every queued persist is done (succeeded or failed)."""
+        if self._persister is not None:
+            self._persister.wait(self.config.timeout_s if timeout is None else timeout)
+        self._raise_background_errors()
+
+    def _shutdown(self, *, raise_errors: bool) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=self.config.timeout_s)
+            self._thread = None
+        if self._persister is not None:
+            self._persister.stop(self.config.timeout_s)
+        self._closed = True
+        if self._store is not None:
+            self._store.close()
+        if raise_errors:
+            self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            first, self._errors = self._errors[0], []
+        raise first
+
+    # --- background ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            handle = job.handle
+            try:
+                self._hand_off(job)
+                self.stats.committed += 1
+                self.stats.last_commit_s = time.perf_counter() - job.t0
+                self._newest_committed = handle.step
+                handle.committed.set_result(handle.step)
+                fire("committed", step=handle.step, rank=self.rank)
+                if job.persist:
+                    self._persister.queue(handle, pinned=True)
+                else:
+                    handle.persisted.set_result(None)
+            except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+                with self._lock:
+                    self._lineage.failed(handle.step, self._newest_committed)
+                err = BackgroundError(f"rank {self.rank}: version {handle.step} was not committed: "
+                                      f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                self.stats.failed += 1
+                log.error("%s", err)
+                for fut in (handle.committed, handle.persisted):
+                    if not fut.done():
+                        fut.set_exception(err)
+                with self._lock:
+                    self._errors.append(err)
+            finally:
+                with self._lock:
+                    self._inflight -= 1
+                    self._lock.notify_all()
+
+    def _hand_off(self, job: _Job) -> None:
+        if self._lineage.discard_pending and self.rank == 0:
+            self._lineage.discard_abandoned(self._store, self._durable)
+        outcome = job.outcome.result(timeout=self.config.timeout_s)
+        if not outcome.committed:
+            if outcome.error is not None:
+                raise outcome.error
+            raise CheckpointError(outcome.reason or "the memory tier did not commit it")
+
+    def _persist_failed(self, err: BaseException) -> None:
+        if self.config.persist_errors == "raise":  # else counted in stats and logged only
+            with self._lock:
+                self._errors.append(err)
+
+    def _job_description(self) -> dict:
+        from ._version import __version__
+
+        return {"world_size": self.world_size, "replicas": self.config.replicas,
+                "placement": self.config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
+
+    # --- restore ------------------------------------------------------------------------------
+    def restore(self) -> Optional[RestoreResult]:
+        """Load the newest committed version into the live objects; ``None`` if there is none.
+
+        The next ``save`` must be a later step; versions newer than the restored one (which
+        could not be read) are discarded before it is written.
+
+        A version whose bytes fail their checksums is skipped (with a warning) in favour of
+        the next older one; a version whose structure does not match raises
+        :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
+        """
+        self.start()
+        self.wait()
+        tiers = [self._store]
+        if self._durable is not None:
+            tiers.append(self._durable)
+        result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
+                                group=self._bg_group, config=self.config)
+        if result is None and self.config.init_from:
+            from .init_from import init_from
+
+            result = init_from(self.state, self.config.init_from, rank=self.rank, world_size=self.world_size,
+                               group=self._bg_group)
+        if result is not None:
+            log.info("rank %d: %s", self.rank, result.summary())
+            # Continue from here: versions newer than this one (damaged, or abandoned) are
+            # discarded before the next save is written, and never restored later.
+            existing = self._list_existing() if self.rank == 0 else ()
+            if self.world_size > 1:
+                box = [existing]
+                dist.broadcast_object_list(box, src=0, group=self._bg_group)
+                existing = box[0]
+            self._lineage.restored_to(result.step, existing)
+        return result

@@ -1,0 +1,174 @@
+"""Typed, validated configuration.
+
+``CheckpointConfig`` is the only settings object users build. Unknown or impossible values
+raise :class:`~gemini_ckpt.ConfigError` (a ``ValueError``) naming the field and the fix, at
+construction time, before any memory is allocated or any actor started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+STORES = ("local", "ray")
+PLACEMENTS = ("auto", "group", "ring", "mixed")
+PERSIST_ERRORS = ("log", "raise")
+INFLIGHT_POLICIES = ("wait", "skip")
+WORLD_SIZE_CHANGE_RULES = ("derive", "error")
+DEFAULT_NAMESPACE = "gemini_ckpt"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """How, where and how often versions are kept.
+
+    Example::
+
+        CheckpointConfig(replicas=2, placement="group", keep_in_memory=2,
+                         persist_every=10, durable_uri="runs/demo")
+
+    Fields:
+        store: ``"ray"`` (host-store actors, one per Ray node; the default) or ``"local"``
+            (versions kept in this process's memory; single-process jobs and rollback).
+        namespace: versions are shared by every ``Checkpointer`` using the same namespace
+            (a new ``Checkpointer`` over rebuilt objects finds earlier versions).
+        replicas: copies of each shard kept in memory, the local one included (GEMINI's m).
+        placement: where copies go: ``auto`` (group when replicas divides hosts, else
+            mixed), ``group``, ``ring`` or ``mixed``.
+        keep_in_memory: committed versions kept in memory (K); older ones are released.
+        persist_every: persist every Nth committed version to ``durable_uri``; 0 disables.
+        durable_uri: a ``pyarrow.fs`` URI or local path for the durable tier.
+        keep_durable: complete durable versions retained.
+        persist_on_close: on ``close()``, persist the newest committed version if it is not
+            durable yet (only with a durable tier).
+        persist_errors: a failed persist is ``log``-ged (training and the memory tier go on;
+            ``handle.persisted`` raises; the next persist retries) or also ``raise``-d on the
+            training thread like a commit failure.
+        max_inflight: versions whose background work may run at once.
+        inflight_policy: when ``max_inflight`` versions are busy: ``wait`` blocks ``save``
+            until one finishes; ``skip`` drops this save (counted and logged).
+        host_memory_budget_bytes: per-host memory budget for kept shards; None = a fraction
+            of the node's RAM.
+        world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
+            with a warning) or ``error``.
+        timeout_s: limit for every blocking call (waits, collectives, store calls).
+        signing_key: bytes or str; signs every version's manifest (HMAC-SHA256) and refuses
+            unsigned or wrongly signed ones at restore. None: ``$GEMINI_CKPT_SIGNING_KEY`` if set.
+        replication_bandwidth: cap on the bytes per second each host store sends to the other
+            holders over the data plane (None: unlimited), so replication stays out of the way
+            of training's own traffic.
+        overwrite: a job that starts without restoring, while the store or the durable tier
+            already holds versions at or after its first step (an earlier run's), is refused;
+            ``overwrite=True`` discards those versions instead (memory and durable).
+        init_from: a stock DCP checkpoint directory (e.g. written by ``dcp.save`` or
+            torchtitan) whose model and optimizer are loaded by ``restore()`` when no version
+            of this job exists yet (resharded as usual); ``RestoreResult.source`` is ``"init"``.
+    """
+
+    store: str = "ray"
+    namespace: Optional[str] = None
+    replicas: int = 2
+    placement: str = "auto"
+    keep_in_memory: int = 2
+    persist_every: int = 0
+    durable_uri: Optional[str] = None
+    keep_durable: int = 3
+    persist_on_close: bool = True
+    persist_errors: str = "log"
+    max_inflight: int = 1
+    inflight_policy: str = "wait"
+    host_memory_budget_bytes: Optional[int] = None
+    world_size_change: str = "derive"
+    timeout_s: float = 300.0
+    signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
+    replication_bandwidth: Optional[int] = None
+    overwrite: bool = False
+    init_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _choice(self, "store", STORES)
+        _choice(self, "placement", PLACEMENTS)
+        _choice(self, "inflight_policy", INFLIGHT_POLICIES)
+        _choice(self, "world_size_change", WORLD_SIZE_CHANGE_RULES)
+        _choice(self, "persist_errors", PERSIST_ERRORS)
+        if not isinstance(self.persist_on_close, bool):
+            raise ConfigError(f"CheckpointConfig.persist_on_close must be True or False, got {self.persist_on_close!r}")
+        _int_at_least(self, "replicas", 1, "keep at least the local copy: replicas=1")
+        _int_at_least(self, "keep_in_memory", 1, "keep at least the newest version")
+        _int_at_least(self, "persist_every", 0, "use 0 to disable the durable tier")
+        _int_at_least(self, "keep_durable", 1, "keep at least the newest durable version")
+        _int_at_least(self, "max_inflight", 1, "use 1 to allow one version in flight")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ConfigError(
+                f"CheckpointConfig.namespace must be a non-empty string or None, got {self.namespace!r}"
+            )
+        if self.durable_uri is not None and (not isinstance(self.durable_uri, str) or not self.durable_uri):
+            raise ConfigError(
+                f"CheckpointConfig.durable_uri must be a path or URI string, got {self.durable_uri!r}"
+            )
+        if self.host_memory_budget_bytes is not None:
+            _int_at_least(self, "host_memory_budget_bytes", 1, "or None for the default budget")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
+            raise ConfigError(f"CheckpointConfig.timeout_s must be a positive, finite number of seconds "
+                              f"(e.g. 300), got {self.timeout_s!r}")
+        if self.replication_bandwidth is not None:
+            _int_at_least(self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; "
+                          "None for unlimited")
+        if not isinstance(self.overwrite, bool):
+            raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise ConfigError(f"CheckpointConfig.init_from must be the path of a DCP checkpoint directory, "
+                              f"got {self.init_from!r}")
+        if self.signing_key is not None and (not isinstance(self.signing_key, (bytes, str)) or not self.signing_key):
+            raise ConfigError("CheckpointConfig.signing_key must be non-empty bytes or str (a secret shared by "
+                              "every rank of the job), or None")
+
+    @property
+    def resolved_namespace(self) -> str:
+        return self.namespace or DEFAULT_NAMESPACE
+
+
+def _choice(cfg: CheckpointConfig, name: str, allowed: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in allowed:
+        raise ConfigError(
+            f"CheckpointConfig.{name}={value!r} is not valid; use one of {', '.join(map(repr, allowed))}"
+        )
+
+
+def _int_at_least(cfg: CheckpointConfig, name: str, low: int, hint: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ConfigError(f"CheckpointConfig.{name}={value} must be >= {low} ({hint})")
+
+
+def _reject_unknown_fields(cls):
+    # A dataclass raises TypeError for an unknown keyword; we promise a ValueError that names
+    # the field and suggests the closest real one, so a typo is obvious.
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    def __init__(self, *args, **kwargs):
+        if args:
+            raise ConfigError(f"{cls.__name__} takes keyword arguments only, e.g. {cls.__name__}(replicas=2)")
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; valid fields: {', '.join(names)}"
+                raise ConfigError(f"{cls.__name__} has no field {key!r}{hint}")
+        init(self, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__
+    return cls
+
+
+_reject_unknown_fields(CheckpointConfig)

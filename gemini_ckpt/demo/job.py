@@ -1,0 +1,142 @@
+"""The demo's training side: the function every Ray Train worker runs, and the progress
+channel from the workers to the driver (an actor on the head node)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+from ..state.digest import digest as digest_state
+
+RAY_NAMESPACE = "gemini_demo"
+
+
+# --- progress: workers -> an actor on the head node -> the driver --------------------------------
+class Progress:
+    """Events of one run, in arrival order. A ``start`` event from rank 0 opens a new attempt."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self.attempt = -1
+
+    def emit(self, event: dict) -> None:
+        if event["kind"] == "start" and event.get("rank") == 0:
+            self.attempt += 1
+        event.setdefault("attempt", max(self.attempt, 0))
+        self.events.append(event)
+
+    def since(self, index: int) -> list[dict]:
+        return self.events[index:]
+
+
+def _emitter(name: Optional[str], rank: int) -> Callable[..., None]:
+    if not name:
+        return lambda kind, **fields: None
+    import ray
+
+    actor = ray.get_actor(name, namespace=RAY_NAMESPACE)
+
+    def emit(kind: str, **fields) -> None:
+        actor.emit.remote({"kind": kind, "rank": rank, "unix": time.time(), **fields})
+
+    return emit
+
+
+# --- the training function (runs in every Ray Train worker) --------------------------------------
+def train_loop(config: dict) -> dict:
+    """Train the tiny LM with DDP and a ``gemini_ckpt.integrations.ray_train`` checkpointer.
+
+    ``config``: ``ckpt`` (a CheckpointConfig), ``steps``, ``progress`` (actor name or None),
+    ``seed``, optional ``kill`` = ``{"rank", "step", "marker"}`` (that rank SIGKILLs itself
+    after saving that step, once: the marker file records it happened), ``step_sleep``.
+    Returns a digest of the final model and optimizer state, the restore and reported steps.
+    """
+    import signal
+
+    import ray.train
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from .. import TrainState
+    from ..integrations import ray_train as gray
+    from .toy import TokenDataset, build_training, lm_loss
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    emit = _emitter(config.get("progress"), rank)
+    emit("start", pid=os.getpid())
+    steps, seed = config["steps"], config.get("seed", 0)
+    t = build_training(seed=seed, total_steps=steps, dataset_size=config.get("dataset_size", 512))
+    # Each rank shuffles its own way: a different slice of data per rank and step.
+    loader = StatefulDataLoader(TokenDataset(n=config.get("dataset_size", 512)), batch_size=8, shuffle=True,
+                                generator=torch.Generator().manual_seed(1000 * (seed + 1) + rank))
+    # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after the first
+    # iteration. A rebuild reorders parameters inside the bucket, and gloo's (like NCCL's) ring
+    # all-reduce sums each element in an order that depends on its position in the bucket: a
+    # restarted process's first step would then round differently from the uninterrupted run.
+    model = DistributedDataParallel(t.model, find_unused_parameters=True)
+    torch.manual_seed(7919 * (seed + 1) + rank)  # dropout streams differ per rank
+    extra = {"tokens": 0}
+    state = TrainState(model=model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=loader, extra=extra)
+    ckpt = gray.checkpointer(state, config["ckpt"])
+
+    t0 = time.time()
+    result = ckpt.restore()
+    restored = None
+    if result is not None:
+        restored = {"step": result.step, "source": result.source, "seconds": result.seconds,
+                    "bytes_local": result.bytes_read.get("local", 0), "bytes_peer": result.bytes_read.get("peer", 0),
+                    "bytes_durable": result.bytes_read.get("durable", 0)}
+        emit("restore", t_start=t0, **restored)
+
+    def on_commit(step: int, saved_at: float):
+        def done(fut) -> None:
+            if fut.exception() is None:
+                emit("commit", step=step, latency_s=time.time() - saved_at)
+        return done
+
+    def on_persist(step: int):
+        def done(fut) -> None:
+            if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                emit("persist", step=step, location=fut.result())
+        return done
+
+    kill = config.get("kill")
+    batches = _endless(loader)
+    loss_value = float("nan")
+    for step in range(result.step + 1 if result else 0, steps):
+        batch = next(batches)
+        loss = lm_loss(model, batch)
+        loss.backward()
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        extra["tokens"] += batch.numel()
+        loss_value = loss.item()
+        saved_at = time.time()
+        handle = ckpt.save(step, metrics={"loss": loss_value})
+        if rank == 0:
+            emit("step", step=step, loss=loss_value, stall_s=handle.staged.result().stall_s)
+            handle.committed.add_done_callback(on_commit(step, saved_at))
+            handle.persisted.add_done_callback(on_persist(step))
+        if kill and rank == kill["rank"] and step == kill["step"] and not os.path.exists(kill["marker"]):
+            with open(kill["marker"], "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if config.get("step_sleep"):
+            time.sleep(config["step_sleep"])
+    ckpt.close()
+    stall = ckpt.stats.total_stall_s / max(1, ckpt.stats.saves)
+    emit("done", loss=loss_value, mean_stall_s=stall, reported=list(ckpt.reported_steps))
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {"digest": digest_state([state.tensor_state(), extra]), "restore": restored, "rank": rank,
+            "model_digest": digest_state(get_model_state_dict(model)),
+            "reported": list(ckpt.reported_steps), "loss": loss_value}
+
+
+def _endless(loader):
+    while True:
+        yield from loader

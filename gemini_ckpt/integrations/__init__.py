@@ -1,0 +1,1 @@
+"""Integrations with other frameworks, each a module of its own (Ray Train: :mod:`.ray_train`)."""

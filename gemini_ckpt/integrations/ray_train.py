@@ -1,0 +1,365 @@
+"""Ray Train integration: what a ``TorchTrainer`` job adds to checkpoint every step in memory.
+
+Two pieces, one per side of the job::
+
+    from ray.train import CheckpointConfig as RayCheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from gemini_ckpt import CheckpointConfig, TrainState
+    from gemini_ckpt import ray_train as gray
+
+    ckpt_config = CheckpointConfig(replicas=2, persist_every=10)
+
+    def train_loop_per_worker(config):
+        ...                                             # model, optimizer, data loader
+        ckpt = gray.checkpointer(TrainState(model=model, optimizer=opt), ckpt_config)
+        result = ckpt.restore()                         # memory first, then durable; None if fresh
+        for step in range(result.step + 1 if result else 0, total_steps):
+            ...                                         # forward, backward, optimizer.step()
+            ckpt.save(step, metrics={"loss": loss.item()})
+        ckpt.close()
+
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        scaling_config=ScalingConfig(num_workers=4),
+        run_config=RunConfig(storage_path="/mnt/shared/runs", name="lm-7",
+                             failure_config=FailureConfig(max_failures=3),
+                             checkpoint_config=RayCheckpointConfig(num_to_keep=3)))
+    with gray.host_stores(ckpt_config, run_name="lm-7"):  # host stores live as long as fit()
+        result = trainer.fit()                          # result.checkpoint: the newest durable version
+
+**Driver side** (:func:`host_stores`): nothing starts on the driver. Each worker's first
+``save``/``restore`` creates the run's slot registry and its node's host store if missing (a
+replacement node's worker creates that node's store), so stores and versions outlive worker
+restarts; when the ``with`` block ends, the run's stores and registry are stopped, unless
+``keep=True``. Only public Ray APIs are used. (:class:`HostStores`, a Ray Train v2 controller
+callback, does the same from inside ``RunConfig(callbacks=[...])``; it rests on a hook Ray keeps
+internal, so it lives in one adapter with a version check.)
+
+**Worker side** (:func:`checkpointer`): a :class:`~gemini_ckpt.Checkpointer` whose rank,
+world size, node and process group come from Ray Train (``TorchTrainer`` initializes
+``torch.distributed``), and whose settings default from the run:
+
+- ``namespace``: the run's name (``RunConfig(name)``), so driver and workers agree and two
+  runs never share versions;
+- ``durable_uri``: ``<run directory>/gemini`` on the run's storage (``RunConfig(storage_path)``)
+  when ``persist_every > 0``;
+- every persisted version is reported with ``ray.train.report(metrics,
+  checkpoint=Checkpoint(<version directory>))`` without a copy (the directory is already on the
+  run's storage), so ``Result.checkpoint`` and Ray's checkpoint list name it. Memory-only
+  versions are not reported: ``report`` is a barrier of all workers through the controller.
+
+Decisions worth knowing:
+
+- **Which rank reports what.** Ray Train v2 needs every rank to call ``report`` the same
+  number of times. Rank 0 (which commits durable versions) decides which versions are done and
+  tells the others over a small gloo group of this module's own; every rank then reports them,
+  in step order. The check runs at ``save`` only while a persisted version is not reported yet,
+  and never waits: a version is reported at the first ``save`` after it became durable, and
+  ``close`` reports the rest (including ``persist_on_close``'s version). A ``restore`` reports
+  durable versions that a crash kept from being reported.
+- **Retention belongs to Ray.** Reported versions are Ray's checkpoints, so Ray's
+  ``CheckpointConfig(num_to_keep)`` decides which durable versions stay (it never deletes the
+  newest); gemini_ckpt's ``keep_durable`` is not applied. Two owners deleting the same
+  directories would leave Ray's run snapshot naming deleted checkpoints.
+- **Restarts.** Under ``FailureConfig(max_failures=...)`` Ray Train restarts every worker;
+  ``restore()`` loads the newest version that survives in the host stores' memory, else the
+  newest durable one. A replacement node takes over the dead node's slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch.distributed as dist
+
+from ..checkpointer import Checkpointer
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, ConfigError
+from ..results import RestoreResult, SaveHandle
+from ..state.train_state import TrainState
+from ..stores.durable import DurableTier, persist_policy
+from ..retention import LeftToRayTrain
+from ..stores.layout import parse_step_dir, resolve_filesystem, step_dir_name
+from ._ray_train_callback import HostStores
+
+__all__ = ["DURABLE_DIR", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores", "resolve_config",
+           "stop_host_stores"]
+
+log = logging.getLogger("gemini_ckpt")
+
+DURABLE_DIR = "gemini"
+"""Durable versions go to ``<Ray Train run directory>/gemini/step_XXXXXXXXX``."""
+
+def resolve_config(config: Optional[CheckpointConfig], *, run_name: str, storage=None,
+                   report: bool = True) -> tuple[CheckpointConfig, Optional[DurableTier]]:
+    """The run's settings: ``namespace`` defaults to ``run_name``; with a durable tier and
+    ``storage`` (Ray Train's ``StorageContext``), ``durable_uri`` defaults to the run's
+    directory. Returns ``(config, durable tier or None)``; the tier is built here only when the
+    storage filesystem cannot be named by a URI string (a custom ``storage_filesystem``)."""
+    config = config if config is not None else CheckpointConfig()
+    if not isinstance(config, CheckpointConfig):
+        raise TypeError(f"expected a gemini_ckpt.CheckpointConfig, got {type(config).__name__}")
+    changes: dict[str, Any] = {}
+    if config.namespace is None:
+        changes["namespace"] = run_name
+    durable = None
+    if config.persist_every > 0 and storage is not None:
+        root = posixpath.join(storage.experiment_fs_path, DURABLE_DIR)
+        if config.durable_uri is None:
+            if _is_local(storage.storage_filesystem):
+                changes["durable_uri"] = root
+            else:
+                durable = DurableTier(filesystem=storage.storage_filesystem, root=root,
+                                      keep=LeftToRayTrain() if report else config.keep_durable)
+        elif report and not _inside(config.durable_uri, storage):
+            raise ConfigError(
+                f"CheckpointConfig.durable_uri={config.durable_uri!r} is outside this Ray Train run's "
+                f"directory ({storage.experiment_fs_path}), so its versions cannot be reported as Ray "
+                f"checkpoints; leave durable_uri=None (versions go to <run directory>/{DURABLE_DIR}) or "
+                f"pass report=False")
+    if changes:
+        config = dataclasses.replace(config, **changes)
+    return config, durable
+
+
+def _is_local(fs) -> bool:
+    import pyarrow.fs as pafs
+
+    return isinstance(fs, pafs.LocalFileSystem)
+
+
+def _inside(uri: str, storage) -> bool:
+    fs, path = resolve_filesystem(uri)
+    if type(fs) is not type(storage.storage_filesystem):
+        return False
+    run_dir = storage.experiment_fs_path.rstrip("/")
+    if _is_local(fs):
+        path, run_dir = os.path.realpath(path), os.path.realpath(run_dir)
+    return path == run_dir or path.startswith(run_dir + "/")
+
+
+# --- driver side ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def host_stores(config: Optional[CheckpointConfig] = None, *, run_name: Optional[str] = None,
+                keep: bool = False) -> Iterator[str]:
+    """Around ``trainer.fit()`` on the driver: when the block ends (normally or by an error), the
+    run's host stores and slot registry are stopped, unless ``keep=True``. Yields the namespace.
+
+    Example::
+
+        with gray.host_stores(ckpt_config, run_name="lm-7"):
+            result = TorchTrainer(..., run_config=RunConfig(name="lm-7", ...)).fit()
+
+    The stores themselves are started by the workers: each rank's first ``save``/``restore``
+    creates the registry and its node's store (with ``host_memory_budget_bytes``) if they do
+    not exist, so a replacement node gets its store from its own worker. Only public Ray APIs
+    are involved. ``config``/``run_name`` must name the namespace the workers use (``namespace``,
+    else the run name, as :func:`checkpointer` resolves it).
+    """
+    if not ((config is not None and getattr(config, "namespace", None)) or run_name):
+        raise ConfigError("host_stores() needs the run's name (run_name=RunConfig.name) or "
+                          "CheckpointConfig.namespace: it names the host stores to stop")
+    namespace = resolve_config(config, run_name=run_name or "")[0].resolved_namespace
+    try:
+        yield namespace
+    finally:
+        if not keep:
+            stop_host_stores(namespace)
+
+
+def stop_host_stores(namespace: str) -> list[str]:
+    """Stop the host stores and registry of ``namespace`` (a run's name); their versions are gone.
+    Returns the names of the actors stopped. Needs a connected Ray (the driver after ``fit()``)."""
+    from ..ray.cluster import shutdown_host_stores
+
+    killed = shutdown_host_stores(namespace)
+    log.info("gemini_ckpt: stopped %d host-store actor(s) of namespace %r", len(killed), namespace)
+    return killed
+
+
+# --- worker side ---------------------------------------------------------------------------------
+def checkpointer(state: TrainState, config: Optional[CheckpointConfig] = None, *,
+                 report: bool = True) -> "RayTrainCheckpointer":
+    """A :class:`RayTrainCheckpointer` for this Ray Train worker (call it on every worker).
+
+    Example::
+
+        ckpt = gemini_ckpt.integrations.ray_train.checkpointer(state, CheckpointConfig(replicas=2, persist_every=10))
+        result = ckpt.restore()
+
+    ``report=False`` keeps durable versions out of Ray's checkpoint list (then ``durable_uri``
+    may point anywhere and ``keep_durable`` applies).
+    """
+    ctx = _train_context()
+    rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    initialized = dist.is_available() and dist.is_initialized()
+    if world_size > 1 and not initialized:
+        raise CheckpointError(
+            f"rank {rank}: torch.distributed is not initialized in this Ray Train worker; run the loop "
+            f"with ray.train.torch.TorchTrainer (it sets up the process group) or call "
+            f"torch.distributed.init_process_group before gemini_ckpt.integrations.ray_train.checkpointer")
+    if initialized and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise CheckpointError(
+            f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()} but Ray Train says "
+            f"{rank} of {world_size}; the process group must be the one TorchTrainer set up")
+    try:
+        storage = ctx.get_storage()
+    except NotImplementedError:  # Ray Train's local mode (num_workers=0): nothing to report to
+        storage = None
+    resolved, durable = resolve_config(config, run_name=ctx.get_experiment_name(), storage=storage,
+                                       report=report)
+    return RayTrainCheckpointer(state, resolved, durable=durable, report=report, storage=storage)
+
+
+def _train_context():
+    try:
+        import ray.train
+
+        return ray.train.get_context()
+    except (RuntimeError, ImportError) as exc:
+        raise CheckpointError("gemini_ckpt.integrations.ray_train.checkpointer must be called inside a Ray Train "
+                              "training function (train_loop_per_worker)") from exc
+
+
+@dataclass(frozen=True)
+class _Reported:
+    step: int
+    path: Optional[str]  # None: not persisted (failed or skipped); dropped without a report
+
+
+class RayTrainCheckpointer(Checkpointer):
+    """A :class:`~gemini_ckpt.Checkpointer` that reports persisted versions to Ray Train.
+
+    Build it with :func:`checkpointer`. ``save(step, metrics=...)`` records the metrics Ray
+    attaches to the version if it is persisted; ``reported_steps`` lists what was reported.
+    """
+
+    def __init__(self, state: TrainState, config: CheckpointConfig, *, durable: Optional[DurableTier] = None,
+                 report: bool = True, storage=None) -> None:
+        super().__init__(state, config, durable=durable,
+                         durable_retention=LeftToRayTrain() if report and storage is not None else None)
+        self._storage = storage
+        self._reporting = bool(report and storage is not None and config.persist_every > 0
+                               and (config.durable_uri or durable is not None))
+        uri = config.durable_uri or (durable.uri if durable is not None else None)
+        self._report_policy = persist_policy(config.persist_every, uri)
+        # Where versions are, as a path on Ray's storage filesystem (inside the run directory).
+        self._report_root: Optional[str] = None
+        if self._reporting:
+            self._report_root = durable.store.root if durable is not None else resolve_filesystem(uri)[1]
+        self._pending: list[int] = []  # steps the policy persists, not reported yet (same on every rank)
+        self._handles: dict[int, SaveHandle] = {}
+        self._metrics: dict[int, dict] = {}
+        self._report_group = None
+        self.reported_steps: list[int] = []
+
+    def start(self) -> "RayTrainCheckpointer":
+        if not self.started and not self.closed and self._reporting and self.world_size > 1 \
+                and self._report_group is None:
+            # Every rank starts at its first save/restore, so the groups are created in one order.
+            self._report_group = dist.new_group(backend="gloo")
+        super().start()
+        return self
+
+    def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
+        """Snapshot version ``step`` (see :meth:`Checkpointer.save`). ``metrics`` (plain
+        Python numbers, no tensors) go to Ray with the version if it is persisted."""
+        handle = super().save(step, persist=persist)
+        if self._reporting and (persist or self._report_policy.should_persist(step)):
+            self._pending.append(step)
+            self._handles[step] = handle
+            self._metrics[step] = dict(metrics or {})
+        if self._pending:
+            self._report(self._agree(self._ready(wait=False)))
+        return handle
+
+    def restore(self) -> Optional[RestoreResult]:
+        """Load the newest version (see :meth:`Checkpointer.restore`: memory, then durable),
+        then report durable versions a crash kept from being reported."""
+        result = super().restore()
+        if self._reporting:
+            self._report(self._agree(self._unreported() if self.rank == 0 else []))
+        return result
+
+    def close(self) -> None:
+        """See :meth:`Checkpointer.close`; then report every durable version not reported yet
+        (the one ``persist_on_close`` wrote included). Every rank must call it."""
+        if self.closed:
+            return
+        super().close()
+        if self._reporting:
+            if self.rank == 0:
+                done = self._ready(wait=True)
+                seen = {r.step for r in done}
+                done += [r for r in self._unreported() if r.step not in seen]
+            else:
+                done = []
+            self._report(self._agree(done))
+
+    # --- which versions are ready (rank 0 decides) ------------------------------------------------
+    def _ready(self, *, wait: bool) -> list[_Reported]:
+        if self.rank != 0:
+            return []
+        out = []
+        for step in self._pending:
+            handle = self._handles.get(step)
+            if handle is None or handle.skipped:
+                out.append(_Reported(step, None))
+                continue
+            if not handle.persisted.done():
+                if not wait:
+                    break  # report in step order
+                try:
+                    handle.persisted.exception(timeout=self.config.timeout_s)
+                except TimeoutError:
+                    break
+            failed = handle.persisted.exception() is not None
+            location = None if failed else handle.persisted.result()
+            out.append(_Reported(step, self._path(step) if location is not None else None))
+        return out
+
+    def _unreported(self) -> list[_Reported]:
+        """Complete durable versions newer than the last one Ray knows of (rank 0)."""
+        import ray.train
+
+        last = max(self.reported_steps, default=-1)
+        known = ray.train.get_checkpoint()
+        if known is not None and posixpath.dirname(known.path.rstrip("/")) == self._report_root:
+            name = posixpath.basename(known.path.rstrip("/"))
+            step = parse_step_dir(name)
+            if step is not None:
+                last = max(last, step)
+        return [_Reported(s, self._path(s)) for s in self.durable.complete_steps() if s > last]
+
+    def _path(self, step: int) -> str:
+        return posixpath.join(self._report_root, step_dir_name(step))
+
+    def _agree(self, ready: list[_Reported]) -> list[_Reported]:
+        if self.world_size == 1:
+            return ready
+        box = [ready]
+        dist.broadcast_object_list(box, src=0, group=self._report_group)
+        return box[0]
+
+    def _report(self, ready: list[_Reported]) -> None:
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        for item in ready:
+            if item.step in self._pending:
+                self._pending.remove(item.step)
+            self._handles.pop(item.step, None)
+            metrics = self._metrics.pop(item.step, {})
+            if item.path is None or (self.reported_steps and item.step <= self.reported_steps[-1]):
+                continue
+            checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
+            ray.train.report({**metrics, "step": item.step}, checkpoint=checkpoint,
+                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+            self.reported_steps.append(item.step)
+            log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)

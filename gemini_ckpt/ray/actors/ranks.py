@@ -1,0 +1,150 @@
+"""The host store's side of the attach channel: this node's ranks (see :mod:`.host_store`).
+
+A rank attaches (its segments' memfds come over the socket), says a shard is staged, and hears
+each version's outcome; a rank that detaches or dies fails the versions waiting for it.
+A mixin of :class:`~gemini_ckpt.ray.actors.host_store.HostStore`, whose ``__init__`` owns the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+
+from ...stores.shards import ShardPlan, make_record
+from ..attach import Connection
+from ..commit import (
+    ShardStaged,
+    VersionId,
+)
+from ..slots import holders_for
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class LocalRanks:
+    """Attach-channel handlers (see the module docstring)."""
+
+    def _on_attach(self, conn: Connection, rank: int, header: dict, payload: bytes, fds: list):
+        for fd in fds:
+            os.close(fd)
+        kind = header.get("type")
+        if kind == "plan":
+            plan = ShardPlan.decode(payload)
+            with self._lock:
+                self._table.add_plan(plan, payload)
+            return {}, b"", ()
+        if kind == "segment":
+            with self._lock:
+                plan = self._table.plan(header["plan_id"], rank)
+                lent = self._table.lend(rank, plan.region_bytes)
+                sent = self._sent_fds.setdefault(conn, set())
+                fds_out = () if lent.seg.id in sent else (lent.seg.fd,)
+                sent.add(lent.seg.id)
+                forget = self._table.forgotten.pop(rank, [])
+            return {"seg": lent.seg.id, "nbytes": lent.seg.nbytes, "forget": forget}, b"", fds_out
+        if kind == "give_back":
+            with self._lock:
+                self._table.give_back(int(header["seg"]))
+            return None
+        if kind == "staged":
+            self._staged(conn, rank, header, payload)
+            return None
+        if kind == "map":
+            with self._lock:
+                shard = self._complete_shard(int(header["step"]), int(header["rank"]))
+                self._table.use(shard)
+                self._maps.setdefault(conn, []).append(shard)
+            return {"nbytes": shard.seg.nbytes, "seg": shard.seg.id}, b"", (shard.seg.fd,)
+        if kind == "unmap":
+            with self._lock:
+                mapped = self._maps.get(conn, [])
+                shard = next((s for s in mapped if s.seg.id == int(header["seg"])), None)
+                if shard is not None:
+                    mapped.remove(shard)
+                    self._table.done_with(shard)
+            return {}, b"", ()
+        raise ValueError(f"unknown attach message {kind!r}")
+
+    def _on_detach(self, conn: Connection, rank: int) -> None:
+        actions = []
+        with self._lock:
+            for shard in self._maps.pop(conn, []):
+                self._table.done_with(shard)
+            self._sent_fds.pop(conn, None)
+            if self._commit is None or self._cfg is None:
+                return
+            for vid in self._commit.pending():
+                v = self._table.versions.get(vid.step)
+                if vid.epoch == self._epoch and (v is None or rank not in v.shards):
+                    actions += self._commit.on_local_failure(vid, f"rank {rank}'s training process ended before "
+                                                                  f"it staged its shard")
+        self._apply(actions)
+
+    def _staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
+        """A rank handed off its shard of a step: copies to the other holders start at once,
+        while this thread checksums the shard into its record; the rank's part of the version
+        is done (``ShardStaged``) once the record is made."""
+        step, seg_id = int(header["step"]), int(header["seg"])
+        received = time.time()
+        blobs, at = [], 0
+        for n in header.get("lengths", []):
+            blobs.append(payload[at : at + n])
+            at += n
+        with self._lock:
+            epoch, cfg = self._epoch, self._cfg
+            self._waiters.setdefault((epoch, step), []).append((conn, rank))
+            vid = VersionId(epoch, step)
+            try:
+                plan = self._table.plan(header["plan_id"], rank)
+                v = self._table.version(epoch, step, world_size=cfg.world_size)
+                if v is None:
+                    raise ValueError(f"step {step} was saved again by a newer epoch")
+                v.marks.setdefault("staged", received)
+                v.persist |= bool(header.get("persist"))
+                shard = self._table.stage(v, rank, seg_id, plan, owner=cfg.slot)
+                self._table.use(shard)
+                holders: tuple = ()
+                if self._commit is not None:
+                    holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
+                                          dead=self._commit.dead)
+                    actions = self._commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
+                else:
+                    actions = []
+            except Exception as exc:  # noqa: BLE001 - e.g. too few live hosts for the replicas asked
+                reason = f"{type(exc).__name__}: {exc}"
+                self._tell(conn, step, False, reason)
+                self._apply(self._commit.on_local_failure(vid, reason) if self._commit is not None else [])
+                return
+        self._apply(actions)
+        for holder in holders[1:]:  # the protocol allows copies to start before it says Replicate
+            self._pool.submit(self._copy, vid, holder, shard, len(cfg.ranks_here))
+        try:
+            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step)  # CRC32C: GIL released
+            record_bytes = record.encode(self._key)
+        except Exception as exc:  # noqa: BLE001 - the version cannot be committed without its record
+            shard.recorded.set()
+            with self._lock:
+                self._table.done_with(shard)
+                actions = self._commit.on_local_failure(vid, f"rank {rank}'s record: {exc}") \
+                    if self._commit is not None else []
+            self._tell(conn, step, False, f"{type(exc).__name__}: {exc}")
+            self._apply(actions)
+            return
+        with self._lock:
+            shard.record, shard.record_bytes = record, record_bytes
+            shard.recorded.set()
+            v.mark("recorded")
+            self._table.done_with(shard)
+            if epoch != self._epoch:
+                self._tell(conn, step, False, f"a newer Checkpointer (epoch {self._epoch}) took over this namespace")
+                return
+            actions = self._commit.on_message(ShardStaged(vid, rank)) if self._commit is not None else []
+        self._apply(actions)
+
+    def _tell(self, conn: Connection, step: int, committed: bool, reason: str = "") -> None:
+        try:
+            conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason})
+        except OSError:
+            pass  # the rank is gone; its version's fate is in the store either way

@@ -1,0 +1,322 @@
+"""The host store's part in a version's commit: the protocol's messages, sending each shard to
+its holders (owner side) and taking, verifying and acknowledging peers' copies (holder side).
+
+A mixin of :class:`~gemini_ckpt.ray.actors.host_store.HostStore`, whose ``__init__`` owns the
+state; protocol roles and messages in ``docs/commit.md``, bytes in ``docs/dataplane.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+import crc32c
+import ray
+from ray.exceptions import RayActorError
+
+from ...stores.shards import ShardFormatError, ShardPlan, ShardRecord, check_record
+from ..commit import (
+    COORDINATOR,
+    Aborted,
+    Committed,
+    Release,
+    ReplicaAck,
+    Replicate,
+    Send,
+    VersionId,
+)
+from ..transport import Header, TransportError
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class Replication:
+    """Commit protocol and replication (see the module docstring)."""
+
+    # --- the commit protocol ---------------------------------------------------------------------
+    def commit_message(self, message) -> None:
+        """A control message from a peer store or the coordinator (fire-and-forget)."""
+        with self._lock:
+            if self._commit is None or message.version.epoch != self._epoch:
+                return  # an earlier epoch's, or this store holds copies only
+            actions = self._commit.on_message(message)
+        self._apply(actions)
+
+    def peer_dead(self, slot: int) -> None:
+        """The registry saw the host store of ``slot`` die."""
+        with self._lock:
+            channel = self._channels.pop(slot, None)
+            actions = self._commit.on_peer_dead(slot) if self._commit is not None else []
+        if channel is not None:
+            channel.close()
+        self._apply(actions)
+
+    def _apply(self, actions: list) -> None:
+        if actions and log.isEnabledFor(logging.DEBUG):
+            log.debug("node %s: %s", self.node_id[:12], "; ".join(type(a).__name__ + ("->" + str(a.to) + " "
+                      + type(a.message).__name__ if isinstance(a, Send) else "") for a in actions))
+        # Retention first: when a rank hears its version committed, the segments the commit
+        # released are free for its next save.
+        for a in sorted(actions, key=lambda a: not isinstance(a, Release)):
+            if isinstance(a, Send) and self._hold(a):
+                continue
+            if isinstance(a, Send):
+                self._send(a.to, a.message)
+            elif isinstance(a, Replicate):
+                pass  # the copies began when the shards were handed off (see _staged)
+            elif isinstance(a, Committed):
+                self._decided(a.version, True, "")
+            elif isinstance(a, Aborted):
+                self._decided(a.version, False, a.reason)
+            elif isinstance(a, Release):
+                with self._lock:
+                    v = self._table.versions.get(a.version.step)
+                    if v is not None and v.key == (a.version.epoch, a.version.step):
+                        self._table.release(v)
+
+    def _decided(self, vid: VersionId, committed: bool, reason: str) -> None:
+        with self._lock:
+            v = self._table.versions.get(vid.step)
+            if v is not None and v.key == (vid.epoch, vid.step):
+                v.mark("decided")
+                v.state = "committed" if committed else "aborted"
+                if not committed:
+                    self._table.release(v, force=True)
+            waiters = self._waiters.pop((vid.epoch, vid.step), [])
+        for conn, _rank in waiters:
+            self._tell(conn, vid.step, committed, reason)
+        if not committed:
+            log.info("node %s: step %d was not committed: %s", self.node_id[:12], vid.step, reason)
+
+    def _send(self, to: int, message) -> None:
+        try:
+            target = self._registry_handle() if to == COORDINATOR else self._peer(to)
+            if target is None:
+                raise LookupError(f"no host store for slot {to}")
+            ref = target.commit_message.remote(message)
+        except Exception as exc:  # noqa: BLE001 - a peer we cannot reach: the registry decides if it died
+            self._suspect(to, f"{type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            self._refs.append((ref, to))
+
+    def _peer(self, slot: int):
+        with self._lock:
+            handle = self._peers.get(slot)
+            cfg = self._cfg
+        if handle is None and cfg is not None:
+            from ..cluster import find_store
+
+            handle = find_store(self.namespace, cfg.nodes[slot])
+            with self._lock:
+                self._peers[slot] = handle
+        return handle
+
+    def _registry_handle(self):
+        if self._registry is None:
+            from ..cluster import find_registry
+
+            self._registry = find_registry(self.namespace)
+        return self._registry
+
+    def _suspect(self, slot: int, why: str) -> None:
+        if slot == COORDINATOR:
+            log.error("node %s: cannot reach the registry: %s", self.node_id[:12], why)
+            return
+        registry = self._registry_handle()
+        if registry is not None:
+            registry.suspect.remote(slot, f"node {self.node_id[:12]}: {why}")
+
+    # --- replication: owner side -------------------------------------------------------------------
+    def _copy(self, vid: VersionId, holder: int, shard, count: int) -> None:
+        """Send one shard to ``holder``: its plan once per peer (waited for: the holder checks
+        the copy against it), the region at once, the record once it is made. A failure
+        vetoes the version."""
+        with self._lock:
+            self._table.use(shard)
+            v = self._table.versions.get(vid.step)
+        try:
+            channel = self._channel(holder)
+            meta = json.dumps({"epoch": vid.epoch, "owner": self._cfg.slot, "rank": shard.rank, "shards": count,
+                               "plan_id": shard.plan_id}).encode()
+            key = (holder, shard.plan_id, shard.rank)
+            if key not in self._plans_sent:
+                _, encoded = self._table.plans[(shard.plan_id, shard.rank)]
+                channel.send(self._header(vid, f"plan/{shard.rank}", encoded, meta), encoded,
+                             timeout=self._cfg.timeout_s)
+                self._plans_sent.add(key)
+            if v is not None:
+                v.mark("replicating")
+            region = channel.send_async(self._header(vid, f"region/{shard.rank}", shard.seg.array, meta),
+                                        shard.seg.array)
+            if not shard.recorded.wait(self._cfg.timeout_s) or shard.record is None:
+                region.cancel()
+                return  # the record failed: the version is vetoed already
+            record = channel.send_async(self._header(vid, f"record/{shard.rank}", shard.record_bytes, meta),
+                                        shard.record_bytes)
+            region.result(timeout=self._cfg.timeout_s)
+            record.result(timeout=self._cfg.timeout_s)
+            if v is not None:
+                with self._lock:
+                    v.mark("sent")
+        except Exception as exc:  # noqa: BLE001 - any failed copy vetoes the version
+            self._copy_failed(vid, holder, exc)
+        finally:
+            with self._lock:
+                self._table.done_with(shard)
+
+    def _header(self, vid: VersionId, name: str, data, meta: bytes) -> Header:
+        n = memoryview(data).nbytes
+        return Header(self.namespace, vid.step, name, 0, n, total=n, meta=meta)
+
+    def _channel(self, slot: int):
+        with self._lock:
+            channel = self._channels.get(slot)
+        if channel is not None:
+            return channel
+        peer = self._peer(slot)
+        if peer is None:
+            raise LookupError(f"the host store of slot {slot} is gone")
+        endpoint = ray.get(peer.endpoint.remote(), timeout=self._cfg.timeout_s)
+        channel = self._transport.connect(endpoint)
+        with self._lock:
+            self._channels[slot] = channel
+            self._plans_sent = {k for k in self._plans_sent if k[0] != slot}
+        return channel
+
+    def _copy_failed(self, vid: VersionId, holder: int, exc: BaseException) -> None:
+        reason = f"the copy to slot {holder} failed: {type(exc).__name__}: {exc}"
+        with self._lock:
+            channel = self._channels.pop(holder, None)
+            actions = self._commit.on_local_failure(vid, reason) if self._commit is not None else []
+        if channel is not None:
+            channel.close()
+        if isinstance(exc, (TransportError, RayActorError, LookupError)):
+            self._suspect(holder, reason)
+        self._apply(actions)
+
+    # --- replication: holder side ------------------------------------------------------------------
+    def _incoming_buffer(self, header: Header) -> memoryview:
+        meta = json.loads(header.meta)
+        kind, _, rank = header.name.partition("/")
+        epoch, owner, rank = int(meta["epoch"]), int(meta["owner"]), int(rank)
+        with self._lock:
+            if epoch != self._epoch:
+                raise PermissionError(f"node {self.node_id[:12]}: a copy from epoch {epoch}, this store is at "
+                                      f"{self._epoch}")
+            key = (header.step, header.name, meta["owner"])
+            if self._commit is not None and self._commit.outcome(VersionId(epoch, header.step)) is False:
+                raise ValueError(f"node {self.node_id[:12]}: step {header.step} was already aborted here")
+            if kind == "region":
+                v = self._table.version(epoch, header.step, world_size=self._cfg.world_size)
+                if v is None:
+                    raise ValueError(f"step {header.step} was saved again by a newer epoch")
+                shard = self._table.receive(v, rank, owner, header.total)
+                shard.plan_id = meta["plan_id"]
+                early = self._early_records.pop((epoch, header.step, rank), None)
+                if early is not None:  # the record's transfer overtook the region's
+                    shard.record, shard.record_bytes = early
+                self._table.use(shard)
+                self._incoming[key] = ("region", shard, meta)
+                return memoryview(shard.seg.array)[header.offset : header.offset + header.length]
+            buf = bytearray(header.length)
+            self._incoming[key] = (kind, buf, meta)
+            return memoryview(buf)
+
+    def _incoming_done(self, header: Header, ok: bool) -> None:
+        meta = json.loads(header.meta)
+        key = (header.step, header.name, meta["owner"])
+        with self._lock:
+            kind, target, meta = self._incoming.pop(key, (None, None, None))
+        if kind is None:
+            return
+        vid = VersionId(int(meta["epoch"]), header.step)
+        rank, owner = int(meta["rank"]), int(meta["owner"])
+        if kind == "region":
+            with self._lock:
+                target.received = ok
+                self._table.done_with(target)
+        elif ok and kind == "plan":
+            plan = ShardPlan.decode(bytes(target), self._key)
+            with self._lock:
+                self._table.add_plan(plan, bytes(target))
+            return
+        elif ok and kind == "record":
+            record = ShardRecord.decode(bytes(target), self._key)
+            with self._lock:
+                v = self._table.versions.get(vid.step)
+                shard = v.shards.get(rank) if v is not None and v.key == (vid.epoch, vid.step) else None
+                if shard is None or shard.lent:
+                    self._early_records[(vid.epoch, vid.step, rank)] = (record, bytes(target))
+                    del_old = [k for k in self._early_records if k[0] < self._epoch]
+                    for k in del_old:
+                        del self._early_records[k]
+                    return
+                shard.record, shard.record_bytes = record, bytes(target)
+        if ok:
+            self._maybe_acknowledge(vid, owner, int(meta["shards"]))
+
+    def _maybe_acknowledge(self, vid: VersionId, owner: int, count: int) -> None:
+        with self._lock:
+            v = self._table.versions.get(vid.step)
+            if v is None or v.key != (vid.epoch, vid.step) or owner in v.acked:
+                return
+            theirs = [s for s in v.shards.values() if s.owner == owner]
+            if len(theirs) < count or not all(s.complete for s in theirs):
+                return
+            v.acked.add(owner)
+            v.mark(f"copies of slot {owner} complete")
+            for s in theirs:
+                self._table.use(s)
+        try:
+            problem = self._verify_copies(theirs)
+        finally:
+            with self._lock:
+                for s in theirs:
+                    self._table.done_with(s)
+        if problem:
+            log.warning("node %s: %s", self.node_id[:12], problem)
+        log.debug("node %s: acknowledging slot %d's copies of %s (ok=%s)", self.node_id[:12], owner, vid,
+                  problem is None)
+        with self._lock:
+            v.mark(f"copies of slot {owner} checked")
+        ack = ReplicaAck(vid, self._cfg.slot, ok=problem is None, reason=problem or "")
+        with self._lock:
+            actions = self._commit.replica_stored(vid, owner, ok=ack.ok, reason=ack.reason) \
+                if self._commit is not None else [Send(owner, ack)]
+        self._apply(actions)
+
+    def _verify_copies(self, shards: list) -> Optional[str]:
+        """Check a peer's copies against their records before acknowledging them."""
+        for s in shards:
+            try:
+                with self._lock:
+                    plan = self._table.plan(s.plan_id, s.rank)
+                check_record(s.record, plan)
+            except (LookupError, ShardFormatError) as exc:
+                return f"the copy of rank {s.rank}'s shard cannot be checked: {exc}"
+            if s.seg.nbytes < plan.region_bytes:
+                return f"the copy of rank {s.rank}'s shard is {s.seg.nbytes} bytes, its plan {plan.region_bytes}"
+            array = s.seg.array
+            for t, crc in zip(plan.tensors, s.record.crcs):
+                if crc32c.crc32c(array[t.at : t.at + t.nbytes]) != crc:
+                    return f"the copy of rank {s.rank}'s shard arrived damaged ({t.fqn} fails its checksum)"
+        return None
+
+
+class _Sink:
+    """The transport's view of a host store: copies land straight in its segments."""
+
+    def __init__(self, store: "Replication") -> None:
+        self.store = store
+
+    def buffer_for(self, header: Header) -> memoryview:
+        return self.store._incoming_buffer(header)
+
+    def received(self, header: Header) -> None:
+        self.store._incoming_done(header, ok=True)
+
+    def failed(self, header: Header, error: BaseException) -> None:
+        self.store._incoming_done(header, ok=False)
+        log.info("node %s: a copy of %s failed: %s", self.store.node_id[:12], header.describe(), error)

@@ -1,0 +1,125 @@
+"""The host store serving what it holds: the index and shard records readers survey, bytes
+pushed to a restoring reader, data files written to the durable tier, versions let go.
+
+A mixin of :class:`~gemini_ckpt.ray.actors.host_store.HostStore`, whose ``__init__`` owns the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+
+
+from ...save.framing import write_tensors
+from ..commit import (
+    VersionId,
+)
+from ..transport import Endpoint, Header, TransportError
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class Serving:
+    """Reads, persists and releases (see the module docstring)."""
+
+    # --- reading ------------------------------------------------------------------------------------
+    def _complete_shard(self, step: int, rank: int):
+        v = self._table.versions.get(step)
+        shard = v.shards.get(rank) if v is not None else None
+        if shard is None or not shard.complete or v.state == "aborted":
+            raise LookupError(f"step {step} has no complete shard of rank {rank} on node {self.node_id[:12]}")
+        return shard
+
+    def index(self) -> dict[int, dict]:
+        """Per step: epoch, state (``committed``, ``prepared``, ``pending``, ``aborted``; copies
+        of a version this store takes no part in stay ``pending``), world size, and the shards
+        held here (owner slot, complete, plan id, bytes)."""
+        with self._lock:
+            out = self._table.index()
+            if self._commit is not None:
+                for step, entry in out.items():
+                    if entry["epoch"] == self._epoch and entry["state"] == "pending":
+                        entry["state"] = {"prepared": "prepared"}.get(
+                            self._commit.state(VersionId(self._epoch, step)), "pending")
+            return out
+
+    def shard_info(self, step: int, ranks: list[int]) -> dict[int, tuple[bytes, bytes]]:
+        """``rank -> (encoded plan, encoded record)`` of the complete shards of ``step`` held here."""
+        with self._lock:
+            out = {}
+            for rank in ranks:
+                try:
+                    shard = self._complete_shard(step, rank)
+                    _, plan = self._table.plans[(shard.plan_id, rank)]
+                except (LookupError, KeyError):
+                    continue
+                out[rank] = (plan, shard.record_bytes)
+            return out
+
+    def push_range(self, step: int, rank: int, offset: int, length: int, reader: Endpoint, tag: str) -> int:
+        """Send bytes ``[offset, offset + length)`` of a shard's region to a reader's
+        data-plane listener; returns once the reader has them."""
+        with self._lock:
+            shard = self._complete_shard(step, rank)
+            if offset < 0 or length <= 0 or offset + length > shard.seg.nbytes:
+                raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
+                                 f"({shard.seg.nbytes} bytes)")
+            self._table.use(shard)
+            transport, key = self._transport, (reader.host, reader.port)
+            channel = self._readers.get(key)
+        try:
+            if channel is None:
+                channel = transport.connect(reader)
+                with self._lock:
+                    self._readers[key] = channel
+            channel.send(Header(self.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes,
+                                put_id=tag), shard.seg.array[offset : offset + length], timeout=600)
+        except TransportError as exc:
+            with self._lock:
+                self._readers.pop(key, None)
+            raise ConnectionError(f"node {self.node_id[:12]} could not send to the reader: {exc}") from None
+        finally:
+            with self._lock:
+                self._table.done_with(shard)
+        return length
+
+    # --- the durable tier ----------------------------------------------------------------------------
+    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes) -> list:
+        """Write rank ``rank``'s data file of ``step`` to ``uri``/``directory``/``name`` in DCP's
+        ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
+        persister), then every tensor item framed as ``torch.save`` frames it. The copy is
+        checked against its record first. Returns ``[offset, length, crc32c]`` per tensor item."""
+        from ...stores.layout import resolve_filesystem
+
+        with self._lock:
+            shard = self._complete_shard(step, rank)
+            plan = self._table.plan(shard.plan_id, rank)
+            self._table.use(shard)
+        try:
+            problem = self._verify_copies([shard])
+            if problem:
+                raise ValueError(f"node {self.node_id[:12]}: {problem}; not persisted from this copy")
+            fs, root = resolve_filesystem(uri)
+            target = posixpath.join(root, directory)
+            fs.create_dir(target, recursive=True)
+            with fs.open_output_stream(posixpath.join(target, name)) as out:
+                out.write(section)
+                placed = write_tensors(out, shard.seg.array,
+                                       [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors],
+                                       start=len(section))
+            return [[p.offset, p.length, p.crc] for p in placed]
+        finally:
+            with self._lock:
+                self._table.done_with(shard)
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._table.unpin(step)
+
+    def discard(self, step: int, epoch: int) -> int:
+        """Forget the version of ``step`` if it is of an epoch before ``epoch``; bytes freed."""
+        with self._lock:
+            v = self._table.versions.get(step)
+            if v is None or v.epoch >= epoch:
+                return 0
+            return self._table.release(v, force=True)

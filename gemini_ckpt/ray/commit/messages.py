@@ -1,0 +1,126 @@
+"""The commit protocol's vocabulary: version ids, control messages between participants, and
+the actions a participant answers with (see :mod:`gemini_ckpt.ray.commit`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+COORDINATOR = -1
+"""Address of the coordinator (the registry actor) in :class:`Send` and the tree."""
+
+DEFAULT_FANOUT = 4
+"""Children per node of the commit tree: 1,024 hosts are 5 levels deep."""
+
+_HISTORY = 256  # decided versions a participant remembers, to answer late messages
+
+
+class ProtocolError(RuntimeError):
+    """Participants disagree about a decision: a bug in the protocol or its driver."""
+
+
+@dataclass(frozen=True, order=True)
+class VersionId:
+    """One version of the job: ``step`` within slot-table ``epoch``; newer compares greater.
+    An id is used once: saving a step again within an epoch needs a new epoch."""
+
+    epoch: int
+    step: int
+
+
+# --- messages (control plane, small, picklable) ----------------------------------------------
+@dataclass(frozen=True)
+class ShardStaged:
+    """A rank of this host staged its shard of ``version`` into this store (local input)."""
+
+    version: VersionId
+    rank: int
+
+
+@dataclass(frozen=True)
+class ReplicaAck:
+    """Holder ``holder`` keeps (``ok``) or could not keep a complete copy of the owner's
+    shards of ``version``: the data plane's acknowledgement, one per holder and version."""
+
+    version: VersionId
+    holder: int
+    ok: bool = True
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Vote:
+    """Child ``sender`` to its parent: its whole subtree is done (``ok``) or vetoes. ``view`` is
+    the set of slots the sender knew dead when the version began: the tree it used."""
+
+    version: VersionId
+    sender: int
+    view: frozenset
+    ok: bool
+    reason: str = ""
+    shards: int = 0  # shards staged in the sender's subtree (a yes vote)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of ``version``, flowing down the tree (and to those who asked)."""
+
+    version: VersionId
+    commit: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Query:
+    """``sender`` voted but lost its path to the coordinator: send it the decision."""
+
+    version: VersionId
+    sender: int
+
+
+Message = Union[ShardStaged, ReplicaAck, Vote, Decision, Query]
+_MESSAGES = (ShardStaged, ReplicaAck, Vote, Decision, Query)
+
+
+# --- actions (what the actor does with a participant's answer) --------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Deliver ``message`` to slot ``to`` (or the coordinator, :data:`COORDINATOR`)."""
+
+    to: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """All local shards of ``version`` are staged: push them to ``holders`` (the data plane;
+    an actor may start earlier, shard by shard). Each holder then calls
+    :meth:`HostCommit.replica_stored`."""
+
+    version: VersionId
+    holders: tuple
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Mark ``version`` committed here: readers may trust it."""
+
+    version: VersionId
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """``version`` will never be committed: free what this store holds of it."""
+
+    version: VersionId
+    reason: str
+
+
+@dataclass(frozen=True)
+class Release:
+    """A committed version fell out of the newest ``keep``: free it."""
+
+    version: VersionId
+
+
+Action = Union[Send, Replicate, Committed, Aborted, Release]

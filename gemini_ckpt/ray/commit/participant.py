@@ -1,0 +1,181 @@
+"""What every participant of the commit protocol shares: the tree over the live slots, one
+round per version, dead slots, retention (see :mod:`gemini_ckpt.ray.commit`)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .messages import (
+    _HISTORY,
+    COORDINATOR,
+    Aborted,
+    Committed,
+    Decision,
+    Release,
+    Send,
+    VersionId,
+)
+
+
+# --- the tree ----------------------------------------------------------------------------------
+class _Tree:
+    """A ``fanout``-ary heap over the live slots of ``0..hosts-1`` in slot order: position
+    ``p``'s parent is ``p // fanout - 1``, the coordinator's children are positions
+    ``0..fanout-1``. Lookups cost O(dead), nothing is O(hosts)."""
+
+    def __init__(self, hosts: int, dead: frozenset, fanout: int) -> None:
+        self.fanout = fanout
+        self.dead = tuple(sorted(d for d in dead if 0 <= d < hosts))
+        self.live = hosts - len(self.dead)
+
+    def _position(self, slot: int) -> int:
+        return slot - bisect.bisect_left(self.dead, slot)
+
+    def _slot_at(self, position: int) -> int:
+        slot = position
+        for d in self.dead:
+            if d > slot:
+                break
+            slot += 1
+        return slot
+
+    def parent(self, slot: int) -> int:
+        p = self._position(slot)
+        return COORDINATOR if p < self.fanout else self._slot_at(p // self.fanout - 1)
+
+    def children(self, slot: int) -> tuple:
+        first = self.fanout * (self._position(slot) + 1)
+        return tuple(self._slot_at(q) for q in range(first, min(first + self.fanout, self.live)))
+
+    def top(self) -> tuple:
+        return tuple(self._slot_at(q) for q in range(min(self.fanout, self.live)))
+
+
+@dataclass
+class _Round:
+    """What one participant knows of one version."""
+
+    view: frozenset  # slots known dead when this participant first heard of the version
+    parent: int
+    children: tuple
+    started: bool = False
+    holders: tuple = ()
+    shards: int = 0
+    staged: set = field(default_factory=set)
+    acked: set = field(default_factory=set)
+    votes: set = field(default_factory=set)  # children that voted yes
+    below: int = 0  # shards their subtrees staged
+    voted: bool = False  # this participant voted yes: from now on only the coordinator decides
+    replicated: bool = False
+    outcome: Optional[bool] = None
+    reason: str = ""
+    forwarded: bool = False
+    adoptees: set = field(default_factory=set)  # orphans that asked for the decision
+    asked: Optional[int] = None  # whom this participant asked for the decision
+
+
+def _check_fanout(fanout: int) -> None:
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 2:
+        raise ValueError(f"fanout: expected an int >= 2, got {fanout!r}")
+
+
+class _Participant:
+    """Shared bookkeeping of stores and coordinator: rounds, dead slots, retention."""
+
+    slot: int
+
+    def __init__(self, *, hosts: int, fanout: int, keep: int, dead: Iterable[int],
+                 committed: Iterable[VersionId], idle: Iterable[int] = ()) -> None:
+        if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+            raise ValueError(f"hosts: expected an int >= 1, got {hosts!r}")
+        _check_fanout(fanout)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: expected an int >= 1 (committed versions kept), got {keep!r}")
+        self.hosts, self.fanout, self.keep = hosts, fanout, keep
+        self.dead: set = set(dead)
+        self.idle = frozenset(idle)  # slots without ranks this epoch: they hold copies but never vote
+        self._rounds: dict = {}
+        self._trees: dict = {}
+        self._committed: list = sorted(committed)[-keep:]
+        self._floor: Optional[VersionId] = None  # rounds at or below it were forgotten
+
+    # --- queries ---------------------------------------------------------------------------
+    def outcome(self, version: VersionId) -> Optional[bool]:
+        """True (committed), False (aborted) or None (undecided or unknown here)."""
+        r = self._rounds.get(version)
+        if r is not None:
+            return r.outcome
+        return True if version in self._committed else None
+
+    def committed_versions(self) -> tuple:
+        """The newest ``keep`` versions committed here, oldest first."""
+        return tuple(self._committed)
+
+    def newest_committed(self) -> Optional[VersionId]:
+        return self._committed[-1] if self._committed else None
+
+    def pending(self) -> tuple:
+        """Versions heard of but not decided here (an actor times them out)."""
+        return tuple(sorted(v for v, r in self._rounds.items() if r.outcome is None))
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _tree(self, view: frozenset) -> _Tree:
+        tree = self._trees.get(view)
+        if tree is None:
+            if len(self._trees) > 8:
+                self._trees.clear()
+            tree = self._trees[view] = _Tree(self.hosts, view | self.idle, self.fanout)
+        return tree
+
+    def _round(self, version: VersionId) -> Optional[_Round]:
+        r = self._rounds.get(version)
+        if r is None:
+            if self._floor is not None and version <= self._floor:
+                return None  # long decided and forgotten: a late duplicate
+            view = frozenset(self.dead)
+            tree = self._tree(view)
+            if self.slot == COORDINATOR:
+                r = _Round(view, COORDINATOR, tree.top())
+            else:
+                r = _Round(view, tree.parent(self.slot), tree.children(self.slot))
+            self._rounds[version] = r
+        return r
+
+    def _decide(self, version: VersionId, r: _Round, commit: bool, reason: str, out: list) -> None:
+        r.outcome, r.reason = commit, reason
+        if commit:
+            out.append(Committed(version))
+            bisect.insort(self._committed, version)
+            while len(self._committed) > self.keep:
+                out.append(Release(self._committed.pop(0)))
+        else:
+            out.append(Aborted(version, reason))
+        self._forward(version, r, out)
+        self._forget_old()
+
+    def _forward(self, version: VersionId, r: _Round, out: list) -> None:
+        if r.forwarded or r.outcome is None:
+            return
+        r.forwarded = True
+        decision = Decision(version, r.outcome, r.reason)
+        for to in (*r.children, *sorted(r.adoptees)):
+            if to not in self.dead:
+                out.append(Send(to, decision))
+
+    def _adopt(self, version: VersionId, r: _Round, sender: int, out: list) -> None:
+        """``sender`` waits on this participant for the decision: send it now or once decided."""
+        if r.outcome is not None:
+            if sender not in r.adoptees:
+                out.append(Send(sender, Decision(version, r.outcome, r.reason)))
+        r.adoptees.add(sender)
+
+    def _forget_old(self) -> None:
+        decided = [v for v, r in self._rounds.items() if r.outcome is not None]
+        if len(decided) > 2 * _HISTORY:
+            decided.sort()
+            for v in decided[:-_HISTORY]:
+                del self._rounds[v]
+            self._floor = max(self._floor or decided[0], decided[-_HISTORY - 1])

@@ -1,0 +1,152 @@
+"""Reading a shard out of the host stores, for restore and persist: this node's copy mapped
+(no transfer), or a peer's pushed over the data plane into buffers here, in blocks of
+``READ_BLOCK_BYTES`` requested ``READ_AHEAD_BLOCKS`` ahead of the reader (the reader takes a
+shard's items in offset order, so transfers overlap its checksums and copies).
+
+:class:`LocalCopy` and :class:`PeerCopy` are the ``fetch`` of a
+:class:`~gemini_ckpt.save.dcp.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
+ranges. Both copies belong to one :class:`~gemini_ckpt.ray.client.RayTier`.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..stores.shards import Segment
+from .attach import AttachError
+from .transport import Header
+
+if TYPE_CHECKING:
+    from .client import RayTier
+
+READ_BLOCK_BYTES = 16 << 20
+READ_AHEAD_BLOCKS = 4
+
+
+class LocalCopy:
+    """A shard held by this node's store, mapped read-only through the attach channel."""
+
+    def __init__(self, tier: "RayTier", step: int, rank: int) -> None:
+        self.tier, self.step, self.rank = tier, step, rank
+        self.seg: Optional[Segment] = None
+
+    def fetch(self, offset: int, length: int):
+        if self.seg is None:
+            try:
+                reply, fds = self.tier._attach.request({"type": "map", "step": self.step, "rank": self.rank})
+            except (LookupError, AttachError) as exc:
+                raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
+            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False)
+        if offset < 0 or offset + length > self.seg.nbytes:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
+        return self.seg.array[offset : offset + length]
+
+    def release(self) -> None:
+        if self.seg is not None:
+            seg, self.seg = self.seg, None
+            try:
+                self.tier._attach.request({"type": "unmap", "seg": seg.id})
+            except (AttachError, OSError, LookupError):
+                pass
+            seg.close()
+
+
+class PeerCopy:
+    """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
+
+    def __init__(self, tier: "RayTier", slot: int, handle, step: int, rank: int, size: int, *,
+                 block_bytes: int = READ_BLOCK_BYTES) -> None:
+        self.tier, self.slot, self.handle = tier, slot, handle
+        self.step, self.rank, self.size, self.block = step, rank, size, block_bytes
+        self.blocks: dict[int, Any] = {}
+
+    def fetch(self, offset: int, length: int):
+        if self.handle is None:
+            raise LookupError(f"the host store of slot {self.slot} is gone")
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
+        if length == 0:
+            return np.empty(0, np.uint8)
+        size = self.block
+        if length >= size:
+            return self._resolve(self._push(offset, length))
+        first, last = offset // size, (offset + length - 1) // size
+        for i in [i for i in self.blocks if i < first]:
+            del self.blocks[i]
+        n_blocks = -(-self.size // size)
+        for i in range(first, min(last + 1 + READ_AHEAD_BLOCKS, n_blocks)):
+            if i not in self.blocks:
+                self.blocks[i] = self._push(i * size, min(size, self.size - i * size))
+        parts = []
+        for i in range(first, last + 1):
+            block = self.blocks[i]
+            if isinstance(block, _Pending):
+                block = self.blocks[i] = self._resolve(block)
+            lo = max(offset - i * size, 0)
+            hi = min(offset + length - i * size, size)
+            parts.append(block[lo:hi])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _push(self, offset: int, length: int) -> "_Pending":
+        endpoint = self.tier._reader_endpoint(self.handle)
+        tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
+        self.tier._read_sink.expect(tag, into)
+        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, tag)
+
+    def _resolve(self, pending: "_Pending") -> np.ndarray:
+        try:
+            ray.get(pending.ref, timeout=self.tier.config.timeout_s)
+        except RayActorError:
+            self.tier._mark_dead(self.slot, "died")
+            raise LookupError(f"the host store of slot {self.slot} died while sending") from None
+        except RayTaskError as exc:
+            raise LookupError(f"{self.tier._describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
+        except GetTimeoutError:
+            raise LookupError(f"{self.tier._describe(self.slot)} did not send in time") from None
+        finally:
+            self.tier._read_sink.forget(pending.tag)
+        return pending.into
+
+
+@dataclass(frozen=True)
+class _Pending:
+    ref: Any
+    into: np.ndarray
+    tag: str
+
+
+class ReadSink:
+    """Where peers push the ranges a reader asked for (one buffer per request tag)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._expected: "weakref.WeakValueDictionary[str, np.ndarray]" = weakref.WeakValueDictionary()
+
+    def expect(self, tag: str, into: np.ndarray) -> None:
+        with self._lock:
+            self._expected[tag] = into
+
+    def forget(self, tag: str) -> None:
+        with self._lock:
+            self._expected.pop(tag, None)
+
+    def buffer_for(self, header: Header) -> memoryview:
+        with self._lock:
+            into = self._expected.get(header.put_id)
+        if into is None or into.nbytes != header.length:
+            raise ValueError(f"no read of {header.length} bytes of {header.name} is expected under this tag")
+        return memoryview(into)
+
+    def received(self, header: Header) -> None:
+        pass  # the push call's return says so
+
+    def failed(self, header: Header, error: BaseException) -> None:
+        pass  # the push call raises

@@ -1,0 +1,294 @@
+"""Restore: pick the newest committed version, verify it, check its structure, load it through DCP.
+
+Any failure reading a version (a missing or damaged marker, manifest or ``.metadata``, a bad
+signature, an item that fails its checksum or the allow-lists, a value the live objects
+reject) skips it, with a warning naming why, for the next older one. Every rank takes the
+same decision: ranks walk rank 0's survey, exchange their outcome for each candidate before
+loading (one ``all_gather_object``) and after applying it, and DCP's load raises on every rank.
+Only a structure mismatch (the job changed, not the version) is raised instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .config import CheckpointConfig
+from .errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
+from .results import RestoreResult
+from .save.dcp import load as dcp_load
+from .save.sources import flatten
+from .state.train_state import (
+    GRADS,
+    MODEL,
+    OPTIM,
+    TrainState,
+    derive_rng_state,
+    restore_rng_state,
+)
+from .trust import resolve_key
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class WorldSizeChangeWarning(UserWarning):
+    """Rank-local state was mapped to a different world size by the documented rule."""
+
+
+def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
+    """What every tier holds: ``([(step, tier indices holding it, in tier order)] newest first,
+    {tier name: why it could not be listed})``. A tier that cannot be listed (storage
+    unreachable) is left out and named, never taken for an empty one."""
+    held: dict[int, list[int]] = {}
+    unreachable: dict[str, str] = {}
+    for i, tier in enumerate(tiers):
+        try:
+            steps = tier.committed_steps()
+        except OSError as exc:
+            unreachable[tier.name] = f"{type(exc).__name__}: {exc}"
+            log.warning("the %s tier cannot be listed: %s", tier.name, unreachable[tier.name])
+            continue
+        for step in steps:
+            held.setdefault(step, []).append(i)
+    return [(step, tuple(held[step])) for step in sorted(held, reverse=True)], unreachable
+
+
+def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
+                   config: CheckpointConfig) -> Optional[RestoreResult]:
+    """Try versions newest first (memory before durable at equal steps) until one loads.
+
+    Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
+    every rank when any rank's read fails, so all ranks move to the next candidate together.
+    A tier that cannot be listed is skipped; if nothing can be restored while one could not be
+    listed, this raises :class:`CheckpointError` rather than report "no checkpoint" (which
+    would start the job from scratch over versions it cannot see)."""
+    t0 = time.perf_counter()
+    order, unreachable = _agree(survey(tiers) if rank == 0 or world_size == 1 else None, world_size, group)
+    skipped: list[int] = []
+    reasons: list[str] = []
+    for step, holding in order:
+        name = tiers[holding[0]].name
+        try:
+            result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
+                                  group=group, config=config, t0=t0)
+        except _Unreadable as exc:
+            warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
+                          f"falling back to the next newest complete version", stacklevel=3)
+            log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
+            skipped.append(step)
+            reasons.append(f"step {step} ({name}): {_short(str(exc))}")
+            continue
+        if unreachable and rank == 0:
+            log.warning("restored step %d although the %s tier could not be listed (%s)", step,
+                        " and ".join(unreachable), "; ".join(unreachable.values()))
+        return _with_skipped(result, skipped)
+    blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
+    if skipped:
+        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}: "
+                            + "; ".join(reasons))
+    if unreachable:
+        raise CheckpointError(
+            f"nothing to restore from the readable tiers{blind}. Refusing to report 'no checkpoint' "
+            f"(which would start training from scratch): make the storage reachable and restore "
+            f"again, or remove CheckpointConfig.durable_uri to start without it")
+    return None
+
+
+def _open_views(tiers: list, step: int, key) -> tuple[list, list[str]]:
+    """Verified views of ``step`` in every tier that holds it (best first), and why the others
+    could not be opened."""
+    views, problems = [], []
+    for tier in tiers:
+        try:
+            views.append(tier.open(step, key=key))
+        except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
+            problems.append(f"{tier.name}: {type(exc).__name__}: {exc}")
+    return views, problems
+
+
+def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
+                 config: CheckpointConfig, t0: float) -> RestoreResult:
+    outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "structure" or "config"
+    fingerprint = None
+    views, problems = _open_views(tiers, step, resolve_key(config.signing_key))
+    if not views:
+        outcome = ("skip", "; ".join(problems))
+    else:
+        primary = views[0]
+        fingerprint = (primary.tier, primary.fingerprint)
+        try:
+            metadata: Metadata = primary.metadata
+            saved_keys = set(metadata.state_dict_metadata)
+            saved_ws = primary.world_size
+            source_rank = _source_rank(rank, saved_ws, world_size, config)
+            target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
+            check_structure(target, metadata)
+        except StructureMismatchError as exc:
+            outcome = ("structure", str(exc))
+        except ConfigError as exc:
+            outcome = ("config", str(exc))
+        except (AttributeError, TypeError) as exc:  # crafted metadata of the wrong shape
+            outcome = ("skip", f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})")
+    try:
+        _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
+    except BaseException:
+        for view in views:
+            view.close()
+        raise
+
+    try:
+        report = dcp_load(target, views, group=group, world_size=world_size)
+    except CheckpointException as exc:
+        raise _Unreadable(_first_failure(exc)) from exc
+    except StructureMismatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failed read of this version: try the next one
+        raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        for view in views:
+            view.close()
+    derived = source_rank != rank
+    outcome = None
+    try:
+        state.apply(target, source_rank=source_rank, restore_rng=not derived)
+        if derived:
+            restore_rng_state(derive_rng_state(rank, step))
+    except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
+        outcome = ("skip", f"the loaded state could not be applied ({type(exc).__name__}: {exc})")
+    bytes_read = {k: v for k, v in report.bytes_by_source.items() if v}
+    # A rank's source is the farthest tier it had to reach: durable > peer > local.
+    where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
+    sources = {rank: where}
+    if world_size > 1:
+        everyone: list = [None] * world_size
+        dist.all_gather_object(everyone, (rank, where, outcome), group=group)
+        sources = {r: w for r, w, _ in everyone}
+        _raise_agreed([(r, o, None) for r, _, o in everyone], rank)
+    else:
+        _raise_agreed([(rank, outcome, None)], rank)
+    return RestoreResult(step=step, source=primary.tier, sources=sources,
+                         bytes_read=bytes_read, seconds=time.perf_counter() - t0,
+                         world_size=world_size, saved_world_size=saved_ws)
+
+
+def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
+    """Raise StructureMismatchError naming the model/optimizer keys (and shapes) that differ."""
+    flat = flatten(target)
+    saved = metadata.state_dict_metadata
+    tensor_prefixes = (MODEL + ".", OPTIM + ".", GRADS + ".")
+    missing = sorted(k for k in flat if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(tensor_prefixes) and k not in flat
+                        and not k.startswith(GRADS + "."))
+    shapes = []
+    for key, value in flat.items():
+        md = saved.get(key)
+        if isinstance(md, TensorStorageMetadata) and hasattr(value, "shape"):
+            shape = tuple(value.size()) if isinstance(value, DTensor) else tuple(value.shape)
+            if tuple(md.size) != shape:
+                shapes.append(f"{key}: saved {tuple(md.size)}, now {shape}")
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint ({len(missing)}): {_few(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in this state ({len(unexpected)}): {_few(unexpected)}")
+        if shapes:
+            parts.append(f"different shapes ({len(shapes)}): {_few(shapes)}")
+        raise StructureMismatchError(
+            "the state being restored does not match the saved version: " + "; ".join(parts)
+            + ". Build the same model/optimizer/scheduler as the run that saved it.")
+
+
+def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
+    if saved_ws == world_size:
+        return rank
+    if config.world_size_change == "error":
+        raise ConfigError(
+            f"the version was saved at world size {saved_ws} and this job has {world_size}; "
+            f"CheckpointConfig.world_size_change='error' forbids mapping rank-local state; "
+            f"use world_size_change='derive' to apply the documented rule")
+    if rank == 0:
+        warnings.warn(
+            f"world size changed {saved_ws} -> {world_size}: model and optimizer are resharded; "
+            f"rank-local state follows the 'derive' rule: rank r takes the data-loader state and "
+            f"extra values of saved rank r mod {saved_ws}, and ranks >= {saved_ws} get RNG streams "
+            f"derived from (step, rank)", WorldSizeChangeWarning, stacklevel=4)
+    return rank % saved_ws
+
+
+def _gather_outcomes(rank: int, outcome, fingerprint, world_size: int, group) -> list:
+    """Every rank's ``(rank, outcome, fingerprint)`` for one candidate version."""
+    if world_size == 1:
+        return [(rank, outcome, fingerprint)]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (rank, outcome, fingerprint), group=group)
+    return everyone
+
+
+def _raise_agreed(everyone: list, rank: int) -> None:
+    """The same decision on every rank: a structure or configuration problem anywhere is
+    raised everywhere; otherwise any rank's failure, or ranks that read different manifests,
+    skips the version (``_Unreadable``)."""
+    fatal = [(r, o) for r, o, _ in everyone if o is not None and o[0] != "skip"]
+    if fatal:
+        r, (kind, why) = fatal[0]
+        error = StructureMismatchError if kind == "structure" else ConfigError
+        raise error(why if r == rank else f"rank {r}: {why}")
+    failed = [(r, o[1]) for r, o, _ in everyone if o is not None]
+    if failed:
+        raise _Unreadable("; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}"
+                                    for r, why in failed[:4]))
+    if len({fp for _, _, fp in everyone}) > 1:
+        raise _Unreadable("the ranks read different manifests for this step (copies disagree)")
+
+
+def _agree(survey_result, world_size: int, group):
+    """All ranks walk rank 0's survey (one collective)."""
+    if world_size == 1:
+        return survey_result
+    box = [survey_result]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class _Unreadable(Exception):
+    """This version cannot be read (corrupt bytes); an older one may still be."""
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    """Why DCP's load failed (every rank gets the same exception). Structure mismatches are
+    raised; anything else means this version cannot be read."""
+    failures = []
+    for rank, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, StructureMismatchError):
+            raise inner
+        failures.append((rank, inner))
+    preferred = [f for f in failures if isinstance(f[1], (ChecksumError, OSError))] or failures
+    if not preferred:
+        return str(exc)
+    rank, inner = preferred[0]
+    return f"rank {rank}: {type(inner).__name__}: {inner}"
+
+
+def _short(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _few(items: list[str], n: int = 8) -> str:
+    return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def _with_skipped(result: RestoreResult, skipped: list[int]) -> RestoreResult:
+    if not skipped:
+        return result
+    from dataclasses import replace
+
+    return replace(result, skipped_steps=tuple(skipped))

@@ -1,0 +1,94 @@
+"""What ``save`` and ``restore`` give back (``SaveHandle``, ``RestoreResult``) and the counters a
+Checkpointer keeps (``CheckpointStats``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Result of ``SaveHandle.staged``: what the training thread paid for this save."""
+
+    step: int
+    stall_s: float
+    staged_bytes: int
+
+
+class SaveHandle:
+    """One version's progress.
+
+    ``staged`` is already resolved when ``save`` returns (the snapshot aliases nothing live);
+    ``committed`` resolves to the step once every copy is acknowledged; ``persisted``
+    resolves to the durable location once the durable commit is done, or to ``None`` when
+    this version is not persisted by policy. A failure sets the exception on the futures and
+    is re-raised on the training thread at the next ``save``/``wait``/``close``.
+    """
+
+    def __init__(self, step: int, *, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self.staged: Future[StageInfo] = Future()
+        self.committed: Future[int] = Future()
+        self.persisted: Future[Optional[str]] = Future()
+        if skipped:
+            for fut in (self.staged, self.committed, self.persisted):
+                fut.cancel()
+
+    def __repr__(self) -> str:
+        def state(f: Future) -> str:
+            if f.cancelled():
+                return "skipped"
+            if not f.done():
+                return "pending"
+            return "failed" if f.exception() is not None else "done"
+
+        return (f"SaveHandle(step={self.step}, staged={state(self.staged)}, "
+                f"committed={state(self.committed)}, persisted={state(self.persisted)})")
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What ``restore`` loaded.
+
+    ``source`` is ``"memory"`` or ``"durable"``; ``sources`` maps each rank to where its bytes
+    came from (``local``, ``peer``, ``durable``); ``bytes_read`` counts bytes per source tier.
+    """
+
+    step: int
+    source: str
+    sources: dict[int, str]
+    bytes_read: dict[str, int]
+    seconds: float
+    world_size: int
+    saved_world_size: int
+    skipped_steps: tuple[int, ...] = field(default=())
+
+    def summary(self) -> str:
+        tiers = ", ".join(f"{k}={v / 1e6:.1f} MB" for k, v in sorted(self.bytes_read.items()) if v)
+        extra = f"; skipped corrupt/unreadable steps {list(self.skipped_steps)}" if self.skipped_steps else ""
+        ws = (f"; world size {self.saved_world_size} -> {self.world_size}"
+              if self.world_size != self.saved_world_size else "")
+        return f"restored step {self.step} from {self.source} in {self.seconds:.3f}s ({tiers}){ws}{extra}"
+
+
+@dataclass
+class CheckpointStats:
+    """Counters a training loop (or a dashboard) can read at any time."""
+
+    saves: int = 0
+    skipped: int = 0
+    committed: int = 0
+    failed: int = 0
+    last_stall_s: float = 0.0
+    total_stall_s: float = 0.0
+    staging_bytes: int = 0  # bytes of the newest version's shard (this rank)
+    staging_allocations: int = 0  # segments the memory tier created for this rank (not reused ones)
+    plans: int = 0  # snapshot plans made (the first version, and every change of structure)
+    last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
+    persisted: int = 0
+    persist_failed: int = 0
+    last_persisted_step: Optional[int] = None
+    last_persist_error: Optional[str] = None

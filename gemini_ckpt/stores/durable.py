@@ -1,0 +1,297 @@
+"""The durable tier: every Nth committed version written through ``pyarrow.fs`` as a
+standard DCP checkpoint, with an atomic commit, retention and checksums.
+
+Commit protocol (one version)::
+
+    1. data files      step_000000123/__{rank}_0.distcp   (each host writes its own ranks')
+    2. DCP metadata    step_000000123/.metadata           (temp name, then renamed; on object
+                                                           stores without rename, written last)
+    3. marker          step_000000123/.gemini_complete    (JSON: checksums, job description)
+    4. pointer         latest                             (temp name, then renamed)
+
+Step 0 writes ``step_000000123/.gemini_inprogress`` before anything else: it says "this
+directory is ours and not complete yet". Readers trust only directories with the completion
+marker. Retention deletes a version only after a newer one is complete, and never the one
+``latest`` names. A failed persist removes its own directory at once; directories with the
+in-progress marker and no completion marker (a crash mid-write) are deleted when the next job
+opens the tier. A directory with neither marker was not written by us (a stock ``dcp.save``,
+say): it is never deleted, only reported.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import pyarrow.fs as pafs
+
+from ..checksum import checksum
+from ..errors import CheckpointError
+from ..retention import Retention, as_retention
+from ..trust import (
+    VerificationError,
+    load_metadata,
+    resolve_key,
+    safe_opaque,
+    torch_load_value,
+)
+from .fs import FsStore
+from .layout import (
+    IN_PROGRESS_FILE,
+    LATEST_FILE,
+    MARKER_FILE,
+    read_latest,
+    step_dir_name,
+    write_latest,
+)
+from .manifest import VersionManifest
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class PersistPolicy(Protocol):
+    """Decides which committed versions also go to the durable tier."""
+
+    def should_persist(self, step: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class EveryNSteps:
+    """Persist step ``s`` when ``(s + 1) % n == 0``: steps n-1, 2n-1, ... (with n=3: 2, 5, 8).
+    Tied to the step number, not to a count of saves, so a restarted job keeps the rhythm."""
+
+    n: int
+
+    def should_persist(self, step: int) -> bool:
+        return (step + 1) % self.n == 0
+
+
+@dataclass(frozen=True)
+class NeverPersist:
+    def should_persist(self, step: int) -> bool:
+        return False
+
+
+def persist_policy(persist_every: int, durable_uri: Optional[str]) -> PersistPolicy:
+    """The one place where convenience settings become a policy."""
+    if persist_every <= 0 or not durable_uri:
+        return NeverPersist()
+    return EveryNSteps(persist_every)
+
+
+class DurableTier:
+    """A durable location (any ``pyarrow.fs`` URI or local path) holding complete versions."""
+
+    def __init__(self, uri: Optional[str] = None, *, keep: "int | Retention" = 3, filesystem=None,
+                 root: str = "") -> None:
+        """``uri``: a local path, ``file://`` or any ``pyarrow.fs`` URI (``s3://bucket/run?...``).
+        Or pass a ready ``pyarrow.fs`` ``filesystem`` and a ``root`` inside it. ``keep``: how many
+        complete versions :meth:`apply_retention` keeps, or a :mod:`~gemini_ckpt.retention` policy."""
+        self.retention: Retention = as_retention(keep)
+        self.store = FsStore(uri, filesystem=filesystem, root=root) if filesystem is not None else FsStore(uri)
+        self.uri = uri if uri is not None else f"{type(filesystem).__name__}:{root}"
+        # Host stores open the location themselves from the URI; a filesystem object handed
+        # to us in-process cannot travel to them, so then the coordinator writes instead.
+        self.uri_resolvable = filesystem is None
+
+    # --- writing ------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """Step 0, by the coordinator: remove any earlier copy of this step (a step saved again
+        after restoring an older version), so no reader can mix the two."""
+        if step == self.latest():
+            # ``latest`` must never name a directory that is about to change.
+            older = [s for s in self.complete_steps() if s != step]
+            if older:
+                self._write_latest(older[-1])
+            else:
+                self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+        existing = self.store.list_versions().get(step)
+        if existing is not None and not existing and not self._ours(step):
+            raise FileExistsError(
+                f"durable tier {self.uri}: {step_dir_name(step)} exists but was not written by gemini_ckpt "
+                f"(no {MARKER_FILE} or {IN_PROGRESS_FILE}); it is left alone. Move it away, or load it "
+                f"with CheckpointConfig(init_from=...) in a job that saves elsewhere")
+        self.store.drop(step)
+        fs = self.store.fs
+        fs.create_dir(self.location(step), recursive=True)
+        with fs.open_output_stream(posixpath.join(self.location(step), IN_PROGRESS_FILE)) as out:
+            out.write(json.dumps({"step": step, "started_unix": time.time()}).encode())
+
+    def abandon(self, step: int) -> bool:
+        """A persist of ``step`` failed: remove its partial directory now (only if it carries
+        our in-progress marker and no completion marker). Returns whether it was removed."""
+        complete = self.store.list_versions().get(step)
+        if complete is None or complete or not self._ours(step):
+            return False
+        self.store.drop(step)
+        return True
+
+    def _ours(self, step: int) -> bool:
+        info = self.store.fs.get_file_info(posixpath.join(self.location(step), IN_PROGRESS_FILE))
+        return info.type == pafs.FileType.File
+
+    def open_output(self, step: int, name: str):
+        """Step 1, when the persister writes a data file itself: a binary output stream."""
+        return self.store.fs.open_output_stream(posixpath.join(self.location(step), name))
+
+    def directory(self, step: int) -> str:
+        """The version's directory name under the tier's root (what host stores write into)."""
+        return step_dir_name(step)
+
+    def commit(self, step: int, manifest: VersionManifest) -> str:
+        """Steps 2-4, by the coordinator after every host's ``write_files`` returned. Retention is
+        the coordinator's next call (:meth:`apply_retention`)."""
+        self.store.commit(step, manifest)
+        try:
+            self.store.fs.delete_file(posixpath.join(self.location(step), IN_PROGRESS_FILE))
+        except (FileNotFoundError, OSError):
+            pass  # the completion marker is what readers trust; the leftover is harmless
+        self._write_latest(step)
+        return self.location(step)
+
+    def location(self, step: int) -> str:
+        return posixpath.join(self.store.root, step_dir_name(step))
+
+    def _write_latest(self, step: int) -> None:
+        write_latest(self.store.fs, self.store.root, step)
+
+    # --- reading ------------------------------------------------------------------------------
+    def latest(self) -> Optional[int]:
+        """The step ``latest`` names; None when it is absent, unreadable or not exactly a step
+        directory name we write (then with a warning: it is ignored, and the next persist
+        rewrites it)."""
+        step, problem = self.read_latest()
+        if problem is not None:
+            log.warning("durable tier %s: %s; ignored (the next persist rewrites it)", self.uri, problem)
+        return step
+
+    def read_latest(self) -> tuple[Optional[int], Optional[str]]:
+        """``(step latest names or None, what is wrong with the file or None)``."""
+        return read_latest(self.store.fs, self.store.root)
+
+    def complete_steps(self) -> list[int]:
+        return self.store.committed_steps()
+
+    # --- as a tier restore reads (gemini_ckpt.stores.base.Tier) --------------------------------
+    name = "durable"
+
+    def committed_steps(self) -> list[int]:
+        return self.complete_steps()
+
+    def open(self, step: int, *, key: Optional[bytes] = None):
+        """A verified view of a complete version (marker, ``.metadata`` checksum, signature
+        with ``key``, ``.metadata`` through the allow-list)."""
+        from ..save.dcp import DurableVersion
+
+        manifest = self.store.manifest(step)
+        metadata = load_metadata(manifest, key)
+        return DurableVersion(step, manifest, metadata,
+                              lambda name, offset, length: self.store.read_range(step, name, offset, length))
+
+    def close(self) -> None:
+        pass
+
+    # --- housekeeping -------------------------------------------------------------------------
+    def apply_retention(self) -> list[int]:
+        """Let go of the complete versions the retention policy dooms (never the one ``latest``
+        names); returns their steps."""
+        latest = self.latest()
+        doomed = self.retention.doomed(self.complete_steps(), protected=() if latest is None else (latest,))
+        for step in doomed:
+            self.store.drop(step)
+        return doomed
+
+    def cleanup_incomplete(self) -> list[int]:
+        """Delete our own unfinished version directories (in-progress marker, no completion
+        marker: a crash mid-write). Directories we did not write are reported, never deleted."""
+        doomed = []
+        for step, complete in sorted(self.store.list_versions().items()):
+            if complete:
+                continue
+            if not self._ours(step):
+                log.warning("durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
+                            "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
+                            self.uri, step_dir_name(step))
+                continue
+            log.warning("durable tier %s: removing incomplete version step %d (a persist that never finished)",
+                        self.uri, step)
+            self.store.drop(step)
+            doomed.append(step)
+        return doomed
+
+    def discard(self, steps) -> None:
+        """Remove complete versions of ours (abandoned by a restore of an older one, or
+        ``overwrite=True``), fixing ``latest`` first so it never names a missing version."""
+        doomed = set(steps)
+        if not doomed:
+            return
+        if self.latest() in doomed:
+            keep = [s for s in self.complete_steps() if s not in doomed]
+            if keep:
+                self._write_latest(keep[-1])
+            else:
+                try:
+                    self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+                except FileNotFoundError:
+                    pass
+        for step in sorted(doomed):
+            self.store.drop(step)
+
+    def verify(self, step: int, *, signing_key: bytes | str | None = None) -> list[str]:
+        """Check a version the way restore would, re-reading every byte: the marker's and
+        ``.metadata``'s checksums, the signature when a key is given (or
+        ``$GEMINI_CKPT_SIGNING_KEY`` is set), ``.metadata`` through the allow-list, a checksum
+        for every item it names, every item's CRC32C, and that every non-tensor item loads
+        through the allow-lists. Returns the problems found (empty = good); a damaged version
+        is reported, never raised."""
+        try:
+            manifest = self.store.manifest(step)
+            metadata = load_metadata(manifest, resolve_key(signing_key))
+        except (CheckpointError, OSError, LookupError, ValueError) as exc:
+            return [f"{type(exc).__name__}: {exc}"]
+        problems: list[str] = []
+        try:
+            byte_items = _byte_items(manifest, metadata, problems)
+        except (AttributeError, TypeError, ValueError) as exc:
+            return [f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})"]
+        for name, size in manifest.file_sizes.items():
+            try:
+                data = self.store.read_range(step, name, 0, size)
+            except (OSError, ValueError, LookupError) as exc:  # unreadable, truncated, missing
+                problems.append(f"{name}: unreadable ({exc})")
+                continue
+            if len(data) != size:
+                problems.append(f"{name}: {len(data)} bytes, expected {size}")
+                continue
+            for c in manifest.checksums:
+                if c.file != name:
+                    continue
+                item = data[c.offset : c.offset + c.length]
+                if checksum(item) != c.crc:
+                    problems.append(f"{name}: checksum mismatch at offset {c.offset} ({c.length} bytes)")
+                elif (name, c.offset) in byte_items:
+                    fqn = byte_items[(name, c.offset)]
+                    try:
+                        safe_opaque(fqn, torch_load_value(item, fqn))
+                    except VerificationError as exc:
+                        problems.append(f"{name}@{c.offset}: {exc}")
+        return problems
+
+
+def _byte_items(manifest: VersionManifest, metadata, problems: list[str]) -> dict[tuple[str, int], str]:
+    """``{(file, offset): key}`` of the non-tensor items; notes items without a checksum."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    recorded = manifest.checksum_index()
+    out = {}
+    for index, info in metadata.storage_data.items():
+        c = recorded.get((info.relative_path, info.offset))
+        if c is None or c.length != info.length:
+            problems.append(f"{index.fqn}: no checksum recorded for {info.relative_path}@{info.offset}")
+        elif isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            out[(info.relative_path, info.offset)] = index.fqn
+    return out

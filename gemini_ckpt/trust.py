@@ -1,0 +1,414 @@
+"""Verify before interpret: manifest encoding, checksums, HMAC signatures, allow-listed unpickling.
+
+Bytes from the durable tier or from a host store are hostile until verified:
+
+1. A manifest travels as JSON (``manifest_to_json`` for the durable marker; a memory
+   version's shard plans and records are JSON too, :mod:`gemini_ckpt.stores.shards`), never
+   as a pickle. Its canonical encoding
+   (``canonical_bytes``: sorted keys, no whitespace) carries a CRC32C of the DCP ``.metadata``
+   bytes and of every data item; the marker also records a CRC32C of that canonical encoding,
+   so accidental damage anywhere is caught before anything is decoded further.
+2. With a signing key (``CheckpointConfig.signing_key`` or ``$GEMINI_CKPT_SIGNING_KEY``) the
+   canonical encoding is signed with HMAC-SHA256; a reader with a key refuses an unsigned or
+   wrongly signed version. Only the key holder can forge a version.
+3. Whatever passes is still decoded through allow-lists, so a crafted file can never run code
+   even without a key: DCP ``Metadata`` through an unpickler that resolves only DCP's metadata
+   classes, ``torch.Size``, dtypes and plain builtins; non-tensor items with
+   ``torch.load(weights_only=True)``; our opaque blobs (RNG streams, data-loader, scheduler,
+   scaler, ``extra``) through an unpickler that knows builtins, numpy arrays and torch tensors,
+   plus anything the user registered with ``torch.serialization.add_safe_globals``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import importlib
+import io
+import json
+import os
+import pickle
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Optional, Union
+
+from .checksum import checksum
+from .errors import ChecksumError
+from .stores.manifest import ItemChecksum, VersionManifest
+
+ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
+FORMAT = "gemini_ckpt/2"
+LEGACY_FORMATS = ("gemini_ckpt/1",)  # markers without metadata/manifest checksums
+_SIGN_CONTEXT = b"gemini_ckpt manifest hmac-sha256 v1\x00"
+
+
+class VerificationError(ChecksumError):
+    """A version failed verification (damaged, unsigned, wrongly signed, or holding something
+    the allow-lists refuse); restore skips it for the next older version."""
+
+
+# --- keys and signatures ----------------------------------------------------------------------
+def resolve_key(key: Union[bytes, str, None] = None) -> Optional[bytes]:
+    """The signing key: ``key`` if given, else ``$GEMINI_CKPT_SIGNING_KEY``, else None."""
+    if key is None:
+        key = os.environ.get(ENV_KEY) or None
+    if key is None:
+        return None
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+def sign(manifest: VersionManifest, key: Optional[bytes]) -> VersionManifest:
+    """``manifest`` with its HMAC-SHA256 signature (unchanged when ``key`` is None)."""
+    if key is None:
+        return manifest
+    if manifest.metadata_crc is None:
+        manifest = replace(manifest, metadata_crc=checksum(manifest.metadata))
+    return replace(manifest, signature=_mac(key, manifest))
+
+
+def check_signature(manifest: VersionManifest, key: Optional[bytes]) -> None:
+    """With a key: raise VerificationError unless ``manifest`` carries its valid signature."""
+    if key is None:
+        return
+    where = f"step {manifest.step}"
+    if manifest.signature is None:
+        raise VerificationError(f"{where} is not signed, and a signing key is set (CheckpointConfig.signing_key "
+                                f"or ${ENV_KEY}); an unsigned version is refused")
+    if manifest.metadata_crc is None or not hmac.compare_digest(manifest.signature, _mac(key, manifest)):
+        raise VerificationError(f"{where} has a signature that does not match this signing key (forged, "
+                                f"damaged, or written with another key); refused")
+
+
+def _mac(key: bytes, manifest: VersionManifest) -> str:
+    return hmac.new(key, _SIGN_CONTEXT + canonical_bytes(manifest), hashlib.sha256).hexdigest()
+
+
+# --- manifest encoding -------------------------------------------------------------------------
+def manifest_fields(m: VersionManifest) -> dict:
+    """The fields a checksum and a signature cover (everything but the signature itself)."""
+    return {
+        "format": FORMAT,
+        "step": m.step,
+        "world_size": m.world_size,
+        "file_sizes": dict(m.file_sizes),
+        "checksum_algorithm": "crc32c",
+        "checksums": [[c.file, c.offset, c.length, c.crc] for c in m.checksums],
+        "metadata_bytes": len(m.metadata),
+        "metadata_crc": m.metadata_crc,
+        "job": m.job,
+    }
+
+
+def canonical_bytes(m: VersionManifest) -> bytes:
+    return json.dumps(manifest_fields(m), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def manifest_to_json(m: VersionManifest) -> dict:
+    """The durable marker's contents: the manifest's fields, their CRC32C, the signature."""
+    out = manifest_fields(m)
+    out["manifest_crc"] = checksum(canonical_bytes(m))
+    if m.signature is not None:
+        out["signature"] = m.signature
+    return out
+
+
+_MARKER_KEYS = {"format", "step", "world_size", "file_sizes", "checksum_algorithm", "checksums", "metadata_bytes",
+                "metadata_crc", "job", "manifest_crc", "signature"}
+
+
+def manifest_from_json(d: Any, metadata: bytes) -> VersionManifest:
+    """Decode and check a marker (and the ``.metadata`` bytes it describes). Any damage raises
+    VerificationError; nothing here unpickles anything."""
+    try:
+        return _from_json(d, metadata)
+    except VerificationError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise VerificationError(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _from_json(d: Any, metadata: bytes) -> VersionManifest:
+    if not isinstance(d, dict):
+        raise VerificationError(f"the manifest is a {type(d).__name__}, not a JSON object")
+    fmt = d.get("format")
+    if fmt != FORMAT and fmt not in LEGACY_FORMATS:
+        raise VerificationError(f"unknown manifest format {fmt!r} (this version reads {FORMAT!r})")
+    unknown = set(d) - _MARKER_KEYS
+    if fmt == FORMAT and unknown:
+        raise VerificationError(f"the manifest has unknown fields {sorted(unknown)[:5]} (damaged?)")
+    if d.get("checksum_algorithm") != "crc32c":
+        raise VerificationError(f"unknown checksum algorithm {d.get('checksum_algorithm')!r}")
+    file_sizes = d["file_sizes"]
+    if not isinstance(file_sizes, dict):
+        raise VerificationError("file_sizes is not an object")
+    checksums = d["checksums"]
+    if not isinstance(checksums, list) or not all(isinstance(c, list) and len(c) == 4 for c in checksums):
+        raise VerificationError("checksums is not a list of [file, offset, length, crc]")
+    job = d.get("job", {})
+    if not isinstance(job, dict):
+        raise VerificationError("job is not an object")
+    metadata_crc = d.get("metadata_crc")
+    manifest = VersionManifest(
+        step=_int(d["step"], "step"),
+        world_size=_int(d["world_size"], "world_size", low=1),
+        metadata=metadata,
+        checksums=tuple(ItemChecksum(_name(f), _int(o, "offset"), _int(n, "length"), _int(c, "crc"))
+                        for f, o, n, c in checksums),
+        file_sizes={_name(k): _int(v, "file size") for k, v in file_sizes.items()},
+        job=job,
+        metadata_crc=None if metadata_crc is None else _int(metadata_crc, "metadata_crc"),
+        signature=_signature(d.get("signature")),
+    )
+    if fmt == FORMAT:
+        if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):
+            raise VerificationError(f".metadata holds {len(metadata)} bytes, the manifest says "
+                                    f"{d['metadata_bytes']} (truncated or replaced)")
+        check_metadata(manifest)  # (a manifest without ``metadata_crc`` is refused when signing)
+        if checksum(canonical_bytes(manifest)) != _int(d.get("manifest_crc"), "manifest_crc"):
+            raise VerificationError("the manifest fails its checksum (damaged)")
+    check_metadata(manifest)
+    return manifest
+
+
+def _int(v: Any, what: str, low: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise VerificationError(f"{what} is {v!r}, not an integer >= {low}")
+    return v
+
+
+def _name(v: Any) -> str:
+    # Data files are plain names inside the version directory: nothing may point elsewhere.
+    if not isinstance(v, str) or not v or v in (".", "..") or any(ch in v for ch in "/\\\x00"):
+        raise VerificationError(f"data file name {v!r} is not a plain file name")
+    return v
+
+
+def _signature(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) != 64 or any(ch not in "0123456789abcdef" for ch in v):
+        raise VerificationError("the signature is not a hex HMAC-SHA256")
+    return v
+
+
+def check_metadata(manifest: VersionManifest) -> None:
+    """Raise VerificationError when ``.metadata`` does not match its recorded checksum."""
+    if manifest.metadata_crc is not None and checksum(manifest.metadata) != manifest.metadata_crc:
+        raise VerificationError(f"step {manifest.step}: .metadata fails its checksum "
+                                f"({len(manifest.metadata)} bytes; damaged or replaced)")
+
+
+# --- allow-listed unpickling -------------------------------------------------------------------
+class _AllowList(pickle.Unpickler):
+    """An unpickler that resolves only the globals ``allowed`` maps (module, name) to."""
+
+    def __init__(self, data: bytes, allowed: Callable[[str, str], Any], what: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allowed, self._what = allowed, what
+
+    def find_class(self, module: str, name: str) -> Any:
+        obj = self._allowed(module, name)
+        if obj is None:
+            raise VerificationError(f"{self._what} refers to {module}.{name}, which is not allow-listed; "
+                                    f"refusing to load it (a crafted or foreign file?)")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise VerificationError(f"{self._what} holds a persistent reference; refusing to load it")
+
+
+def _safe_load(data: bytes, allowed: Callable[[str, str], Any], what: str) -> Any:
+    try:
+        return _AllowList(data, allowed, what).load()
+    except VerificationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any decoding failure of hostile bytes means "damaged"
+        raise VerificationError(f"{what} cannot be decoded ({type(exc).__name__}: {exc})") from None
+
+
+_BUILTINS = {"set", "frozenset", "complex", "slice", "range", "bytearray", "int", "float", "str", "bytes",
+             "bool", "list", "dict", "tuple"}
+_METADATA_CLASSES = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}
+
+
+def _torch_constant(name: str) -> Any:
+    """``torch.<name>`` when it is a dtype, layout or memory format (how pickle names them)."""
+    import torch
+
+    obj = getattr(torch, name, None) if not name.startswith("_") else None
+    return obj if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None
+
+
+def _metadata_global(module: str, name: str) -> Any:
+    """What DCP's ``Metadata`` really contains (found by pickling real ones)."""
+    if module == "torch.distributed.checkpoint.metadata" and name in _METADATA_CLASSES:
+        return getattr(importlib.import_module(module), name)
+    if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
+    if module == "torch":
+        import torch
+
+        return torch.Size if name == "Size" else _torch_constant(name)
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        from torch.serialization import _get_layout
+
+        return _get_layout
+    if (module, name) == ("collections", "OrderedDict"):
+        import collections
+
+        return collections.OrderedDict
+    if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        # Stock dcp.save records its checkpoint_id as a Path; building one only parses a string.
+        import pathlib
+
+        return pathlib.PurePosixPath if "Posix" in name else pathlib.PureWindowsPath
+    if module == "builtins" and name in _BUILTINS:
+        import builtins
+
+        return getattr(builtins, name)
+    return None
+
+
+def metadata_loads(data: bytes) -> Any:
+    """DCP ``Metadata`` from ``.metadata`` bytes, through the metadata allow-list."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    obj = _safe_load(bytes(data), _metadata_global, ".metadata")
+    if not isinstance(obj, Metadata):
+        raise VerificationError(f".metadata holds a {type(obj).__name__}, not DCP Metadata")
+    return obj
+
+
+def load_metadata(manifest: VersionManifest, key: Optional[bytes] = None) -> Any:
+    """Verify a version's manifest (signature when ``key``, metadata checksum), then decode
+    its DCP ``Metadata`` through the allow-list."""
+    check_signature(manifest, key)
+    check_metadata(manifest)
+    return metadata_loads(manifest.metadata)
+
+
+def _safe_storage_from_bytes(b: bytes) -> Any:
+    # Plain pickle stores a tensor's storage as ``torch.save`` bytes loaded by
+    # ``torch.storage._load_from_bytes`` with weights_only=False; ours loads them safely.
+    import torch
+
+    return torch.load(io.BytesIO(b), weights_only=True)
+
+
+_NUMPY = {"dtype": "numpy", "ndarray": "numpy", "_reconstruct": "numpy._core.multiarray",
+          "scalar": "numpy._core.multiarray", "_frombuffer": "numpy._core.numeric"}
+_NUMPY_MODULES = {"numpy", "numpy._core.multiarray", "numpy.core.multiarray", "numpy._core.numeric",
+                  "numpy.core.numeric"}
+_TORCH_VALUE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+                        ("torch._utils", "_rebuild_parameter"), ("torch.nn.parameter", "Parameter"),
+                        ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
+                        ("torch.serialization", "_get_layout")}
+_STDLIB_VALUE_GLOBALS = {("collections", "OrderedDict"), ("collections", "defaultdict"),
+                         ("collections", "deque"), ("collections", "Counter"), ("datetime", "date"),
+                         ("datetime", "datetime"), ("datetime", "time"), ("datetime", "timedelta"),
+                         ("datetime", "timezone")}
+
+
+def _value_global(module: str, name: str) -> Any:
+    """Globals our own opaque state needs: RNG states (Python tuples, NumPy arrays, torch
+    ByteTensors), data-loader, scheduler and scaler state dicts, plain ``extra`` values."""
+    if module == "builtins" and name in _BUILTINS:
+        import builtins
+
+        return getattr(builtins, name)
+    if (module, name) in _STDLIB_VALUE_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module in _NUMPY_MODULES and name in _NUMPY and module.split(".")[-1] == _NUMPY[name].split(".")[-1]:
+        return getattr(importlib.import_module(_NUMPY[name]), name)
+    if module == "numpy.dtypes" and name.endswith("DType"):
+        import numpy as np
+
+        obj = getattr(importlib.import_module(module), name, None)
+        return obj if isinstance(obj, type) and issubclass(obj, np.dtype) else None
+    if (module, name) == ("torch.storage", "_load_from_bytes"):
+        return _safe_storage_from_bytes
+    if (module, name) in _TORCH_VALUE_GLOBALS:
+        return getattr(importlib.import_module(module), name)
+    if module == "torch":
+        return _torch_constant(name)
+    return _user_safe_global(module, name)
+
+
+def _user_safe_global(module: str, name: str) -> Any:
+    """What the user registered with ``torch.serialization.add_safe_globals``."""
+    import torch
+
+    for entry in torch.serialization.get_safe_globals():
+        if isinstance(entry, tuple):
+            obj, path = entry
+            if path == f"{module}.{name}":
+                return obj
+        elif getattr(entry, "__module__", None) == module and getattr(entry, "__qualname__", None) == name:
+            return entry
+    return None
+
+
+def value_loads(data: bytes, what: str = "a saved value") -> Any:
+    """A pickled opaque value (RNG, data loader, scheduler, scaler, ``extra``) through the
+    value allow-list."""
+    return _safe_load(bytes(data), _value_global, what)
+
+
+def torch_load_value(data: Any, what: str) -> Any:
+    """A ``torch.save``-d item (a tensor, or a non-tensor DCP item) with ``weights_only=True``."""
+    import torch
+
+    try:
+        return torch.load(ViewFile(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure decoding hostile bytes means "refused"
+        first = str(exc).strip().splitlines()
+        reason = next((line for line in first if "Unsupported" in line or "global" in line.lower()), None)
+        raise VerificationError(f"{what} cannot be loaded safely ({type(exc).__name__}: "
+                                f"{reason or (first[0] if first else '')})") from None
+
+
+def is_opaque_key(fqn: str) -> bool:
+    """Whether a flattened state-dict key holds one of TrainState's pickled blobs."""
+    from .state.train_state import RANK_LOCAL, SCALER, SCHEDULER
+
+    return fqn in (SCHEDULER, SCALER) or fqn.startswith(RANK_LOCAL + ".")
+
+
+def safe_opaque(fqn: str, value: Any) -> Any:
+    """A non-tensor item's value made safe for code that ``pickle.loads`` it later: our opaque
+    blobs are decoded through the allow-list and pickled again from what came out."""
+    if is_opaque_key(fqn) and isinstance(value, (bytes, bytearray)):
+        return pickle.dumps(value_loads(value, fqn), protocol=pickle.HIGHEST_PROTOCOL)
+    return value
+
+
+class ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a bytes-like object, without copying it first."""
+
+    def __init__(self, data) -> None:
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos

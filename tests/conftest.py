@@ -1,0 +1,36 @@
+"""Shared by both tiers: the support modules in ``tests/`` are importable (``helpers``,
+``tier_contract``, ``faulty_fs``, ``rendezvous``, ``dir_tier``, ``ray_helpers``), Ray runs without
+auth or usage stats, and the toy models come from :mod:`gemini_ckpt.demo.toy`.
+
+- ``tests/unit``: no Ray; each file runs in seconds.
+- ``tests/integration``: one Ray cluster of simulated hosts for the whole session
+  (``ray_cluster``, see ``tests/integration/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A namespace of this test's own (versions of two tests never meet)."""
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def toy_training():
+    """The demo's tiny LM training setup (model, AdamW, warmup+cosine, a StatefulDataLoader), seed 0."""
+    from gemini_ckpt.demo.toy import build_training
+
+    return build_training(seed=0, dataset_size=32)

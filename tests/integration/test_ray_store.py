@@ -1,0 +1,310 @@
+"""Host stores on Ray: copies follow the placement, only fully acknowledged versions count,
+host memory outlives a killed worker, a dead holder fails one version and not the job, a
+replacement host takes over the dead host's slot, and the data plane and the attach socket let
+nobody in without the namespace's secret.
+
+The Ray scenarios share one cluster (head + 4 simulated hosts) and one set of 4 rank actors
+(rank i on host i, so slot i is host i); each scenario (re)starts the job in its own namespace.
+Run: ``RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 python -m pytest tests/test_ray_store.py -q -x``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from gemini_ckpt import CheckpointConfig, ConfigError, MemoryBudgetError
+from gemini_ckpt.ray.cluster import find_store
+from gemini_ckpt.ray.resolve import resolve
+from gemini_ckpt.ray.slots import holders_for
+from ray_helpers import node_id_of_host, status, wait_for
+
+HOSTS = 4
+
+
+# --- no Ray ------------------------------------------------------------------------------------
+def test_holders_rule_keeps_placement_and_replaces_dead_slots_by_ring_successors():
+    group = [holders_for(s, hosts=4, replicas=2, strategy="group") for s in range(4)]
+    assert group == [(0, 1), (1, 0), (2, 3), (3, 2)]
+    assert holders_for(2, hosts=4, replicas=2, strategy="group", dead={3}) == (2, 0)
+    assert holders_for(3, hosts=4, replicas=2, strategy="group", dead={3}) == (2, 0)
+    assert holders_for(0, hosts=4, replicas=2, strategy="group", dead={3}) == (0, 1)  # untouched
+    assert holders_for(0, hosts=5, replicas=3, strategy="ring", dead={1}) == (0, 2, 3)
+    assert holders_for(4, hosts=5, replicas=3, strategy="ring", dead={0, 1}) == (4, 2, 3)
+    with pytest.raises(ConfigError, match="replicas=2"):
+        holders_for(0, hosts=4, replicas=2, dead={1, 2, 3})
+    with pytest.raises(ConfigError, match="needs 3 hosts"):
+        holders_for(0, hosts=2, replicas=3)
+
+
+def _entry(epoch, state, shards, world=2):
+    """One store's ``index()`` entry: shards given as rank -> owner slot (all complete)."""
+    return {"epoch": epoch, "state": state, "world_size": world,
+            "shards": {r: {"owner": o, "complete": True, "plan_id": "p", "nbytes": 10} for r, o in shards.items()}}
+
+
+def test_a_step_counts_only_when_committed_somewhere_with_every_shard_on_a_live_store():
+    whole = {0: {7: _entry(1, "committed", {0: 0, 1: 1})}, 1: {7: _entry(1, "prepared", {1: 1, 0: 0})}}
+    v = resolve(whole, local_slot=1)[7]
+    assert v.committed and v.copies == {0: (1, 0), 1: (1, 0)}  # this node first, then the owner
+    assert resolve(whole, local_slot=0)[7].copies == {0: (0, 1), 1: (0, 1)}
+    lost = {0: {7: _entry(1, "committed", {0: 0})}}  # slot 1 is gone with the only copy of rank 1's shard
+    assert not resolve(lost)[7].committed and resolve(lost)[7].lost
+    nobody = {0: {7: _entry(1, "prepared", {0: 0, 1: 1})}}  # voted, never decided: not trusted
+    assert not resolve(nobody)[7].committed
+    # A step saved again in a newer epoch: the newest committed epoch wins, and copies of
+    # another epoch are never mixed in.
+    again = {0: {7: _entry(1, "committed", {0: 0, 1: 1})}, 1: {7: _entry(2, "committed", {0: 0, 1: 1})}}
+    assert resolve(again)[7].epoch == 2 and resolve(again)[7].copies == {0: (1,), 1: (1,)}
+    aborted = {0: {7: _entry(2, "committed", {0: 0})}, 1: {7: _entry(2, "aborted", {1: 1})}}
+    assert not resolve(aborted)[7].committed
+
+
+# --- Ray: one rank and its store ------------------------------------------------------------------
+@pytest.mark.ray
+def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
+    from gemini_ckpt.ray.client import connect
+    from tier_contract import check_tier_contract
+
+    tier = connect(CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120),
+                   rank=0, world_size=1)
+    try:
+        check_tier_contract(tier, keep=2)
+        # The store actors never import torch: small, and fast to start.
+        actor = find_store("contract", tier.node_id)
+        assert not ray.get(actor.__ray_call__.remote(lambda self: "torch" in sys.modules))
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(ray_cluster):
+    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.ray.readahead import PeerCopy
+    from tier_contract import _save
+
+    tier = connect(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120), rank=0, world_size=1)
+    try:
+        plan = _save(tier, 5, 3.0)
+        size = plan.shard.region_bytes
+        local = tier.open(5)
+        expected = np.asarray(local.copies[0][0].fetch(0, size)).copy()
+        local.close()
+        # The same copy read as a peer's is (pushed over the data plane), in blocks of 1 kB.
+        slot = tier._where[5].copies[0][0]
+        peer = PeerCopy(tier, slot, tier._live()[slot], 5, 0, size, block_bytes=1024)
+        ranges = [(0, 100), (100, 900), (1000, 48), (2000, 3000), (size - 7, 7), (10, 20), (0, size), (size, 0)]
+        for offset, length in ranges:
+            got = np.asarray(peer.fetch(offset, length))
+            assert got.tobytes() == expected[offset : offset + length].tobytes(), (offset, length)
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray_cluster):
+    from gemini_ckpt.ray.client import connect
+    from tier_contract import _save
+
+    tier = connect(CheckpointConfig(namespace="budget", replicas=1, keep_in_memory=1,
+                                    host_memory_budget_bytes=12_000, timeout_s=120), rank=0, world_size=1)
+    try:
+        plan = _save(tier, 1, 1.0)  # one version of ~8.5 kB fits; a second segment does not
+        with pytest.raises(MemoryBudgetError) as info:
+            tier.segment(plan.shard)
+        assert "12,000" in str(info.value)
+        assert tier.committed_steps() == [1]  # nothing was dropped to make room
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_start_and_shutdown_host_stores(ray_cluster):
+    from gemini_ckpt.ray.cluster import alive_node_ids, named_actors, shutdown_host_stores, start_host_stores
+
+    handles = start_host_stores(CheckpointConfig(namespace="started", host_memory_budget_bytes=1 << 20,
+                                                 timeout_s=120))
+    assert sorted(handles) == alive_node_ids() and len(handles) == HOSTS + 1  # the head node too
+    st = status("started")
+    assert len(st.hosts) == HOSTS + 1
+    assert all(h.slot is None and h.store_alive and h.budget_bytes == 1 << 20 for h in st.hosts)  # no ranks yet
+    assert "spare" in st.format()
+    assert len(shutdown_host_stores("started")) == HOSTS + 2  # the stores and the registry
+    wait_for(lambda: "started" not in named_actors(), what="the actors to be gone")
+
+
+# --- Ray: a training job of 4 ranks on 4 hosts ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(ranks):
+    """Namespace "repl": 5 saves with replicas=2, keep_in_memory=2 (group placement)."""
+    ranks.restart("repl")
+    return ranks.train(range(5))
+
+
+@pytest.mark.ray
+def test_each_host_holds_its_own_and_its_peers_shards_of_the_newest_versions(trained, ranks):
+    assert all(r["committed"] for per_rank in trained for r in per_rank), trained
+    st = status("repl")
+    assert st.committed_steps == [3, 4]
+    assert [v.step for v in st.versions] == [3, 4]  # older versions are gone everywhere
+    for slot in range(HOSTS):
+        host = st.host(slot)
+        assert host.node_id == node_id_of_host(slot) and host.store_alive
+        assert host.versions == (3, 4)
+        assert (host.own_shards, host.replica_shards) == (2, 2)
+    for version in st.versions:
+        assert version.state == "committed"
+        assert [s.rank for s in version.shards] == list(range(HOSTS))
+        for shard in version.shards:
+            assert shard.owner == shard.rank
+            assert sorted(shard.copies) == sorted(holders_for(shard.owner, hosts=HOSTS, replicas=2))
+    for slot in range(HOSTS):
+        held = sum(s.nbytes for v in st.versions for s in v.shards if slot in s.copies)
+        assert st.host(slot).held_bytes == held
+
+
+@pytest.mark.ray
+def test_status_cli(trained, ray_cluster):
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-m", "gemini_ckpt", "status", "--namespace", "repl", "--json",
+                          "--address", ray_cluster.address], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    (ns,) = doc["namespaces"]
+    assert ns["committed_steps"] == [3, 4] and len(ns["hosts"]) == HOSTS
+    text = status("repl").format()
+    print(text)
+    assert "committed" in text and "rank 3" in text
+
+
+@pytest.mark.ray
+def test_a_killed_worker_restores_from_its_hosts_memory(trained, ranks):
+    os.kill(ranks.infos[2]["pid"], signal.SIGKILL)
+    wait_for(lambda: not ranks.alive(2), what="rank 2 to die")
+    ranks.restart("repl")  # the job restarts: a new rank-2 process on host 2, a new process group
+    restored = ranks.call("restore")
+    for rank in range(HOSTS):
+        assert restored[rank]["step"] == 4
+        assert restored[rank]["digest"] == trained[rank][-1]["digest"], f"rank {rank} is not bit-identical"
+    assert restored[2]["slot"] == 2
+    assert restored[2]["read_local"] > restored[2]["read_peer"]  # mapped from its own host's store
+    after = ranks.train([5])
+    assert all(r[0]["committed"] for r in after)
+    assert status("repl").committed_steps == [4, 5]
+
+
+@pytest.mark.ray
+def test_saving_a_step_again_in_a_new_run_replaces_it_on_every_host(trained, ranks):
+    ranks.restart("repl", overwrite=True)  # a new run that does not restore: steps >= 3 are discarded
+    again = ranks.train([3])
+    assert all(r[0]["committed"] for r in again), again
+    st = status("repl")
+    assert st.committed_steps == [3] and all(v.state == "committed" for v in st.versions)
+    ranks.restart("repl")
+    restored = ranks.call("restore")  # every rank reads the new version, never a mix with the old
+    assert [r["step"] for r in restored] == [3] * HOSTS
+    assert [r["digest"] for r in restored] == [again[r][0]["digest"] for r in range(HOSTS)]
+
+
+@pytest.mark.ray
+def test_a_dead_store_fails_the_version_and_the_restarted_job_goes_on(ranks):
+    ranks.restart("holder")
+    first = ranks.train([0, 1])
+    assert all(r["committed"] for per_rank in first for r in per_rank)
+    ray.kill(find_store("holder", node_id_of_host(3)), no_restart=True)  # host 3's memory is gone
+    failed = ranks.train([2])  # rank 3 has no store to stage into; the others' holders lost a peer
+    assert not any(r[0]["committed"] for r in failed)
+    assert any("slot 3" in (r[0]["error"] or "") or "host store" in (r[0]["error"] or "") for r in failed), failed
+    st = status("holder")
+    assert st.committed_steps == [0, 1] and not st.host(3).store_alive
+    wait_for(lambda: any("slot 3" in f["message"] for f in status("holder").failures), what="the death reported")
+
+    ranks.restart("holder")  # the job restarts: host 3 gets a fresh store, its old copies come from slot 2
+    restored = ranks.call("restore")
+    assert [r["step"] for r in restored] == [1] * HOSTS
+    assert [r["digest"] for r in restored] == [first[r][1]["digest"] for r in range(HOSTS)]
+    assert restored[3]["read_peer"] > 0
+    again = ranks.train([2, 3])
+    assert all(r["committed"] for per_rank in again for r in per_rank), again
+    assert status("holder").committed_steps == [2, 3]
+
+
+@pytest.mark.ray
+def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
+    ranks.restart("takeover")
+    before = ranks.train([0, 1])
+    assert all(r["committed"] for per_rank in before for r in per_rank)
+    old_node = node_id_of_host(1)
+    ray_cluster.remove_hosts((1,))  # until Ray knows host 1 is dead
+    assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == old_node)
+    ray_cluster.add_host(1)
+    new_node = node_id_of_host(1)
+
+    ranks.restart("takeover")
+    restored = ranks.call("restore")  # host 1's memory is gone; its shard comes from slot 0
+    assert [r["digest"] for r in restored] == [before[r][1]["digest"] for r in range(HOSTS)]
+    assert restored[1]["read_peer"] > 0
+    st = status("takeover")
+    assert st.host(1).node_id == new_node and st.host(1).store_alive
+    assert any("took over slot 1" in e["message"] for e in st.events)
+
+    after = ranks.train([2])
+    assert all(r[0]["committed"] for r in after)
+    shard = next(s for s in status("takeover").versions[-1].shards if s.rank == 1)
+    assert sorted(shard.copies) == [0, 1]
+
+
+# --- the data plane and the attach socket --------------------------------------------------------------
+@pytest.mark.ray
+def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
+    from gemini_ckpt.ray.attach import AttachClient, AttachError
+    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.ray.transport import AuthenticationError, Header, PeerLostError, TcpTransport
+    from tier_contract import _save
+
+    tier = connect(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60), rank=0, world_size=1)
+    try:
+        _save(tier, 1, 2.0)  # the job's own save goes through
+        actor = find_store("dataplane-auth", tier.node_id)
+        endpoint = ray.get(actor.endpoint.remote())
+        before = ray.get(actor.index.remote())
+        for secret, namespace in ((b"not-the-secret" * 3, "dataplane-auth"), (tier._secret, "other")):
+            intruder = TcpTransport(secret, namespace)
+            with pytest.raises((AuthenticationError, PeerLostError)):
+                channel = intruder.connect(endpoint)
+                channel.send(Header(namespace, 1, "region/0", 0, 1000, total=1000,
+                                    meta=json.dumps({"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1,
+                                                     "plan_id": "x"}).encode()),
+                             np.zeros(1000, np.uint8), timeout=10)
+            intruder.close()
+        # The attach socket of the store: a process of this node without the secret is refused.
+        address = ray.get(actor.attach.remote(tier.epoch, {}))["attach"]
+        with pytest.raises(AttachError, match="proof does not match"):
+            AttachClient(address, b"wrong" * 8, rank=0, epoch=tier.epoch, timeout_s=10)
+        assert ray.get(actor.index.remote()) == before  # not a byte written
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_a_holder_that_dies_mid_transfer_fails_the_version_in_about_a_second(ray_cluster, ranks):
+    ranks.restart("dataplane-death", ballast_mb=64,
+                  replication_bandwidth=16 << 20)  # 64 MiB per shard take 4 s: the kill lands mid-transfer
+    assert all(r["committed"] for per_rank in ranks.train([0]) for r in per_rank)  # every rank connected
+    timed = [w.save_timed.remote(1) for w in ranks.workers]
+    time.sleep(1.5)
+    ray.kill(find_store("dataplane-death", node_id_of_host(1)), no_restart=True)  # slot 0's other holder
+    killed = time.monotonic()
+    outcome = ray.get(timed[0], timeout=120)
+    # The copy to slot 1 breaks (or the registry sees slot 1's store gone): the version fails
+    # at once, not at timeout_s (120 s).
+    assert outcome["error"] is not None and ("slot 1" in outcome["error"] or "store died" in outcome["error"])
+    assert outcome["done"] - killed < 3.0, outcome

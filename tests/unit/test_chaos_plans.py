@@ -1,0 +1,181 @@
+"""The failure-injection harness without Ray: scenarios are validated, predictions follow the
+planner, the fate of the version in flight, the report, the CLI listing, the rendezvous
+store. (The scenarios themselves run in ``tests/integration/test_chaos.py``.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import placement
+from gemini_ckpt.chaos import (
+    CI_SCENARIOS,
+    At,
+    ChaosConfig,
+    Check,
+    CorruptReplica,
+    DurableUnreachable,
+    DurableWriteOutage,
+    KillStore,
+    KillWorker,
+    MatrixReport,
+    RemoveHosts,
+    Scenario,
+    ScenarioError,
+    ScenarioResult,
+    add_chaos_command,
+    ci_matrix,
+    full_matrix,
+    plan_scenario,
+    versions_after,
+)
+from helpers import listening
+from gemini_ckpt.chaos._jobrun import Rendezvous
+
+CONFIG = ChaosConfig()  # 4 hosts, replicas 2, steps 0..5, persisted 1, 3, 5
+
+
+
+def test_scenarios_are_validated_with_the_field_and_the_fix():
+    with pytest.raises(ScenarioError, match="only on the coordinator: use rank=0"):
+        At(step=3, phase="commit", rank=1)
+    with pytest.raises(ScenarioError, match="is not a phase"):
+        At(step=3, phase="flush")
+    with pytest.raises(ScenarioError, match="names a host twice"):
+        RemoveHosts((1, 1))
+    with pytest.raises(ScenarioError, match="non-empty word"):
+        Scenario(name="two words", at=At(step=1))
+    with pytest.raises(ScenarioError, match="not persisted.*needs one of \\[1, 3, 5\\]"):
+        CONFIG.check(Scenario(name="x", at=At(step=2, phase="persist")))
+    with pytest.raises(ScenarioError, match="leaves no step to continue"):
+        CONFIG.check(Scenario(name="x", at=At(step=5)))
+    with pytest.raises(ScenarioError, match="includes removed hosts"):
+        CONFIG.check(Scenario(name="x", at=At(step=2), faults=(RemoveHosts((3,), replace=False),)))
+
+
+def test_every_matrix_scenario_is_valid_and_pairs_follow_the_planner():
+    scenarios = full_matrix(CONFIG)
+    assert len({s.name for s in scenarios}) == len(scenarios)
+    assert [s.name for s in ci_matrix(CONFIG)] == list(CI_SCENARIOS)
+    for s in scenarios:
+        CONFIG.check(s)
+        pred = plan_scenario(s, CONFIG)
+        if s.name.startswith("pair-"):
+            p = placement.make(s.placement, hosts=4, replicas=2)
+            survives = placement.survives(p, s.failed_slots())
+            assert (pred.outcome, pred.step) == (("memory", 2) if survives else ("durable", 1)), s.name
+    preds = {s.name: plan_scenario(s, CONFIG).label() for s in scenarios}
+    # Mixed with replicas dividing hosts is group placement: the same predictions.
+    assert all(preds[f"pair-mixed-{a}-{b}"] == preds[f"pair-group-{a}-{b}"] for a in range(4) for b in range(a + 1, 4))
+    assert [k for k, v in preds.items() if k.startswith("pair-ring") and v.startswith("durable")] == [
+        "pair-ring-0-1", "pair-ring-0-3", "pair-ring-1-2", "pair-ring-2-3"]
+    expected = {
+        "kill-worker-replicate": "memory@2",  # the version in flight is never committed
+        "kill-store-commit": "memory@2",
+        "kill-worker-committed": "memory@3",
+        "remove-host-persist": "memory@3",  # committed; its persist dies with the coordinator
+        "group-lost-during-persist": "durable@1",  # the persist cannot read the lost group's shards
+        "durable-write-outage": "durable@1",  # the failed persist of step 3 does not count
+        "durable-outage-recovers": "durable@3",
+        "durable-unreachable-memory-ok": "memory@2",
+        "durable-unreachable-group-lost": "error",
+        "corrupt-durable": "durable@1",  # step 3's bad file is skipped
+        "corrupt-replica-local": "memory@2",  # the peer's copy is good
+        "corrupt-replica-only-copy-left": "memory@1",
+        "resize-after-loss": "memory@2",
+    }
+    assert {k: preds[k] for k in expected} == expected
+
+
+def test_the_fate_of_the_version_in_flight_follows_phase_and_fault():
+    p = placement.make("group", hosts=4, replicas=2)
+    hosts = (0, 1, 2, 3)
+
+    def fate(phase, faults, rank=0, step=3):
+        s = Scenario(name="x", at=At(step=step, phase=phase, rank=rank), faults=faults)
+        v = versions_after(s, CONFIG, committed=[0, 1, 2], persisted=[1], p=p, hosts=hosts)
+        return v.committed, v.persisted
+
+    assert fate("replicate", (KillWorker((1,)),), rank=1) == ((1, 2), (1,))
+    assert fate("replicate", (CorruptReplica(),), rank=1) == ((2, 3), (1, 3))  # nothing died: it commits
+    assert fate("committed", (KillWorker((1,)),), rank=1) == ((2, 3), (1, 3))  # rank 0 still persists it
+    assert fate("persist", (KillWorker((0,)),)) == ((2, 3), (1,))
+    assert fate("persist", (KillStore((1,)),)) == ((2, 3), (1, 3))  # written from the other holder
+    assert fate("persist", (RemoveHosts((2, 3)),)) == ((2, 3), (1,))  # shards 2, 3 have no copy left
+    s = Scenario(name="x", at=At(step=3, phase="persist"), conditions=(DurableWriteOutage((3,)),))
+    assert versions_after(s, CONFIG, committed=[0, 1, 2], persisted=[1], p=p, hosts=hosts).persisted == (1,)
+
+
+def test_report_table_and_json(tmp_path):
+    s = Scenario(name="demo", at=At(step=2), faults=(RemoveHosts((0, 1)),), conditions=(DurableUnreachable(),))
+    good = ScenarioResult(scenario=s, prediction=plan_scenario(s, CONFIG), observed={"outcome": "error", "step": None},
+                          checks=[Check("prediction", True, "ok")], recovery_s=3.21)
+    bad = ScenarioResult(scenario=Scenario(name="other", at=At(step=2)), prediction=None,
+                         observed={"outcome": "memory", "step": 1}, steps_lost=1,
+                         checks=[Check("prediction", False, "predicted memory@2; observed memory@1")])
+    report = MatrixReport(results=[good, bad], config=CONFIG, seconds=12.0)
+    table = report.format_table()
+    lines = table.splitlines()
+    assert lines[0].split() == ["scenario", "predicted", "observed", "steps", "lost", "recovery", "s", "verdict"]
+    assert lines[2].split() == ["demo", "error", "error", "-", "3.2", "PASS"]
+    assert lines[3].split() == ["other", "-", "memory@1", "1", "-", "MISMATCH"]
+    assert "other: prediction: predicted memory@2; observed memory@1" in table
+    assert report.exit_code == 1 and not report.ok
+    path = tmp_path / "r.json"
+    report.write_json(str(path))
+    doc = json.loads(path.read_text())
+    assert doc["ok"] is False and doc["counts"] == {"MISMATCH": 1, "PASS": 1}
+    assert doc["scenarios"][0]["predicted"]["outcome"] == "error"
+    assert doc["scenarios"][1]["checks"][0] == {"name": "prediction", "ok": False,
+                                                "detail": "predicted memory@2; observed memory@1"}
+
+
+def test_cli_lists_the_matrix(capsys):
+    parser = argparse.ArgumentParser()
+    add_chaos_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chaos", "--matrix", "ci", "--list"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == list(CI_SCENARIOS)
+    args = parser.parse_args(["chaos", "--list", "-k", "pair-ring-*"])
+    assert args.func(args) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 6
+    args = parser.parse_args(["chaos", "--steps", "3"])
+    assert args.func(args) == 2  # too few steps for the matrix: a clear error, nothing started
+
+
+def test_an_infrastructure_failure_is_its_own_verdict_and_fails_the_run():
+    s = Scenario(name="x", at=At(step=2))
+    infra = ScenarioResult(scenario=s, error="InfraError: rank 1 (host 1): rendezvous failed", infra=True)
+    other = ScenarioResult(scenario=Scenario(name="y", at=At(step=2)), error="HarnessError: no commit")
+    ok = ScenarioResult(scenario=Scenario(name="z", at=At(step=2)), checks=[Check("prediction", True)])
+    report = MatrixReport(results=[infra, other, ok], config=CONFIG)
+    assert [r.verdict for r in report.results] == ["INFRA-ERROR", "ERROR", "PASS"]
+    assert report.counts() == {"INFRA-ERROR": 1, "ERROR": 1, "PASS": 1} and report.exit_code == 1
+    table = report.format_table()
+    assert "x: infrastructure error (not a verdict on the library): InfraError" in table
+    assert report.to_json()["scenarios"][0]["verdict"] == "INFRA-ERROR"
+
+
+def test_the_rendezvous_port_is_bound_by_its_store_from_the_start():
+    """No port is found free, released and bound again later: the store binds port 0 and
+    holds the port the kernel gave it until ``close``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rendezvous = Rendezvous(world_size=2, timeout_s=10)
+    host, port = rendezvous.address
+    try:
+        assert port > 0 and listening(port)
+        client = dist.TCPStore(host, port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        del client
+    finally:
+        rendezvous.close()
+    assert rendezvous.closed and not listening(port)
+
+

@@ -1,0 +1,319 @@
+"""The commit protocol among host stores (``gemini_ckpt.ray.commit``), in-process, no Ray.
+
+1,024 simulated stores per run; messages are delivered in a seeded random order. The
+simulator itself raises ``ProtocolError`` if a store marks a version committed before the
+coordinator decided COMMIT, or if two participants decide a version differently.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+import placement
+from gemini_ckpt.ray.slots import holders_for
+from gemini_ckpt.ray.commit import (
+    COORDINATOR,
+    DEFAULT_FANOUT,
+    Coordinator,
+    Decision,
+    HostCommit,
+    Query,
+    Replicate,
+    Send,
+    ShardStaged,
+    VersionId,
+    Vote,
+)
+from gemini_ckpt.ray.commit.participant import _Tree
+from gemini_ckpt.ray.commit.sim import Simulator
+
+HOSTS = 1024
+C = 2  # per-participant bound: C * (replicas + ceil(log2 hosts)) control messages per version
+CONFIGS = [("group", 2), ("ring", 2), ("mixed", 3), ("ring", 3)]  # 3 does not divide 1,024: mixed
+
+
+def make_holders(hosts: int, replicas: int, strategy: str):
+    """``holders_for``, with the placement built once: hosts whose holders all live keep
+    their placement (the rule's first clause), the others go through ``holders_for``."""
+    base = placement.make(strategy, hosts=hosts, replicas=replicas)
+    table = [base.holders(s) for s in range(hosts)]
+
+    def holders(slot: int, dead: frozenset) -> tuple:
+        if dead.isdisjoint(table[slot]):
+            return table[slot]
+        return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead)
+
+    return holders
+
+
+def bound(replicas: int, hosts: int = HOSTS) -> int:
+    return C * (replicas + math.ceil(math.log2(hosts)))
+
+
+def decided_everywhere(sim: Simulator, report) -> None:
+    assert report.outcome is not None
+    assert not report.timed_out, "a live store needed its timeout to learn the decision"
+    assert set(report.outcomes.values()) == {report.outcome}
+
+
+def test_holders_shortcut_matches_the_rule():
+    holders = make_holders(64, 3, "mixed")
+    for dead in (frozenset(), frozenset({5}), frozenset({0, 1, 62})):
+        for slot in set(range(64)) - dead:
+            assert holders(slot, dead) == holders_for(slot, hosts=64, replicas=3, strategy="mixed", dead=dead)
+
+
+@pytest.mark.parametrize("fanout", [2, 3, DEFAULT_FANOUT, 10])
+@pytest.mark.parametrize("dead", [(), (0,), (3, 4, 99), tuple(range(0, 200, 7))])
+def test_tree_covers_every_live_slot_once(fanout, dead):
+    tree = _Tree(200, frozenset(dead), fanout)
+    live = sorted(set(range(200)) - set(dead))
+    seen = list(tree.top())
+    for slot in live:
+        children = tree.children(slot)
+        assert all(tree.parent(c) == slot for c in children)
+        seen.extend(children)
+    assert sorted(seen) == live
+    assert all(tree.parent(s) == COORDINATOR for s in tree.top())
+    depth = max(_depth(tree, s) for s in live)
+    assert depth <= math.ceil(math.log(len(live), fanout)) + 1
+
+
+def _depth(tree: _Tree, slot: int) -> int:
+    d = 1
+    while (slot := tree.parent(slot)) != COORDINATOR:
+        d += 1
+    return d
+
+
+@pytest.mark.parametrize("strategy,replicas", CONFIGS)
+def test_every_version_commits_within_the_message_bound(strategy, replicas):
+    sim = Simulator(hosts=HOSTS, replicas=replicas, holders=make_holders(HOSTS, replicas, strategy),
+                    ranks_per_host=2, keep=2, seed=7)
+    for step in range(3):
+        report = sim.run_version(step)
+        decided_everywhere(sim, report)
+        assert report.outcome is True and report.acknowledged
+        handled = [report.handled(p) for p in [*range(HOSTS), COORDINATOR]]
+        assert max(handled) <= bound(replicas), (max(handled), bound(replicas))
+        # exactly: acks out and in (replicas - 1 each), one vote up, <= fanout votes in, one
+        # decision in, <= fanout decisions out; the coordinator 2 * fanout
+        assert max(handled[:-1]) <= 2 * (replicas - 1) + 2 + 2 * DEFAULT_FANOUT
+        assert handled[-1] == 2 * DEFAULT_FANOUT
+        # rank inputs and data-plane completions: a start, 2 stagings, replicas - 1 copies
+        assert set(report.local.values()) == {1 + 2 + replicas - 1}
+    versions = (VersionId(0, 1), VersionId(0, 2))
+    assert sim.coordinator.newest_committed() == VersionId(0, 2)
+    assert sim.coordinator.committed_versions() == versions
+    assert all(p.committed_versions() == versions for p in sim.stores.values())  # step 0 released
+
+
+@pytest.mark.parametrize("strategy,replicas,seed", [("group", 2, 1), ("mixed", 3, 2), ("ring", 3, 3)])
+def test_random_kills_commit_iff_every_copy_was_acknowledged(strategy, replicas, seed):
+    rng = random.Random(seed)
+    sim = Simulator(hosts=HOSTS, replicas=replicas, holders=make_holders(HOSTS, replicas, strategy), seed=seed)
+    committed = 0
+    for step in range(6):
+        kills = {}
+        if step % 2 == 0:  # kills at random points of even versions; odd versions run clean
+            for _ in range(rng.randint(1, 3)):
+                kills[rng.choice(sim.live)] = rng.randint(0, 3 * HOSTS * (replicas + 1))
+        report = sim.run_version(step, kill_after=kills)
+        decided_everywhere(sim, report)
+        if report.outcome:
+            committed += 1
+            assert report.acknowledged
+        elif not report.died:
+            pytest.fail(f"step {step} aborted without a failure")
+        if step % 2:
+            assert report.outcome is True, "the version after a death commits over the live slots"
+        slack = (4 * DEFAULT_FANOUT + 4) * len(report.died)  # per death: notices, adoptions, queries
+        assert max(report.handled(p) for p in [*sim.live, COORDINATOR]) <= bound(replicas) + slack
+        for slot in sim.live:  # no store marks a version the coordinator did not commit
+            assert set(sim.stores[slot].committed_versions()) <= set(sim.coordinator.committed_versions())
+    assert committed >= 3
+
+
+def test_small_clusters_many_seeds():
+    """The same invariants over many orders and kill points, where trees are shallow and
+    deaths hit near the root (the coordinator's children) more often."""
+    for seed in range(25):
+        rng = random.Random(seed)
+        for hosts, replicas, strategy, fanout in [(16, 2, "ring", 2), (50, 3, "mixed", 4), (64, 2, "group", 3)]:
+            sim = Simulator(hosts=hosts, replicas=replicas, holders=make_holders(hosts, replicas, strategy),
+                            seed=seed, fanout=fanout)
+            for step in range(4):
+                kills = {rng.choice(sim.live): rng.randint(0, 4 * hosts * (replicas + 1))
+                         for _ in range(rng.randint(0, 2))} if step % 2 == 0 else {}
+                report = sim.run_version(step, kill_after=kills)
+                decided_everywhere(sim, report)
+                if report.outcome:
+                    assert report.acknowledged
+                else:
+                    assert report.died or not report.acknowledged
+                if step % 2:
+                    assert report.outcome is True
+
+
+def test_a_dead_holder_aborts_the_version_everywhere_and_the_next_commits():
+    holders = make_holders(HOSTS, 2, "group")
+    sim = Simulator(hosts=HOSTS, replicas=2, holders=holders, seed=11)
+    assert sim.run_version(0).outcome is True
+    report = sim.run_version(1, kill_after={301: 1})  # 301 holds 300's copy; dies before acking
+    decided_everywhere(sim, report)
+    assert report.outcome is False and not report.acknowledged
+    assert all(p.state(VersionId(0, 1)) == "aborted" for p in sim.stores.values())
+    assert "301" in sim.coordinator._rounds[VersionId(0, 1)].reason  # the death is named
+    report = sim.run_version(2)
+    decided_everywhere(sim, report)
+    assert report.outcome is True
+    assert holders(300, frozenset({301})) == (300, 302)  # 300's copy went around the dead slot
+    assert sim.coordinator.newest_committed() == VersionId(0, 2)
+
+
+def test_the_trainer_is_not_needed_after_staging():
+    """A training process killed right after ``save()`` returned: its shard is in its host
+    store, and the stores commit without any further input from a rank."""
+    sim = Simulator(hosts=HOSTS, replicas=2, holders=make_holders(HOSTS, 2, "group"), ranks_per_host=4, seed=5)
+    report = sim.run_version(0)  # the only rank inputs are the 4 ShardStaged of each host
+    decided_everywhere(sim, report)
+    assert report.outcome is True
+    assert set(report.local.values()) == {1 + 4 + 1}  # start, 4 stagings, one copy received
+
+
+@pytest.mark.parametrize("reported", [False, True])
+def test_a_rank_that_dies_before_staging_fails_the_version_cleanly(reported):
+    sim = Simulator(hosts=HOSTS, replicas=2, holders=make_holders(HOSTS, 2, "ring"), ranks_per_host=2, seed=9)
+    report = sim.run_version(0, unstaged={17: 1}, rank_failures=[17] if reported else [])
+    assert report.outcome is False
+    assert set(report.outcomes.values()) == {False}
+    assert report.timed_out is not reported  # a reported death aborts at once, else the timeout does
+    assert sim.run_version(1).outcome is True
+
+
+def test_a_refused_copy_aborts_everywhere():
+    sim = Simulator(hosts=HOSTS, replicas=3, holders=make_holders(HOSTS, 3, "ring"), seed=4)
+    report = sim.run_version(0, replica_failures=[(41, 40)])
+    decided_everywhere(sim, report)
+    assert report.outcome is False
+    assert "over budget" in sim.stores[40]._rounds[VersionId(0, 0)].reason
+
+
+def test_a_host_whose_store_died_but_ranks_live_blocks_the_commit():
+    coord = Coordinator(hosts=4, fanout=4, world_size=8)
+    v = VersionId(0, 0)
+    out = []
+    for slot in range(4):  # slot 3's store lost its ranks' shards: it stages only 1 of 2
+        out += coord.on_message(Vote(v, slot, frozenset(), True, shards=1 if slot == 3 else 2))
+    assert coord.outcome(v) is False and "7 of 8" in coord._rounds[v].reason
+
+
+class _Net:
+    """A hand-driven network of participants: messages wait until released."""
+
+    def __init__(self, hosts: int, replicas: int, fanout: int) -> None:
+        self.coord = Coordinator(hosts=hosts, fanout=fanout)
+        self.stores = {s: HostCommit(s, hosts=hosts, replicas=replicas, fanout=fanout) for s in range(hosts)}
+        self.queue: list = []
+
+    def feed(self, actions, sender: int = COORDINATOR) -> None:
+        for a in actions:
+            if isinstance(a, Send):
+                self.queue.append(a)
+            elif isinstance(a, Replicate):
+                for h in a.holders:
+                    self.feed(self.stores[h].replica_stored(a.version, sender), h)
+
+    def run(self, hold=lambda send: False) -> None:
+        while True:
+            ready = [s for s in self.queue if not hold(s)]
+            if not ready:
+                return
+            send = ready[0]
+            self.queue.remove(send)
+            to = self.coord if send.to == COORDINATOR else self.stores.get(send.to)
+            if to is not None:
+                self.feed(to.on_message(send.message), send.to)
+
+    def start(self, v: VersionId, holders=None) -> None:
+        for s, p in self.stores.items():
+            self.feed(p.start_version(v, holders=holders[s] if holders else (s, (s + 1) % 8), shards=1), s)
+            self.feed(p.on_message(ShardStaged(v, s)), s)
+
+
+def test_a_reader_trusts_a_prepared_copy_only_with_the_coordinators_word():
+    net, v = _Net(8, 2, 2), VersionId(0, 3)
+    net.start(v)
+    held = lambda send: isinstance(send.message, Decision) and send.to == 7  # noqa: E731
+    net.run(hold=held)
+    assert net.coord.outcome(v) is True and net.coord.newest_committed() == v
+    assert net.stores[7].state(v) == "prepared"  # every copy it owns is acknowledged, no decision yet
+    assert net.stores[7].committed_versions() == ()
+    net.run()
+    assert net.stores[7].state(v) == "committed"
+
+
+def test_orphans_learn_the_decision_from_the_nearest_live_ancestor():
+    net, v = _Net(8, 2, 2), VersionId(0, 0)
+    net.start(v)
+    # slot 1 has children 4 and 5 (fanout 2); hold every decision sent to them, then kill 1
+    net.run(hold=lambda send: isinstance(send.message, Decision) and send.to in (1, 4, 5))
+    assert net.coord.outcome(v) is True and net.stores[4].state(v) == "prepared"
+    del net.stores[1]
+    net.queue = [s for s in net.queue if s.to != 1]
+    for p in [*net.stores.values(), net.coord]:
+        net.feed(p.on_peer_dead(1))
+    asks = [s for s in net.queue if isinstance(s.message, Query)]
+    assert sorted(s.message.sender for s in asks) == [4, 5] and {s.to for s in asks} == {COORDINATOR}
+    net.run()
+    assert all(p.state(v) == "committed" for p in net.stores.values())
+
+
+def test_a_store_that_missed_a_death_aborts_the_version_and_the_next_commits():
+    net, v = _Net(8, 2, 2), VersionId(0, 0)
+    del net.stores[6]
+    for s, p in net.stores.items():
+        if s != 2:  # slot 2 has not heard yet
+            p.on_peer_dead(6)
+    net.coord.on_peer_dead(6)
+    holders = {s: (s, (s + 1) % 8 if (s + 1) % 8 != 6 else 7) for s in net.stores}
+    net.start(v, holders)
+    net.run()
+    net.feed(net.stores[2].on_peer_dead(6))
+    net.run()
+    assert net.coord.outcome(v) is False
+    assert {p.state(v) for p in net.stores.values()} == {"aborted"}
+    w = VersionId(0, 1)
+    net.start(w, holders)
+    net.run()
+    assert {p.state(w) for p in net.stores.values()} == {"committed"}
+
+
+def test_invalid_inputs_are_refused():
+    with pytest.raises(ValueError, match="fanout"):
+        Coordinator(hosts=4, fanout=1)
+    store = HostCommit(0, hosts=4, replicas=2)
+    with pytest.raises(ValueError, match="holders"):
+        store.start_version(VersionId(0, 0), holders=(1, 0), shards=1)
+    with pytest.raises(ValueError, match="shards"):
+        store.start_version(VersionId(0, 0), holders=(0, 1), shards=0)
+    with pytest.raises(TypeError):
+        store.on_message(Send(1, None))
+
+
+def test_slots_without_ranks_hold_copies_and_take_no_part_in_the_vote():
+    # A job restarted on fewer hosts: slots 2 and 3 keep their stores but run no rank. They
+    # still hold copies (ring placement sends slot 1's copy to slot 2), and the tree is built
+    # over the other slots only, on every participant alike.
+    holders = make_holders(4, 2, "ring")
+    sim = Simulator(hosts=4, replicas=2, holders=holders, idle={2, 3}, seed=3)
+    for step in range(3):
+        report = sim.run_version(step)
+        assert report.outcome is True and report.acknowledged and not report.timed_out, report
+        assert set(report.outcomes) == {0, 1} and all(o is True for o in report.outcomes.values())
+    assert sim.coordinator.committed_versions() == (VersionId(0, 1), VersionId(0, 2))
+    with pytest.raises(ValueError, match="idle"):
+        HostCommit(2, hosts=4, replicas=2, idle={2})
