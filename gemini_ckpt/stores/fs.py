@@ -10,7 +10,7 @@ A directory without the marker is an incomplete version: never listed, never rea
 version directory is a stock DCP checkpoint that ``torch.distributed.checkpoint.load`` with a
 ``FileSystemReader`` loads, and the marker is our atomic commit point. The marker records the
 CRC32C of ``.metadata`` and of itself (and an HMAC when signing), checked by ``manifest``
-before anything is unpickled (see ``_trust``). Only directory names that ``step_dir_name``
+before anything is unpickled (see :mod:`gemini_ckpt.trust`). Only directory names that ``step_dir_name``
 writes count as versions (``step_`` and ASCII digits, exactly our width for that step).
 """
 

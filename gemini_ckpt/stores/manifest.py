@@ -30,7 +30,7 @@ class VersionManifest:
     ``metadata`` is exactly the pickled DCP ``Metadata`` that ``FileSystemWriter`` writes as
     ``.metadata``, so dumping a version as files gives a stock DCP checkpoint.
     ``metadata_crc`` is its CRC32C, recorded at commit and checked before it is unpickled;
-    ``signature`` the HMAC-SHA256 of the manifest when a signing key is set (see ``_trust``).
+    ``signature`` the HMAC-SHA256 of the manifest when a signing key is set (see :mod:`gemini_ckpt.trust`).
     """
 
     step: int

@@ -1,5 +1,5 @@
 """The TCP backend's shared plumbing: its configuration and socket helpers (the transport is in
-:mod:`._tcp_transport`, the two sides in :mod:`._tcp_send` and :mod:`._tcp_recv`).
+:mod:`._tcp_transport`, the two sides in :mod:`._tcp_send` and :mod:`._tcp_recv` + :mod:`._tcp_stream`).
 
 Threads, not asyncio: every blocking call is a socket call that releases the GIL, the host
 store that embeds this is itself a threaded actor, and a thread per stream keeps the hot loop

@@ -1,5 +1,5 @@
 """The TCP transport object: holds the namespace's secret, the host's bandwidth cap, and the
-handshake (see :mod:`._wire`); opens listeners (:mod:`._tcp_recv`) and channels
+handshake (see :mod:`._wire`); opens listeners (:mod:`._tcp_recv`, streams in :mod:`._tcp_stream`) and channels
 (:mod:`._tcp_send`).
 
 Every import here is at module level, never inside a function: this package is shipped to Ray
