@@ -21,7 +21,8 @@ def _state(fill: float) -> dict:
             "rank_local": {"0": {"extra": pickle.dumps({"fill": fill})}}}
 
 
-def _save(tier, step: int, fill: float, plan=None):
+def save_filled(tier, step: int, fill: float, plan=None):
+    """Hand ``step`` to ``tier``: a small state whose tensors are all ``fill``; wait for its commit."""
     state = _state(fill)
     if plan is None:
         plan, _ = make_plan(state, rank=0, world_size=1, group=None, job={"test": True})
@@ -51,7 +52,7 @@ def check_read_contract(tier, step: int, expected: dict) -> None:
 
 
 def check_tier_contract(tier, *, keep: int) -> None:
-    plan = _save(tier, 10, 1.0)
+    plan = save_filled(tier, 10, 1.0)
     # 1. committed_steps lists what was handed off; open() gives a verified, item-by-item view.
     check_read_contract(tier, 10, {MetadataIndex("model.w", torch.Size([0, 0]), 0): torch.full((64, 33), 1.0),
                                    MetadataIndex("model.b", torch.Size([0]), 1): torch.arange(7) + 1})
@@ -63,11 +64,11 @@ def check_tier_contract(tier, *, keep: int) -> None:
         view.close()
     # 2. retention keeps the newest ``keep``; segments are reused once versions are released.
     for i in range(1, keep + 3):
-        _save(tier, 10 + i, 1.0 + i, plan)
+        save_filled(tier, 10 + i, 1.0 + i, plan)
     steps = [s for s in tier.committed_steps() if s >= 10]
     assert steps == list(range(10 + 3, 10 + keep + 3)), steps
     allocated = tier.allocations
-    _save(tier, 10 + keep + 3, 9.0, plan)
+    save_filled(tier, 10 + keep + 3, 9.0, plan)
     assert tier.allocations == allocated and tier.allocations <= keep + 1
     # 3. a segment that is not handed off goes back, and the next save gets it again.
     seg = tier.segment(plan.shard)

@@ -89,11 +89,11 @@ def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
 def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(ray_cluster):
     from gemini_ckpt.ray.client import connect
     from gemini_ckpt.ray.readahead import PeerCopy
-    from tier_contract import _save
+    from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120), rank=0, world_size=1)
     try:
-        plan = _save(tier, 5, 3.0)
+        plan = save_filled(tier, 5, 3.0)
         size = plan.shard.region_bytes
         local = tier.open(5)
         expected = np.asarray(local.copies[0][0].fetch(0, size)).copy()
@@ -112,12 +112,12 @@ def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(
 @pytest.mark.ray
 def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray_cluster):
     from gemini_ckpt.ray.client import connect
-    from tier_contract import _save
+    from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="budget", replicas=1, keep_in_memory=1,
                                     host_memory_budget_bytes=12_000, timeout_s=120), rank=0, world_size=1)
     try:
-        plan = _save(tier, 1, 1.0)  # one version of ~8.5 kB fits; a second segment does not
+        plan = save_filled(tier, 1, 1.0)  # one version of ~8.5 kB fits; a second segment does not
         with pytest.raises(MemoryBudgetError) as info:
             tier.segment(plan.shard)
         assert "12,000" in str(info.value)
@@ -268,11 +268,11 @@ def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
     from gemini_ckpt.ray.attach import AttachClient, AttachError
     from gemini_ckpt.ray.client import connect
     from gemini_ckpt.ray.transport import AuthenticationError, Header, PeerLostError, TcpTransport
-    from tier_contract import _save
+    from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60), rank=0, world_size=1)
     try:
-        _save(tier, 1, 2.0)  # the job's own save goes through
+        save_filled(tier, 1, 2.0)  # the job's own save goes through
         actor = find_store("dataplane-auth", tier.node_id)
         endpoint = ray.get(actor.endpoint.remote())
         before = ray.get(actor.index.remote())

@@ -27,7 +27,7 @@ from gemini_ckpt.ray.commit import (
     VersionId,
     Vote,
 )
-from gemini_ckpt.ray.commit.participant import _Tree
+from gemini_ckpt.ray.commit.participant import Tree
 from gemini_ckpt.ray.commit.sim import Simulator
 
 HOSTS = 1024
@@ -69,7 +69,7 @@ def test_holders_shortcut_matches_the_rule():
 @pytest.mark.parametrize("fanout", [2, 3, DEFAULT_FANOUT, 10])
 @pytest.mark.parametrize("dead", [(), (0,), (3, 4, 99), tuple(range(0, 200, 7))])
 def test_tree_covers_every_live_slot_once(fanout, dead):
-    tree = _Tree(200, frozenset(dead), fanout)
+    tree = Tree(200, frozenset(dead), fanout)
     live = sorted(set(range(200)) - set(dead))
     seen = list(tree.top())
     for slot in live:
@@ -82,7 +82,7 @@ def test_tree_covers_every_live_slot_once(fanout, dead):
     assert depth <= math.ceil(math.log(len(live), fanout)) + 1
 
 
-def _depth(tree: _Tree, slot: int) -> int:
+def _depth(tree: Tree, slot: int) -> int:
     d = 1
     while (slot := tree.parent(slot)) != COORDINATOR:
         d += 1

@@ -51,7 +51,7 @@ from ..commit import (
 )
 from ..transport import Endpoint, TcpConfig, TcpTransport
 from .ranks import LocalRanks
-from .replication import Replication, _Sink
+from .replication import Replication, ReplicaSink
 from .serving import Serving
 from .versions import VersionTable
 
@@ -211,7 +211,7 @@ class HostStore(LocalRanks, Replication, Serving):
         self._transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S,
                                                         max_send_bytes_per_s=bandwidth))
-        self._listener = self._transport.listen(ray.util.get_node_ip_address(), _Sink(self))
+        self._listener = self._transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self))
         self._readers = {}
         if old is not None:
             old.close()

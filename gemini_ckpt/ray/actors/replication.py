@@ -305,7 +305,7 @@ class Replication:
         return None
 
 
-class _Sink:
+class ReplicaSink:
     """The transport's view of a host store: copies land straight in its segments."""
 
     def __init__(self, store: "Replication") -> None:

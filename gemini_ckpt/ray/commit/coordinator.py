@@ -16,10 +16,10 @@ from .messages import (
     VersionId,
     Vote,
 )
-from .participant import _Participant
+from .participant import Participant
 
 
-class Coordinator(_Participant):
+class Coordinator(Participant):
     """The one decider (run by the registry): the root of every version's tree, and the place
     a reader asks for the newest committed version (:meth:`newest_committed`).
 

@@ -20,10 +20,10 @@ from .messages import (
     VersionId,
     Vote,
 )
-from .participant import _Participant, _Round
+from .participant import Participant, Round
 
 
-class HostCommit(_Participant):
+class HostCommit(Participant):
     """The commit protocol as run by the host store of ``slot`` (see the module docstring).
 
     ``hosts`` slots in the job, ``replicas`` copies of each shard (the owner's included),
@@ -178,7 +178,7 @@ class HostCommit(_Participant):
         return out
 
     # --- internals -------------------------------------------------------------------------
-    def _progress(self, v: VersionId, r: _Round, out: list) -> None:
+    def _progress(self, v: VersionId, r: Round, out: list) -> None:
         if not r.started or r.outcome is not None:
             return
         staged = len(r.staged) >= r.shards
@@ -190,14 +190,14 @@ class HostCommit(_Participant):
             r.voted = True
             out.append(Send(r.parent, Vote(v, self.slot, r.view, True, shards=r.shards + r.below)))
 
-    def _veto(self, v: VersionId, r: _Round, reason: str, out: list) -> None:
+    def _veto(self, v: VersionId, r: Round, reason: str, out: list) -> None:
         if r.outcome is not None or r.voted:
             return  # after a yes vote only the coordinator decides
         if r.parent not in self.dead:
             out.append(Send(r.parent, Vote(v, self.slot, r.view, False, reason)))
         self._decide(v, r, False, reason, out)
 
-    def _on_decision(self, v: VersionId, r: _Round, d: Decision, out: list) -> None:
+    def _on_decision(self, v: VersionId, r: Round, d: Decision, out: list) -> None:
         if r.outcome is None:
             if d.commit and not r.voted:
                 raise ProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
@@ -206,7 +206,7 @@ class HostCommit(_Participant):
             raise ProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
                                 f"but a decision says {'commit' if d.commit else 'abort'}")
 
-    def _on_query(self, v: VersionId, r: _Round, q: Query, out: list) -> None:
+    def _on_query(self, v: VersionId, r: Round, q: Query, out: list) -> None:
         if r.outcome is not None:
             out.append(Send(q.sender, Decision(v, r.outcome, r.reason)))
             return
@@ -216,7 +216,7 @@ class HostCommit(_Participant):
         elif r.asked is None and r.parent in self.dead:
             self._ask(v, r, out)
 
-    def _ask(self, v: VersionId, r: _Round, out: list) -> None:
+    def _ask(self, v: VersionId, r: Round, out: list) -> None:
         tree = self._tree(r.view)
         target = r.parent
         while target != COORDINATOR and target in self.dead:
@@ -224,7 +224,7 @@ class HostCommit(_Participant):
         r.asked = target
         out.append(Send(target, Query(v, self.slot)))
 
-    def _missing(self, r: _Round) -> str:
+    def _missing(self, r: Round) -> str:
         if not r.started:
             return "its ranks to begin the version"
         parts = []

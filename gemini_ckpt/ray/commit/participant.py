@@ -21,7 +21,7 @@ from .messages import (
 
 
 # --- the tree ----------------------------------------------------------------------------------
-class _Tree:
+class Tree:
     """A ``fanout``-ary heap over the live slots of ``0..hosts-1`` in slot order: position
     ``p``'s parent is ``p // fanout - 1``, the coordinator's children are positions
     ``0..fanout-1``. Lookups cost O(dead), nothing is O(hosts)."""
@@ -55,7 +55,7 @@ class _Tree:
 
 
 @dataclass
-class _Round:
+class Round:
     """What one participant knows of one version."""
 
     view: frozenset  # slots known dead when this participant first heard of the version
@@ -82,7 +82,7 @@ def _check_fanout(fanout: int) -> None:
         raise ValueError(f"fanout: expected an int >= 2, got {fanout!r}")
 
 
-class _Participant:
+class Participant:
     """Shared bookkeeping of stores and coordinator: rounds, dead slots, retention."""
 
     slot: int
@@ -122,15 +122,15 @@ class _Participant:
         return tuple(sorted(v for v, r in self._rounds.items() if r.outcome is None))
 
     # --- helpers ---------------------------------------------------------------------------
-    def _tree(self, view: frozenset) -> _Tree:
+    def _tree(self, view: frozenset) -> Tree:
         tree = self._trees.get(view)
         if tree is None:
             if len(self._trees) > 8:
                 self._trees.clear()
-            tree = self._trees[view] = _Tree(self.hosts, view | self.idle, self.fanout)
+            tree = self._trees[view] = Tree(self.hosts, view | self.idle, self.fanout)
         return tree
 
-    def _round(self, version: VersionId) -> Optional[_Round]:
+    def _round(self, version: VersionId) -> Optional[Round]:
         r = self._rounds.get(version)
         if r is None:
             if self._floor is not None and version <= self._floor:
@@ -138,13 +138,13 @@ class _Participant:
             view = frozenset(self.dead)
             tree = self._tree(view)
             if self.slot == COORDINATOR:
-                r = _Round(view, COORDINATOR, tree.top())
+                r = Round(view, COORDINATOR, tree.top())
             else:
-                r = _Round(view, tree.parent(self.slot), tree.children(self.slot))
+                r = Round(view, tree.parent(self.slot), tree.children(self.slot))
             self._rounds[version] = r
         return r
 
-    def _decide(self, version: VersionId, r: _Round, commit: bool, reason: str, out: list) -> None:
+    def _decide(self, version: VersionId, r: Round, commit: bool, reason: str, out: list) -> None:
         r.outcome, r.reason = commit, reason
         if commit:
             out.append(Committed(version))
@@ -156,7 +156,7 @@ class _Participant:
         self._forward(version, r, out)
         self._forget_old()
 
-    def _forward(self, version: VersionId, r: _Round, out: list) -> None:
+    def _forward(self, version: VersionId, r: Round, out: list) -> None:
         if r.forwarded or r.outcome is None:
             return
         r.forwarded = True
@@ -165,7 +165,7 @@ class _Participant:
             if to not in self.dead:
                 out.append(Send(to, decision))
 
-    def _adopt(self, version: VersionId, r: _Round, sender: int, out: list) -> None:
+    def _adopt(self, version: VersionId, r: Round, sender: int, out: list) -> None:
         """``sender`` waits on this participant for the decision: send it now or once decided."""
         if r.outcome is not None:
             if sender not in r.adoptees:
