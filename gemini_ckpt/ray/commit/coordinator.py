@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from typing import Optional
 
 from .messages import (
-    _MESSAGES,
     COORDINATOR,
     DEFAULT_FANOUT,
     Decision,
@@ -16,7 +15,7 @@ from .messages import (
     VersionId,
     Vote,
 )
-from .participant import Participant
+from .participant import Participant, Round
 
 
 class Coordinator(Participant):
@@ -38,19 +37,12 @@ class Coordinator(Participant):
             raise ValueError(f"world_size: expected None or an int >= 1, got {world_size!r}")
         self.world_size = world_size
 
-    def on_message(self, message: Message) -> list:
-        if not isinstance(message, _MESSAGES):
-            raise TypeError(f"not a commit protocol message: {message!r}")
-        out: list = []
-        r = self._round(message.version)
-        if r is None:
-            return out
-        v = message.version
+    def _on_message(self, v: VersionId, r: Round, message: Message, out: list) -> None:
         if isinstance(message, Vote):
             if message.view != r.view or message.sender not in r.children:
                 self._adopt(v, r, message.sender, out)
             if r.outcome is not None:
-                return out
+                return
             if message.view != r.view or message.sender not in r.children:
                 self._decide(v, r, False, f"slot {message.sender} began the version with dead hosts "
                                           f"{sorted(message.view)}, the coordinator with {sorted(r.view)}", out)
@@ -74,7 +66,6 @@ class Coordinator(Participant):
                 self._decide(v, r, False, f"slot {message.sender} lost its path to the coordinator", out)
         else:
             raise TypeError(f"the coordinator takes votes and queries, got {message!r}")
-        return out
 
     def on_peer_dead(self, slot: int) -> list:
         """A host store died: every version in flight over it aborts."""

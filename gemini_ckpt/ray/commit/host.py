@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .messages import (
-    _MESSAGES,
     COORDINATOR,
     DEFAULT_FANOUT,
     Aborted,
@@ -85,14 +84,7 @@ class HostCommit(Participant):
         self._progress(version, r, out)
         return out
 
-    def on_message(self, message: Message) -> list:
-        if not isinstance(message, _MESSAGES):
-            raise TypeError(f"not a commit protocol message: {message!r}")
-        out: list = []
-        r = self._round(message.version)
-        if r is None:
-            return out
-        v = message.version
+    def _on_message(self, v: VersionId, r: Round, message: Message, out: list) -> None:
         if isinstance(message, ShardStaged):
             r.staged.add(message.rank)
         elif isinstance(message, ReplicaAck):
@@ -118,7 +110,6 @@ class HostCommit(Participant):
         else:
             raise TypeError(f"not a commit protocol message: {message!r}")
         self._progress(v, r, out)
-        return out
 
     def replica_stored(self, version: VersionId, owner: int, *, ok: bool = True, reason: str = "") -> list:
         """The data plane holds a complete copy of ``owner``'s shards of ``version`` here (or,

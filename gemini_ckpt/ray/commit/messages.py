@@ -12,7 +12,7 @@ COORDINATOR = -1
 DEFAULT_FANOUT = 4
 """Children per node of the commit tree: 1,024 hosts are 5 levels deep."""
 
-_HISTORY = 256  # decided versions a participant remembers, to answer late messages
+HISTORY = 256  # decided versions a participant remembers, to answer late messages
 
 
 class ProtocolError(RuntimeError):
@@ -79,7 +79,7 @@ class Query:
 
 
 Message = Union[ShardStaged, ReplicaAck, Vote, Decision, Query]
-_MESSAGES = (ShardStaged, ReplicaAck, Vote, Decision, Query)
+MESSAGES = (ShardStaged, ReplicaAck, Vote, Decision, Query)
 
 
 # --- actions (what the actor does with a participant's answer) --------------------------------

@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .messages import (
-    _HISTORY,
     COORDINATOR,
+    HISTORY,
+    MESSAGES,
     Aborted,
     Committed,
     Decision,
+    Message,
     Release,
     Send,
     VersionId,
@@ -121,6 +123,20 @@ class Participant:
         """Versions heard of but not decided here (an actor times them out)."""
         return tuple(sorted(v for v, r in self._rounds.items() if r.outcome is None))
 
+    # --- inputs ----------------------------------------------------------------------------
+    def on_message(self, message: Message) -> list:
+        """The actions ``message`` calls for, in order (none for a round forgotten here)."""
+        if not isinstance(message, MESSAGES):
+            raise TypeError(f"not a commit protocol message: {message!r}")
+        out: list = []
+        r = self._round(message.version)
+        if r is not None:
+            self._on_message(message.version, r, message, out)
+        return out
+
+    def _on_message(self, v: VersionId, r: Round, message: Message, out: list) -> None:
+        raise NotImplementedError
+
     # --- helpers ---------------------------------------------------------------------------
     def _tree(self, view: frozenset) -> Tree:
         tree = self._trees.get(view)
@@ -174,8 +190,8 @@ class Participant:
 
     def _forget_old(self) -> None:
         decided = [v for v, r in self._rounds.items() if r.outcome is not None]
-        if len(decided) > 2 * _HISTORY:
+        if len(decided) > 2 * HISTORY:
             decided.sort()
-            for v in decided[:-_HISTORY]:
+            for v in decided[:-HISTORY]:
                 del self._rounds[v]
-            self._floor = max(self._floor or decided[0], decided[-_HISTORY - 1])
+            self._floor = max(self._floor or decided[0], decided[-HISTORY - 1])
