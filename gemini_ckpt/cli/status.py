@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -234,7 +235,12 @@ def add_status_command(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    status = cluster_status(args.namespace, address=args.address, timeout_s=args.timeout)
+    try:
+        status = cluster_status(args.namespace, address=args.address, timeout_s=args.timeout)
+    except ConnectionError as exc:
+        print(f"gemini_ckpt status: no Ray cluster to ask ({exc}). Run it on a node of the job's cluster, "
+              f"or pass --address HOST:PORT (or set RAY_ADDRESS).", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(status.to_dict(), indent=2, sort_keys=True, default=str))
     else:

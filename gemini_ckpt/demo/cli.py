@@ -97,7 +97,8 @@ class DemoReport:
     def steps_lost(self) -> Optional[int]:
         if self.failure_step is None or self.restored_step is None:
             return None
-        return self.failure_step - self.restored_step
+        # The kill is asynchronous: training may finish (and commit) a step or two more first.
+        return max(0, self.failure_step - self.restored_step)
 
     @property
     def steps_lost_durable_only(self) -> Optional[int]:

@@ -125,3 +125,15 @@ def test_host_stores_needs_the_run_name_or_a_namespace():
     with pytest.raises(ConfigError, match="run_name=RunConfig.name"):
         with host_stores(CheckpointConfig()):
             pass
+
+
+def test_the_demo_report_never_counts_negative_steps_lost():
+    from gemini_ckpt.demo.cli import DemoOptions, DemoReport
+
+    # The kill is asynchronous: here step 37 committed after step 36 was seen to finish.
+    report = DemoReport(DemoOptions(), run_dir="runs/x", seconds=1.0, failure_step=36, failure_t=36.1, restored_step=37,
+                        restored_from="memory", restore_s=0.4, durable_before_failure=29)
+    assert report.steps_lost == 0 and report.steps_lost_durable_only == 7
+    assert "steps lost   0 (the newest finished step was committed in memory)" in report.format()
+    report.restored_step = 34
+    assert report.steps_lost == 2 and "redone: 35..36" in report.format()
