@@ -17,7 +17,6 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
 
@@ -43,16 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(hosts: int, plasma_bytes: int) -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "object_store_memory": plasma_bytes})
-    for i in range(hosts):
-        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma_bytes)
-    ray.init(address=cluster.address, log_to_driver=False)
-    return cluster
+def start_cluster(hosts: int, plasma_bytes: int):
+    """A head (1 CPU) plus ``hosts`` simulated hosts with the library's health checks
+    (:class:`gemini_ckpt.ray.local.LocalCluster`), this process connected."""
+    from gemini_ckpt.ray.local import LocalCluster
+
+    return LocalCluster(hosts, head_cpus=1, object_store_bytes=plasma_bytes).start()
 
 
-def stop_cluster(cluster: Cluster, namespaces=()) -> None:
+def stop_cluster(cluster, namespaces=()) -> None:
+    """Stop ``cluster`` (its gemini_ckpt actors first, ``namespaces`` included)."""
     from gemini_ckpt.ray.cluster import shutdown_host_stores
 
     for ns in namespaces:
@@ -60,7 +59,6 @@ def stop_cluster(cluster: Cluster, namespaces=()) -> None:
             shutdown_host_stores(ns)
         except Exception:  # noqa: BLE001 - best-effort cleanup
             pass
-    ray.shutdown()
     cluster.shutdown()
 
 

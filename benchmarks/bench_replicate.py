@@ -41,7 +41,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 HOSTS = 4
 LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
@@ -233,13 +232,10 @@ def main(argv=None) -> int:
         args.mb, args.steps = 16, 1
 
     from gemini_ckpt.ray.cluster import shutdown_host_stores
+    from gemini_ckpt.ray.local import LocalCluster
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
-                                                            "object_store_memory": plasma})
-    for i in range(HOSTS):
-        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma)
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma).start()
     workdir = tempfile.mkdtemp(prefix="gemini_bench_dcp_", dir=os.environ.get("BENCH_DISK_DIR"))
     namespaces = [f"bench-replicate-m{m}" for m in args.replicas] + ["bench-replicate-cap-none",
                                                                        "bench-replicate-cap"]
@@ -281,7 +277,6 @@ def main(argv=None) -> int:
                 shutdown_host_stores(ns)
             except Exception:  # noqa: BLE001 - best-effort cleanup
                 pass
-        ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
 

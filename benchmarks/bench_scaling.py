@@ -167,9 +167,9 @@ def _make_ranks(hosts: int, mb: int):
 
 def _grow(cluster, hosts: int, plasma: int) -> None:
     """Add simulated hosts ``host{i}`` until the cluster has ``hosts`` (main thread only)."""
-    for i in range(len(cluster.worker_nodes), hosts):
-        cluster.add_node(num_cpus=1, resources={f"host{i}": 1}, object_store_memory=plasma)
-    cluster.wait_for_nodes()
+    for i in range(len(cluster.present()), hosts):
+        cluster.add_host(i)
+    cluster.cluster.wait_for_nodes()
 
 
 def measure(cluster, hosts: int, args, plasma: int) -> dict:

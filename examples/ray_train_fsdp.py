@@ -4,9 +4,9 @@
     python examples/ray_train_fsdp.py --local-hosts 4 --workers 4 --steps 80
     python examples/ray_train_fsdp.py --address auto --workers 16 --storage /mnt/shared/runs
 
-What gemini_ckpt adds to an ordinary Ray Train job is marked ``# gemini_ckpt``: one callback
-on the driver and three calls in the training loop. Everything else is what the job would
-contain anyway. Run it twice with the same ``--name``: the second run starts from the first
+What gemini_ckpt adds to an ordinary Ray Train job is marked ``# gemini_ckpt``: one ``with``
+block around ``fit()`` on the driver and three calls in the training loop. Everything else is
+what the job would contain anyway. Run it twice with the same ``--name``: the second run starts from the first
 run's newest durable version (the host stores of the first run are gone with its ``fit()``).
 
 On GPUs: ``init_device_mesh("cuda", ...)``, ``ScalingConfig(use_gpu=True)`` and move the
@@ -108,37 +108,37 @@ def main() -> None:
         hosts = len([n for n in ray.nodes() if n["Alive"]])
     else:
         # One Ray node per simulated host; the head runs Ray Train's controller, not workers.
-        from ray.cluster_utils import Cluster
+        from gemini_ckpt.ray.local import LocalCluster
 
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-        for _ in range(args.local_hosts):
-            cluster.add_node(num_cpus=max(1, args.workers // args.local_hosts))
-        ray.init(address=cluster.address, log_to_driver=True)
+        cluster = LocalCluster(args.local_hosts, head_cpus=0, cpus_per_host=max(1, args.workers // args.local_hosts))
+        cluster.start(log_to_driver=True)
         hosts = args.local_hosts
 
     # gemini_ckpt: two copies of every shard in memory (this host's and a peer's), the last two
     # versions kept, every 10th version persisted under <storage>/<name>/gemini as a DCP checkpoint.
     ckpt_config = CheckpointConfig(replicas=min(2, hosts), keep_in_memory=2, persist_every=10)
+    run_config = RunConfig(
+        name=args.name,  # None: Ray names the run (ray_train_run-<date>) when the config is built
+        storage_path=os.path.abspath(args.storage) if "://" not in args.storage else args.storage,
+        failure_config=FailureConfig(max_failures=3),  # restarts restore from peer memory
+        checkpoint_config=RayCheckpointConfig(num_to_keep=3),  # retention of durable versions
+    )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"ckpt": ckpt_config, "steps": args.steps},
         scaling_config=ScalingConfig(num_workers=args.workers),
-        run_config=RunConfig(
-            name=args.name,
-            storage_path=os.path.abspath(args.storage) if "://" not in args.storage else args.storage,
-            failure_config=FailureConfig(max_failures=3),  # restarts restore from peer memory
-            checkpoint_config=RayCheckpointConfig(num_to_keep=3),  # retention of durable versions
-        ),
+        run_config=run_config,
     )
     try:
-        with gray.host_stores(ckpt_config, run_name=args.name):  # gemini_ckpt: host stores live as long as fit()
+        with gray.host_stores(ckpt_config, run_config=run_config):  # gemini_ckpt: host stores live as long as fit()
             result = trainer.fit()
         print(f"final metrics: {result.metrics}")
         print(f"newest durable version (a stock DCP checkpoint): {result.checkpoint.path}")
     finally:
-        ray.shutdown()
         if cluster is not None:
-            cluster.shutdown()
+            cluster.shutdown()  # disconnects too
+        else:
+            ray.shutdown()
 
 
 if __name__ == "__main__":

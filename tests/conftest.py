@@ -34,3 +34,46 @@ def toy_training():
     from gemini_ckpt.demo.toy import build_training
 
     return build_training(seed=0, dataset_size=32)
+
+
+# --- a session that says what it is doing (see tests/watch.py) -----------------------------------
+def _timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except ValueError:
+        return 0.0
+
+
+def pytest_configure(config):
+    import watch
+
+    watch.capture = config.pluginmanager.getplugin("capturemanager")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import watch
+
+    if watch.progress_enabled():
+        watch.say(f"START {nodeid}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Before pytest-timeout stops a test that hangs (in its fixtures too), print what Ray is
+    waiting for and where every thread is."""
+    import watch
+
+    with watch.Watchdog(item.nodeid, watch.WATCHDOG_FRACTION * _timeout_of(item)):
+        yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    import watch
+
+    if watch.incidents:
+        terminalreporter.section("cluster incidents (hosts that died without a test removing them)")
+        for line in watch.incidents:
+            terminalreporter.write_line(line)

@@ -2,9 +2,12 @@
 the tests and the benchmarks (``ray.cluster_utils.Cluster``).
 
 A head node plus ``hosts`` nodes; host ``i`` carries the custom resource ``host{i}`` (so a
-rank or worker is pinned with ``resources={"host{i}": 1}``). Node health checks are fast, so a
-removed host is known dead within about a second. Removing a host is losing a machine: its
-raylet, workers and host store die with it. ``Cluster`` is not thread-safe: add and remove
+rank or worker is pinned with ``resources={"host{i}": 1}``). Node health checks
+(:data:`HEALTH_CHECKS`) tell a dead host from a busy one: a removed host is known dead in about
+3 s, while one that stops answering for less than ~15 s (a loaded machine, a paused raylet) is
+not declared dead. Removing a host is losing a machine: its raylet, workers and host store die
+with it. A host that Ray declares dead without being removed (``unasked_deaths``) is replaced
+by :meth:`LocalCluster.heal`. ``Cluster`` is not thread-safe: add and remove
 hosts from the thread that started the cluster. ``shutdown`` also kills every detached
 gemini_ckpt actor (host stores, registries), which would otherwise outlive the test.
 
@@ -21,17 +24,28 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
-FAST_HEALTH_CHECKS = {
+log = logging.getLogger("gemini_ckpt")
+
+HEALTH_CHECKS = {
     "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 300,
-    "health_check_timeout_ms": 300,
-    "health_check_failure_threshold": 3,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 6,
 }
+"""How the head's GCS decides that a node is dead: 6 failed checks in a row, one every 0.5 s,
+each allowed 2 s. A killed raylet refuses the check at once, so a removed host is dead after
+~6 x 0.5 s; a stopped or starved one fails a check only after its 2 s timeout, so it must stay
+silent for ~6 x 2.5 s = 15 s. Measured on 2 cores, both loaded with busy loops: a removed host
+was reported dead after 2.8-3.0 s, and raylets stopped (SIGSTOP) for 3 s and 5 s were not
+declared dead. The settings before (0.3 s period, 0.3 s timeout, 3 misses) declared a raylet
+stopped for 3 s dead after 1.5 s, and a busy test suite lost healthy hosts."""
 DEFAULT_OBJECT_STORE_BYTES = 120 << 20
 
 
@@ -40,8 +54,8 @@ class LocalCluster:
     training workers off the head (it runs Ray Train's controller and the registries)."""
 
     def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
-                 namespace: Optional[str] = None) -> None:
-        self.hosts, self.head_cpus = hosts, head_cpus
+                 namespace: Optional[str] = None, cpus_per_host: int = 1) -> None:
+        self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
         self.cluster = None
         self._nodes: dict[int, object] = {}
@@ -51,7 +65,7 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def start(self) -> "LocalCluster":
+    def start(self, *, log_to_driver: bool = False) -> "LocalCluster":
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray
@@ -63,11 +77,11 @@ class LocalCluster:
         self._thread = threading.get_ident()
         self.cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": self.head_cpus, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
-            "_system_config": FAST_HEALTH_CHECKS})
+            "_system_config": HEALTH_CHECKS})
         try:
             for i in range(self.hosts):
                 self.add_host(i)
-            ray.init(address=self.cluster.address, log_to_driver=False, include_dashboard=False,
+            ray.init(address=self.cluster.address, log_to_driver=log_to_driver, include_dashboard=False,
                      namespace=self.namespace)
         except BaseException:
             self.cluster.shutdown()
@@ -81,7 +95,7 @@ class LocalCluster:
     def add_host(self, i: int):
         """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
         self._main_thread_only("add_host")
-        node = self.cluster.add_node(num_cpus=1, resources={f"host{i}": 1},
+        node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
                                      object_store_memory=self.object_store_bytes)
         self._nodes[i] = node
         return node
@@ -113,12 +127,90 @@ class LocalCluster:
         """Hosts added and not removed."""
         return set(self._nodes)
 
-    def ensure_hosts(self) -> list[int]:
-        """Add back every host of ``0..hosts-1`` that was removed without a replacement."""
-        added = [i for i in range(self.hosts) if i not in self._nodes]
-        for i in added:
+    def unasked_deaths(self) -> list[int]:
+        """Hosts that were never removed but that Ray reports dead (a false death on a loaded
+        machine, or a crashed raylet)."""
+        import ray
+
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        return sorted(i for i, node in self._nodes.items() if getattr(node, "node_id", None) not in alive)
+
+    def heal(self) -> list[int]:
+        """Replace every host in :meth:`unasked_deaths` with a fresh node (same ``host{i}``);
+        returns the hosts replaced."""
+        self._main_thread_only("heal")
+        dead = self.unasked_deaths()
+        for i in dead:
+            try:
+                self.cluster.remove_node(self._nodes.pop(i), allow_graceful=False)
+            except Exception:  # noqa: BLE001 - its processes may be gone already
+                pass
             self.add_host(i)
-        return added
+        return dead
+
+    def raylet_pid(self, i: int) -> int:
+        """The process id of host ``i``'s raylet."""
+        node = self._nodes[i]
+        return node.all_processes["raylet"][0].process.pid
+
+    @contextlib.contextmanager
+    def paused(self, i: int) -> Iterator[None]:
+        """Host ``i``'s raylet stopped (SIGSTOP) inside the block, going on (SIGCONT) after it:
+        a node that is alive but does not answer, as on a machine under heavy load."""
+        import signal
+
+        pid = self.raylet_pid(i)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def describe(self) -> str:
+        """The cluster's state in a few lines: every node (alive or dead, its resources and what
+        is free), and the placement groups that are not placed yet (what ``fit()`` waits for)."""
+        import ray
+
+        if not ray.is_initialized():
+            return "not connected to Ray"
+        lines = []
+        host_of = {getattr(n, "node_id", None): i for i, n in self._nodes.items()}
+        try:
+            available = ray.available_resources()
+        except Exception:  # noqa: BLE001 - best effort while diagnosing
+            available = {}
+        for n in ray.nodes():
+            name = f"host {host_of[n['NodeID']]}" if n["NodeID"] in host_of else (
+                "head" if "node:__internal_head__" in n.get("Resources", {}) else "node")
+            state = "alive" if n["Alive"] else "DEAD"
+            cpus = n.get("Resources", {}).get("CPU", 0)
+            lines.append(f"{name:8s} {n['NodeID'][:12]} {state:5s} CPU {cpus:g}")
+        lines.append(f"free: CPU {available.get('CPU', 0):g} of {ray.cluster_resources().get('CPU', 0):g}")
+        try:
+            from ray.util import placement_group_table
+
+            for pg_id, pg in placement_group_table().items():
+                if pg.get("state") not in ("CREATED", "REMOVED"):
+                    lines.append(f"placement group {pg_id[:12]} {pg.get('state')}: bundles {pg.get('bundles')} "
+                                 f"({pg.get('strategy')})")
+        except Exception as exc:  # noqa: BLE001
+            lines.append(f"placement groups: unknown ({type(exc).__name__})")
+        missing = sorted(set(range(self.hosts)) - set(self._nodes))
+        if missing:
+            lines.append(f"removed and not replaced: hosts {missing}")
+        return "\n".join(lines)
+
+    def ensure_hosts(self) -> list[int]:
+        """Add back every host of ``0..hosts-1`` that was removed without a replacement, and
+        replace any that died without being removed (:meth:`heal`, logged as a warning).
+        Returns the hosts added."""
+        healed = self.heal()
+        if healed:
+            log.warning("hosts %s were declared dead by Ray without being removed; replaced", healed)
+        missing = [i for i in range(self.hosts) if i not in self._nodes]
+        for i in missing:
+            self.add_host(i)
+        return sorted(healed + missing)
 
     def sweep(self) -> list[str]:
         """Kill every gemini_ckpt actor (host stores, registries) in the cluster; returns the

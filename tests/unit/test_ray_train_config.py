@@ -121,8 +121,16 @@ def test_timeline_png(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_host_stores_needs_the_run_name_or_a_namespace():
-    with pytest.raises(ConfigError, match="run_name=RunConfig.name"):
+def test_host_stores_names_the_run_from_a_run_config_without_a_name():
+    from ray.train import RunConfig
+
+    run_config = RunConfig()  # Ray generates the name when the config is built
+    with host_stores(CheckpointConfig(), run_config=run_config) as namespace:
+        assert namespace == run_config.name and namespace.startswith("ray_train_run-")
+    with host_stores(CheckpointConfig(namespace="lm-7"), run_config=run_config) as namespace:
+        assert namespace == "lm-7"  # CheckpointConfig.namespace wins, as it does on the workers
+    # Neither a name nor a connected Ray (to tell the run's new stores apart): say what to pass.
+    with pytest.raises(ConfigError, match="run_config=run_config"):
         with host_stores(CheckpointConfig()):
             pass
 
