@@ -132,7 +132,28 @@ class Rank:
         wall = time.perf_counter() - t0
         self.close()
         return {"wall_s": wall, "seconds": result.seconds, "source": result.source,
-                "where": result.sources[self.rank], "bytes_read": result.bytes_read, "step": result.step}
+                "where": result.sources[self.rank], "bytes_read": result.bytes_read, "step": result.step,
+                "path": result.path, "stages": result.stage_seconds()}
+
+    def copy_floor(self, repeats: int = 2) -> float:
+        """The floor of a restore from memory: one plain copy of this rank's bytes from a buffer
+        in this process into the live tensors (seconds, the best of ``repeats``)."""
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        locals_ = [p.detach().to_local() for p in self.model.parameters()]
+        src = np.random.default_rng(0).integers(0, 255, sum(t.nbytes for t in locals_), dtype=np.uint8)
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            at = 0
+            for t in locals_:
+                t.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src[at : at + t.nbytes]))
+                at += t.nbytes
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def dcp_save(self, path: str) -> float:
         import torch.distributed as dist
@@ -218,3 +239,97 @@ def kill_ranks(ranks) -> None:
 
 def rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# --- the raw TCP floor between the same nodes ------------------------------------------------------
+class TcpEnd:
+    """One end of a raw TCP floor measurement: plain blocking sockets, ``streams`` connections,
+    each carrying its slice of ``nbytes`` (what the data plane's 4 streams do, without it)."""
+
+    def __init__(self) -> None:
+        self.server = None
+        self.buffer = None
+
+    def listen(self, nbytes: int, streams: int = 4) -> tuple:
+        import socket
+
+        import numpy as np
+
+        self.buffer = np.zeros(nbytes, np.uint8)  # touched: like the live tensors a restore fills
+        self.streams = streams
+        self.server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        return self.server.getsockname()
+
+    def receive(self) -> float:
+        """Accept the sender's streams and read every byte; seconds from the first connection."""
+        import threading
+
+        import numpy as np
+
+        socks = [self.server.accept()[0] for _ in range(self.streams)]
+        t0 = time.perf_counter()
+        bounds = np.linspace(0, self.buffer.nbytes, self.streams + 1).astype(int)
+        view = memoryview(self.buffer)
+
+        def run(i: int) -> None:
+            part, pos = view[bounds[i]:bounds[i + 1]], 0
+            while pos < len(part):
+                k = socks[i].recv_into(part[pos:])
+                if not k:
+                    raise ConnectionError("the sender went away")
+                pos += k
+            socks[i].sendall(b"k")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(self.streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in socks:
+            s.close()
+        return time.perf_counter() - t0
+
+    def send(self, address: tuple, nbytes: int, streams: int = 4) -> float:
+        import socket
+        import threading
+
+        import numpy as np
+
+        data = np.ones(nbytes, np.uint8)
+        bounds = np.linspace(0, nbytes, streams + 1).astype(int)
+        socks = [socket.create_connection(tuple(address)) for _ in range(streams)]
+        t0 = time.perf_counter()
+
+        def run(i: int) -> None:
+            socks[i].sendall(memoryview(data)[bounds[i]:bounds[i + 1]])
+            socks[i].recv(1)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in socks:
+            s.close()
+        return time.perf_counter() - t0
+
+
+def tcp_floor(pairs: list[tuple[int, int]], nbytes: int) -> float:
+    """Seconds until every ``(sender host, receiver host)`` pair moved ``nbytes`` over raw TCP,
+    all pairs at once (the slowest pair)."""
+    import sys
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ends = [(ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{s}": 0.01}, max_concurrency=2).remote(),
+             ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{r}": 0.01}, max_concurrency=2).remote())
+            for s, r in pairs]
+    try:
+        addresses = ray.get([recv.listen.remote(nbytes) for _, recv in ends], timeout=300)
+        received = [recv.receive.remote() for _, recv in ends]
+        sent = [send.send.remote(addr, nbytes) for (send, _), addr in zip(ends, addresses)]
+        ray.get(sent, timeout=600)
+        return max(ray.get(received, timeout=600))
+    finally:
+        for pair in ends:
+            for actor in pair:
+                ray.kill(actor, no_restart=True)

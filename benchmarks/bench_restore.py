@@ -68,7 +68,8 @@ def _restore_once(ranks, **config) -> dict:
     return {"seconds": max(r["wall_s"] for r in per_rank),
             "restore_result_seconds": max(r["seconds"] for r in per_rank),
             "source": per_rank[0]["source"], "where": {i: r["where"] for i, r in enumerate(per_rank)},
-            "bytes_read": bytes_read, "step": per_rank[0]["step"], "load_average": rb.load_average()}
+            "bytes_read": bytes_read, "step": per_rank[0]["step"], "load_average": rb.load_average(),
+            "path": per_rank[0]["path"], "stages_slowest_rank": max(per_rank, key=lambda r: r["wall_s"])["stages"]}
 
 
 def main(argv=None) -> int:

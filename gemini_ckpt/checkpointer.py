@@ -403,13 +403,15 @@ class Checkpointer:
         the next older one; a version whose structure does not match raises
         :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
         """
+        marks = [("called", time.time())]
         self.start()
         self.wait()
+        marks.append(("connected", time.time()))
         tiers = [self._store]
         if self._durable is not None:
             tiers.append(self._durable)
         result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
-                                group=self._bg_group, config=self.config)
+                                group=self._bg_group, config=self.config, marks=marks)
         if result is None and self.config.init_from:
             from .init_from import init_from
 

@@ -24,7 +24,8 @@ from .config import CheckpointConfig
 from .errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
 from .results import RestoreResult
 from .save.dcp import load as dcp_load
-from .save.sources import flatten
+from .save.direct import direct_load, direct_plan
+from .save.sources import flatten, live_storages
 from .state.train_state import (
     GRADS,
     MODEL,
@@ -61,23 +62,28 @@ def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, st
 
 
 def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
-                   config: CheckpointConfig) -> Optional[RestoreResult]:
+                   config: CheckpointConfig, marks: Optional[list] = None) -> Optional[RestoreResult]:
     """Try versions newest first (memory before durable at equal steps) until one loads.
 
     Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
     every rank when any rank's read fails, so all ranks move to the next candidate together.
     A tier that cannot be listed is skipped; if nothing can be restored while one could not be
     listed, this raises :class:`CheckpointError` rather than report "no checkpoint" (which
-    would start the job from scratch over versions it cannot see)."""
+    would start the job from scratch over versions it cannot see).
+
+    ``marks``: the restore's timeline so far (``(stage, unix time)``), continued here and
+    returned in :attr:`RestoreResult.timeline`."""
     t0 = time.perf_counter()
+    marks = list(marks) if marks else [("called", time.time())]
     order, unreachable = _agree(survey(tiers) if rank == 0 or world_size == 1 else None, world_size, group)
+    marks.append(("surveyed", time.time()))
     skipped: list[int] = []
     reasons: list[str] = []
     for step, holding in order:
         name = tiers[holding[0]].name
         try:
             result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
-                                  group=group, config=config, t0=t0)
+                                  group=group, config=config, t0=t0, marks=marks)
         except _Unreadable as exc:
             warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
                           f"falling back to the next newest complete version", stacklevel=3)
@@ -114,9 +120,11 @@ def _open_views(tiers: list, step: int, key) -> tuple[list, list[str]]:
 
 
 def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
-                 config: CheckpointConfig, t0: float) -> RestoreResult:
+                 config: CheckpointConfig, t0: float, marks: Optional[list] = None) -> RestoreResult:
+    marks = marks if marks is not None else []
     outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "structure" or "config"
     fingerprint = None
+    direct = None
     views, problems = _open_views(tiers, step, resolve_key(config.signing_key))
     if not views:
         outcome = ("skip", "; ".join(problems))
@@ -130,6 +138,10 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             source_rank = _source_rank(rank, saved_ws, world_size, config)
             target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
             check_structure(target, metadata)
+            if primary.tier == "memory" and saved_ws == world_size:
+                direct, why_not = direct_plan(target, primary, live_storages(state))
+                if direct is None:
+                    log.info("rank %d: step %d is loaded through DCP's planner: %s", rank, step, why_not)
         except StructureMismatchError as exc:
             outcome = ("structure", str(exc))
         except ConfigError as exc:
@@ -137,45 +149,62 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
         except (AttributeError, TypeError) as exc:  # crafted metadata of the wrong shape
             outcome = ("skip", f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})")
     try:
-        _raise_agreed(_gather_outcomes(rank, outcome, fingerprint, world_size, group), rank)
+        everyone = _gather_outcomes(rank, outcome, fingerprint, world_size, group, direct is not None)
+        _raise_agreed(everyone, rank)
     except BaseException:
         for view in views:
             view.close()
         raise
+    marks.append(("opened", time.time()))
 
+    # Every rank loads directly, or every rank goes through DCP's load (a collective).
+    path = "direct" if all(e[3] for e in everyone) else "dcp"
+    outcome = None
+    bytes_read: dict[str, int] = {}
     try:
-        report = dcp_load(target, views, group=group, world_size=world_size)
-    except CheckpointException as exc:
-        raise _Unreadable(_first_failure(exc)) from exc
-    except StructureMismatchError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a failed read of this version: try the next one
-        raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
+        if path == "direct":
+            try:
+                bytes_read = direct_load(direct, views)
+            except (ChecksumError, LookupError, OSError, ValueError, CheckpointError) as exc:
+                # Told to every rank below, so that all of them move to the next version together.
+                outcome = ("skip", f"{type(exc).__name__}: {exc}")
+        else:
+            try:
+                bytes_read = dcp_load(target, views, group=group, world_size=world_size).bytes_by_source
+            except CheckpointException as exc:
+                raise _Unreadable(_first_failure(exc)) from exc
+            except StructureMismatchError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed read of this version: try the next one
+                raise _Unreadable(f"{type(exc).__name__}: {exc}") from exc
     finally:
         for view in views:
             view.close()
+    marks.append(("loaded", time.time()))
     derived = source_rank != rank
-    outcome = None
-    try:
-        state.apply(target, source_rank=source_rank, restore_rng=not derived)
-        if derived:
-            restore_rng_state(derive_rng_state(rank, step))
-    except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
-        outcome = ("skip", f"the loaded state could not be applied ({type(exc).__name__}: {exc})")
-    bytes_read = {k: v for k, v in report.bytes_by_source.items() if v}
+    if outcome is None:
+        try:
+            state.apply(target, source_rank=source_rank, restore_rng=not derived,
+                        tensors_in_place=path == "direct" and direct.in_place)
+            if derived:
+                restore_rng_state(derive_rng_state(rank, step))
+        except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
+            outcome = ("skip", f"the loaded state could not be applied ({type(exc).__name__}: {exc})")
+    bytes_read = {k: v for k, v in bytes_read.items() if v}
     # A rank's source is the farthest tier it had to reach: durable > peer > local.
     where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
     sources = {rank: where}
     if world_size > 1:
-        everyone: list = [None] * world_size
-        dist.all_gather_object(everyone, (rank, where, outcome), group=group)
-        sources = {r: w for r, w, _ in everyone}
-        _raise_agreed([(r, o, None) for r, _, o in everyone], rank)
+        gathered: list = [None] * world_size
+        dist.all_gather_object(gathered, (rank, where, outcome), group=group)
+        sources = {r: w for r, w, _ in gathered}
+        _raise_agreed([(r, o, None) for r, _, o in gathered], rank)
     else:
         _raise_agreed([(rank, outcome, None)], rank)
+    marks.append(("done", time.time()))
     return RestoreResult(step=step, source=primary.tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
-                         world_size=world_size, saved_world_size=saved_ws)
+                         world_size=world_size, saved_world_size=saved_ws, timeline=tuple(marks), path=path)
 
 
 def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
@@ -223,12 +252,12 @@ def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointCo
     return rank % saved_ws
 
 
-def _gather_outcomes(rank: int, outcome, fingerprint, world_size: int, group) -> list:
-    """Every rank's ``(rank, outcome, fingerprint)`` for one candidate version."""
+def _gather_outcomes(rank: int, outcome, fingerprint, world_size: int, group, direct: bool = False) -> list:
+    """Every rank's ``(rank, outcome, fingerprint, can load directly)`` for one candidate version."""
     if world_size == 1:
-        return [(rank, outcome, fingerprint)]
+        return [(rank, outcome, fingerprint, direct)]
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (rank, outcome, fingerprint), group=group)
+    dist.all_gather_object(everyone, (rank, outcome, fingerprint, direct), group=group)
     return everyone
 
 
@@ -236,16 +265,16 @@ def _raise_agreed(everyone: list, rank: int) -> None:
     """The same decision on every rank: a structure or configuration problem anywhere is
     raised everywhere; otherwise any rank's failure, or ranks that read different manifests,
     skips the version (``_Unreadable``)."""
-    fatal = [(r, o) for r, o, _ in everyone if o is not None and o[0] != "skip"]
+    fatal = [(e[0], e[1]) for e in everyone if e[1] is not None and e[1][0] != "skip"]
     if fatal:
         r, (kind, why) = fatal[0]
         error = StructureMismatchError if kind == "structure" else ConfigError
         raise error(why if r == rank else f"rank {r}: {why}")
-    failed = [(r, o[1]) for r, o, _ in everyone if o is not None]
+    failed = [(e[0], e[1][1]) for e in everyone if e[1] is not None]
     if failed:
         raise _Unreadable("; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}"
                                     for r, why in failed[:4]))
-    if len({fp for _, _, fp in everyone}) > 1:
+    if len({e[2] for e in everyone}) > 1:
         raise _Unreadable("the ranks read different manifests for this step (copies disagree)")
 
 

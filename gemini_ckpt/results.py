@@ -65,6 +65,22 @@ class RestoreResult:
     world_size: int
     saved_world_size: int
     skipped_steps: tuple[int, ...] = field(default=())
+    timeline: tuple[tuple[str, float], ...] = field(default=())
+    """This rank's stages of the restore, in order, as ``(stage, unix time)``: ``called``
+    (``restore()`` entered), ``connected`` (rendezvous with the other ranks and the stores),
+    ``surveyed`` (every rank agreed on the candidates), ``opened`` (the chosen version's
+    records verified, every rank agreed to load it), ``loaded`` (its bytes in the live
+    tensors), ``done`` (applied, every rank agreed). ``path`` says how it was loaded:
+    ``direct`` (each item copied straight into its live tensor) or ``dcp`` (DCP's load planner:
+    resharding, or the durable tier)."""
+    path: str = "dcp"
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds each stage took (from the previous stage's end)."""
+        out = {}
+        for (_, a), (name, b) in zip(self.timeline, self.timeline[1:]):
+            out[name] = b - a
+        return out
 
     def summary(self) -> str:
         tiers = ", ".join(f"{k}={v / 1e6:.1f} MB" for k, v in sorted(self.bytes_read.items()) if v)

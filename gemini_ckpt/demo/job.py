@@ -88,7 +88,8 @@ def train_loop(config: dict) -> dict:
     if result is not None:
         restored = {"step": result.step, "source": result.source, "seconds": result.seconds,
                     "bytes_local": result.bytes_read.get("local", 0), "bytes_peer": result.bytes_read.get("peer", 0),
-                    "bytes_durable": result.bytes_read.get("durable", 0)}
+                    "bytes_durable": result.bytes_read.get("durable", 0), "path": result.path,
+                    "timeline": [list(m) for m in result.timeline]}
         emit("restore", t_start=t0, **restored)
 
     def on_commit(step: int, saved_at: float):

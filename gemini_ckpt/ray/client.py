@@ -79,8 +79,12 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
     node_id = current_node_id()
     registry = get_or_create_registry(namespace)
     store = _start_local_store(config, node_id)
+    key = resolve_key(config.signing_key)
+    # What the registry needs to bring versions back to `replicas` copies after a host is lost.
+    job = {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
+           "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth}
     try:
-        joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory),
+        joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
                          timeout=config.timeout_s + 10)
     except RayTaskError as exc:
         raise _cause(exc) from None
@@ -92,7 +96,6 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         raise ConfigError(
             f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
             f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts")
-    key = resolve_key(config.signing_key)
     info = {"slot": table.slot_of(node_id), "nodes": list(table.nodes), "world_size": world_size,
             "ranks_here": [int(r) for r, n in joined["ranks"].items() if n == node_id],
             "replicas": config.replicas, "strategy": config.placement, "keep": config.keep_in_memory,
@@ -310,9 +313,11 @@ class RayTier(MemoryTier):
 
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
-            return ShardCopy("local", LocalCopy(self, step, rank).fetch, "this node")
+            local = LocalCopy(self, step, rank)
+            return ShardCopy("local", local.fetch, "this node", verified=local.verified)
         handle = self._live().get(slot)
-        return ShardCopy("peer", PeerCopy(self, slot, handle, step, rank, nbytes).fetch, self._describe(slot))
+        peer = PeerCopy(self, slot, handle, step, rank, nbytes)
+        return ShardCopy("peer", peer.fetch, self._describe(slot), receive_into=peer.receive_into)
 
     def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
         for rank_copies in copies.values():

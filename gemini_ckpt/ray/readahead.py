@@ -37,14 +37,25 @@ class LocalCopy:
     def __init__(self, tier: "RayTier", step: int, rank: int) -> None:
         self.tier, self.step, self.rank = tier, step, rank
         self.seg: Optional[Segment] = None
+        self._verified = False
 
-    def fetch(self, offset: int, length: int):
+    def _map(self) -> Segment:
         if self.seg is None:
             try:
                 reply, fds = self.tier._attach.request({"type": "map", "step": self.step, "rank": self.rank})
             except (LookupError, AttachError) as exc:
                 raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
-            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False)
+            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
+            self._verified = bool(reply.get("verified"))
+        return self.seg
+
+    def verified(self) -> bool:
+        """Whether the store certified this copy since the job last went down (maps it)."""
+        self._map()
+        return self._verified
+
+    def fetch(self, offset: int, length: int):
+        self._map()
         if offset < 0 or offset + length > self.seg.nbytes:
             raise ValueError(f"range [{offset}, {offset + length}) is outside rank {self.rank}'s shard")
         return self.seg.array[offset : offset + length]
@@ -95,11 +106,30 @@ class PeerCopy:
             parts.append(block[lo:hi])
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def receive_into(self, ranges: list) -> "_Received":
+        """Have the peer push ranges ``[(offset, into), ...]`` of the shard straight into the
+        reader's memory (``into``: a live tensor's bytes), one Ray call for all of them;
+        ``result()`` waits until every one landed."""
+        if self.handle is None:
+            raise LookupError(f"the host store of slot {self.slot} is gone")
+        for offset, into in ranges:
+            if offset < 0 or offset + into.nbytes > self.size:
+                raise ValueError(f"range [{offset}, {offset + into.nbytes}) is outside rank {self.rank}'s shard")
+        endpoint = self.tier._reader_endpoint(self.handle)
+        tags = []
+        for _, into in ranges:
+            tag = uuid.uuid4().hex
+            self.tier._read_sink.expect(tag, into)
+            tags.append(tag)
+        ref = self.handle.push_ranges.remote(self.step, self.rank,
+                                             [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint)
+        return _Received(self, _Pending(ref, None, tags), [into for _, into in ranges])
+
     def _push(self, offset: int, length: int) -> "_Pending":
         endpoint = self.tier._reader_endpoint(self.handle)
         tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
         self.tier._read_sink.expect(tag, into)
-        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, tag)
+        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,))
 
     def _resolve(self, pending: "_Pending") -> np.ndarray:
         try:
@@ -112,15 +142,26 @@ class PeerCopy:
         except GetTimeoutError:
             raise LookupError(f"{self.tier._describe(self.slot)} did not send in time") from None
         finally:
-            self.tier._read_sink.forget(pending.tag)
+            for tag in pending.tags:
+                self.tier._read_sink.forget(tag)
         return pending.into
 
 
 @dataclass(frozen=True)
 class _Pending:
     ref: Any
-    into: np.ndarray
-    tag: str
+    into: Optional[np.ndarray]
+    tags: tuple
+
+
+@dataclass(frozen=True)
+class _Received:
+    copy: PeerCopy
+    pending: _Pending
+    buffers: list  # kept alive (the sink holds them weakly) until the ranges landed
+
+    def result(self) -> None:
+        self.copy._resolve(self.pending)
 
 
 class ReadSink:

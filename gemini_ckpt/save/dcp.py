@@ -57,13 +57,24 @@ Fetch = Callable[[int, int], Any]
 """``fetch(offset, length)`` -> bytes-like: a range of one copy of a shard's region."""
 
 
+Receive = Callable[[list], Any]
+"""``receive_into([(offset, into), ...])`` -> a handle whose ``result()`` returns once every
+``into`` holds the bytes ``[offset, offset + into.nbytes)`` of the copy (or raises ``LookupError``)."""
+
+
 @dataclass(frozen=True)
 class ShardCopy:
-    """One readable copy of a shard's region: ``source`` is ``local`` or ``peer``."""
+    """One readable copy of a shard's region: ``source`` is ``local`` or ``peer``. A copy that
+    can land bytes straight in the reader's memory (a peer pushing over the data plane) has
+    ``receive_into``; one its store has certified, ``verified``."""
 
     source: str
     fetch: Fetch
     label: str = ""
+    receive_into: Optional[Receive] = None
+    verified: Optional[Callable[[], bool]] = None
+    """For a copy in this node's store: whether the store certified every byte against the
+    record since the job last went down (then the reader copies without checking again)."""
 
 
 class MemoryVersion:

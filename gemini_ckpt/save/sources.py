@@ -78,7 +78,8 @@ def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
     return tuple(out)
 
 
-def _storages(state: TrainState) -> set[int]:
+def live_storages(state: TrainState) -> set[int]:
+    """Storage addresses of every parameter, buffer and optimizer-state tensor of ``state``."""
     found = set()
     tensors = list(state.module.parameters()) + list(state.module.buffers())
     for opt in state.optimizers:
@@ -161,7 +162,7 @@ class Sources:
         self.fast = why is None
 
     def _why_not_fast(self, flat: dict[str, Any]) -> Optional[str]:
-        storages = _storages(self.state)
+        storages = live_storages(self.state)
         grads = {i for i, _, _ in self._grads}
         for i, t in enumerate(self._tensors):
             if i not in grads and _local(t).untyped_storage().data_ptr() not in storages:

@@ -147,17 +147,23 @@ class TrainState(Stateful):
         target[RANK_LOCAL] = {str(source_rank): local}
         return target
 
-    def apply(self, loaded: dict[str, Any], *, source_rank: int, restore_rng: bool = True) -> None:
+    def apply(self, loaded: dict[str, Any], *, source_rank: int, restore_rng: bool = True,
+              tensors_in_place: bool = False) -> None:
         """Apply a loaded state dict in the order that is correct: model and optimizer (the
         scheduler already exists, so its initial lr does not clobber the loaded one), then
         scheduler, scaler, grads, extra, data loader, and the RNG streams last so nothing
-        after them draws a random number."""
-        set_state_dict(
-            self._module,
-            self.optimizers,
-            model_state_dict=loaded[MODEL],
-            optim_state_dict=loaded.get(OPTIM, {}),
-        )
+        after them draws a random number.
+
+        ``tensors_in_place``: every model and optimizer tensor of ``loaded`` is the live one,
+        already holding the loaded bytes (the direct restore); then only the optimizers'
+        hyperparameters are set, instead of ``set_state_dict`` copying every tensor onto itself."""
+        if not (tensors_in_place and self._set_param_groups(loaded.get(OPTIM, {}).get("param_groups"))):
+            set_state_dict(
+                self._module,
+                self.optimizers,
+                model_state_dict=loaded[MODEL],
+                optim_state_dict=loaded.get(OPTIM, {}),
+            )
         if self.schedulers:
             for sched, sd in zip(self.schedulers, _loads(loaded[SCHEDULER]), strict=True):
                 sched.load_state_dict(sd)
@@ -176,6 +182,26 @@ class TrainState(Stateful):
             fix_resume(self.dataloader, saved["generator"])
         if restore_rng:
             restore_rng_state(_loads(local[RNG]))
+
+    def _set_param_groups(self, saved: Any) -> bool:
+        """Set the live param groups' hyperparameters from ``saved`` (``get_state_dict``'s
+        layout: one list over every optimizer, parameters by name), as ``load_state_dict``
+        would; False (nothing changed) unless the groups match one to one in parameters and keys."""
+        if not self.optimizers:
+            return saved is None
+        live = [g for opt in self.optimizers for g in opt.param_groups]
+        if not isinstance(saved, list) or len(saved) != len(live):
+            return False
+        fqn = {id(p): name for name, p in self._named_parameters()}
+        for now, was in zip(live, saved):
+            names = [fqn.get(id(p)) for p in now["params"]]
+            if not isinstance(was, dict) or was.get("params") != names or set(was) != set(now):
+                return False
+        for now, was in zip(live, saved):
+            for key, value in was.items():
+                if key != "params":
+                    now[key] = value
+        return True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The Stateful view: apply a state dict produced by ``state_dict()`` on this rank."""

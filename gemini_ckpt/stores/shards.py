@@ -318,14 +318,17 @@ class Segment:
     store that dies leaves nothing behind in ``/dev/shm``."""
 
     def __init__(self, nbytes: int, *, shared: bool = False, fd: Optional[int] = None, seg_id: Optional[int] = None,
-                 writable: bool = True) -> None:
+                 writable: bool = True, populate: bool = False) -> None:
         self.nbytes = int(nbytes)
         self.id = seg_id if seg_id is not None else _next_id()
         length = max(self.nbytes, 1)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         if fd is not None:
             self.fd: Optional[int] = fd
-            self._mm = mmap.mmap(fd, length, mmap.MAP_SHARED, prot)
+            # populate: map every page now (one pass in the kernel) instead of a fault per page
+            # on first touch, which costs more than the copy of the page (a restore reads it all)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mm = mmap.mmap(fd, length, flags, prot)
         elif shared and hasattr(os, "memfd_create"):
             self.fd = os.memfd_create(f"gemini-ckpt-{self.id}", getattr(os, "MFD_CLOEXEC", 0))
             try:

@@ -140,8 +140,12 @@ class HostStore(LocalRanks, Replication, Serving):
         self._early_records: dict[tuple, tuple] = {}  # (epoch, step, rank) -> a record whose region is not here yet
         self._refs: list[tuple[Any, int]] = []  # fire-and-forget control calls (ref, to whom)
         self._readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel
+        self._copy_channels: dict[tuple, Any] = {}  # (host, port) of a store re-replicated to -> channel
+        self._copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
         self._vote_hold: Optional[int] = None  # fault injection: see hold_vote
         self._held_votes: list = []
+        self._window_from = 0.0  # when the job last went down here (see Serving._open_window)
+        self._scrubbing = self._scrub_again = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
         self._stopped = False
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()

@@ -41,6 +41,18 @@ def alive_node_ids() -> list[str]:
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
+def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
+    """Whether a node with resources ``candidate`` can stand in for one that had ``dead``: the
+    same resource names, apart from the ones Ray names after the node itself."""
+    if dead is None or candidate is None:
+        return False
+
+    def names(resources: dict) -> set:
+        return {k for k in resources if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+    return names(dead) == names(candidate)
+
+
 @dataclass
 class _Round:
     pending: dict[int, str] = field(default_factory=dict)
@@ -70,17 +82,27 @@ class Registry:
         self._idle: frozenset = frozenset()
         self._handles: dict[int, Any] = {}
         self._watch: Optional[asyncio.Task] = None
+        self._job: dict = {}
+        self._keep = 2
+        self._node_resources: dict[str, dict] = {}  # node id -> its resources, as Ray reported them
+        self._rerep_pending = False
+        self._recovery: list[dict] = []  # what happened after each host loss, when (see recovery())
 
     # --- the rendezvous ----------------------------------------------------------------------------
-    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2) -> dict:
+    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
+                   job: Optional[dict] = None) -> dict:
         """Rendezvous of all ranks; returns the slot table every rank of this round shares:
         ``nodes``, ``epoch``, ``ranks`` (rank -> node), ``dead`` and ``idle`` slots, the versions
-        committed so far, and the namespace's ``secret``."""
+        committed so far, and the namespace's ``secret``. ``job``: the settings the registry
+        needs to bring versions back to ``replicas`` copies after a host is lost (``replicas``,
+        ``strategy``, the stores' ``budget``, the signing ``key``, ``bandwidth``)."""
         if self._round is None:
             self._round = _Round()
         rnd = self._round
         rnd.pending[rank] = node_id
         rnd.params = {"keep": keep, "timeout_s": timeout_s}
+        if job:
+            self._job = dict(job)
         for stale in [r for r in rnd.pending if r >= world_size]:
             del rnd.pending[stale]
         if all(r in rnd.pending for r in range(world_size)):
@@ -102,6 +124,7 @@ class Registry:
         self._assign(pending)
         self._epoch += 1
         hosting = set(pending.values())
+        self._note_nodes()
         alive = set(alive_node_ids())
         dead = set()
         for slot, node in enumerate(self._nodes):
@@ -114,6 +137,8 @@ class Registry:
                                         committed=committed, world_size=len(pending))
         self._dead, self._idle, self._handles, self._started = set(dead), idle, {}, {}
         self._timeout_s = float(params.get("timeout_s", 300.0))
+        self._keep = keep
+        self._rerep_pending = bool(dead)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_event_loop().create_task(self._watch_stores())
         return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": dict(pending), "secret": self._secret,
@@ -207,6 +232,9 @@ class Registry:
         message = f"the host store of slot {slot} (node {self._nodes[slot][:12]}) is gone ({why})"
         log.error("registry %s: %s", self.namespace, message)
         self.report_failure(slot, self._nodes[slot], message)
+        self._recovery.append({"slot": slot, "node_id": self._nodes[slot], "noticed": time.time()})
+        del self._recovery[:-_MAX_REPORTS]
+        self._rerep_pending = True
         if self._coordinator is not None:
             self._apply(self._coordinator.on_peer_dead(slot))
         for other in range(len(self._nodes)):
@@ -217,14 +245,170 @@ class Registry:
 
     async def _watch_stores(self) -> None:
         while True:
-            await asyncio.sleep(PING_EVERY_S)
+            await asyncio.sleep(PING_EVERY_S if not self._rerep_pending else PING_EVERY_S / 4)
             try:
                 for slot in range(len(self._nodes)):
                     if slot not in self._dead and not await self._alive(slot):
                         self._died(slot, "it stopped answering")
                 self._time_out()
+                if self._dead:
+                    self._note_deaths()
+                    await self._adopt_replacements()
+                if self._rerep_pending:
+                    await self._rereplicate()
             except Exception as exc:  # noqa: BLE001 - the watch must outlive any one failure
-                log.warning("registry %s: liveness check failed: %s", self.namespace, exc)
+                log.warning("registry %s: liveness check failed: %s: %s", self.namespace, type(exc).__name__, exc)
+
+    # --- after a host is lost: replacements and re-replication ----------------------------------------
+    def _note_nodes(self) -> None:
+        import ray
+
+        for n in ray.nodes():
+            if n.get("Alive"):
+                self._node_resources[n["NodeID"]] = dict(n.get("Resources", {}))
+
+    def _note_deaths(self) -> None:
+        """When Ray declared each lost host's node dead (the recovery timeline)."""
+        alive = None
+        for event in self._recovery:
+            if "node_dead" not in event:
+                alive = set(alive_node_ids()) if alive is None else alive
+                if event["node_id"] not in alive:
+                    event["node_dead"] = time.time()
+
+    async def _adopt_replacements(self) -> None:
+        """A node that joined the cluster while a slot is dead takes that slot over now (as it
+        would at the job's next rendezvous): its host store is started and given the dead host's
+        copies, before the job's new workers reach ``restore()``, which then reads them locally.
+        A replacement is a live node without a slot whose resources have the same names as the
+        dead node's (``host3`` replaces ``host3``; GPUs replace GPUs)."""
+        import ray
+
+        from ..cluster import get_or_create_store
+
+        if not self._job:
+            return
+        dead = sorted(s for s in self._dead if self._nodes[s] not in self._alive_now())
+        if not dead:
+            return
+        taken = set(self._nodes)
+        for n in ray.nodes():
+            if not dead:
+                break
+            node = n["NodeID"]
+            if not n.get("Alive") or node in taken:
+                continue
+            slot = next((s for s in dead if _same_kind(self._node_resources.get(self._nodes[s]), n.get("Resources"))),
+                        None)
+            if slot is None:
+                continue
+            dead.remove(slot)
+            old = self._nodes[slot]
+            store = get_or_create_store(self.namespace, node, self._job.get("budget"))
+            info = self._epoch_info(slot)
+            try:
+                await asyncio.wait_for(store.attach.remote(self._epoch, info), timeout=self._timeout_s)
+            except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
+                log.warning("registry %s: the replacement node %s for slot %d could not start its store: %s",
+                            self.namespace, node[:12], slot, exc)
+                continue
+            self._nodes[slot] = node
+            self._node_resources[node] = dict(n.get("Resources", {}))
+            self._handles.pop(slot, None)
+            self._dead.discard(slot)
+            self._event(f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
+                        f"dead host's copies now)")
+            for event in self._recovery:
+                if event["slot"] == slot and "replacement" not in event:
+                    event.update(replacement=node, replacement_joined=time.time())
+            self._rerep_pending = True
+
+    def _alive_now(self) -> set[str]:
+        return set(alive_node_ids())
+
+    def _epoch_info(self, slot: int) -> dict:
+        """What a store adopted outside a rendezvous is told (as ranks tell theirs in ``attach``):
+        it holds copies only, this epoch."""
+        committed = self._coordinator.committed_versions() if self._coordinator is not None else ()
+        idle = sorted(set(self._idle) | {slot})
+        return {"slot": slot, "nodes": list(self._nodes), "world_size": self._coordinator.world_size
+                if self._coordinator is not None else 0, "ranks_here": [],
+                "replicas": int(self._job.get("replicas", 2)), "strategy": self._job.get("strategy", "auto"),
+                "keep": self._keep, "dead": sorted(self._dead - {slot}), "idle": idle,
+                "committed": [[v.epoch, v.step] for v in committed], "secret": self._secret,
+                "key": self._job.get("key"), "timeout_s": self._timeout_s, "bandwidth": self._job.get("bandwidth")}
+
+    async def _rereplicate(self) -> None:
+        """Bring every committed version back to ``replicas`` copies, where the placement puts
+        them with the live hosts of now (:func:`~gemini_ckpt.ray.slots.holders_for`), each copy
+        sent by a store that holds one. A copy becomes visible only once its new holder checked
+        it, so a version is never half-copied to a reader. Runs until nothing is missing (or
+        nothing missing can be fixed: no live copy)."""
+        from ..resolve import resolve
+        from ..slots import holders_for
+
+        if not self._job or not self._nodes:
+            self._rerep_pending = False
+            return
+        live = {s: self._store(s) for s in range(len(self._nodes)) if s not in self._dead}
+        live = {s: h for s, h in live.items() if h is not None}
+        indexes = {}
+        for slot, handle in live.items():
+            try:
+                indexes[slot] = await asyncio.wait_for(handle.index.remote(), timeout=PING_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - busy or dead: the liveness check decides, next round
+                return
+        found = resolve(indexes)
+        committed = sorted((s for s, r in found.items() if r.committed), reverse=True)[: max(1, self._keep)]
+        replicas, strategy = int(self._job.get("replicas", 2)), self._job.get("strategy", "auto")
+        sends = []
+        for step in committed:
+            where = found[step]
+            owners = {int(r): e["shards"][r]["owner"] for ix in indexes.values() if step in ix
+                      for e in [ix[step]] for r in e["shards"] if e["epoch"] == where.epoch}
+            for rank, slots in where.copies.items():
+                owner = owners.get(rank)
+                if owner is None:
+                    continue
+                try:
+                    want = holders_for(owner, hosts=len(self._nodes), replicas=replicas, strategy=strategy,
+                                       dead=self._dead)
+                except Exception:  # noqa: BLE001 - too few live hosts for the copies asked: nothing to do
+                    continue
+                for target in [h for h in want if h not in slots and h in live]:
+                    source = slots[len(sends) % len(slots)]  # spread the sending over the holders
+                    sends.append((step, rank, source, target))
+        if not sends:
+            self._rerep_pending = False
+            self._rereplicated()
+            return
+        endpoints = {}
+        for _, _, _, target in sends:
+            if target not in endpoints:
+                endpoints[target] = await asyncio.wait_for(live[target].endpoint.remote(), timeout=PING_TIMEOUT_S)
+        t0 = time.time()
+        results = await asyncio.gather(*[asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]),
+                                                          timeout=self._timeout_s)
+                                         for step, rank, source, target in sends], return_exceptions=True)
+        failed = [(send, r) for send, r in zip(sends, results) if isinstance(r, BaseException)]
+        moved = sum(r for r in results if isinstance(r, int))
+        self._event(f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
+                    f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else ""))
+        # Another round checks what is still missing (a source that died meanwhile, a new loss).
+
+    def _rereplicated(self) -> None:
+        now = time.time()
+        for event in self._recovery:
+            event.setdefault("rereplicated", now)
+            if "replacement" in event:
+                event.setdefault("replacement_seeded", now)
+
+    def recovery(self) -> list[dict]:
+        """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,
+        ``node_dead`` as Ray declared it, ``rereplicated`` (every committed version back to
+        ``replicas`` copies), ``replacement_joined`` and ``replacement_seeded`` (its store holds
+        the dead host's copies), and the ``slot``, ``node_id`` and ``replacement`` node."""
+        return [dict(e) for e in self._recovery]
 
     def _time_out(self) -> None:
         coordinator = self._coordinator

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Optional
 
 import crc32c
@@ -26,7 +27,7 @@ from ..commit import (
     Send,
     VersionId,
 )
-from ..transport import Header, TransportError
+from ..transport import Endpoint, Header, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -51,6 +52,7 @@ class Replication:
         if channel is not None:
             channel.close()
         self._apply(actions)
+        self._open_window(f"the host store of slot {slot} died")
 
     def _apply(self, actions: list) -> None:
         if actions and log.isEnabledFor(logging.DEBUG):
@@ -201,6 +203,8 @@ class Replication:
         meta = json.loads(header.meta)
         kind, _, rank = header.name.partition("/")
         epoch, owner, rank = int(meta["epoch"]), int(meta["owner"]), int(rank)
+        if meta.get("committed"):
+            return self._incoming_copy(header, meta, kind, epoch, owner, rank)
         with self._lock:
             if epoch != self._epoch:
                 raise PermissionError(f"node {self.node_id[:12]}: a copy from epoch {epoch}, this store is at "
@@ -226,6 +230,9 @@ class Replication:
 
     def _incoming_done(self, header: Header, ok: bool) -> None:
         meta = json.loads(header.meta)
+        if meta.get("committed"):
+            self._copy_done(header, meta, ok)
+            return
         key = (header.step, header.name, meta["owner"])
         with self._lock:
             kind, target, meta = self._incoming.pop(key, (None, None, None))
@@ -289,6 +296,7 @@ class Replication:
 
     def _verify_copies(self, shards: list) -> Optional[str]:
         """Check a peer's copies against their records before acknowledging them."""
+        started = time.time()
         for s in shards:
             try:
                 with self._lock:
@@ -302,7 +310,119 @@ class Replication:
             for t, crc in zip(plan.tensors, s.record.crcs):
                 if crc32c.crc32c(array[t.at : t.at + t.nbytes]) != crc:
                     return f"the copy of rank {s.rank}'s shard arrived damaged ({t.fqn} fails its checksum)"
+        for s in shards:
+            s.verified_unix = started
         return None
+
+
+    # --- re-replication: copies of committed versions ----------------------------------------------
+    def send_copy(self, step: int, rank: int, target: Endpoint) -> int:
+        """Send this store's copy of rank ``rank``'s shard of the committed version of ``step``
+        to the store listening at ``target`` (the registry brings versions back to ``replicas``
+        copies after a host is lost, and seeds a replacement host). Returns once the target
+        checked the copy against its record and holds it; raises ``LookupError`` when this store
+        has no such copy, ``ConnectionError`` when the target refused or could not be reached."""
+        with self._lock:
+            v = self._table.versions.get(step)
+            shard = v.shards.get(rank) if v is not None else None
+            if shard is None or not shard.complete or v.state != "committed":
+                raise LookupError(f"node {self.node_id[:12]} holds no committed copy of rank {rank}'s shard of "
+                                  f"step {step}")
+            _, plan_bytes = self._table.plans[(shard.plan_id, rank)]
+            self._table.use(shard)
+            vid = VersionId(v.epoch, step)
+            meta = json.dumps({"epoch": v.epoch, "owner": shard.owner, "rank": rank, "plan_id": shard.plan_id,
+                               "world_size": v.world_size, "committed": True}).encode()
+            timeout = self._cfg.timeout_s if self._cfg is not None else 300.0
+        try:
+            channel = self._copy_channel(target)
+            for name, data in ((f"plan/{rank}", plan_bytes), (f"record/{rank}", shard.record_bytes),
+                               (f"region/{rank}", shard.seg.array)):
+                channel.send(self._header(vid, name, data, meta), data, timeout=timeout)
+        except (TransportError, TimeoutError, OSError) as exc:
+            with self._lock:
+                channel = self._copy_channels.pop((target.host, target.port), None)
+            if channel is not None:
+                channel.close()
+            raise ConnectionError(f"node {self.node_id[:12]}: the copy of rank {rank}'s shard of step {step} to "
+                                  f"{target.host}:{target.port} failed: {type(exc).__name__}: {exc}") from None
+        finally:
+            with self._lock:
+                self._table.done_with(shard)
+        return shard.seg.nbytes
+
+    def _copy_channel(self, target: Endpoint):
+        key = (target.host, target.port)
+        with self._lock:
+            channel = self._copy_channels.get(key)
+            transport = self._transport
+        if channel is None:
+            if transport is None:
+                raise LookupError(f"the data plane of node {self.node_id[:12]} is not started")
+            channel = transport.connect(target)
+            with self._lock:
+                self._copy_channels[key] = channel
+        return channel
+
+    def _incoming_copy(self, header: Header, meta: dict, kind: str, epoch: int, owner: int, rank: int) -> memoryview:
+        """Where a re-replicated copy lands: its plan and record first (small, kept aside), then
+        its region, straight into a segment, visible only once checked (:meth:`_copy_done`)."""
+        key = (epoch, header.step, rank)
+        with self._lock:
+            if epoch > self._epoch:
+                raise PermissionError(f"node {self.node_id[:12]}: a copy of epoch {epoch}, this store is at "
+                                      f"{self._epoch}")
+            if kind != "region":
+                buf = bytearray(header.length)
+                self._copies_in[(key, kind)] = buf
+                return memoryview(buf)
+            record = self._copies_in.pop((key, "record"), None)
+            if record is None:
+                raise ValueError(f"node {self.node_id[:12]}: the region of a copy came before its record")
+            v = self._table.version(epoch, header.step, world_size=int(meta["world_size"]))
+            if v is None:
+                raise ValueError(f"step {header.step} was saved again by a newer epoch")
+            shard = self._table.receive(v, rank, owner, header.total)
+            shard.plan_id = meta["plan_id"]
+            shard.record, shard.record_bytes = record
+            self._table.use(shard)
+            self._copies_in[(key, "region")] = (v, shard)
+            return memoryview(shard.seg.array)[header.offset : header.offset + header.length]
+
+    def _copy_done(self, header: Header, meta: dict, ok: bool) -> None:
+        kind, _, rank = header.name.partition("/")
+        key = (int(meta["epoch"]), header.step, int(rank))
+        with self._lock:
+            got = self._copies_in.pop((key, kind), None)
+        if got is None:
+            return
+        if kind == "plan":
+            if ok:
+                plan = ShardPlan.decode(bytes(got), self._key)
+                with self._lock:
+                    self._table.add_plan(plan, bytes(got))
+            return
+        if kind == "record":
+            if ok:
+                record = ShardRecord.decode(bytes(got), self._key)
+                with self._lock:
+                    self._copies_in[(key, "record")] = (record, bytes(got))
+            return
+        v, shard = got
+        with self._lock:
+            shard.received = ok
+            self._table.done_with(shard)
+        problem = self._verify_copies([shard]) if ok else "it arrived incomplete"
+        with self._lock:
+            if problem is None and self._table.versions.get(v.step) is v:
+                v.state = "committed"
+                v.mark(f"copy of rank {shard.rank} re-replicated")
+                return
+            shard.received = False
+            self._table.drop_shard(v, shard)
+        if ok:  # refused: the sender hears it (its transfer is rejected) and the registry tries another
+            raise ValueError(f"node {self.node_id[:12]}: the copy of rank {shard.rank}'s shard of step "
+                             f"{header.step} was refused: {problem}")
 
 
 class ReplicaSink:

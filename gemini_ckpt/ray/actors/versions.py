@@ -47,6 +47,7 @@ class Shard:
     users: int = 0  # transfers and readers using seg right now
     dropped: bool = False  # released while in use: freed by the last user
     recorded: threading.Event = field(default_factory=threading.Event)  # the record is set (or failed)
+    verified_unix: float = 0.0  # when its bytes last matched the record (made, checked or scrubbed)
 
     @property
     def complete(self) -> bool:
@@ -163,6 +164,12 @@ class VersionTable:
         seg = self.pool.reserve(nbytes)
         shard = v.shards[rank] = Shard(rank, owner, seg, False)
         return shard
+
+    def drop_shard(self, v: Version, shard: Shard) -> None:
+        """Forget one copy of ``v`` (a re-replicated copy that failed its check)."""
+        if v.shards.get(shard.rank) is shard:
+            del v.shards[shard.rank]
+            self._free_shard(shard)
 
     def release(self, v: Version, *, force: bool = False) -> int:
         """Let ``v`` go (retention, abort, discard). A pinned version (persist) waits for

@@ -1,0 +1,252 @@
+"""The direct restore: a memory version loaded at the world size it was saved at, each item's
+bytes going straight from the copy that holds them into the live tensor they belong to.
+
+The usual restart (same job, same world size) needs no resharding: every tensor the live
+state holds is one whole chunk of the saved version. Then DCP's load planning and its
+collectives, the intermediate buffers and the per-item ``narrow``/``copy_`` are all overhead,
+so :func:`direct_plan` checks, on this rank alone, that every read DCP's planner would issue
+(``create_local_plan``, no collective) is a whole saved chunk into a whole, contiguous live
+tensor of the same dtype, and :func:`direct_load` then moves the bytes:
+
+- from this node's store: out of the mapped shard, one copy into the live tensor, after the
+  item's CRC32C matched its record; the store checks every copy it holds against the records
+  in the background when the job goes down here (a rank detached, a peer died), and a copy it
+  certified since is copied without checking it again (``verified``): the check is done while
+  Ray restarts the workers, not on the restore's critical path;
+- from a peer: pushed by the peer's store over the data plane straight into the live
+  tensors' memory (``receive_into``, a batch of items per call), then checked against the
+  record while the next batches are still on the wire.
+
+An item whose copy fails its check is taken from the next copy (the other holders in order,
+then the next view: the durable tier); only when none has it is the version unreadable.
+Nothing but raw bytes lands in a tensor, and restore returns (or moves to an older version)
+only after every item passed; values come from the verified records through the value
+allow-list, as on the DCP path (:mod:`gemini_ckpt.save.dcp`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from ..checksum import checksum
+from ..errors import CheckpointError, ChecksumError
+from .dcp import MemoryVersion, SafeLoadPlanner, ShardCopy, _uint8
+from .plan import RawLocation, dtype_name
+
+log = logging.getLogger("gemini_ckpt")
+
+BATCH_BYTES = 32 << 20
+BATCH_ITEMS = 512
+"""A peer is asked for items in batches of about this many bytes (or items): one Ray call per
+batch, one transfer per item, all in flight at once, so checks overlap later batches."""
+IN_FLIGHT_BYTES = 256 << 20
+"""Bytes of direct pushes outstanding at once per reader (the rest wait their turn)."""
+
+
+@dataclass
+class DirectItem:
+    """One tensor item: where its bytes are saved and the live memory they go to."""
+
+    index: MetadataIndex
+    rank: int  # the saved rank whose shard holds it
+    at: int
+    nbytes: int
+    crc: int
+    dest: torch.Tensor  # the live tensor (contiguous, same dtype and shape)
+
+    @property
+    def dest_bytes(self) -> np.ndarray:
+        return self.dest.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+@dataclass
+class DirectPlan:
+    planner: SafeLoadPlanner
+    tensors: list[DirectItem]
+    values: list[Any]  # DCP's ReadItems of the non-tensor items
+    in_place: bool  # every target tensor is the live parameter, buffer or optimizer state itself
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def direct_plan(target: dict, version: MemoryVersion, live: set[int]) -> tuple[Optional[DirectPlan], str]:
+    """The direct plan of loading ``version`` into ``target`` on this rank, or ``(None, why)``
+    when some item needs DCP's load planner (resharding, a non-contiguous or non-CPU target).
+    ``live``: the storages of the live tensors (:func:`~gemini_ckpt.save.sources.live_storages`);
+    when every target tensor is one of them, loading them is applying them (``in_place``)."""
+    planner = SafeLoadPlanner()
+    planner.set_up_planner(target, metadata=version.metadata, is_coordinator=False)
+    try:
+        plan = planner.create_local_plan()
+    except (RuntimeError, ValueError, KeyError) as exc:
+        return None, f"DCP's planner: {type(exc).__name__}: {exc}"
+    tensors, values = [], []
+    storage = version.metadata.storage_data
+    for req in plan.items:
+        if req.type == LoadItemType.BYTE_IO:
+            values.append(req)
+            continue
+        loc = storage.get(req.storage_index)
+        if not isinstance(loc, RawLocation):
+            return None, f"{req.storage_index.fqn} is not in the memory version"
+        saved = version.plans[loc.rank].tensors[loc.item]
+        dest = planner.lookup_tensor(req.dest_index)
+        whole = (tuple(req.lengths) == tuple(dest.shape) == tuple(saved.shape)
+                 and not any(req.dest_offsets) and not any(req.storage_offsets))
+        if not whole:
+            return None, f"{req.storage_index.fqn} is resharded (a part of a saved chunk)"
+        if (dest.device.type != "cpu" or dest.layout != torch.strided or not dest.is_contiguous()
+                or dest.is_conj() or dest.is_neg() or dtype_name(dest.dtype) != saved.dtype):
+            return None, (f"{req.storage_index.fqn}: the live tensor is not a plain contiguous CPU {saved.dtype} "
+                          f"tensor")
+        if dest.numel() * dest.element_size() != saved.nbytes:
+            return None, f"{req.storage_index.fqn}: {saved.nbytes} bytes saved, the live tensor has another size"
+        tensors.append(DirectItem(req.storage_index, loc.rank, saved.at, saved.nbytes,
+                                  version.records[loc.rank].crcs[loc.item], dest))
+    in_place = all(t.dest.untyped_storage().data_ptr() in live for t in tensors)
+    return DirectPlan(planner, tensors, values, in_place), ""
+
+
+def direct_load(plan: DirectPlan, views: list) -> dict[str, int]:
+    """Move every item of ``plan`` into its live tensor (see the module docstring); ``views``
+    best first (the memory version, then the durable one). Returns bytes per source."""
+    version: MemoryVersion = views[0]
+    by_rank: dict[int, list[DirectItem]] = {}
+    for item in sorted(plan.tensors, key=lambda t: (t.rank, t.at)):
+        by_rank.setdefault(item.rank, []).append(item)
+    left: list[DirectItem] = []
+    for rank, items in by_rank.items():
+        left += _load_rank(version, rank, items)
+    for item in left:  # no memory copy had it: the next view (the durable tier)
+        _from_views(views[1:], item, version)
+    for req in plan.values:
+        plan.planner.load_value(req, _read_value(views, req.storage_index))
+    total: dict[str, int] = {}
+    for view in views:
+        for source, n in view.bytes_by_source.items():
+            total[source] = total.get(source, 0) + n
+    return total
+
+
+def _load_rank(version: MemoryVersion, rank: int, items: list[DirectItem]) -> list[DirectItem]:
+    """Every item of one saved rank's shard, from its copies in read order; returns those no
+    copy could produce."""
+    todo = items
+    for copy in version.copies.get(rank, []):
+        if not todo:
+            break
+        todo = _from_copy(version, copy, todo)
+    return todo
+
+
+def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem]) -> list[DirectItem]:
+    """Items of one copy; returns those it could not produce (unreadable, or failing the check)."""
+    failed: list[DirectItem] = []
+    pending: deque = deque()  # (items, handle): batches pushed straight into the live tensors, oldest first
+    in_flight = 0
+
+    def settle(batch: list[DirectItem], handle) -> None:
+        try:
+            handle.result()
+        except (LookupError, OSError, ValueError, CheckpointError) as exc:
+            for item in batch:
+                _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
+            failed.extend(batch)
+            return
+        for item in batch:
+            if checksum(item.dest_bytes) != item.crc:
+                _problem(version, copy, item, "checksum mismatch (corrupt copy skipped)")
+                failed.append(item)
+            else:
+                _count(version, copy, item)
+
+    def push(batch: list[DirectItem]) -> None:
+        nonlocal in_flight
+        while pending and in_flight + sum(i.nbytes for i in batch) > IN_FLIGHT_BYTES:
+            done, handle = pending.popleft()
+            in_flight -= sum(i.nbytes for i in done)
+            settle(done, handle)
+        try:
+            pending.append((batch, copy.receive_into([(i.at, i.dest_bytes) for i in batch])))
+            in_flight += sum(i.nbytes for i in batch)
+        except (LookupError, OSError, ValueError, CheckpointError) as exc:
+            for item in batch:
+                _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
+            failed.extend(batch)
+
+    try:
+        certified = copy.verified is not None and copy.verified()
+    except (LookupError, OSError, ValueError, CheckpointError):
+        certified = False  # the fetches below say why
+    batch: list[DirectItem] = []
+    for item in items:
+        if copy.receive_into is not None:
+            batch.append(item)
+            if sum(i.nbytes for i in batch) >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
+                push(batch)
+                batch = []
+            continue
+        try:
+            src = _uint8(copy.fetch(item.at, item.nbytes))
+        except (LookupError, OSError, ValueError, CheckpointError) as exc:
+            _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
+            failed.append(item)
+            continue
+        if src.nbytes != item.nbytes or (not certified and checksum(src) != item.crc):
+            _problem(version, copy, item, "checksum mismatch (corrupt copy skipped)")
+            failed.append(item)
+            continue
+        np.copyto(item.dest_bytes, src)
+        _count(version, copy, item)
+    if batch:
+        push(batch)
+    while pending:
+        done, handle = pending.popleft()
+        settle(done, handle)
+    return failed
+
+
+def _from_views(views: list, item: DirectItem, version: MemoryVersion) -> None:
+    errors = [p for p in version.problems if item.index.fqn in p][-2:]
+    for view in views:
+        try:
+            value = view.read(item.index)
+        except (LookupError, ChecksumError) as exc:
+            errors.append(f"{view.tier}: {exc}")
+            continue
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(item.dest.shape):
+            errors.append(f"{view.tier}: the item does not fit the live tensor")
+            continue
+        item.dest.detach().copy_(value)
+        return
+    raise ChecksumError(f"step {version.step} {item.index.fqn}: no tier holds a good copy: " + "; ".join(errors))
+
+
+def _read_value(views: list, index: MetadataIndex) -> Any:
+    errors = []
+    for view in views:
+        try:
+            return view.read(index)
+        except (LookupError, ChecksumError) as exc:
+            errors.append(f"{view.tier}: {exc}")
+    raise ChecksumError(f"step {views[0].step} {index.fqn}: no tier holds a good copy: " + "; ".join(errors))
+
+
+def _count(version: MemoryVersion, copy: ShardCopy, item: DirectItem) -> None:
+    version.bytes_by_source[copy.source] = version.bytes_by_source.get(copy.source, 0) + item.nbytes
+
+
+def _problem(version: MemoryVersion, copy: ShardCopy, item: DirectItem, why: str) -> None:
+    where = f"step {version.step} {item.index.fqn} (rank {item.rank}, {item.nbytes} bytes)"
+    version.problems.append(f"{copy.source} {copy.label}: {where}: {why}")
+    log.warning("the %s copy (%s) of %s: %s; trying the next copy", copy.source, copy.label, where, why)
