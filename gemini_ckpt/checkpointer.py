@@ -15,6 +15,7 @@ The life of a version, on the trainer's side:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -47,8 +48,18 @@ from .state.train_state import TrainState
 from .stores.base import MemoryTier
 from .stores.durable import DurableTier, persist_policy
 from .stores.memory import local_store
+from .trust import no_gc
 
 log = logging.getLogger("gemini_ckpt")
+
+
+def _warm_up() -> None:
+    from .trust import warm_up
+
+    try:
+        warm_up()
+    except Exception as exc:  # noqa: BLE001 - only an optimization
+        log.debug("warm-up failed: %s: %s", type(exc).__name__, exc)
 
 
 @dataclass
@@ -113,6 +124,7 @@ class Checkpointer:
         self._lineage = Lineage(self.config.resolved_namespace, overwrite=self.config.overwrite,
                                 durable_uri=self.config.durable_uri or (durable.uri if durable else None))
         self._run_id = uuid.uuid4().hex
+        self._warm: Optional[threading.Thread] = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -121,6 +133,9 @@ class Checkpointer:
             return self
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; build a new one")
+        # One-time costs of a new process, paid while the ranks wait for each other below.
+        self._warm = threading.Thread(target=_warm_up, name="gemini-ckpt-warm-up", daemon=True)
+        self._warm.start()
         if self._store is None:
             self._store = self._make_store()
         if self._durable is None and self.config.durable_uri:
@@ -403,9 +418,15 @@ class Checkpointer:
         the next older one; a version whose structure does not match raises
         :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
         """
+        with no_gc():
+            return self._restore()
+
+    def _restore(self) -> Optional[RestoreResult]:
         marks = [("called", time.time())]
         self.start()
         self.wait()
+        if self._warm is not None:
+            self._warm.join(timeout=self.config.timeout_s)
         marks.append(("connected", time.time()))
         tiers = [self._store]
         if self._durable is not None:
@@ -417,6 +438,8 @@ class Checkpointer:
 
             result = init_from(self.state, self.config.init_from, rank=self.rank, world_size=self.world_size,
                                group=self._bg_group)
+        if result is not None and self._store.recovery:
+            result = dataclasses.replace(result, recovery=self._store.recovery)
         if result is not None:
             log.info("rank %d: %s", self.rank, result.summary())
             # Continue from here: versions newer than this one (damaged, or abandoned) are

@@ -75,7 +75,15 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     returned in :attr:`RestoreResult.timeline`."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
-    order, unreachable = _agree(survey(tiers) if rank == 0 or world_size == 1 else None, world_size, group)
+    if rank == 0 or world_size == 1:
+        order, unreachable = survey(tiers)
+        states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
+    else:
+        order = unreachable = states = None
+    order, unreachable, states = _agree((order, unreachable, states), world_size, group)
+    if rank != 0:
+        for tier, shared in zip(tiers, states):
+            tier.use_survey_state(shared)
     marks.append(("surveyed", time.time()))
     skipped: list[int] = []
     reasons: list[str] = []
@@ -136,7 +144,8 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             saved_keys = set(metadata.state_dict_metadata)
             saved_ws = primary.world_size
             source_rank = _source_rank(rank, saved_ws, world_size, config)
-            target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank)
+            target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank,
+                                       saved=metadata.state_dict_metadata)
             check_structure(target, metadata)
             if primary.tier == "memory" and saved_ws == world_size:
                 direct, why_not = direct_plan(target, primary, live_storages(state))

@@ -74,6 +74,12 @@ class RestoreResult:
     ``direct`` (each item copied straight into its live tensor) or ``dcp`` (DCP's load planner:
     resharding, or the durable tier)."""
     path: str = "dcp"
+    recovery: tuple[dict, ...] = field(default=())
+    """What the host stores did about host losses since the job last ran (empty otherwise):
+    per lost host, unix times ``noticed`` (by the stores), ``node_dead`` (declared by Ray),
+    ``rereplicated`` (every committed version back to ``replicas`` copies), and, when a
+    replacement joined, ``replacement_joined`` and ``replacement_seeded`` (its store holds the
+    lost host's copies)."""
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds each stage took (from the previous stage's end)."""

@@ -1,7 +1,7 @@
 """``python -m gemini_ckpt demo``: a host dies mid-run and training resumes from peer memory.
 
 Starts a local Ray cluster of simulated hosts (one Ray node each), trains the tiny LM of
-:mod:`gemini_ckpt.demo.toy` with Ray Train (one worker per host, gloo, DDP), checkpoints every
+:mod:`gemini_ckpt.demo.toy` with Ray Train (one worker per host, gloo, FSDP2), checkpoints every
 step into the host stores' memory (``replicas`` copies) and every 10th step to durable storage
 under ``--out``, kills one host hard at ``--kill-at-step`` (its raylet and every process on it,
 host store included), adds a replacement host, lets Ray Train restart the workers, and prints
@@ -92,6 +92,7 @@ class DemoReport:
     final_loss: Optional[float] = None
     timeline: Optional[str] = None
     final_digest: Optional[str] = None  # of the final model and optimizer state (rank 0)
+    stages: list = field(default_factory=list)  # (seconds after the failure, what, whose) in order
 
     @property
     def steps_lost(self) -> Optional[int]:
@@ -110,7 +111,7 @@ class DemoReport:
     def format(self) -> str:
         o = self.options
         lines = ["", "=" * 78, "gemini_ckpt demo: report", "=" * 78,
-                 f"setup        {o.hosts} hosts x 1 rank (Ray Train, gloo, DDP), replicas={o.replicas}, "
+                 f"setup        {o.hosts} hosts x 1 rank (Ray Train, gloo, FSDP2), replicas={o.replicas}, "
                  f"every step to memory, every {o.persist_every}th to {os.path.relpath(self.run_dir)}"]
         if not o.failure:
             lines.append("failure      none (--no-failure)")
@@ -123,8 +124,8 @@ class DemoReport:
             lines.append(f"restored     step {self.restored_step} from {self.restored_from} ({where}, all ranks) "
                          f"in {self.restore_s:.2f}s (slowest rank)")
             if self.recovery_s is not None:
-                lines.append(f"recovery     {self.recovery_s:.1f}s from the failure to the next step "
-                             f"(mostly Ray Train restarting the workers)")
+                lines.append(f"recovery     {self.recovery_s:.1f}s from the failure to the next step; seconds after it:")
+                lines.append("             " + " > ".join(f"{what} {t:.1f} [{whose}]" for t, what, whose in self.stages))
         if self.steps_lost is not None:
             d = self.durable_before_failure
             redone = (f"redone: {self.restored_step + 1}..{self.failure_step}" if self.steps_lost
@@ -329,7 +330,36 @@ def _build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: fl
             after = [e["unix"] for e in steps if e["unix"] > max(r["unix"] for r in restores)]
             if after:
                 report.recovery_s = min(after) - failure["unix"]
+            report.stages = recovery_stages(failure["unix"], events, restores, min(after) if after else None)
     return report
+
+
+def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict],
+                    next_step_unix: Optional[float]) -> list[tuple[float, str, str]]:
+    """The stages of one recovery, as ``(seconds after the failure, stage, whose)``: the library's
+    (``gemini``: the host stores noticed the loss, made the copies again, seeded the replacement;
+    the restore), Ray's (the node declared dead) and Ray Train's (its new workers in the training
+    function); the slowest rank's times where ranks differ."""
+    out: list[tuple[float, str, str]] = []
+    recovery = next((r["recovery"][-1] for r in restores if r.get("recovery")), None)
+    if recovery:
+        for key, what, whose in (("noticed", "stores noticed", "gemini"), ("node_dead", "node dead", "Ray"),
+                                 ("rereplicated", "copies made again", "gemini"),
+                                 ("replacement_joined", "replacement joined", "cluster"),
+                                 ("replacement_seeded", "replacement seeded", "gemini")):
+            if recovery.get(key):
+                out.append((recovery[key] - failure_unix, what, whose))
+    starts = [e["unix"] for e in events if e["kind"] == "start" and e["unix"] > failure_unix]
+    if starts:
+        out.append((max(starts) - failure_unix, "workers started", "Ray Train"))
+    timelines = [dict(r["timeline"]) for r in restores if r.get("timeline")]
+    if timelines:
+        out.append((max(t["called"] for t in timelines) - failure_unix, "restore called", "user code"))
+        out.append((max(t["connected"] for t in timelines) - failure_unix, "connected", "gemini"))
+        out.append((max(t["done"] for t in timelines) - failure_unix, "restored", "gemini"))
+    if next_step_unix is not None:
+        out.append((next_step_unix - failure_unix, "next step done", "user code"))
+    return sorted(out)
 
 
 # --- CLI -----------------------------------------------------------------------------------------

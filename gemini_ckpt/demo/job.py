@@ -45,7 +45,8 @@ def _emitter(name: Optional[str], rank: int) -> Callable[..., None]:
 
 # --- the training function (runs in every Ray Train worker) --------------------------------------
 def train_loop(config: dict) -> dict:
-    """Train the tiny LM with DDP and a ``gemini_ckpt.integrations.ray_train`` checkpointer.
+    """Train the tiny LM with FSDP2 and a ``gemini_ckpt.integrations.ray_train`` checkpointer
+    (``config["checkpoint"]=False``: no checkpointing at all, the baseline of a restart).
 
     ``config``: ``ckpt`` (a CheckpointConfig), ``steps``, ``progress`` (actor name or None),
     ``seed``, optional ``kill`` = ``{"rank", "step", "marker"}`` (that rank SIGKILLs itself
@@ -56,7 +57,7 @@ def train_loop(config: dict) -> dict:
 
     import ray.train
     import torch
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.device_mesh import init_device_mesh
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from .. import TrainState
@@ -64,32 +65,32 @@ def train_loop(config: dict) -> dict:
     from .toy import TokenDataset, build_training, lm_loss
 
     torch.set_num_threads(1)
-    rank = ray.train.get_context().get_world_rank()
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
     emit = _emitter(config.get("progress"), rank)
-    emit("start", pid=os.getpid())
+    emit("start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
     steps, seed = config["steps"], config.get("seed", 0)
-    t = build_training(seed=seed, total_steps=steps, dataset_size=config.get("dataset_size", 512))
+    # FSDP2 over the process group TorchTrainer set up: each rank holds (and saves) its shard.
+    mesh = init_device_mesh("cpu", (context.get_world_size(),))
+    t = build_training(seed=seed, total_steps=steps, dataset_size=config.get("dataset_size", 512), mesh=mesh)
+    model = t.model
     # Each rank shuffles its own way: a different slice of data per rank and step.
     loader = StatefulDataLoader(TokenDataset(n=config.get("dataset_size", 512)), batch_size=8, shuffle=True,
                                 generator=torch.Generator().manual_seed(1000 * (seed + 1) + rank))
-    # find_unused_parameters=True keeps DDP from rebuilding its gradient buckets after the first
-    # iteration. A rebuild reorders parameters inside the bucket, and gloo's (like NCCL's) ring
-    # all-reduce sums each element in an order that depends on its position in the bucket: a
-    # restarted process's first step would then round differently from the uninterrupted run.
-    model = DistributedDataParallel(t.model, find_unused_parameters=True)
     torch.manual_seed(7919 * (seed + 1) + rank)  # dropout streams differ per rank
     extra = {"tokens": 0}
     state = TrainState(model=model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=loader, extra=extra)
-    ckpt = gray.checkpointer(state, config["ckpt"])
+    checkpointing = config.get("checkpoint", True)
+    ckpt = gray.checkpointer(state, config["ckpt"]) if checkpointing else None
 
     t0 = time.time()
-    result = ckpt.restore()
+    result = ckpt.restore() if checkpointing else None
     restored = None
     if result is not None:
         restored = {"step": result.step, "source": result.source, "seconds": result.seconds,
                     "bytes_local": result.bytes_read.get("local", 0), "bytes_peer": result.bytes_read.get("peer", 0),
                     "bytes_durable": result.bytes_read.get("durable", 0), "path": result.path,
-                    "timeline": [list(m) for m in result.timeline]}
+                    "timeline": [list(m) for m in result.timeline], "recovery": list(result.recovery)}
         emit("restore", t_start=t0, **restored)
 
     def on_commit(step: int, saved_at: float):
@@ -117,25 +118,34 @@ def train_loop(config: dict) -> dict:
         extra["tokens"] += batch.numel()
         loss_value = loss.item()
         saved_at = time.time()
-        handle = ckpt.save(step, metrics={"loss": loss_value})
-        if rank == 0:
-            emit("step", step=step, loss=loss_value, stall_s=handle.staged.result().stall_s)
-            handle.committed.add_done_callback(on_commit(step, saved_at))
-            handle.persisted.add_done_callback(on_persist(step))
+        if not checkpointing:
+            if rank == 0:
+                emit("step", step=step, loss=loss_value, stall_s=0.0)
+        else:
+            handle = ckpt.save(step, metrics={"loss": loss_value})
+            if rank == 0:
+                emit("step", step=step, loss=loss_value, stall_s=handle.staged.result().stall_s)
+                handle.committed.add_done_callback(on_commit(step, saved_at))
+                handle.persisted.add_done_callback(on_persist(step))
         if kill and rank == kill["rank"] and step == kill["step"] and not os.path.exists(kill["marker"]):
             with open(kill["marker"], "w") as f:
                 f.write(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         if config.get("step_sleep"):
             time.sleep(config["step_sleep"])
-    ckpt.close()
-    stall = ckpt.stats.total_stall_s / max(1, ckpt.stats.saves)
-    emit("done", loss=loss_value, mean_stall_s=stall, reported=list(ckpt.reported_steps))
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    reported = []
+    stall = 0.0
+    if checkpointing:
+        ckpt.close()
+        stall = ckpt.stats.total_stall_s / max(1, ckpt.stats.saves)
+        reported = list(ckpt.reported_steps)
+    emit("done", loss=loss_value, mean_stall_s=stall, reported=reported)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
     return {"digest": digest_state([state.tensor_state(), extra]), "restore": restored, "rank": rank,
-            "model_digest": digest_state(get_model_state_dict(model)),
-            "reported": list(ckpt.reported_steps), "loss": loss_value}
+            "model_digest": digest_state(full),
+            "reported": reported, "loss": loss_value}
 
 
 def _endless(loader):

@@ -72,11 +72,15 @@ class Training:
 
 
 def build_training(seed: int = 0, *, num_workers: int = 0, batch_size: int = 8, total_steps: int = 100,
-                   dataset_size: int = 256, dim: int = 32, layers: int = 2) -> Training:
+                   dataset_size: int = 256, dim: int = 32, layers: int = 2, mesh=None) -> Training:
+    """The tiny LM, AdamW, warmup+cosine and a shuffling loader; with ``mesh``, the model is
+    FSDP2-sharded over it (:func:`fully_shard_layers`) before the optimizer is built."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     torch.manual_seed(seed)
     model = TinyLM(dim=dim, layers=layers)
+    if mesh is not None:
+        fully_shard_layers(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, total_steps // 10), total_steps))
     loader = StatefulDataLoader(TokenDataset(n=dataset_size), batch_size=batch_size, shuffle=True,

@@ -50,13 +50,14 @@ world size, node and process group come from Ray Train (``TorchTrainer`` initial
 
 Decisions worth knowing:
 
-- **Which rank reports what.** Ray Train v2 needs every rank to call ``report`` the same
-  number of times. Rank 0 (which commits durable versions) decides which versions are done and
-  tells the others over a small gloo group of this module's own; every rank then reports them,
-  in step order. The check runs at ``save`` only while a persisted version is not reported yet,
-  and never waits: a version is reported at the first ``save`` after it became durable, and
-  ``close`` reports the rest (including ``persist_on_close``'s version). A ``restore`` reports
-  durable versions that a crash kept from being reported.
+- **Which rank reports what, and when.** Ray Train v2 needs every rank to call ``report`` the
+  same number of times, and ``report`` is a barrier through the controller. So the reports are
+  made by a thread of the checkpointer's, never the training thread: rank 0's decides, once
+  each persisted version is durable, in step order, and tells the other ranks over a small
+  gloo group of this module's own; every rank's thread then reports it. ``result.checkpoint``
+  (and Ray's checkpoint list) therefore name a version a moment after it became durable;
+  ``close`` reports the rest (``persist_on_close``'s version included) and waits for them. A
+  ``restore`` reports durable versions that a crash kept from being reported.
 - **Retention belongs to Ray.** Reported versions are Ray's checkpoints, so Ray's
   ``CheckpointConfig(num_to_keep)`` decides which durable versions stay (it never deletes the
   newest); gemini_ckpt's ``keep_durable`` is not applied. Two owners deleting the same
@@ -73,6 +74,8 @@ import dataclasses
 import logging
 import os
 import posixpath
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -269,6 +272,14 @@ class RayTrainCheckpointer(Checkpointer):
 
     Build it with :func:`checkpointer`. ``save(step, metrics=...)`` records the metrics Ray
     attaches to the version if it is persisted; ``reported_steps`` lists what was reported.
+
+    Reports are made by a thread of this checkpointer's, never by the training thread:
+    ``ray.train.report`` is a barrier of every worker through Ray Train's controller, and on
+    the training thread it stalled the step after each persisted version (0.9-1.0 s where a
+    step took 0.1 s). A version is reported once it is durable, in step order; ``close`` waits
+    for the last reports. While it reports, the job must not call ``ray.train.report`` itself
+    (two threads of one worker reporting could pair up differently on different ranks): pass
+    ``report=False`` to :func:`checkpointer` to report yourself.
     """
 
     def __init__(self, state: TrainState, config: CheckpointConfig, *, durable: Optional[DurableTier] = None,
@@ -284,17 +295,21 @@ class RayTrainCheckpointer(Checkpointer):
         self._report_root: Optional[str] = None
         if self._reporting:
             self._report_root = durable.store.root if durable is not None else resolve_filesystem(uri)[1]
-        self._pending: list[int] = []  # steps the policy persists, not reported yet (same on every rank)
-        self._handles: dict[int, SaveHandle] = {}
-        self._metrics: dict[int, dict] = {}
+        self._metrics: dict[int, dict] = {}  # step -> what save() was given (every rank keeps its own)
+        self._metrics_lock = threading.Lock()
         self._report_group = None
+        self._reporter: Optional[_Reporter] = None
         self.reported_steps: list[int] = []
 
     def start(self) -> "RayTrainCheckpointer":
-        if not self.started and not self.closed and self._reporting and self.world_size > 1 \
-                and self._report_group is None:
-            # Every rank starts at its first save/restore, so the groups are created in one order.
-            self._report_group = dist.new_group(backend="gloo")
+        if not self.started and not self.closed and self._reporting and self._reporter is None:
+            if self.world_size > 1:
+                # Every rank starts at its first save/restore, so the groups are created in one order.
+                self._report_group = dist.new_group(backend="gloo")
+            super().start()
+            self._reporter = _Reporter(self)
+            self._reporter.start()
+            return self
         super().start()
         return self
 
@@ -303,58 +318,48 @@ class RayTrainCheckpointer(Checkpointer):
         Python numbers, no tensors) go to Ray with the version if it is persisted."""
         handle = super().save(step, persist=persist)
         if self._reporting and (persist or self._report_policy.should_persist(step)):
-            self._pending.append(step)
-            self._handles[step] = handle
-            self._metrics[step] = dict(metrics or {})
-        if self._pending:
-            self._report(self._agree(self._ready(wait=False)))
+            with self._metrics_lock:
+                self._metrics[step] = dict(metrics or {})
+            if self.rank == 0:
+                self._reporter.offer(step, handle)
+        if self._reporter is not None:
+            self._reporter.raise_error()
         return handle
 
     def restore(self) -> Optional[RestoreResult]:
         """Load the newest version (see :meth:`Checkpointer.restore`: memory, then durable),
-        then report durable versions a crash kept from being reported."""
+        then report (in the background) durable versions a crash kept from being reported."""
         result = super().restore()
-        if self._reporting:
-            self._report(self._agree(self._unreported() if self.rank == 0 else []))
+        if self._reporting and self.rank == 0:
+            for item in self._unreported():
+                self._reporter.offer_ready(item)
         return result
 
     def close(self) -> None:
         """See :meth:`Checkpointer.close`; then report every durable version not reported yet
-        (the one ``persist_on_close`` wrote included). Every rank must call it."""
+        (the one ``persist_on_close`` wrote included) and wait for the reports. Every rank must
+        call it."""
         if self.closed:
             return
-        super().close()
-        if self._reporting:
-            if self.rank == 0:
-                done = self._ready(wait=True)
-                seen = {r.step for r in done}
-                done += [r for r in self._unreported() if r.step not in seen]
-            else:
-                done = []
-            self._report(self._agree(done))
+        try:
+            super().close()
+        finally:
+            if self._reporter is not None:
+                if self.rank == 0:
+                    seen = set(self._reporter.offered)
+                    for item in self._unreported():
+                        if item.step not in seen:
+                            self._reporter.offer_ready(item)
+                self._reporter.finish(self.config.timeout_s)
+        if self._reporter is not None:
+            self._reporter.raise_error()
 
-    # --- which versions are ready (rank 0 decides) ------------------------------------------------
-    def _ready(self, *, wait: bool) -> list[_Reported]:
-        if self.rank != 0:
-            return []
-        out = []
-        for step in self._pending:
-            handle = self._handles.get(step)
-            if handle is None or handle.skipped:
-                out.append(_Reported(step, None))
-                continue
-            if not handle.persisted.done():
-                if not wait:
-                    break  # report in step order
-                try:
-                    handle.persisted.exception(timeout=self.config.timeout_s)
-                except TimeoutError:
-                    break
-            failed = handle.persisted.exception() is not None
-            location = None if failed else handle.persisted.result()
-            out.append(_Reported(step, self._path(step) if location is not None else None))
-        return out
+    def abort(self) -> None:
+        super().abort()
+        if self._reporter is not None:
+            self._reporter.stop()
 
+    # --- which versions are reported (rank 0 decides) ------------------------------------------------
     def _unreported(self) -> list[_Reported]:
         """Complete durable versions newer than the last one Ray knows of (rank 0)."""
         import ray.train
@@ -371,26 +376,106 @@ class RayTrainCheckpointer(Checkpointer):
     def _path(self, step: int) -> str:
         return posixpath.join(self._report_root, step_dir_name(step))
 
-    def _agree(self, ready: list[_Reported]) -> list[_Reported]:
-        if self.world_size == 1:
-            return ready
-        box = [ready]
-        dist.broadcast_object_list(box, src=0, group=self._report_group)
-        return box[0]
-
-    def _report(self, ready: list[_Reported]) -> None:
+    def _report_one(self, item: _Reported) -> None:
+        """Report one version to Ray Train (on the reporter thread of every rank)."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        for item in ready:
-            if item.step in self._pending:
-                self._pending.remove(item.step)
-            self._handles.pop(item.step, None)
+        with self._metrics_lock:
             metrics = self._metrics.pop(item.step, {})
-            if item.path is None or (self.reported_steps and item.step <= self.reported_steps[-1]):
-                continue
-            checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
-            ray.train.report({**metrics, "step": item.step}, checkpoint=checkpoint,
-                             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-            self.reported_steps.append(item.step)
-            log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)
+            for old in [s for s in self._metrics if s < item.step]:
+                del self._metrics[old]  # versions never persisted (failed): nothing to attach them to
+        if item.path is None or (self.reported_steps and item.step <= self.reported_steps[-1]):
+            return
+        checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
+        ray.train.report({**metrics, "step": item.step}, checkpoint=checkpoint,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.reported_steps.append(item.step)
+        log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)
+
+
+_STOP = "stop"
+
+
+class _Reporter:
+    """The thread that reports durable versions to Ray Train (see :class:`RayTrainCheckpointer`).
+
+    Rank 0's thread takes the versions the persist policy chose, in step order, waits until
+    each is durable (or failed: then it is dropped), and hands the decision to the other ranks
+    over the checkpointer's own gloo group; every rank's thread then calls ``ray.train.report``.
+    The group is used by these threads only, so nothing else on it can interleave."""
+
+    def __init__(self, ckpt: RayTrainCheckpointer) -> None:
+        self.ckpt = ckpt
+        self.offered: list[int] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-ray-train-report", daemon=True)
+        self._error: Optional[BaseException] = None
+        self._stopped = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, step: int, handle: SaveHandle) -> None:
+        """Rank 0: ``step`` will be persisted; report it once it is."""
+        self.offered.append(step)
+        self._queue.put((step, handle))
+
+    def offer_ready(self, item: _Reported) -> None:
+        """Rank 0: a version that is durable already."""
+        self.offered.append(item.step)
+        self._queue.put(item)
+
+    def finish(self, timeout: float) -> None:
+        """Report what was offered, then stop the thread (every rank)."""
+        if self.ckpt.rank == 0:
+            self._queue.put(_STOP)
+        self._thread.join(timeout=timeout + 5)
+        if self._thread.is_alive() and self._error is None:
+            self._error = CheckpointError(
+                f"rank {self.ckpt.rank}: the last reports to Ray Train did not finish within {timeout}s "
+                f"(CheckpointConfig.timeout_s)")
+
+    def stop(self) -> None:
+        """Stop without reporting the rest (abort): the thread ends at its next wait."""
+        self._stopped = True
+        self._queue.put(_STOP)
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                item = self._next() if self.ckpt.rank == 0 else None
+                item = self._agree(item)
+                if item == _STOP:
+                    return
+                self.ckpt._report_one(item)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next save/close
+            if not self._stopped:
+                log.error("rank %d: reporting to Ray Train failed: %s: %s", self.ckpt.rank, type(exc).__name__, exc)
+                self._error = CheckpointError(f"rank {self.ckpt.rank}: reporting to Ray Train failed: "
+                                              f"{type(exc).__name__}: {exc}")
+
+    def _next(self):
+        got = self._queue.get()
+        if got == _STOP or isinstance(got, _Reported):
+            return got
+        step, handle = got
+        if handle.skipped:
+            return _Reported(step, None)
+        try:
+            location = handle.persisted.result(timeout=self.ckpt.config.timeout_s)
+        except BaseException:  # noqa: BLE001 - a failed persist is not reported (the Checkpointer raises it)
+            return _Reported(step, None)
+        return _Reported(step, self.ckpt._path(step) if location is not None else None)
+
+    def _agree(self, item):
+        if self.ckpt.world_size == 1:
+            return item
+        box = [item]
+        dist.broadcast_object_list(box, src=0, group=self.ckpt._report_group)
+        return box[0]

@@ -18,6 +18,7 @@ fixes the host slots and opens the epoch, which fences an earlier attempt's writ
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -108,8 +109,10 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         raise _cause(exc, f"rank {rank}: ") from None
     secret = bytes.fromhex(joined["secret"])
     channel = AttachClient(attached["attach"], secret, rank=rank, epoch=table.epoch, timeout_s=config.timeout_s)
-    return RayTier(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry,
+    tier = RayTier(config, rank=rank, world_size=world_size, node_id=node_id, table=table, registry=registry,
                    secret=secret, attach=channel, dead=set(joined["dead"]))
+    tier.recovery_events = tuple(joined.get("recovery", ()))
+    return tier
 
 
 def _start_local_store(config: CheckpointConfig, node_id: str):
@@ -147,9 +150,11 @@ class RayTier(MemoryTier):
         self._plans: set[str] = set()
         self._ahead: dict[str, concurrent.futures.Future] = {}  # plan id -> a segment asked for ahead
         self._where: dict[int, Resolved] = {}
+        self._surveyed_infos: dict[int, dict] = {}  # step -> slot -> {rank: (plan, record)}, from the survey
         self._transport: Optional[TcpTransport] = None
         self._read_sink = ReadSink()
         self._read_listener = None
+        self.recovery_events: tuple[dict, ...] = ()  # the registry's, at the rendezvous
 
     # --- write: this node's store does the work ----------------------------------------------
     def segment(self, plan: ShardPlan) -> Segment:
@@ -218,6 +223,10 @@ class RayTier(MemoryTier):
     def allocations(self) -> int:
         return len(self._segments)
 
+    @property
+    def recovery(self) -> tuple[dict, ...]:
+        return self.recovery_events
+
     # --- placement and liveness --------------------------------------------------------------
     def _live(self) -> dict[int, Any]:
         with self._lock:
@@ -262,6 +271,24 @@ class RayTier(MemoryTier):
             self._where = found
         return sorted(s for s, r in found.items() if r.committed)
 
+    def survey_state(self) -> dict:
+        with self._lock:
+            where = dict(self._where)
+        newest = max((s for s, r in where.items() if r.committed), default=None)
+        infos = self._shard_infos(newest, where[newest]) if newest is not None else {}
+        return {"where": where, "infos": {newest: infos} if newest is not None else {}}
+
+    def use_survey_state(self, state: dict) -> None:
+        if not state:
+            return
+        # The surveying rank put its own node's copies first; this rank reads its own node's first.
+        where = {step: dataclasses.replace(r, copies={rank: tuple(sorted(slots, key=lambda s: s != self.slot))
+                                                      for rank, slots in r.copies.items()})
+                 for step, r in state["where"].items()}
+        with self._lock:
+            self._where = where
+            self._surveyed_infos = dict(state["infos"])
+
     def open(self, step: int, *, key: Optional[bytes] = None) -> MemoryVersion:
         with self._lock:
             where = self._where.get(step)
@@ -273,7 +300,10 @@ class RayTier(MemoryTier):
             raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
                                        f"{self.config.resolved_namespace!r}")
         plans, records, copies, problems = {}, {}, {}, []
-        held = self._shard_infos(step, where)  # one call per store, all in parallel
+        with self._lock:
+            held = self._surveyed_infos.pop(step, None)  # rank 0 asked for them at the survey
+        if held is None:
+            held = self._shard_infos(step, where)  # one call per store, all in parallel
         for rank in range(where.world_size):
             for slot in where.copies[rank]:
                 got = held.get(slot, {}).get(rank)

@@ -121,10 +121,15 @@ class TrainState(Stateful):
         return {**self.tensor_state(), **self.opaque_state(_current_rank())}
 
     # --- restore -----------------------------------------------------------------------------
-    def load_target(self, *, rank: int, saved_keys: set[str], source_rank: int) -> dict[str, Any]:
+    def load_target(self, *, rank: int, saved_keys: set[str], source_rank: int,
+                    saved: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
         """A state dict for DCP to load into: live model/optimizer tensors, placeholders for
         the opaque blobs. ``source_rank`` is the saved rank whose rank-local state this rank
-        takes (itself at the same world size)."""
+        takes (itself at the same world size). ``saved``: the version's
+        ``state_dict_metadata``, from which an optimizer without state yet gets it directly
+        (:meth:`_prime_optimizers`) instead of by ``get_state_dict``'s throw-away step."""
+        if saved is not None:
+            self._prime_optimizers(saved)
         model_sd, optim_sd = get_state_dict(self._module, self.optimizers)
         target: dict[str, Any] = {MODEL: model_sd}
         if self.optimizers:
@@ -182,6 +187,58 @@ class TrainState(Stateful):
             fix_resume(self.dataloader, saved["generator"])
         if restore_rng:
             restore_rng_state(_loads(local[RNG]))
+
+    def _prime_optimizers(self, saved: Mapping[str, Any]) -> bool:
+        """Create the state of optimizers that have none yet (a fresh process) as the saved
+        version has it, empty, to be loaded into: for each parameter, a tensor shaped like the
+        parameter (sharded like it) or a scalar, of the saved dtype, per saved state name.
+        ``get_state_dict`` would make it by running one optimizer step with a zero learning
+        rate, which costs more than the whole restore (a first step through DTensor's sharding
+        propagation: 0.7 s for a 4-rank FSDP2 job here). Returns False, touching nothing, when the
+        saved state is not of that form (then ``get_state_dict`` does it)."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        if not self.optimizers or any(opt.state for opt in self.optimizers):
+            return False
+        prefix = OPTIM + ".state."
+        names: dict[str, list[str]] = {}
+        for key, md in saved.items():
+            if key.startswith(prefix):
+                if not isinstance(md, TensorStorageMetadata):
+                    return False
+                fqn, _, name = key[len(prefix):].rpartition(".")
+                names.setdefault(fqn, []).append(name)
+        fqn_of = {id(p): name for name, p in self._named_parameters()}
+        plan: list[tuple[torch.optim.Optimizer, Any, dict, torch.device]] = []
+        seen: set[str] = set()
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    fqn = fqn_of.get(id(p))
+                    if fqn is None:
+                        return False
+                    entries = {}
+                    for name in names.get(fqn, ()):
+                        md = saved[prefix + fqn + "." + name]
+                        if tuple(md.size) == tuple(p.shape):
+                            entries[name] = ("like", md.properties.dtype)
+                        elif tuple(md.size) == ():
+                            entries[name] = ("scalar", md.properties.dtype)
+                        else:
+                            return False
+                    seen.add(fqn)
+                    if entries:
+                        # fused/capturable optimizers keep their step counters on the parameter's device
+                        on_device = bool(group.get("fused") or group.get("capturable"))
+                        plan.append((opt, p, entries, p.device if on_device else torch.device("cpu")))
+        if set(names) - seen:
+            return False
+        with torch.no_grad():
+            for opt, p, entries, device in plan:
+                opt.state[p] = {name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                                if kind == "like" else torch.zeros((), dtype=dtype, device=device)
+                                for name, (kind, dtype) in entries.items()}
+        return True
 
     def _set_param_groups(self, saved: Any) -> bool:
         """Set the live param groups' hyperparameters from ``saved`` (``get_state_dict``'s

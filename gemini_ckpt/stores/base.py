@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from .shards import Segment, ShardPlan
 
@@ -76,6 +76,16 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release this client's connections (versions stay where they are); idempotent."""
 
+    def survey_state(self) -> Any:
+        """After :meth:`committed_steps` on the rank that surveys (rank 0): what the other ranks'
+        views of this tier need to open versions without asking again (plain data, sent to them
+        with the survey; None: nothing). The host stores' tier sends where every copy is and the
+        newest version's shard records, so one rank makes the Ray calls instead of every rank."""
+        return None
+
+    def use_survey_state(self, state: Any) -> None:
+        """On the other ranks: take what :meth:`survey_state` gave on the surveying rank."""
+
 
 class MemoryTier(Tier):
     """A tier that takes versions shard by shard (see the module docstring for the order)."""
@@ -111,6 +121,13 @@ class MemoryTier(Tier):
     def allocations(self) -> int:
         """Segments created for this process's shards (reused ones are not counted)."""
         return 0
+
+    @property
+    def recovery(self) -> tuple[dict, ...]:
+        """What the tier did about host losses since the job last started (host stores: when the
+        loss was noticed, when Ray declared the node dead, when the copies were made again and a
+        replacement seeded; see :meth:`gemini_ckpt.ray.actors.registry.Registry.recovery`)."""
+        return ()
 
     def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes]) -> dict:
         """With ``capabilities.persists_itself``: write each rank's data file of ``step`` under

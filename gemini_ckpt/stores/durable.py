@@ -39,6 +39,7 @@ from ..trust import (
     safe_opaque,
     torch_load_value,
 )
+from .base import Tier
 from .fs import FsStore
 from .layout import (
     IN_PROGRESS_FILE,
@@ -83,7 +84,7 @@ def persist_policy(persist_every: int, durable_uri: Optional[str]) -> PersistPol
     return EveryNSteps(persist_every)
 
 
-class DurableTier:
+class DurableTier(Tier):
     """A durable location (any ``pyarrow.fs`` URI or local path) holding complete versions."""
 
     def __init__(self, uri: Optional[str] = None, *, keep: "int | Retention" = 3, filesystem=None,

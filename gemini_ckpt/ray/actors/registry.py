@@ -87,6 +87,7 @@ class Registry:
         self._node_resources: dict[str, dict] = {}  # node id -> its resources, as Ray reported them
         self._rerep_pending = False
         self._recovery: list[dict] = []  # what happened after each host loss, when (see recovery())
+        self._epoch_opened = 0.0
 
     # --- the rendezvous ----------------------------------------------------------------------------
     async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
@@ -132,6 +133,8 @@ class Registry:
                 dead.add(slot)
         idle = frozenset(s for s, n in enumerate(self._nodes) if n not in hosting and s not in dead)
         committed = self._coordinator.committed_versions() if self._coordinator is not None else ()
+        since = [dict(e) for e in self._recovery if e["noticed"] >= self._epoch_opened]
+        self._epoch_opened = time.time()
         keep = int(params.get("keep", 2))
         self._coordinator = Coordinator(hosts=len(self._nodes), keep=keep, dead=dead, idle=idle,
                                         committed=committed, world_size=len(pending))
@@ -143,7 +146,7 @@ class Registry:
             self._watch = asyncio.get_event_loop().create_task(self._watch_stores())
         return {"nodes": list(self._nodes), "epoch": self._epoch, "ranks": dict(pending), "secret": self._secret,
                 "dead": sorted(dead), "idle": sorted(idle),
-                "committed": [[v.epoch, v.step] for v in committed]}
+                "committed": [[v.epoch, v.step] for v in committed], "recovery": since}
 
     async def _store_exists(self, node: str) -> bool:
         from ..cluster import find_store
