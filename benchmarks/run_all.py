@@ -38,6 +38,8 @@ BENCHES = [
     ("persist", "bench_persist.py", "persist.json", 400, 3600),
     ("overhead", "bench_overhead.py", "overhead.json", 400, 3600),
     ("scaling", "bench_scaling.py", "scaling.json", 400, 3600),
+    ("health", "bench_health.py", "health.json", 300, 1800),
+    ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 
@@ -177,6 +179,25 @@ def summary_rows(res: dict) -> list[list[str]]:
                      f"{peak / pred['K*m*shard']:.2f}x K·m·shard, "
                      f"{peak / pred['(K+1)*m*shard']:.2f}x (K+1)·m·shard",
                      "-", "-"])
+    d = res.get("health")
+    if d:
+        med, r = d["median_s"], d["ratio_on_off"]
+        for what, k in (("save() stall", "stall"), ("time to safe", "safe")):
+            rows.append([f"{what} with the default health check ({d['staged_bytes'] / 2**30:.2f} GiB)",
+                         _f(med["on"][k]), f"check off {_f(med['off'][k])}", f"{r[k]:.3f}x",
+                         f"<= {d['target_ratio']}x", _met(r[k] <= d["target_ratio"])])
+    d = res.get("recovery")
+    if d:
+        rows.append([f"time wasted per failure, durable-only / gemini_ckpt ({d['state_mb_per_rank']} MB per rank)",
+                     f"{next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'gemini'):.2f} s",
+                     f"durable only {next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'durable'):.2f} s",
+                     f"{d['ratio_without_restart']:.1f}x (incl. restart {d['ratio_with_restart']:.2f}x)",
+                     f">= {d['target_ratio']:.0f}x", _met(d["target_met"])])
+        if d.get("library_adds_to_the_restart_s") is not None:
+            rows.append(["failure -> next step: gemini_ckpt vs no checkpointing",
+                         _f(d["restart_to_first_step_with_library_s"]),
+                         f"no checkpointing {_f(d['restart_to_first_step_without_checkpointing_s'])}",
+                         f"{d['library_adds_to_the_restart_s']:+.1f} s", "-", "-"])
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:

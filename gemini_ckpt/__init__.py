@@ -34,11 +34,13 @@ _EXPORTS = {
     "ChecksumError": ".errors",
     "ConfigError": ".errors",
     "FencedError": ".errors",
+    "HealthCheck": ".health",
     "MemoryBudgetError": ".errors",
     "RestoreResult": ".results",
     "SaveHandle": ".results",
     "StructureMismatchError": ".errors",
     "TrainState": ".state",
+    "UnhealthyVersionError": ".errors",
     "VersionNotFoundError": ".errors",
     "cluster_status": ".cli.status",
 }
@@ -54,11 +56,13 @@ __all__ = [  # a literal, so that tools see what the lazy names are
     "ChecksumError",
     "ConfigError",
     "FencedError",
+    "HealthCheck",
     "MemoryBudgetError",
     "RestoreResult",
     "SaveHandle",
     "StructureMismatchError",
     "TrainState",
+    "UnhealthyVersionError",
     "VersionNotFoundError",
     "cluster_status",
     "ray_train",
@@ -96,8 +100,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         FencedError,
         MemoryBudgetError,
         StructureMismatchError,
+        UnhealthyVersionError,
         VersionNotFoundError,
     )
+    from .health import HealthCheck
     from .integrations import ray_train
     from .results import CheckpointStats, RestoreResult, SaveHandle
     from .state import TrainState

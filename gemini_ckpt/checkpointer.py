@@ -9,8 +9,13 @@ The life of a version, on the trainer's side:
    ``save`` returns: the snapshot aliases nothing live.
    The segment is handed to the memory tier before ``save`` returns (one small message);
    with host stores the checksums, replication and commit happen there, not here.
-2. The background thread waits for the version's outcome.
-3. A committed version due for the durable tier goes to the :class:`~gemini_ckpt.persister.Persister`.
+   With a health check (``CheckpointConfig.health_check``, :mod:`gemini_ckpt.health`), ``save``
+   judges the step's metrics (and runs the user's validator) here; the tensor check runs where
+   the checksums are computed, not here.
+2. The background thread waits for the version's outcome, its health included.
+3. A committed, healthy version due for the durable tier goes to the
+   :class:`~gemini_ckpt.persister.Persister`. An unhealthy one is never persisted; the first is
+   logged loudly, and with ``on_unhealthy="raise"`` each is raised at the next ``save``.
 """
 
 from __future__ import annotations
@@ -34,13 +39,16 @@ from .errors import (
     CheckpointError,
     CheckpointTimeoutError,
     ConfigError,
+    UnhealthyVersionError,
 )
 from .faults import fire
+from .health import HEALTHY_VERDICT, UNCHECKED_VERDICT, Health, MetricHistory
 from .lineage import Lineage, survey
 from .persister import Persister
 from .restore import restore_newest
 from .retention import KeepNewest, Retention
 from .results import CheckpointStats, RestoreResult, SaveHandle, StageInfo
+from .save.checked import checked_items
 from .save.plan import make_plan
 from .save.sources import Sources
 from .save.stager import Stager, check_saveable
@@ -121,6 +129,10 @@ class Checkpointer:
         self._sources = Sources(state, self.rank)
         self._stager = Stager()
         self._newest_committed: Optional[int] = None
+        self._newest_healthy: Optional[int] = None  # what persist_on_close persists
+        check = self.config.health_check
+        self._metric_history = MetricHistory(check.metrics) if check is not None else None
+        self._first_unhealthy: Optional[tuple[int, Health]] = None  # logged loudly; later ones quietly
         self._lineage = Lineage(self.config.resolved_namespace, overwrite=self.config.overwrite,
                                 durable_uri=self.config.durable_uri or (durable.uri if durable else None))
         self._run_id = uuid.uuid4().hex
@@ -224,11 +236,18 @@ class Checkpointer:
             self._shutdown(raise_errors=False)
 
     # --- save ---------------------------------------------------------------------------------
-    def save(self, step: int, *, persist: bool = False) -> SaveHandle:
+    def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
         """Snapshot the state as version ``step`` and return once the copy is independent of
-        the live tensors. Raises what failed in the background since the last call."""
+        the live tensors. Raises what failed in the background since the last call (with
+        ``HealthCheck(on_unhealthy="raise")``, an :class:`~gemini_ckpt.UnhealthyVersionError`
+        for a version whose state failed its health checks).
+
+        ``metrics``: this step's numbers (e.g. ``{"loss": loss.item()}``) for the health check's
+        metric predicates (:mod:`gemini_ckpt.health`); Ray Train's checkpointer also reports them."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"save(step) needs a non-negative int step, got {step!r}")
+        if metrics is not None and not isinstance(metrics, dict):
+            raise TypeError(f"save(metrics=...) must be a dict of metric name -> number, got {type(metrics).__name__}")
         self.start()
         if persist and self._durable is None:
             raise ConfigError("save(persist=True) needs CheckpointConfig.durable_uri (a path or pyarrow.fs URI)")
@@ -255,6 +274,7 @@ class Checkpointer:
                 captured = self._plan()
             tensors, blobs = captured
             plan = self._sources.plan
+            verdict = self._judge(step, metrics or {})
             segment = self._store.segment(plan.shard)
             self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
                                volatile=self._sources.volatile)
@@ -262,7 +282,7 @@ class Checkpointer:
             fire("replicate", step=step, rank=self.rank)
             # Handed off before save() returns: a training process that dies right after still
             # leaves a whole shard with its host store, which commits the version without it.
-            outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due)
+            outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
             segment = None  # the tier's now
             stall = time.perf_counter() - t0
             handle = SaveHandle(step)
@@ -293,10 +313,20 @@ class Checkpointer:
         for index in plan.tensor_index:
             value = flat[index.fqn]
             check_saveable(index.fqn, value._local_tensor if hasattr(value, "_local_tensor") else value)
+        # The store checks the items the plan names: only here do we know parameters from buffers.
+        plan.shard = dataclasses.replace(plan.shard, checked=checked_items(plan, flat, self.state,
+                                                                           self.config.health_check))
         self.stats.plans += 1
         log.info("rank %d: planned the snapshot (%d tensor items, %d values, %.1f MB per version)", self.rank,
                  len(plan.shard.tensors), len(plan.shard.values), plan.shard.region_bytes / 1e6)
         return self._sources.bind(plan, flat)
+
+    def _judge(self, step: int, metrics: dict) -> Optional[Health]:
+        """The trainer's part of the health check (metrics, validator): None when it is off."""
+        check = self.config.health_check
+        if check is None:
+            return None
+        return check.judge(step, self.state, metrics, self._metric_history)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""
@@ -317,7 +347,7 @@ class Checkpointer:
             if self._thread is not None:
                 self.wait()
                 if self._persister is not None and self.config.persist_on_close and self.config.persist_every > 0:
-                    self._persister.persist_on_close(self._newest_committed)
+                    self._persister.persist_on_close(self._newest_healthy)
                 self.wait_persisted()
         finally:
             self._shutdown(raise_errors=True)
@@ -359,13 +389,22 @@ class Checkpointer:
                 return
             handle = job.handle
             try:
-                self._hand_off(job)
+                outcome = self._hand_off(job)
+                health = outcome.health or (HEALTHY_VERDICT if self.config.health_check is not None
+                                            else UNCHECKED_VERDICT)
                 self.stats.committed += 1
                 self.stats.last_commit_s = time.perf_counter() - job.t0
                 self._newest_committed = handle.step
+                if not health.unhealthy:
+                    self._newest_healthy = handle.step
+                else:  # before ``committed`` resolves: a save() after it sees the error (on_unhealthy="raise")
+                    self._unhealthy(handle.step, health, job.persist)
+                handle.health.set_result(health)
                 handle.committed.set_result(handle.step)
                 fire("committed", step=handle.step, rank=self.rank)
-                if job.persist:
+                if health.unhealthy:
+                    handle.persisted.set_result(None)
+                elif job.persist:
                     self._persister.queue(handle, pinned=True)
                 else:
                     handle.persisted.set_result(None)
@@ -377,7 +416,7 @@ class Checkpointer:
                 err.__cause__ = exc
                 self.stats.failed += 1
                 log.error("%s", err)
-                for fut in (handle.committed, handle.persisted):
+                for fut in (handle.health, handle.committed, handle.persisted):
                     if not fut.done():
                         fut.set_exception(err)
                 with self._lock:
@@ -387,7 +426,7 @@ class Checkpointer:
                     self._inflight -= 1
                     self._lock.notify_all()
 
-    def _hand_off(self, job: _Job) -> None:
+    def _hand_off(self, job: _Job):
         if self._lineage.discard_pending and self.rank == 0:
             self._lineage.discard_abandoned(self._store, self._durable)
         outcome = job.outcome.result(timeout=self.config.timeout_s)
@@ -395,6 +434,36 @@ class Checkpointer:
             if outcome.error is not None:
                 raise outcome.error
             raise CheckpointError(outcome.reason or "the memory tier did not commit it")
+        return outcome
+
+    def _unhealthy(self, step: int, health: Health, pinned: bool) -> None:
+        """A committed version whose state failed its health checks (background thread): never
+        persisted (a persist-due one is let go at once), logged, raised if so configured."""
+        self.stats.unhealthy += 1
+        self.stats.last_unhealthy_step = step
+        if pinned:
+            try:
+                self._store.unpin(step)
+            except Exception as exc:  # noqa: BLE001 - retention catches up at the next commit
+                log.warning("rank %d: could not release unhealthy step %d: %s", self.rank, step, exc)
+        good = (f"the newest healthy version is step {self._newest_healthy}" if self._newest_healthy is not None
+                else "no healthy version was saved by this run")
+        if self._first_unhealthy is None:
+            self._first_unhealthy = (step, health)
+            banner = "!" * 88
+            log.error("%s\nrank %d: step %d is UNHEALTHY: %s.\nIt is kept in memory for inspection only: it is never "
+                      "restored (unless named: restore(step=%d)), persisted, reported or counted by retention; %s. "
+                      "Later unhealthy versions are logged at INFO.\n%s", banner, self.rank, step, health.reason, step,
+                      good, banner)
+        else:
+            log.info("rank %d: step %d is unhealthy too: %s", self.rank, step, health.reason)
+        if self.config.health_check is not None and self.config.health_check.on_unhealthy == "raise":
+            err = UnhealthyVersionError(
+                f"rank {self.rank}: step {step} is unhealthy: {health.reason}; {good}. Stop and restart from it "
+                f"(restore() skips unhealthy versions), or set HealthCheck(on_unhealthy='warn') to train on",
+                step=step, health=health)
+            with self._lock:
+                self._errors.append(err)
 
     def _persist_failed(self, err: BaseException) -> None:
         if self.config.persist_errors == "raise":  # else counted in stats and logged only
@@ -408,20 +477,27 @@ class Checkpointer:
                 "placement": self.config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
 
     # --- restore ------------------------------------------------------------------------------
-    def restore(self) -> Optional[RestoreResult]:
-        """Load the newest committed version into the live objects; ``None`` if there is none.
+    def restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
+        """Load the newest healthy committed version into the live objects; ``None`` if there is none.
 
         The next ``save`` must be a later step; versions newer than the restored one (which
-        could not be read) are discarded before it is written.
+        could not be read, or are unhealthy) are discarded before it is written.
 
-        A version whose bytes fail their checksums is skipped (with a warning) in favour of
-        the next older one; a version whose structure does not match raises
+        A version whose bytes fail their checksums, or whose state failed its health checks, is
+        skipped (with a warning; :attr:`RestoreResult.skipped_reasons` says why) in favour of the
+        next older one; a version whose structure does not match raises
         :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
-        """
-        with no_gc():
-            return self._restore()
 
-    def _restore(self) -> Optional[RestoreResult]:
+        ``step``: load exactly that version (every rank must name the same one), even an
+        unhealthy one (with a warning: for debugging); :class:`~gemini_ckpt.VersionNotFoundError`
+        when no tier holds it, and no fallback to another version.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"restore(step=...) needs a non-negative int step or None, got {step!r}")
+        with no_gc():
+            return self._restore(step)
+
+    def _restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
         marks = [("called", time.time())]
         self.start()
         self.wait()
@@ -432,8 +508,8 @@ class Checkpointer:
         if self._durable is not None:
             tiers.append(self._durable)
         result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
-                                group=self._bg_group, config=self.config, marks=marks)
-        if result is None and self.config.init_from:
+                                group=self._bg_group, config=self.config, marks=marks, step=step)
+        if result is None and self.config.init_from and step is None:
             from .init_from import init_from
 
             result = init_from(self.state, self.config.init_from, rank=self.rank, world_size=self.world_size,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
+from .health import HealthCheck
 
 STORES = ("local", "ray")
 PLACEMENTS = ("auto", "group", "ring", "mixed")
@@ -68,6 +69,10 @@ class CheckpointConfig:
         init_from: a stock DCP checkpoint directory (e.g. written by ``dcp.save`` or
             torchtitan) whose model and optimizer are loaded by ``restore()`` when no version
             of this job exists yet (resharded as usual); ``RestoreResult.source`` is ``"init"``.
+        health_check: what makes a version healthy (:class:`~gemini_ckpt.HealthCheck`; by
+            default every parameter and optimizer-state tensor finite); ``None`` turns the
+            checks off. Only healthy versions are restored, persisted, reported to Ray Train
+            and counted by ``keep_in_memory``/``keep_durable`` (see :mod:`gemini_ckpt.health`).
     """
 
     store: str = "ray"
@@ -89,6 +94,7 @@ class CheckpointConfig:
     replication_bandwidth: Optional[int] = None
     overwrite: bool = False
     init_from: Optional[str] = None
+    health_check: Optional[HealthCheck] = dataclasses.field(default_factory=HealthCheck)
 
     def __post_init__(self) -> None:
         _choice(self, "store", STORES)
@@ -128,6 +134,9 @@ class CheckpointConfig:
         if self.signing_key is not None and (not isinstance(self.signing_key, (bytes, str)) or not self.signing_key):
             raise ConfigError("CheckpointConfig.signing_key must be non-empty bytes or str (a secret shared by "
                               "every rank of the job), or None")
+        if self.health_check is not None and not isinstance(self.health_check, HealthCheck):
+            raise ConfigError(f"CheckpointConfig.health_check must be a gemini_ckpt.HealthCheck (e.g. HealthCheck() "
+                              f"for the default checks) or None to turn the checks off, got {self.health_check!r}")
 
     @property
     def resolved_namespace(self) -> str:

@@ -53,3 +53,18 @@ class FencedError(CheckpointError):
     """A newer ``Checkpointer`` opened this namespace: writes from this (older) one are refused,
     so a zombie of an earlier attempt, or a second job sharing the namespace by mistake, can
     never overwrite or drop the newer one's versions."""
+
+
+class UnhealthyVersionError(CheckpointError):
+    """A version's state failed its health checks (``CheckpointConfig.health_check``): raised
+    at the next ``save``/``wait``/``close`` with ``on_unhealthy="raise"``, so a job can stop and
+    restart from the last healthy version; and by ``restore()`` when every version it could
+    load is unhealthy. ``step`` and ``health`` (a :class:`gemini_ckpt.health.Health`) say which
+    version and why, when known."""
+
+    def __init__(self, message: str, *, step=None, health=None) -> None:
+        super().__init__(message)
+        self.step, self.health = step, health
+
+    def __reduce__(self):
+        return (self.__class__, (str(self),), {"step": self.step, "health": self.health})

@@ -13,6 +13,10 @@ own phase, its vote held before the decision, is :meth:`HostStore.hold_vote`):
 - ``"committed"``: a version was committed (the training process heard the outcome).
 - ``"persist"``: the coordinator is about to write a committed version to the durable tier.
 - ``"persist_commit"``: the durable data files are written; the DCP metadata and marker are next.
+
+And one of a restore (not in :data:`PHASES`, which are the phases of saving a version):
+``"restore"``: every rank agreed on the versions to try, none is loaded yet (``step``: the
+newest candidate, or None).
 """
 
 from __future__ import annotations

@@ -179,6 +179,9 @@ class Persister:
         durable.begin(step)
         view = self.tier.open(step)
         try:
+            if view.health.unhealthy:  # the Checkpointer never asks; the last line of defence (persist() cleans up)
+                raise CheckpointError(f"step {step} is unhealthy ({view.health.reason}); an unhealthy version is "
+                                      f"never persisted over healthy ones")
             return self._write_version(step, view)
         finally:
             view.close()
@@ -239,7 +242,7 @@ class Persister:
             step=step, world_size=view.world_size, metadata=metadata_bytes,
             checksums=tuple(sorted(checksums, key=lambda c: (c.file, c.offset))), file_sizes=sizes,
             job={**self.job, **view.plans[0].job, "created_unix": time.time()},
-            metadata_crc=checksum(metadata_bytes)), resolve_key(self.signing_key))
+            metadata_crc=checksum(metadata_bytes), health=view.health.to_json()), resolve_key(self.signing_key))
 
     # --- telling the other ranks ------------------------------------------------------------------
     def _key(self, step: int) -> str:

@@ -1,11 +1,15 @@
-"""Restore: pick the newest committed version, verify it, check its structure, load it through DCP.
+"""Restore: pick the newest healthy committed version, verify it, check its structure, load it
+through DCP.
 
 Any failure reading a version (a missing or damaged marker, manifest or ``.metadata``, a bad
 signature, an item that fails its checksum or the allow-lists, a value the live objects
-reject) skips it, with a warning naming why, for the next older one. Every rank takes the
-same decision: ranks walk rank 0's survey, exchange their outcome for each candidate before
-loading (one ``all_gather_object``) and after applying it, and DCP's load raises on every rank.
-Only a structure mismatch (the job changed, not the version) is raised instead.
+reject) skips it, with a warning naming why, for the next older one; so does a version whose
+state failed its health checks, as its verified records (or manifest) say
+(:mod:`gemini_ckpt.health`), unless it was asked for by name (``restore(step=...)``). Every
+rank takes the same decision: ranks walk rank 0's survey, exchange their outcome for each
+candidate before loading (one ``all_gather_object``) and after applying it, and DCP's load
+raises on every rank. Only a structure mismatch (the job changed, not the version) is raised
+instead.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from .config import CheckpointConfig
-from .errors import CheckpointError, ChecksumError, ConfigError, StructureMismatchError
+from .errors import (
+    CheckpointError,
+    ChecksumError,
+    ConfigError,
+    StructureMismatchError,
+    UnhealthyVersionError,
+    VersionNotFoundError,
+)
+from .faults import fire
 from .results import RestoreResult
 from .save.dcp import load as dcp_load
 from .save.direct import direct_load, direct_plan
@@ -43,6 +55,10 @@ class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
 
 
+class UnhealthyRestoreWarning(UserWarning):
+    """``restore(step=...)`` loaded a version whose state failed its health checks, as asked."""
+
+
 def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
     """What every tier holds: ``([(step, tier indices holding it, in tier order)] newest first,
     {tier name: why it could not be listed})``. A tier that cannot be listed (storage
@@ -62,8 +78,9 @@ def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, st
 
 
 def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
-                   config: CheckpointConfig, marks: Optional[list] = None) -> Optional[RestoreResult]:
-    """Try versions newest first (memory before durable at equal steps) until one loads.
+                   config: CheckpointConfig, marks: Optional[list] = None,
+                   step: Optional[int] = None) -> Optional[RestoreResult]:
+    """Try versions newest first (memory before durable at equal steps) until a healthy one loads.
 
     Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
     every rank when any rank's read fails, so all ranks move to the next candidate together.
@@ -72,9 +89,11 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     would start the job from scratch over versions it cannot see).
 
     ``marks``: the restore's timeline so far (``(stage, unix time)``), continued here and
-    returned in :attr:`RestoreResult.timeline`."""
+    returned in :attr:`RestoreResult.timeline`. ``step``: only that version, healthy or not
+    (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
+    named = _agree_step(step, rank, world_size, group)
     if rank == 0 or world_size == 1:
         order, unreachable = survey(tiers)
         states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
@@ -85,25 +104,53 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
         for tier, shared in zip(tiers, states):
             tier.use_survey_state(shared)
     marks.append(("surveyed", time.time()))
+    fire("restore", step=order[0][0] if order else None, rank=rank)
+    if named is not None:
+        held = [s for s, _ in order]
+        order = [(s, holding) for s, holding in order if s == named]
+        if not order:
+            blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
+            raise VersionNotFoundError(f"restore(step={named}): no tier holds a committed version of step {named} "
+                                       f"(they hold {sorted(held)}){blind}")
     skipped: list[int] = []
     reasons: list[str] = []
+    why_skipped: dict[int, str] = {}
+    unhealthy: list[int] = []
     for step, holding in order:
         name = tiers[holding[0]].name
         try:
             result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
-                                  group=group, config=config, t0=t0, marks=marks)
+                                  group=group, config=config, t0=t0, marks=marks, allow_unhealthy=named is not None)
+        except _Unhealthy as exc:
+            if rank == 0:
+                log.warning("skipping step %d from %s: it is unhealthy: %s", step, name, exc)
+            skipped.append(step)
+            unhealthy.append(step)
+            why_skipped[step] = f"unhealthy: {_short(str(exc))}"
+            reasons.append(f"step {step} ({name}): unhealthy: {_short(str(exc))}")
+            continue
         except _Unreadable as exc:
             warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
                           f"falling back to the next newest complete version", stacklevel=3)
             log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
             skipped.append(step)
+            why_skipped[step] = _short(str(exc))
             reasons.append(f"step {step} ({name}): {_short(str(exc))}")
             continue
         if unreachable and rank == 0:
             log.warning("restored step %d although the %s tier could not be listed (%s)", step,
                         " and ".join(unreachable), "; ".join(unreachable.values()))
-        return _with_skipped(result, skipped)
+        if result.health is not None and result.health.unhealthy:
+            warnings.warn(f"restored step {step}, whose state is UNHEALTHY ({result.health.reason}), because "
+                          f"restore(step={step}) asked for it; training on from it trains on that state",
+                          UnhealthyRestoreWarning, stacklevel=3)
+        return _with_skipped(result, skipped, why_skipped)
     blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
+    if skipped and len(unhealthy) == len(skipped) and not unreachable:
+        raise UnhealthyVersionError(
+            f"no healthy version to restore: step(s) {skipped} are unhealthy: " + "; ".join(reasons)
+            + f". restore(step={skipped[0]}) loads one anyway (for debugging); CheckpointConfig(overwrite=True) "
+              f"starts afresh over them", step=skipped[0])
     if skipped:
         raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}: "
                             + "; ".join(reasons))
@@ -128,17 +175,23 @@ def _open_views(tiers: list, step: int, key) -> tuple[list, list[str]]:
 
 
 def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
-                 config: CheckpointConfig, t0: float, marks: Optional[list] = None) -> RestoreResult:
+                 config: CheckpointConfig, t0: float, marks: Optional[list] = None,
+                 allow_unhealthy: bool = False) -> RestoreResult:
     marks = marks if marks is not None else []
-    outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "structure" or "config"
+    outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "unhealthy", "structure" or "config"
     fingerprint = None
     direct = None
+    health = None
     views, problems = _open_views(tiers, step, resolve_key(config.signing_key))
     if not views:
         outcome = ("skip", "; ".join(problems))
     else:
         primary = views[0]
         fingerprint = (primary.tier, primary.fingerprint)
+        health = primary.health  # from the verified records (memory) or the checked manifest (durable)
+    if views and health.unhealthy and not allow_unhealthy:
+        outcome = ("unhealthy", health.reason)
+    elif views:
         try:
             metadata: Metadata = primary.metadata
             saved_keys = set(metadata.state_dict_metadata)
@@ -213,7 +266,8 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     marks.append(("done", time.time()))
     return RestoreResult(step=step, source=primary.tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
-                         world_size=world_size, saved_world_size=saved_ws, timeline=tuple(marks), path=path)
+                         world_size=world_size, saved_world_size=saved_ws, timeline=tuple(marks), path=path,
+                         health=health)
 
 
 def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
@@ -274,17 +328,33 @@ def _raise_agreed(everyone: list, rank: int) -> None:
     """The same decision on every rank: a structure or configuration problem anywhere is
     raised everywhere; otherwise any rank's failure, or ranks that read different manifests,
     skips the version (``_Unreadable``)."""
-    fatal = [(e[0], e[1]) for e in everyone if e[1] is not None and e[1][0] != "skip"]
+    fatal = [(e[0], e[1]) for e in everyone if e[1] is not None and e[1][0] in ("structure", "config")]
     if fatal:
         r, (kind, why) = fatal[0]
         error = StructureMismatchError if kind == "structure" else ConfigError
         raise error(why if r == rank else f"rank {r}: {why}")
+    bad = [e[1][1] for e in everyone if e[1] is not None and e[1][0] == "unhealthy"]
+    if bad:  # every rank read the same verified records: the same verdict
+        raise _Unhealthy(bad[0])
     failed = [(e[0], e[1][1]) for e in everyone if e[1] is not None]
     if failed:
         raise _Unreadable("; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}"
                                     for r, why in failed[:4]))
     if len({e[2] for e in everyone}) > 1:
         raise _Unreadable("the ranks read different manifests for this step (copies disagree)")
+
+
+def _agree_step(step: Optional[int], rank: int, world_size: int, group) -> Optional[int]:
+    """``restore(step=...)``: every rank must name the same step (one collective, so that all
+    raise together when they do not)."""
+    if world_size == 1:
+        return step
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, step, group=group)
+    if len(set(everyone)) > 1:
+        raise ConfigError(f"restore(step=...) was called with different steps on different ranks "
+                          f"({dict(enumerate(everyone))}); every rank must name the same version")
+    return step
 
 
 def _agree(survey_result, world_size: int, group):
@@ -298,6 +368,10 @@ def _agree(survey_result, world_size: int, group):
 
 class _Unreadable(Exception):
     """This version cannot be read (corrupt bytes); an older one may still be."""
+
+
+class _Unhealthy(_Unreadable):
+    """This version's state failed its health checks; an older one may be healthy."""
 
 
 def _first_failure(exc: CheckpointException) -> str:
@@ -324,9 +398,9 @@ def _few(items: list[str], n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
 
 
-def _with_skipped(result: RestoreResult, skipped: list[int]) -> RestoreResult:
+def _with_skipped(result: RestoreResult, skipped: list[int], reasons: dict[int, str]) -> RestoreResult:
     if not skipped:
         return result
     from dataclasses import replace
 
-    return replace(result, skipped_steps=tuple(skipped))
+    return replace(result, skipped_steps=tuple(skipped), skipped_reasons=dict(reasons))

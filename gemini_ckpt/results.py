@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .health import Health
+
 
 @dataclass(frozen=True)
 class StageInfo:
@@ -21,10 +23,20 @@ class SaveHandle:
     """One version's progress.
 
     ``staged`` is already resolved when ``save`` returns (the snapshot aliases nothing live);
-    ``committed`` resolves to the step once every copy is acknowledged; ``persisted``
-    resolves to the durable location once the durable commit is done, or to ``None`` when
-    this version is not persisted by policy. A failure sets the exception on the futures and
-    is re-raised on the training thread at the next ``save``/``wait``/``close``.
+    ``committed`` resolves to the step once every copy is acknowledged; ``health`` resolves,
+    just before ``committed``, to the version's :class:`~gemini_ckpt.health.Health` (``healthy``,
+    ``unhealthy`` with the tensor and check that failed, or ``unchecked`` with
+    ``health_check=None``); ``persisted`` resolves to the durable location once the durable
+    commit is done, or to ``None`` when this version is not persisted (by policy, or because
+    it is unhealthy). A failure sets the exception on the futures and is re-raised on the
+    training thread at the next ``save``/``wait``/``close``.
+
+    Example::
+
+        handle = ckpt.save(step, metrics={"loss": loss.item()})
+        ...
+        if handle.health.result().unhealthy:
+            print(handle.health.result().reason)
     """
 
     def __init__(self, step: int, *, skipped: bool = False) -> None:
@@ -32,9 +44,10 @@ class SaveHandle:
         self.skipped = skipped
         self.staged: Future[StageInfo] = Future()
         self.committed: Future[int] = Future()
+        self.health: Future[Health] = Future()
         self.persisted: Future[Optional[str]] = Future()
         if skipped:
-            for fut in (self.staged, self.committed, self.persisted):
+            for fut in (self.staged, self.health, self.committed, self.persisted):
                 fut.cancel()
 
     def __repr__(self) -> str:
@@ -45,8 +58,10 @@ class SaveHandle:
                 return "pending"
             return "failed" if f.exception() is not None else "done"
 
+        health = self.health.result().status if self.health.done() and not self.health.cancelled() \
+            and self.health.exception() is None else state(self.health)
         return (f"SaveHandle(step={self.step}, staged={state(self.staged)}, "
-                f"committed={state(self.committed)}, persisted={state(self.persisted)})")
+                f"committed={state(self.committed)}, health={health}, persisted={state(self.persisted)})")
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,10 @@ class RestoreResult:
 
     ``source`` is ``"memory"`` or ``"durable"``; ``sources`` maps each rank to where its bytes
     came from (``local``, ``peer``, ``durable``); ``bytes_read`` counts bytes per source tier.
+    ``skipped_steps`` are the newer versions passed over, newest first, and ``skipped_reasons``
+    why (``unhealthy: ...`` for a version that failed its health checks, else what made it
+    unreadable); ``health`` is the loaded version's verdict (``unhealthy`` only when
+    ``restore(step=...)`` asked for such a version).
     """
 
     step: int
@@ -65,6 +84,8 @@ class RestoreResult:
     world_size: int
     saved_world_size: int
     skipped_steps: tuple[int, ...] = field(default=())
+    skipped_reasons: dict[int, str] = field(default_factory=dict)
+    health: Optional[Health] = None
     timeline: tuple[tuple[str, float], ...] = field(default=())
     """This rank's stages of the restore, in order, as ``(stage, unix time)``: ``called``
     (``restore()`` entered), ``connected`` (rendezvous with the other ranks and the stores),
@@ -90,7 +111,11 @@ class RestoreResult:
 
     def summary(self) -> str:
         tiers = ", ".join(f"{k}={v / 1e6:.1f} MB" for k, v in sorted(self.bytes_read.items()) if v)
-        extra = f"; skipped corrupt/unreadable steps {list(self.skipped_steps)}" if self.skipped_steps else ""
+        extra = f"; skipped steps {list(self.skipped_steps)}" if self.skipped_steps else ""
+        if self.skipped_reasons:
+            extra += " (" + "; ".join(f"{s}: {why}" for s, why in self.skipped_reasons.items()) + ")"
+        if self.health is not None and self.health.unhealthy:
+            extra += f"; its state is UNHEALTHY ({self.health.reason})"
         ws = (f"; world size {self.saved_world_size} -> {self.world_size}"
               if self.world_size != self.saved_world_size else "")
         return f"restored step {self.step} from {self.source} in {self.seconds:.3f}s ({tiers}){ws}{extra}"
@@ -110,6 +135,8 @@ class CheckpointStats:
     staging_allocations: int = 0  # segments the memory tier created for this rank (not reused ones)
     plans: int = 0  # snapshot plans made (the first version, and every change of structure)
     last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
+    unhealthy: int = 0  # committed versions whose state failed the health checks
+    last_unhealthy_step: Optional[int] = None
     persisted: int = 0
     persist_failed: int = 0
     last_persisted_step: Optional[int] = None

@@ -6,23 +6,36 @@ applies them (the memory tier at every commit, the durable tier after every pers
   ``CheckpointConfig.num_to_keep`` decides (two owners deleting one directory would race).
 
 Versions a caller protects (pinned by a running persist, named by ``latest``) are never chosen.
+
+**Unhealthy versions never count** (:mod:`gemini_ckpt.health`): a tier names them, and
+:class:`KeepNewest` keeps the newest ``count`` *healthy* versions plus, for inspection, the first
+unhealthy version of the latest run of them (where the state went bad), while it is newer than
+the oldest healthy version kept; every other unhealthy version goes at once. So a run that keeps
+saving poisoned versions can never push its last good ones out, and holds at most one bad version
+more than ``count``. The same rule decides in the host stores' commit protocol
+(:mod:`gemini_ckpt.ray.commit`), on version ids instead of steps. The durable tier never holds
+an unhealthy version (they are not persisted), so its retention is told of none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Protocol, Sequence, TypeVar
+
+S = TypeVar("S")  # a step, or anything ordered like one (the commit protocol's version ids)
 
 
 class Retention(Protocol):
-    def doomed(self, steps: Sequence[int], protected: Iterable[int] = ()) -> list[int]:
-        """Of ``steps`` (any order), the ones to let go of, oldest first."""
+    def doomed(self, steps: Sequence[S], protected: Iterable[S] = (), unhealthy: Iterable[S] = ()) -> list[S]:
+        """Of ``steps`` (any order), the ones to let go of, oldest first; ``unhealthy``: those of
+        ``steps`` whose state failed its health checks (they must not count as kept versions)."""
         ...
 
 
 @dataclass(frozen=True)
 class KeepNewest:
-    """Keep the newest ``count`` versions (and the protected ones)."""
+    """Keep the newest ``count`` healthy versions, the first unhealthy version of the latest run
+    of them (see the module docstring), and the protected ones."""
 
     count: int
 
@@ -30,16 +43,31 @@ class KeepNewest:
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
             raise ValueError(f"KeepNewest.count: expected an int >= 1, got {self.count!r}")
 
-    def doomed(self, steps: Sequence[int], protected: Iterable[int] = ()) -> list[int]:
-        keep = set(protected)
-        return [s for s in sorted(steps)[: -self.count] if s not in keep]
+    def doomed(self, steps: Sequence[S], protected: Iterable[S] = (), unhealthy: Iterable[S] = ()) -> list[S]:
+        ordered = sorted(steps)
+        bad = set(unhealthy)
+        kept = set([s for s in ordered if s not in bad][-self.count:])
+        # Only the first unhealthy version after the healthy ones kept is worth inspecting: where
+        # the state went bad. Older ones are history; newer ones would only crowd memory.
+        floor = min(kept) if len(kept) >= self.count else None
+        # Worth inspecting: the version where the state last went bad. The rest of that run would
+        # only crowd memory; an older run is history once it is older than every version kept.
+        start, previous_bad = None, False
+        for s in ordered:
+            if s in bad and not previous_bad:
+                start = s
+            previous_bad = s in bad
+        if start is not None and (floor is None or start > floor):
+            kept.add(start)
+        kept.update(protected)
+        return [s for s in ordered if s not in kept]
 
 
 @dataclass(frozen=True)
 class LeftToRayTrain:
     """Delete nothing: Ray Train's ``num_to_keep`` owns the reported directories."""
 
-    def doomed(self, steps: Sequence[int], protected: Iterable[int] = ()) -> list[int]:
+    def doomed(self, steps: Sequence[S], protected: Iterable[S] = (), unhealthy: Iterable[S] = ()) -> list[S]:
         return []
 
 

@@ -36,6 +36,7 @@ from typing import Any, Optional, Union
 
 from .checksum import checksum
 from .errors import ChecksumError
+from .health import Health
 from .stores.manifest import ItemChecksum, VersionManifest
 
 ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
@@ -87,8 +88,9 @@ def _mac(key: bytes, manifest: VersionManifest) -> str:
 
 # --- manifest encoding -------------------------------------------------------------------------
 def manifest_fields(m: VersionManifest) -> dict:
-    """The fields a checksum and a signature cover (everything but the signature itself)."""
-    return {
+    """The fields a checksum and a signature cover (everything but the signature itself).
+    ``health`` only when recorded, so markers written before it existed verify as they did."""
+    fields = {
         "format": FORMAT,
         "step": m.step,
         "world_size": m.world_size,
@@ -99,6 +101,9 @@ def manifest_fields(m: VersionManifest) -> dict:
         "metadata_crc": m.metadata_crc,
         "job": m.job,
     }
+    if m.health is not None:
+        fields["health"] = m.health
+    return fields
 
 
 def canonical_bytes(m: VersionManifest) -> bytes:
@@ -115,7 +120,7 @@ def manifest_to_json(m: VersionManifest) -> dict:
 
 
 _MARKER_KEYS = {"format", "step", "world_size", "file_sizes", "checksum_algorithm", "checksums", "metadata_bytes",
-                "metadata_crc", "job", "manifest_crc", "signature"}
+                "metadata_crc", "job", "manifest_crc", "signature", "health"}
 
 
 def manifest_from_json(d: Any, metadata: bytes) -> VersionManifest:
@@ -150,6 +155,9 @@ def _from_json(d: Any, metadata: bytes) -> VersionManifest:
     if not isinstance(job, dict):
         raise VerificationError("job is not an object")
     metadata_crc = d.get("metadata_crc")
+    health = d.get("health")
+    if health is not None:
+        Health.from_json(health)  # ValueError (malformed manifest) unless a well-formed verdict
     manifest = VersionManifest(
         step=_int(d["step"], "step"),
         world_size=_int(d["world_size"], "world_size", low=1),
@@ -160,6 +168,7 @@ def _from_json(d: Any, metadata: bytes) -> VersionManifest:
         job=job,
         metadata_crc=None if metadata_crc is None else _int(metadata_crc, "metadata_crc"),
         signature=_signature(d.get("signature")),
+        health=health,
     )
     if fmt == FORMAT:
         if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):

@@ -1,7 +1,8 @@
 """Costs measured by ``python -m benchmarks``, read back for ``advise --from-bench``.
 
 The benchmark scripts write one JSON file each (``save.json``, ``replicate.json``,
-``restore.json``, ``persist.json``, ``overhead.json`` under ``benchmarks/results/``, or
+``restore.json``, ``persist.json``, ``overhead.json``, ``recovery.json`` under
+``benchmarks/results/``, or
 ``--out`` elsewhere).  Files are recognised by what they contain, not by name, so a
 renamed run (``restore_1gb.json``) still counts.  Only costs are taken: failure rates and
 the step time belong to the user's job, not to this machine.
@@ -22,7 +23,7 @@ __all__ = ["BENCH_FIELDS", "BenchCosts", "read_bench"]
 #: Cost fields a benchmark can supply, in the order they are reported.
 BENCH_FIELDS = (
     "stall_s", "commit_s", "persist_s", "persist_stall_s", "restore_local_s",
-    "restore_peer_s", "restore_durable_s", "durable_save_s",
+    "restore_peer_s", "restore_durable_s", "durable_save_s", "restart_host_s",
 )
 
 _STALL = "gemini_ckpt save() stall"
@@ -109,6 +110,11 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
                          + max(0.0, stall["next_step_during_persist_s"] - base))
                 take("persist_stall_s", extra, f"{name} stall: persisting step + next step, "
                      "minus twice memory-only")
+        costs = doc.get("costs")
+        if isinstance(costs, dict) and "ratio_with_restart" in doc:  # bench_recovery
+            # From the host's loss to Ray Train's new workers in the training function, with a
+            # replacement host at hand (a real cluster adds the time to provision one).
+            take("restart_host_s", costs.get("restart_host_s"), f"{name} costs.restart_host_s")
         if "stall_s" not in values and "throughput_every_step" in doc:  # bench_overhead
             take("stall_s", doc.get("stall_s"), f"{name} stall_s")
     if "commit_s" in values and not values["commit_s"]:

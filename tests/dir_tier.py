@@ -36,8 +36,8 @@ class DirTier(MemoryTier):
     def give_back(self, segment: Segment) -> None:
         segment.close()
 
-    def hand_off(self, step, plan, segment, blobs, *, persist=False) -> Future:
-        record = make_record(plan, segment.array, blobs, epoch=0, step=step)
+    def hand_off(self, step, plan, segment, blobs, *, persist=False, verdict=None) -> Future:
+        record = make_record(plan, segment.array, blobs, epoch=0, step=step, verdict=verdict)
         d = self._dir(step)
         os.makedirs(d, exist_ok=True)
         for suffix, data in (("plan", plan.encode()), ("region", segment.array.tobytes()),
@@ -53,7 +53,7 @@ class DirTier(MemoryTier):
                 raise TimeoutError(f"step {step}: not every rank's shard arrived")
             time.sleep(0.05)
         fut: Future = Future()
-        fut.set_result(Outcome(step, True))
+        fut.set_result(Outcome(step, True, health=record.health))
         return fut
 
     def unpin(self, step: int) -> None:

@@ -4,7 +4,7 @@ A deterministic training job runs on a local Ray cluster of simulated hosts (one
 host, gloo). Each :class:`Scenario` strikes it at a chosen step and phase — killed training
 processes, killed host stores, hosts removed (and replaced), faults inside the replicate /
 commit / persist phases, durable storage that fails or is unreachable, a slow holder,
-corrupt bytes in memory or on disk, a restart at a smaller world size — then restarts the
+corrupt bytes in memory or on disk, a step that leaves NaN in the state, a restart at a smaller world size — then restarts the
 job, restores, trains to the end and checks:
 
 - the restored step and tier equal what ``placement.plan_recovery`` predicts from the
@@ -44,6 +44,7 @@ from ._spec import (
     DurableWriteOutage,
     KillStore,
     KillWorker,
+    NanInState,
     RemoveHosts,
     Scenario,
     ScenarioError,
@@ -66,6 +67,7 @@ __all__ = [
     "KillStore",
     "KillWorker",
     "MatrixReport",
+    "NanInState",
     "Prediction",
     "RemoveHosts",
     "Scenario",

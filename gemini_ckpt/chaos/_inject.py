@@ -20,6 +20,7 @@ from ._spec import (
     CorruptReplica,
     KillStore,
     KillWorker,
+    RemoveHosts,
     Scenario,
 )
 
@@ -34,11 +35,13 @@ def _store(namespace: str, node_id: str):
     return handle
 
 
-def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int) -> int:
+def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int, nan: bool = False) -> int:
     """Flip a byte in the middle of the biggest tensor item of that store's copy of rank
-    ``rank``'s shard (every tensor item is read at restore)."""
+    ``rank``'s shard (every tensor item is read at restore); with ``nan``, write a NaN over the
+    first value of the biggest floating-point item instead."""
     import ray
 
+    from ..stores.finite import NAN_BITS
     from ..stores.shards import ShardPlan
 
     handle = _store(namespace, node_id)
@@ -46,7 +49,13 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int) -> int:
     if rank not in held:
         raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of rank {rank}'s shard of "
                            f"step {step}")
-    item = max(ShardPlan.decode(held[rank][0]).tensors, key=lambda t: t.nbytes)
+    tensors = ShardPlan.decode(held[rank][0]).tensors
+    if nan:
+        item = max((t for t in tensors if t.dtype in NAN_BITS and t.nbytes), key=lambda t: t.nbytes, default=None)
+        if item is None:
+            raise HarnessError(f"rank {rank}'s shard of step {step} has no floating-point item to poison")
+        return ray.get(handle.corrupt_for_test.remote(step, rank, item.at, NAN_BITS[item.dtype]), timeout=30)
+    item = max(tensors, key=lambda t: t.nbytes)
     return ray.get(handle.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2), timeout=30)
 
 
@@ -147,8 +156,11 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
         if isinstance(fault, CorruptReplica):
             if not committed:
                 raise HarnessError(f"{fault!r}: no committed version to corrupt yet")
-            step = max(committed)
-            _corrupt_replica(job.namespace, h.sim.node_id(fault.host), step, fault.owner)
+            healthy = [x for x in committed if x not in s.unhealthy_steps()]
+            if not healthy:
+                raise HarnessError(f"{fault!r}: no healthy committed version to corrupt yet")
+            step = max(healthy)
+            _corrupt_replica(job.namespace, h.sim.node_id(fault.host), step, fault.owner, nan=fault.nan)
             corrupt_memory.setdefault(step, {}).setdefault(fault.owner, set()).add(fault.host)
         elif isinstance(fault, CorruptDurable):
             if not persisted:
@@ -166,13 +178,42 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
                 handle = find_store(job.namespace, h.sim.node_id(host))
                 if handle is not None:
                     ray.kill(handle, no_restart=True)
-    removed = s.removed_hosts()
-    if removed:
-        with infrastructure(f"removing hosts {list(removed)} and adding replacements"):
-            h.sim.remove_hosts(removed)
-            for host in removed:
-                h.pool.forget(host)
-            for host in s.replaced_hosts():
-                h.sim.add_host(host)
-            h.pool.respawn(s.replaced_hosts())
+    first = tuple(x for f in s.faults if isinstance(f, RemoveHosts) and f.at_fault for x in f.hosts)
+    later = [f for f in s.faults if isinstance(f, RemoveHosts) and f.during_rereplication]
+    from ..ray.cluster import find_registry
+
+    registry = find_registry(job.namespace) if later else None
+    if registry is not None:
+        ray_get(registry.hold_rereplication.remote())
+    try:
+        if first:
+            _remove(h, first, tuple(x for f in s.faults if isinstance(f, RemoveHosts) and f.replace
+                                    and f.at_fault for x in f.hosts))
+        for f in later:
+            # The stores have noticed the first losses: re-replication would be under way now.
+            slots = {hosts.index(x) for x in first}
+            _wait(lambda: slots <= {e["slot"] for e in ray_get(registry.recovery.remote())},
+                  h.config.timeout_s, f"the host stores to notice the loss of hosts {list(first)}")
+            _remove(h, f.hosts, f.hosts if f.replace else ())
+    finally:
+        if registry is not None:
+            ray_get(registry.release_rereplication.remote())
     return corrupt_memory, corrupt_durable
+
+
+def _remove(h: Harness, removed: tuple[int, ...], replaced: tuple[int, ...]) -> None:
+    with infrastructure(f"removing hosts {list(removed)} and adding replacements"):
+        h.sim.remove_hosts(removed)
+        for host in removed:
+            h.pool.forget(host)
+        for host in replaced:
+            h.sim.add_host(host)
+        h.pool.respawn(replaced)
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.1)

@@ -22,6 +22,7 @@ from ._spec import (
     DurableWriteOutage,
     KillStore,
     KillWorker,
+    NanInState,
     RemoveHosts,
     Scenario,
     ScenarioError,
@@ -35,10 +36,12 @@ CI_SCENARIOS = (
     "remove-host-persist",
     "pair-group-0-1",
     "pair-ring-1-3",
+    "second-loss-during-rereplication",
     "durable-write-outage",
     "durable-unreachable-group-lost",
     "corrupt-durable",
     "corrupt-replica-peer-slow-holder",
+    "nan-in-optimizer-state",
     "resize-after-loss",
 )
 """The reduced matrix CI runs: one scenario per kind of fault."""
@@ -90,6 +93,19 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
                         at=At(step=ph, phase="persist_commit"), faults=(RemoveHosts(first_group),),
                         note="data files are on disk, the marker is not: the version must be ignored"))
 
+    # A second host lost while the first one's copies are being made again (group placement:
+    # host 2 is outside host 1's group, so every shard keeps a copy; host 0 is inside it).
+    out.append(Scenario(name="second-loss-during-rereplication", at=At(step=boundary),
+                        faults=(RemoveHosts((1,)), RemoveHosts((2,), during_rereplication=True)),
+                        note="before its copies are made again, a host of the other group is lost too"))
+    out.append(Scenario(name="partner-lost-during-rereplication", at=At(step=boundary),
+                        faults=(RemoveHosts((1,)), RemoveHosts((0,), during_rereplication=True)),
+                        note="host 1's only other copy goes with host 0 before it is copied again: durable"))
+
+    out.append(Scenario(name="replacement-lost-during-restore", at=At(step=boundary),
+                        faults=(RemoveHosts((1,)), RemoveHosts((1,), during_restore=True)),
+                        note="the replacement of host 1 (seeded with its copies) is lost while it restores"))
+
     # Durable storage.
     after = ph + 1
     out.append(Scenario(name="durable-write-outage", at=At(step=after), conditions=(DurableWriteOutage((ph,)),),
@@ -116,6 +132,13 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     out.append(Scenario(name="corrupt-replica-only-copy-left", at=At(step=boundary),
                         faults=(CorruptReplica(host=0, owner=1), RemoveHosts((1,))),
                         note="the only live copy of shard 1 of the newest version is bad: the older one wins"))
+    # Poisoned states (NaN): a bad step at a persist-due step, and memory poisoned after commit.
+    out.append(Scenario(name="nan-in-optimizer-state", at=At(step=ph), conditions=(NanInState(rank=1),),
+                        faults=(KillWorker((1,)),),
+                        note=f"step {ph} commits unhealthy: never persisted, never restored; step {ph - 1} is"))
+    out.append(Scenario(name="nan-in-replica-after-commit", at=At(step=boundary),
+                        faults=(CorruptReplica(host=1, owner=1, nan=True), KillWorker((1,))),
+                        note="the checksum catches the NaN written after the health check; the peer's copy is read"))
     out.append(Scenario(name="slow-holder", at=At(step=boundary),
                         conditions=(SlowReplication(rank=2, seconds=2.0),), faults=(KillWorker((2,)),)))
 

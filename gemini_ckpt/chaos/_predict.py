@@ -11,7 +11,8 @@ Two steps, both pure:
 2. :func:`predict` — ``placement.plan_recovery(p, failed_slots, durable_available=...)`` says
    whether memory still holds every shard; restore then takes the newest candidate version,
    memory before durable at equal steps, skipping copies known to be corrupt (a corrupt copy
-   is replaced by another live holder's copy, or the durable copy of the same step).
+   is replaced by another live holder's copy, or the durable copy of the same step); a version
+   the scenario poisons (:class:`~gemini_ckpt.chaos.NanInState`) is never a candidate.
 """
 
 from __future__ import annotations
@@ -81,8 +82,11 @@ def versions_after(s: Scenario, config: ChaosConfig, *, committed: Iterable[int]
 
     ``committed``/``persisted``: observed before the fault (with ``phase="step"``: including
     the fault step's own outcome)."""
-    committed = sorted(set(committed))
-    persisted = sorted(set(persisted))
+    # An unhealthy version commits but is never a candidate: not restored, not persisted, not
+    # counted by keep_in_memory/keep_durable (it cannot push a healthy one out).
+    unhealthy = set(s.unhealthy_steps())
+    committed = sorted(set(committed) - unhealthy)
+    persisted = sorted(set(persisted) - unhealthy)
     in_flight = ok = durable = None
     if s.at.phase != STEP:
         in_flight = s.at.step
@@ -160,14 +164,16 @@ def plan_scenario(s: Scenario, config: ChaosConfig) -> Prediction:
     f = s.at.step
     before = list(range(0, f + 1 if s.at.phase == STEP else f))
     outage = s.condition(DurableWriteOutage)
-    persisted = [x for x in before if config.persisted_by_policy(x) and not (outage and x in outage.steps)]
+    persisted = [x for x in before if config.persisted_by_policy(x) and not (outage and x in outage.steps)
+                 and x not in s.unhealthy_steps()]
     hosts = tuple(range(config.hosts))
     p = make_placement(s.placement, config.hosts, config.replicas)
     corrupt_memory: dict[int, dict[int, set]] = {}
     corrupt_durable: set[int] = set()
     for fault in s.faults:
-        if isinstance(fault, CorruptReplica) and before:
-            corrupt_memory.setdefault(max(before), {}).setdefault(fault.owner, set()).add(fault.host)
+        healthy = [x for x in before if x not in s.unhealthy_steps()]
+        if isinstance(fault, CorruptReplica) and healthy:
+            corrupt_memory.setdefault(max(healthy), {}).setdefault(fault.owner, set()).add(fault.host)
         if isinstance(fault, CorruptDurable) and persisted:
             corrupt_durable.add(max(persisted))
     versions = versions_after(s, config, committed=before, persisted=persisted, p=p, hosts=hosts)

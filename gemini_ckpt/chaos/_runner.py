@@ -33,6 +33,7 @@ from ._spec import (
     DurableUnreachable,
     DurableWriteOutage,
     HookRule,
+    NanInState,
     Scenario,
     SlowReplication,
 )
@@ -70,6 +71,49 @@ def _durable_steps(root: str) -> list[int]:
     if not os.path.isdir(root):
         return []
     return FsStore(root).committed_steps()
+
+
+def _lose_during_restore(h: Harness, job: JobRun, s: Scenario, restart_hosts: tuple[int, ...],
+                         lost: tuple[int, ...], unreachable: bool) -> dict[int, Any]:
+    """Start the restore, remove ``lost`` while their ranks are inside it (held at its
+    ``restore`` phase), replace them, and start the job once more (the survivors' restore waits
+    on a dead rank: their processes are replaced, as a job controller would)."""
+    cfg = h.config
+    pending = {rank: h.pool.workers[x].restore.remote() for rank, x in enumerate(restart_hosts)}
+    deadline = time.monotonic() + cfg.timeout_s + 60
+    for x in lost:
+        while True:
+            state = ray_get(h.pool.workers[x].paused.remote(), timeout=10)
+            if state and state.get("phase") == "restore":
+                break
+            if time.monotonic() > deadline:
+                raise HarnessError(f"the rank on host {x} did not reach its restore within {cfg.timeout_s + 60:.0f}s")
+            time.sleep(0.1)
+    with infrastructure(f"removing hosts {list(lost)} during their restore and adding replacements"):
+        h.sim.remove_hosts(lost)
+        for x in lost:
+            h.pool.forget(x)
+            h.sim.add_host(x)
+    job.kill(tuple(x for x in restart_hosts if x not in lost))
+    del pending
+    with infrastructure(f"starting rank processes on hosts {list(restart_hosts)} again"):
+        h.pool.ensure(restart_hosts)
+    return job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False)
+
+
+def _check_unhealthy_skipped(s: Scenario, restored: dict[int, Any], errors: dict[int, str]) -> Check:
+    """Restore must name each poisoned version newer than what it loaded among the steps it
+    skipped (with the health check's reason), on every rank."""
+    if errors:
+        return Check("unhealthy_skipped", None, "restore failed")
+    bad = []
+    for rank, v in sorted(restored.items()):
+        want = {x for x in s.unhealthy_steps() if v["step"] is None or x > v["step"]}
+        if not want <= set(v.get("skipped_steps") or ()):
+            bad.append(rank)
+    return Check("unhealthy_skipped", not bad,
+                 f"ranks {bad} did not report the unhealthy step(s) {list(s.unhealthy_steps())} as skipped" if bad
+                 else f"every rank skipped the unhealthy step(s) {list(s.unhealthy_steps())}")
 
 
 def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
@@ -134,7 +178,16 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
 
         # 1. train up to the fault
         before = list(range(0, f + 1 if s.at.phase == STEP else f))
-        records = job.expect_all(job.run(hosts, before, outage_steps=outage_steps), "training before the fault")
+        nan = s.condition(NanInState)
+        poison = {"poison_steps": s.unhealthy_steps()} if nan is not None else {}
+        if poison:  # only the poisoned rank's state goes bad
+            refs = {rank: h.pool.workers[x].run.remote(before, outage_steps=outage_steps,
+                                                       **(poison if rank == nan.rank else {}))
+                    for rank, x in enumerate(hosts)}
+            records = job.expect_all(h.pool.collect(refs, timeout=job.run_timeout(len(before))),
+                                     "training before the fault")
+        else:
+            records = job.expect_all(job.run(hosts, before, outage_steps=outage_steps), "training before the fault")
         trace.add(records)
         committed = _committed_on_all(records)
         missing = sorted(set(before) - set(committed))
@@ -177,9 +230,16 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
             h.pool.ensure(restart_hosts)
         timings["workers_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False)
-        timings["setup_s"] = time.perf_counter() - t
+        lost_again = s.lost_in_restore()
+        rules = {rank: [HookRule("restore", None, "pause")] for rank, x in enumerate(restart_hosts)
+                 if x in lost_again}
+        setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False,
+                          rules=rules)
         errors = {r: err(v) for r, v in setup.items() if err(v)}
+        if lost_again and not errors:
+            setup = _lose_during_restore(h, job, s, restart_hosts, lost_again, unreachable)
+            errors = {r: err(v) for r, v in setup.items() if err(v)}
+        timings["setup_s"] = time.perf_counter() - t
         restored: dict[int, Any] = {}
         if not errors:
             t = time.perf_counter()
@@ -205,7 +265,10 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         checks.append(Check("prediction", (observed["outcome"], observed.get("step")) == (pred.outcome, pred.step),
                             f"predicted {pred.label()} ({pred.reason}); observed {result.observed_label}"
                             + (f": {observed.get('error')}" if observed.get("error") else "")))
-        checks.extend(_check_pre_fault(trace, ref, before))
+        # A poisoned step differs from the reference by design; the ones before it must not.
+        checks.extend(_check_pre_fault(trace, ref, [x for x in before if x not in s.unhealthy_steps()]))
+        if s.unhealthy_steps():
+            checks.append(_check_unhealthy_skipped(s, restored, errors))
         durable_now = _durable_steps(job.durable_root)
         checks.append(Check("durable_tier", durable_now == list(versions.persisted),
                             f"complete durable versions {durable_now}, predicted {list(versions.persisted)}"))

@@ -112,14 +112,32 @@ class RemoveHosts:
 
     hosts: tuple[int, ...] = (1,)
     replace: bool = True
+    during_rereplication: bool = False
+    """Remove these hosts only once the host stores noticed the scenario's other losses, while
+    the copies those losses cost are being made again (the registry holds that work until this
+    removal is done): a second failure inside the window that re-replication closes."""
+    during_restore: bool = False
+    """Remove these hosts (replacements of the scenario's other losses) again while their ranks
+    restore, after the job restarted: the job restarts once more, on a new replacement."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", _hosts("RemoveHosts.hosts", self.hosts))
-        if not isinstance(self.replace, bool):
-            raise ScenarioError(f"RemoveHosts.replace must be True or False, got {self.replace!r}")
+        for name in ("replace", "during_rereplication", "during_restore"):
+            if not isinstance(getattr(self, name), bool):
+                raise ScenarioError(f"RemoveHosts.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.during_restore and not self.replace:
+            raise ScenarioError("RemoveHosts(during_restore=True) needs replace=True: the job restarts on the "
+                                "same hosts once more")
+
+    @property
+    def at_fault(self) -> bool:
+        """Removed when the scenario strikes (not later)."""
+        return not (self.during_rereplication or self.during_restore)
 
     def label(self) -> str:
-        return f"remove host{'s' if len(self.hosts) > 1 else ''} {','.join(map(str, self.hosts))}"
+        text = f"remove host{'s' if len(self.hosts) > 1 else ''} {','.join(map(str, self.hosts))}"
+        return text + (" during re-replication" if self.during_rereplication else "") + (
+            " during its restore" if self.during_restore else "")
 
 
 @dataclass(frozen=True)
@@ -129,13 +147,19 @@ class CorruptReplica:
 
     host: int = 1
     owner: int = 1
+    nan: bool = False
+    """Write a NaN's bits over the first value of the biggest floating-point item instead of
+    flipping a byte (memory poisoned after commit: the checksum, not the health check, must
+    catch it, since the version was healthy when it was checked)."""
 
     def __post_init__(self) -> None:
         _nonneg_int("CorruptReplica.host", self.host)
         _nonneg_int("CorruptReplica.owner", self.owner)
+        if not isinstance(self.nan, bool):
+            raise ScenarioError(f"CorruptReplica.nan must be True or False, got {self.nan!r}")
 
     def label(self) -> str:
-        return f"corrupt host {self.host}'s copy of shard {self.owner}"
+        return f"{'NaN in' if self.nan else 'corrupt'} host {self.host}'s copy of shard {self.owner}"
 
 
 @dataclass(frozen=True)
@@ -201,8 +225,25 @@ class DurableUnreachable:
         return "durable unreachable at restart"
 
 
-Condition = Union[SlowReplication, DurableWriteOutage, DurableUnreachable]
-CONDITION_TYPES = (SlowReplication, DurableWriteOutage, DurableUnreachable)
+@dataclass(frozen=True)
+class NanInState:
+    """The fault step itself goes bad on rank ``rank``: after its optimizer step, a NaN lands in
+    the first value of that rank's optimizer state (a bad step, silent data corruption) before
+    the version is saved. The version commits but is unhealthy: it must never be persisted or
+    restored, nor push a healthy version out of memory or the durable tier. Needs
+    ``At(phase="step")``."""
+
+    rank: int = 1
+
+    def __post_init__(self) -> None:
+        _nonneg_int("NanInState.rank", self.rank)
+
+    def label(self) -> str:
+        return f"NaN in rank {self.rank}'s optimizer state at the fault step"
+
+
+Condition = Union[SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState]
+CONDITION_TYPES = (SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState)
 
 
 # --- the scenario -----------------------------------------------------------------------------------
@@ -247,10 +288,19 @@ class Scenario:
 
     # --- derived facts ---------------------------------------------------------------------
     def removed_hosts(self) -> tuple[int, ...]:
-        return tuple(h for f in self.faults if isinstance(f, RemoveHosts) for h in f.hosts)
+        return tuple(dict.fromkeys(h for f in self.faults if isinstance(f, RemoveHosts) for h in f.hosts))
 
     def replaced_hosts(self) -> tuple[int, ...]:
-        return tuple(h for f in self.faults if isinstance(f, RemoveHosts) and f.replace for h in f.hosts)
+        return tuple(dict.fromkeys(h for f in self.faults if isinstance(f, RemoveHosts) and f.replace
+                                   for h in f.hosts))
+
+    def lost_in_restore(self) -> tuple[int, ...]:
+        """Hosts removed again while their ranks restore (:attr:`RemoveHosts.during_restore`)."""
+        return tuple(h for f in self.faults if isinstance(f, RemoveHosts) and f.during_restore for h in f.hosts)
+
+    def unhealthy_steps(self) -> tuple[int, ...]:
+        """Versions the scenario poisons before they are saved (:class:`NanInState`)."""
+        return (self.at.step,) if self.condition(NanInState) is not None else ()
 
     def failed_slots(self) -> frozenset[int]:
         """Hosts whose host store (and so every copy it held) is gone."""
@@ -350,6 +400,13 @@ class ChaosConfig:
         slow = s.condition(SlowReplication)
         if slow is not None and slow.rank >= self.hosts:
             raise ScenarioError(f"Scenario {s.name}: {slow!r} is outside {self.hosts} ranks")
+        nan = s.condition(NanInState)
+        if nan is not None:
+            if nan.rank >= self.hosts:
+                raise ScenarioError(f"Scenario {s.name}: {nan!r} is outside {self.hosts} ranks")
+            if s.at.phase != STEP:
+                raise ScenarioError(f"Scenario {s.name}: NanInState poisons the fault step before it is saved; "
+                                    f"use At(step=..., phase='step'), not phase={s.at.phase!r}")
         outage = s.condition(DurableWriteOutage)
         if outage is not None and any(x >= self.steps for x in outage.steps):
             raise ScenarioError(f"Scenario {s.name}: {outage!r} names steps beyond {last}")

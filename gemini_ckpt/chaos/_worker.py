@@ -170,9 +170,12 @@ class RankWorker:
         load_full_state(self.state, full, opaque, rank=self.rank, source_rank=source_rank, step=step)
         return {"digest": digest(full_tensor_state(self.state)), "extra": dict(self.state.extra)}
 
-    def run(self, steps: list[int], outage_steps: tuple[int, ...] = (), capture: bool = False) -> list[dict]:
+    def run(self, steps: list[int], outage_steps: tuple[int, ...] = (), capture: bool = False,
+            poison_steps: tuple[int, ...] = ()) -> list[dict]:
         """Train, save and wait for each step's commit (and, on rank 0, its persist when due).
-        Stops at the first step that raises (a dead peer): the records so far come back."""
+        Stops at the first step that raises (a dead peer): the records so far come back.
+        ``poison_steps``: after their optimizer step, a NaN is written into this rank's
+        optimizer state before the version is saved (:func:`poison_optimizer_state`)."""
         from .. import BackgroundError
         from ._job import digest, full_tensor_state
 
@@ -184,6 +187,8 @@ class RankWorker:
                 if self._fs_handler is not None and outage_steps:
                     self._fs_handler.set_mode("fail_writes" if step in outage_steps else "ok")
                 rec["loss"] = self.job.step(step)
+                if step in poison_steps:
+                    rec["poisoned"] = poison_optimizer_state(self.state)
                 full = full_tensor_state(self.state)
                 rec["digest"] = digest(full)
                 rec["extra"] = dict(self.state.extra)
@@ -249,6 +254,28 @@ class RankWorker:
             except Exception:  # noqa: BLE001 - a broken group is still gone
                 traceback.print_exc()
         return clean and not self._broken and not dist.is_initialized()
+
+
+def poison_optimizer_state(state) -> str:
+    """Write a NaN into the first value of the biggest floating-point optimizer-state tensor this
+    rank holds (a DTensor's local shard): what a bad step or silent data corruption leaves.
+    Returns where (``"<param index>.<state name>"``)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    best = None
+    for o, opt in enumerate(state.optimizers):
+        for i, (param, per_param) in enumerate(opt.state.items()):
+            for name, value in per_param.items():
+                local = value.to_local() if isinstance(value, DTensor) else value
+                if isinstance(local, torch.Tensor) and local.is_floating_point() and local.dim() and local.numel():
+                    if best is None or local.numel() > best[0].numel():
+                        best = (local, f"{o}.{i}.{name}")
+    if best is None:
+        raise RuntimeError("this rank holds no floating-point optimizer state to poison")
+    with torch.no_grad():
+        best[0].view(-1)[0] = float("nan")
+    return best[1]
 
 
 def _quiet_shutdown(ckpt) -> None:

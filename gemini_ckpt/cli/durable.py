@@ -3,6 +3,8 @@
 Both report damage per version (exit status 1) and never end in a traceback: a tool pointed
 at a broken or hostile directory says what is wrong with it. With ``$GEMINI_CKPT_SIGNING_KEY``
 set, unsigned or wrongly signed versions are reported as damaged, as restore would refuse them.
+Both show each version's health as its manifest records it (``healthy``, ``unchecked``: saved
+with ``health_check=None`` or before versions had a verdict, ``UNHEALTHY``: restore skips it).
 """
 
 from __future__ import annotations
@@ -11,12 +13,22 @@ import argparse
 import json
 import time
 
+from ..health import UNCHECKED, Health
 from ..stores.durable import DurableTier
 from ..trust import load_metadata, resolve_key
 
 
 def _problem(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _health(manifest) -> Health:
+    """The manifest's verdict (already validated when the manifest was decoded)."""
+    return Health(UNCHECKED) if manifest.health is None else Health.from_json(manifest.health)
+
+
+def _health_text(health: Health) -> str:
+    return f"UNHEALTHY ({health.reason})" if health.unhealthy else health.status
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -32,7 +44,7 @@ def _ls(args: argparse.Namespace) -> int:
     rows = []
     for step, complete in versions:
         row = {"step": step, "complete": complete, "latest": step == latest, "bytes": None, "job": {},
-               "problem": None}
+               "health": None, "problem": None}
         if complete:
             try:
                 manifest = tier.store.manifest(step)
@@ -40,6 +52,7 @@ def _ls(args: argparse.Namespace) -> int:
                 row["bytes"] = manifest.nbytes
                 row["job"] = manifest.job
                 row["signed"] = manifest.signature is not None
+                row["health"] = _health(manifest).to_json()
             except Exception as exc:  # noqa: BLE001 - damage is reported per version
                 row["problem"] = _problem(exc)
         rows.append(row)
@@ -51,7 +64,7 @@ def _ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{args.uri}: no versions")
     else:
-        print(f"{'step':>10}  {'state':<10}  {'size':>10}  {'world':>5}  {'placement':<12}  created")
+        print(f"{'step':>10}  {'state':<10}  {'size':>10}  {'world':>5}  {'placement':<12}  {'health':<10}  created")
         for r in rows:
             job = r["job"] if isinstance(r["job"], dict) else {}
             size = f"{r['bytes'] / 2**20:.1f} MiB" if r["bytes"] is not None else "-"
@@ -62,12 +75,16 @@ def _ls(args: argparse.Namespace) -> int:
                 created = "?"
             state = "DAMAGED" if r["problem"] else "complete" if r["complete"] else "INCOMPLETE"
             state += "*" if r["latest"] else ""
+            health = Health.from_json(r["health"]) if r["health"] is not None else None
             print(f"{r['step']:>10}  {state:<10}  {size:>10}  {str(job.get('world_size', '-')):>5}  "
-                  f"{str(job.get('placement', '-')):<12}  {created}")
+                  f"{str(job.get('placement', '-')):<12}  "
+                  f"{'-' if health is None else 'UNHEALTHY' if health.unhealthy else health.status:<10}  {created}")
             if r["problem"]:
                 print(f"{'':>12}- {r['problem']}")
+            if health is not None and health.unhealthy:
+                print(f"{'':>12}- unhealthy: {health.reason}")
         print("* = latest. Incomplete versions are never loaded; the next job removes them. "
-              "Damaged versions are skipped by restore.")
+              "Damaged and unhealthy versions are skipped by restore.")
     if latest_problem is not None:
         print(f"warning: {latest_problem}; restore ignores it and the next persist rewrites it")
     for name in stray:
@@ -100,7 +117,11 @@ def _verify(args: argparse.Namespace) -> int:
             for p in problems:
                 print(f"  - {p}")
         else:
-            print(f"step {step}: ok ({took:.2f}s)")
+            try:  # intact: its manifest (checked by verify) says how healthy its state is
+                health = _health_text(_health(tier.store.manifest(step)))
+            except Exception as exc:  # noqa: BLE001 - a tool reports, never crashes
+                health = f"health unknown ({_problem(exc)})"
+            print(f"step {step}: ok, {health} ({took:.2f}s)")
     if latest_problem is not None:
         bad += 1
         print(f"latest: BAD ({latest_problem}; restore ignores it and the next persist rewrites it)")

@@ -8,6 +8,10 @@ rule restore uses (:mod:`gemini_ckpt.ray.resolve`):
   live store;
 - ``lost``: it was committed, but some shard has no live copy left;
 - ``pending``: not committed (being replicated now, or a save that failed).
+
+Each version's ``health`` is what the stores say of its state (``healthy``, ``unhealthy`` with
+the reason, ``unchecked``; see :mod:`gemini_ckpt.health`): an unhealthy committed version is
+kept for inspection only, never restored unless named.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class VersionStatus:
     step: int
     state: str  # committed | lost | pending
     shards: tuple[ShardStatus, ...]
+    health: str = "unchecked"  # healthy | unhealthy | unchecked
+    health_reason: str = ""  # why it is unhealthy
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +74,11 @@ class NamespaceStatus:
     @property
     def committed_steps(self) -> list[int]:
         return [v.step for v in self.versions if v.state == "committed"]
+
+    @property
+    def unhealthy_steps(self) -> list[int]:
+        """Committed versions kept for inspection only: their state failed its health checks."""
+        return [v.step for v in self.versions if v.state == "committed" and v.health == "unhealthy"]
 
     def host(self, slot: int) -> HostStatus:
         return next(h for h in self.hosts if h.slot == slot)
@@ -89,7 +100,8 @@ class ClusterStatus:
         raise KeyError(f"no host stores of namespace {namespace!r}")
 
     def to_dict(self) -> dict:
-        return {"namespaces": [asdict(ns) | {"committed_steps": ns.committed_steps} for ns in self.namespaces]}
+        return {"namespaces": [asdict(ns) | {"committed_steps": ns.committed_steps, "unhealthy_steps": ns.unhealthy_steps}
+                               for ns in self.namespaces]}
 
     def format(self) -> str:
         if not self.namespaces:
@@ -177,7 +189,7 @@ def _versions(index: dict[int, dict]) -> tuple[VersionStatus, ...]:
         ranks = sorted(set(owners) | set(range(resolved.world_size)))
         shards = tuple(ShardStatus(r, owners.get(r), sizes.get(r, 0), resolved.copies.get(r, ())) for r in ranks)
         state = "committed" if resolved.committed else "lost" if resolved.lost else "pending"
-        out.append(VersionStatus(step, state, shards))
+        out.append(VersionStatus(step, state, shards, resolved.health, resolved.reason))
     return tuple(out)
 
 
@@ -197,7 +209,8 @@ def _table(rows: list[list[str]]) -> str:
 
 def _format_namespace(ns: NamespaceStatus) -> str:
     lines = [f"namespace {ns.namespace!r}: {sum(h.slot is not None for h in ns.hosts)} slot(s), "
-             f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"]
+             f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"
+             + (f" (UNHEALTHY, kept for inspection: {ns.unhealthy_steps})" if ns.unhealthy_steps else "")]
     rows = [["slot", "node", "node", "store", "versions", "own", "replica", "held", "reserved", "budget", "note"]]
     for h in ns.hosts:
         rows.append(["-" if h.slot is None else str(h.slot), h.node_id[:12], "alive" if h.node_alive else "DEAD",
@@ -207,12 +220,14 @@ def _format_namespace(ns: NamespaceStatus) -> str:
                      h.error or ("spare (no ranks)" if h.slot is None else "")])
     lines.append(_table(rows))
     if ns.versions:
-        rows = [["step", "state", "shard", "saved by slot", "bytes", "copies on slots"]]
+        rows = [["step", "state", "health", "shard", "saved by slot", "bytes", "copies on slots"]]
         for v in ns.versions:
+            health = "UNHEALTHY" if v.health == "unhealthy" else v.health
             for i, s in enumerate(v.shards):
-                rows.append([str(v.step) if i == 0 else "", v.state if i == 0 else "", f"rank {s.rank}",
-                             str(s.owner), _size(s.nbytes), ",".join(map(str, s.copies)) or "NONE"])
+                rows.append([str(v.step) if i == 0 else "", v.state if i == 0 else "", health if i == 0 else "",
+                             f"rank {s.rank}", str(s.owner), _size(s.nbytes), ",".join(map(str, s.copies)) or "NONE"])
         lines += ["", _table(rows)]
+        lines += [f"step {v.step} is unhealthy: {v.health_reason}" for v in ns.versions if v.health == "unhealthy"]
     for title, items in (("events", ns.events), ("failures reported by ranks", ns.failures)):
         if items:
             lines += ["", f"{title} (latest last):"]

@@ -314,9 +314,10 @@ class RayTrainCheckpointer(Checkpointer):
         return self
 
     def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
-        """Snapshot version ``step`` (see :meth:`Checkpointer.save`). ``metrics`` (plain
-        Python numbers, no tensors) go to Ray with the version if it is persisted."""
-        handle = super().save(step, persist=persist)
+        """Snapshot version ``step`` (see :meth:`Checkpointer.save`; ``metrics`` feed its health
+        check). ``metrics`` (plain Python numbers, no tensors) go to Ray with the version if it is
+        persisted; an unhealthy version is never persisted, so never reported."""
+        handle = super().save(step, persist=persist, metrics=metrics)
         if self._reporting and (persist or self._report_policy.should_persist(step)):
             with self._metrics_lock:
                 self._metrics[step] = dict(metrics or {})
@@ -326,10 +327,11 @@ class RayTrainCheckpointer(Checkpointer):
             self._reporter.raise_error()
         return handle
 
-    def restore(self) -> Optional[RestoreResult]:
-        """Load the newest version (see :meth:`Checkpointer.restore`: memory, then durable),
-        then report (in the background) durable versions a crash kept from being reported."""
-        result = super().restore()
+    def restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
+        """Load the newest healthy version, or ``step`` (see :meth:`Checkpointer.restore`: memory,
+        then durable), then report (in the background) durable versions a crash kept from being
+        reported."""
+        result = super().restore(step)
         if self._reporting and self.rank == 0:
             for item in self._unreported():
                 self._reporter.offer_ready(item)

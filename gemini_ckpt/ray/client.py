@@ -36,6 +36,7 @@ from ..errors import (
     MemoryBudgetError,
     VersionNotFoundError,
 )
+from ..health import Health
 from ..save.dcp import MemoryVersion, ShardCopy
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..stores.shards import Segment, ShardFormatError, ShardPlan, ShardRecord
@@ -191,10 +192,11 @@ class RayTier(MemoryTier):
             pass
 
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
-                 persist: bool = False) -> "concurrent.futures.Future[Outcome]":
+                 persist: bool = False, verdict: Optional[Health] = None) -> "concurrent.futures.Future[Outcome]":
         outcome = self._attach.outcome(step)
         self._attach.send({"type": "staged", "step": step, "plan_id": plan.plan_id, "seg": segment.id,
-                           "persist": persist, "lengths": [len(b) for b in blobs]}, b"".join(blobs))
+                           "persist": persist, "lengths": [len(b) for b in blobs],
+                           "verdict": None if verdict is None else verdict.to_json()}, b"".join(blobs))
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def finish(fut) -> None:
@@ -214,7 +216,12 @@ class RayTier(MemoryTier):
                                 {"type": "segment", "plan_id": plan.plan_id})
                         except AttachError:
                             pass
-            done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", "")))
+            unhealthy = reply.get("unhealthy") or ""
+            try:
+                health = Health.from_text(unhealthy) if unhealthy else None
+            except ValueError as exc:  # our own store's words: a version mismatch, not an attack
+                health = Health("unhealthy", "finite", "", f"the host store says so, unreadably ({exc})")
+            done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", ""), health=health))
 
         outcome.add_done_callback(finish)
         return done
@@ -275,8 +282,11 @@ class RayTier(MemoryTier):
         with self._lock:
             where = dict(self._where)
         newest = max((s for s, r in where.items() if r.committed), default=None)
-        infos = self._shard_infos(newest, where[newest]) if newest is not None else {}
-        return {"where": where, "infos": {newest: infos} if newest is not None else {}}
+        # Restore opens the newest version, and skips it if its records say it is unhealthy: then
+        # the newest one the stores call healthy is opened too.
+        healthy = max((s for s, r in where.items() if r.committed and r.health != "unhealthy"), default=None)
+        wanted = {s for s in (newest, healthy) if s is not None}
+        return {"where": where, "infos": {s: self._shard_infos(s, where[s]) for s in wanted}}
 
     def use_survey_state(self, state: dict) -> None:
         if not state:
@@ -425,12 +435,14 @@ class RayTier(MemoryTier):
     def discard(self, step: int) -> None:
         self._gather("discard", step, self.epoch)
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int, *, slot: Optional[int] = None) -> None:
-        """Flip one byte of a copy of rank ``rank``'s shard (this node's copy, else the first)."""
+    def corrupt_for_test(self, step: int, rank: int, offset: int, *, slot: Optional[int] = None,
+                         data: Optional[bytes] = None) -> None:
+        """Flip one byte of a copy of rank ``rank``'s shard (this node's copy, else the first), or
+        write ``data`` there (see :meth:`HostStore.corrupt_for_test`)."""
         self.committed_steps()
         where = self._where[step]
         slot = slot if slot is not None else where.copies[rank][0]
-        ray.get(self._live()[slot].corrupt_for_test.remote(step, rank, offset))
+        ray.get(self._live()[slot].corrupt_for_test.remote(step, rank, offset, data))
 
     def close(self) -> None:
         """Close this client's channels (the host stores keep every version)."""

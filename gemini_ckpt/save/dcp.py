@@ -40,6 +40,7 @@ from torch.futures import Future
 
 from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError
+from ..health import UNCHECKED_VERDICT, Health, combine
 from ..stores.shards import ShardPlan, ShardRecord, canonical
 from ..trust import (
     VerificationError,
@@ -102,6 +103,11 @@ class MemoryVersion:
             raise VerificationError(f"step {step}: its shards come from different versions or plans")
         self.metadata = self._metadata()
         self.fingerprint = checksum(canonical([records[r].fields() for r in sorted(records)]))
+
+    @property
+    def health(self) -> Health:
+        """The version's verdict, from its shards' verified records (the first unhealthy one)."""
+        return combine(self.records[r].health for r in sorted(self.records))
 
     def _metadata(self) -> Metadata:
         skeleton = self.plans[0].metadata
@@ -168,6 +174,11 @@ class DurableVersion:
         self.fingerprint = checksum(_canonical_manifest(manifest))
         self.bytes_by_source: dict[str, int] = {}
         self.problems: list[str] = []
+
+    @property
+    def health(self) -> Health:
+        """The verdict its checked (and, with a key, signed) manifest records."""
+        return UNCHECKED_VERDICT if self.manifest.health is None else Health.from_json(self.manifest.health)
 
     def close(self) -> None:
         pass

@@ -18,8 +18,8 @@ Call order of a memory tier, per version (the Checkpointer is the only writer)::
     plan  = ...                              # the rank's ShardPlan (new structure: again)
     seg   = tier.segment(plan)               # a free segment of plan.region_bytes, mapped here
     ...                                      # the trainer copies the version into seg
-    fut   = tier.hand_off(step, plan, seg, blobs, persist=...)   # seg now belongs to the tier
-    fut.result()                             # Outcome: committed, or why not
+    fut   = tier.hand_off(step, plan, seg, blobs, persist=..., verdict=...)  # seg now the tier's
+    fut.result()                             # Outcome: committed, or why not; and its health
     tier.unpin(step)                         # a version handed off with persist=True is kept
                                              # until its persist is done (or failed)
 
@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
+from ..health import Health
 from .shards import Segment, ShardPlan
 
 
@@ -50,12 +51,15 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a version ended in its memory tier: committed, or not and why."""
+    """How a version ended in its memory tier: committed, or not and why. ``health``: the
+    committed version's verdict when the tier knows one (None: healthy or unchecked, as the
+    Checkpointer's ``health_check`` says)."""
 
     step: int
     committed: bool
     reason: str = ""
     error: Optional[BaseException] = None
+    health: Optional[Health] = None
 
 
 class Tier(abc.ABC):
@@ -104,9 +108,12 @@ class MemoryTier(Tier):
 
     @abc.abstractmethod
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
-                 persist: bool = False) -> "Future[Outcome]":
+                 persist: bool = False, verdict: Optional[Health] = None) -> "Future[Outcome]":
         """The staged shard of ``step`` now belongs to the tier; the future resolves once the
-        version is committed or failed. ``persist``: keep it until :meth:`unpin`."""
+        version is committed or failed. ``persist``: keep it until :meth:`unpin`. ``verdict``:
+        the trainer's health verdict (None: checks off); the tier records it with the shard's,
+        from the tensor check of ``plan.checked``, and retains an unhealthy version as
+        :mod:`gemini_ckpt.retention` says."""
 
     @abc.abstractmethod
     def unpin(self, step: int) -> None:

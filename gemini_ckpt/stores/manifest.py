@@ -31,6 +31,8 @@ class VersionManifest:
     ``.metadata``, so dumping a version as files gives a stock DCP checkpoint.
     ``metadata_crc`` is its CRC32C, recorded at commit and checked before it is unpickled;
     ``signature`` the HMAC-SHA256 of the manifest when a signing key is set (see :mod:`gemini_ckpt.trust`).
+    ``health`` is the version's health verdict (:meth:`gemini_ckpt.health.Health.to_json`;
+    None: recorded before versions had one), inside what the checksum and signature cover.
     """
 
     step: int
@@ -41,6 +43,7 @@ class VersionManifest:
     job: dict = field(default_factory=dict)
     metadata_crc: Optional[int] = None
     signature: Optional[str] = None
+    health: Optional[dict] = None
 
     @property
     def nbytes(self) -> int:

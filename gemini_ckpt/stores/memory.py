@@ -6,7 +6,9 @@ opens it through :meth:`LocalStore.attach`, which takes a fencing epoch: the tie
 refuses writes once a newer one was attached (:class:`~gemini_ckpt.FencedError`).
 
 A version here is one shard (the world is one rank): committed as soon as the store has
-checksummed it, in the caller's thread (the Checkpointer's background thread).
+checksummed it and checked its health, on the tier's own thread (the tensor check on a second
+one beside it: here the record is the version's whole time-to-safe, see
+:mod:`gemini_ckpt.stores.finite`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import FencedError, MemoryBudgetError, VersionNotFoundError
+from ..health import Health
 from ..retention import Retention, as_retention
 from .base import Capabilities, MemoryTier, Outcome
 from .shards import Segment, SegmentPool, ShardPlan, ShardRecord, make_record
@@ -31,6 +34,10 @@ class _Version:
     record: ShardRecord
     segment: Segment
     pinned: bool = False
+
+    @property
+    def unhealthy(self) -> bool:
+        return self.record.health is not None and self.record.health.unhealthy
 
 
 class LocalStore:
@@ -76,8 +83,8 @@ class LocalStore:
             self._pool.release(seg)
 
     def _commit(self, epoch: int, step: int, plan: ShardPlan, seg: Segment, blobs: list[bytes], persist: bool,
-                keep: Retention) -> None:
-        record = make_record(plan, seg.array, blobs, epoch=epoch, step=step)
+                keep: Retention, verdict: Optional[Health] = None, beside=None) -> ShardRecord:
+        record = make_record(plan, seg.array, blobs, epoch=epoch, step=step, verdict=verdict, beside=beside)
         with self._lock:
             self._check(epoch)
             old = self._versions.pop(step, None)
@@ -85,11 +92,14 @@ class LocalStore:
                 self._release(old)
             self._versions[step] = _Version(epoch, plan, record, seg, pinned=persist)
             self._retain(keep)
+        return record
 
     def _retain(self, keep: Retention) -> None:
-        """Call with the lock held: let go of what ``keep`` dooms (never a pinned version)."""
+        """Call with the lock held: let go of what ``keep`` dooms (never a pinned version;
+        unhealthy ones do not count, see :mod:`gemini_ckpt.retention`)."""
         pinned = [s for s, v in self._versions.items() if v.pinned]
-        for s in keep.doomed(list(self._versions), protected=pinned):
+        unhealthy = [s for s, v in self._versions.items() if v.unhealthy]
+        for s in keep.doomed(list(self._versions), protected=pinned, unhealthy=unhealthy):
             self._release(self._versions.pop(s))
 
     def _release(self, v: _Version) -> None:
@@ -133,10 +143,14 @@ class LocalStore:
         with self._lock:
             return sum(v.segment.nbytes for v in self._versions.values())
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int) -> None:
-        """Flip one byte of a kept shard: lets tests (and the chaos harness) prove checksums bite."""
+    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> None:
+        """Flip one byte of a kept shard, or write ``data`` there (a NaN's bits: memory poisoned
+        after commit): lets tests (and the chaos harness) prove checksums bite."""
         v = self._get(step)
-        v.segment.array[offset] ^= 0xFF
+        if data is None:
+            v.segment.array[offset] ^= 0xFF
+        else:
+            v.segment.array[offset : offset + len(data)] = memoryview(data).cast("B")
 
 
 class LocalTier(MemoryTier):
@@ -147,32 +161,48 @@ class LocalTier(MemoryTier):
     def __init__(self, store: LocalStore, epoch: int, keep: Retention) -> None:
         self.store, self.epoch, self.keep = store, epoch, keep
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._beside: Optional[ThreadPoolExecutor] = None  # the tensor check, beside the checksums
+        # step -> the trainer's verdict, until the commit thread takes it (not an argument of
+        # _commit: its signature is the seam tests use to fail or hold a commit)
+        self._verdicts: dict[int, Optional[Health]] = {}
 
     def segment(self, plan: ShardPlan) -> Segment:
         return self.store._segment(self.epoch, plan)
 
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
-                 persist: bool = False) -> "Future[Outcome]":
-        """Checksums and commit run on the tier's own thread, not the caller's."""
+                 persist: bool = False, verdict: Optional[Health] = None) -> "Future[Outcome]":
+        """Checksums, health check and commit run on the tier's own threads, not the caller's."""
+        self._verdicts[step] = verdict
         return self._worker().submit(self._commit, step, plan, segment, blobs, persist)
 
     def _commit(self, step, plan, segment, blobs, persist) -> Outcome:
+        verdict = self._verdicts.pop(step, None)
         try:
-            self.store._commit(self.epoch, step, plan, segment, blobs, persist, self.keep)
+            record = self.store._commit(self.epoch, step, plan, segment, blobs, persist, self.keep, verdict,
+                                        self._check_thread() if plan.checked else None)
         except BaseException:
             self.store._give_back(segment)
             raise
-        return Outcome(step, True)
+        return Outcome(step, True, health=record.health)
 
     def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-local")
         return self._pool
 
+    def _check_thread(self) -> ThreadPoolExecutor:
+        # Its own executor: a check queued behind the commit that waits for it would deadlock.
+        if self._beside is None:
+            self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-local-check")
+        return self._beside
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._beside is not None:
+            self._beside.shutdown(wait=True)
+            self._beside = None
 
     def unpin(self, step: int) -> None:
         self.store._unpin(step, self.keep)
@@ -197,8 +227,8 @@ class LocalTier(MemoryTier):
     def discard(self, step: int) -> None:
         self.store._discard(self.epoch, step)
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int) -> None:
-        self.store.corrupt_for_test(step, rank, offset)
+    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> None:
+        self.store.corrupt_for_test(step, rank, offset, data)
 
     @property
     def allocations(self) -> int:

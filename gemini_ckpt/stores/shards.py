@@ -7,6 +7,10 @@ planner, :mod:`gemini_ckpt.save.plan`) and reused by every version until the str
 state changes. Each version of a shard adds a :class:`ShardRecord`: which version, the blobs,
 and a CRC32C of every item, computed by the store that took the shard from its rank.
 
+A plan also names the tensor items the health check reads (``checked``: decided by the
+trainer, which knows parameters from buffers, see :mod:`gemini_ckpt.health`); a record carries
+the shard's health verdict, found by the same pass that checksums it (:mod:`.finite`).
+
 Both travel as checked bytes (:meth:`ShardPlan.encode`, :meth:`ShardRecord.encode`): JSON
 (never a pickle) whose canonical encoding carries a CRC32C of everything else, and, with a
 signing key, an HMAC-SHA256 over it. The plan of rank 0 also carries the pickled skeleton of
@@ -31,7 +35,9 @@ from typing import Any, Iterable, Optional
 import crc32c
 import numpy as np
 
+from ..health import HEALTHY_VERDICT, UNHEALTHY, Health
 from ..save.framing import Template
+from .finite import CHECKED_DTYPES, checksum_items
 
 ALIGN = 64  # tensor items start at multiples of this in a region
 PLAN_MAGIC = b"GEMINI-PLAN\x00v001"
@@ -99,6 +105,7 @@ class ShardPlan:
     templates: tuple[Template, ...]
     metadata: bytes = b""  # rank 0: the pickled DCP Metadata skeleton; others: empty
     job: dict = field(default_factory=dict)
+    checked: tuple[int, ...] = ()  # tensor items (indices) the health check reads: finite values only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_region", max((align(t.at + t.nbytes) for t in self.tensors), default=0))
@@ -115,7 +122,7 @@ class ShardPlan:
             "values": [[v.fqn, v.index, v.kind] for v in self.values],
             "templates": [t.to_json() for t in self.templates],
             "metadata_bytes": len(self.metadata), "metadata_crc": crc32c.crc32c(self.metadata),
-            "job": self.job,
+            "job": self.job, "checked": list(self.checked),
         }
 
     def encode(self, key: Optional[bytes] = None) -> bytes:
@@ -140,9 +147,10 @@ class ShardPlan:
             templates = tuple(Template.from_json(t) for t in body["templates"])
             tensors = tuple(_tensor_item(row, len(templates)) for row in body["tensors"])
             values = tuple(_value_item(row) for row in body["values"])
+            checked = tuple(_nat(i) for i in body.get("checked", ()))
             plan = cls(plan_id=_text(body["plan_id"]), rank=_nat(body["rank"]), world_size=_nat(body["world_size"]),
                        tensors=tensors, values=values, templates=templates, metadata=metadata,
-                       job=_dict(body["job"]))
+                       job=_dict(body["job"]), checked=checked)
         except ShardFormatError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -156,6 +164,9 @@ class ShardPlan:
             if templates[t.template].nbytes != t.nbytes:
                 raise ShardFormatError(f"tensor item {t.fqn} does not match its template's size")
             end = t.at + t.nbytes
+        if len(set(plan.checked)) != len(plan.checked) or any(
+                i >= len(tensors) or tensors[i].dtype not in CHECKED_DTYPES for i in plan.checked):
+            raise ShardFormatError("the shard plan's checked items are not distinct floating-point tensor items")
         return plan
 
 
@@ -178,8 +189,9 @@ def _value_item(row: Any) -> ValueItem:
 # --- one version of a shard ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShardRecord:
-    """Rank ``rank``'s shard of version ``(epoch, step)``: the blob of every value item and a
-    CRC32C of every item (tensor items over their raw bytes, in plan order)."""
+    """Rank ``rank``'s shard of version ``(epoch, step)``: the blob of every value item, a
+    CRC32C of every item (tensor items over their raw bytes, in plan order) and the shard's
+    health verdict (None: not checked)."""
 
     epoch: int
     step: int
@@ -189,11 +201,13 @@ class ShardRecord:
     crcs: tuple[int, ...]
     values: tuple[bytes, ...]
     value_crcs: tuple[int, ...] = ()
+    health: Optional[Health] = None
 
     def fields(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "rank": self.rank, "world_size": self.world_size,
                 "plan_id": self.plan_id, "crcs": list(self.crcs), "value_lengths": [len(v) for v in self.values],
-                "value_crcs": list(self.value_crcs)}
+                "value_crcs": list(self.value_crcs),
+                "health": None if self.health is None else self.health.to_json()}
 
     def encode(self, key: Optional[bytes] = None) -> bytes:
         body = self.fields()
@@ -221,27 +235,47 @@ class ShardRecord:
                     raise ShardFormatError("a blob of the shard record fails its checksum")
                 values.append(blob)
                 at += n
+            health = body.get("health")
             return cls(epoch=_nat(body["epoch"]), step=_nat(body["step"]), rank=_nat(body["rank"]),
                        world_size=_nat(body["world_size"]), plan_id=_text(body["plan_id"]),
-                       crcs=tuple(_nat(c) for c in body["crcs"]), values=tuple(values), value_crcs=crcs)
+                       crcs=tuple(_nat(c) for c in body["crcs"]), values=tuple(values), value_crcs=crcs,
+                       health=None if health is None else Health.from_json(health))
         except ShardFormatError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ShardFormatError(f"malformed shard record ({type(exc).__name__}: {exc})") from None
 
 
-def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int, step: int) -> ShardRecord:
+def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int, step: int,
+                verdict: Optional[Health] = None, beside=None) -> ShardRecord:
     """The record of one staged shard: a CRC32C of every tensor item's bytes in ``region`` and
-    of every blob (the store that took the shard from its rank computes it)."""
+    of every blob, and the shard's health (the store that took the shard from its rank computes it).
+
+    ``verdict``: the trainer's (metric checks and validator; None when health checks are off).
+    Unless it already failed, every item of ``plan.checked`` must be finite: the first that is
+    not makes the shard unhealthy. ``beside``: an executor to run the tensor check on while this
+    thread checksums (:func:`gemini_ckpt.stores.finite.checksum_items`); else it is fused with
+    the checksum."""
     view = memoryview(region).cast("B")
     values = tuple(bytes(v) for v in values)
     if len(values) != len(plan.values):
         raise ValueError(f"rank {plan.rank}: {len(values)} blobs for {len(plan.values)} value items")
     if len(view) < plan.region_bytes:
         raise ValueError(f"rank {plan.rank}: a region of {len(view)} bytes for a plan of {plan.region_bytes}")
-    crcs = tuple(crc32c.crc32c(view[t.at : t.at + t.nbytes]) for t in plan.tensors)
+    failed = verdict is not None and verdict.unhealthy
+    array = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
+    crcs, bad = checksum_items(array, [(t.at, t.nbytes, t.dtype) for t in plan.tensors],
+                               () if failed else plan.checked, beside=beside)
+    if failed:
+        health: Optional[Health] = verdict.with_rank(plan.rank)
+    elif bad is not None:
+        health = Health(UNHEALTHY, "finite", plan.tensors[bad.item].fqn, bad.detail, plan.rank)
+    elif verdict is not None or plan.checked:
+        health = HEALTHY_VERDICT
+    else:
+        health = None
     return ShardRecord(epoch=epoch, step=step, rank=plan.rank, world_size=plan.world_size, plan_id=plan.plan_id,
-                       crcs=crcs, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values))
+                       crcs=crcs, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values), health=health)
 
 
 def check_record(record: ShardRecord, plan: ShardPlan) -> None:

@@ -337,6 +337,9 @@ def _bench_results(directory: Path) -> None:
         {"method": "gemini_ckpt: durable tier, page cache warm", "seconds": 0.7},
         {"method": "gemini_ckpt: durable tier, page cache dropped", "seconds": 1.11},
     ]}))
+    (directory / "recovery.json").write_text(json.dumps({
+        "ratio_with_restart": 1.9, "costs": {"restart_host_s": 21.5, "restore_peer_s": 0.3},
+    }))
 
 
 def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
@@ -351,6 +354,7 @@ def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
     assert "replicas 1: default" in sources["commit_s"]
     assert costs["restore_local_s"] == 0.89 and costs["restore_durable_s"] == 1.11
     assert costs["restore_peer_s"] == 9.0 and sources["restore_peer_s"] == "--restore-peer"
+    assert costs["restart_host_s"] == 21.5 and sources["restart_host_s"] == "bench: recovery.json costs.restart_host_s"
     assert doc["inputs"]["bench_missing"] == ["persist_s", "persist_stall_s"]
     assert sources["persist_s"] == "default (not in the bench results)"
     text = run_cli("--hosts", "64", "--from-bench", str(tmp_path / "restore.json"), "--simulate", "0")

@@ -21,6 +21,7 @@ from gemini_ckpt.chaos import (
     KillStore,
     KillWorker,
     MatrixReport,
+    NanInState,
     RemoveHosts,
     Scenario,
     ScenarioError,
@@ -85,8 +86,24 @@ def test_every_matrix_scenario_is_valid_and_pairs_follow_the_planner():
         "corrupt-replica-local": "memory@2",  # the peer's copy is good
         "corrupt-replica-only-copy-left": "memory@1",
         "resize-after-loss": "memory@2",
+        "nan-in-optimizer-state": "memory@2",  # step 3 is unhealthy: never restored
+        "nan-in-replica-after-commit": "memory@2",  # the other holder's copy is good
     }
     assert {k: preds[k] for k in expected} == expected
+    nan = plan_scenario(next(s for s in scenarios if s.name == "nan-in-optimizer-state"), CONFIG)
+    assert nan.memory_steps == (1, 2) and nan.durable_steps == (1,)  # 3 is neither kept nor persisted
+
+
+def test_an_unhealthy_version_is_never_a_candidate_nor_counted():
+    p = placement.make("group", hosts=4, replicas=2)
+    s = Scenario(name="x", at=At(step=3), conditions=(NanInState(rank=2),), faults=(RemoveHosts((2, 3)),))
+    v = versions_after(s, CONFIG, committed=[0, 1, 2, 3], persisted=[1, 3], p=p, hosts=(0, 1, 2, 3))
+    assert (v.committed, v.persisted) == ((1, 2), (1,))
+    assert plan_scenario(s, CONFIG).label() == "durable@1"  # group 2-3 lost; step 3 never persisted
+    with pytest.raises(ScenarioError, match="phase='step'"):
+        CONFIG.check(Scenario(name="x", at=At(step=3, phase="replicate", rank=1), conditions=(NanInState(),)))
+    with pytest.raises(ScenarioError, match="outside 4 ranks"):
+        CONFIG.check(Scenario(name="x", at=At(step=3), conditions=(NanInState(rank=4),)))
 
 
 def test_the_fate_of_the_version_in_flight_follows_phase_and_fault():

@@ -174,6 +174,29 @@ def test_a_dead_holder_aborts_the_version_everywhere_and_the_next_commits():
     assert sim.coordinator.newest_committed() == VersionId(0, 2)
 
 
+def test_unhealthy_versions_commit_but_every_store_releases_them_alike_and_keeps_its_healthy_ones():
+    """Issue 21: one rank's shard of versions 2, 3 and 5 fails its health checks. They commit
+    (the copies exist), every participant hears why, and retention counts healthy versions only:
+    each keeps the newest ``keep`` healthy ones plus the first of the latest run of unhealthy ones."""
+    hosts = 64
+    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "group"), ranks_per_host=2, keep=2,
+                    seed=3)
+    why = '{"check":"finite","detail":"1 NaN","item":"model.w","rank":37,"status":"unhealthy"}'
+    for step in range(7):
+        report = sim.run_version(step, unhealthy={37: why} if step in (2, 3, 5) else {})
+        decided_everywhere(sim, report)
+        assert report.outcome is True
+    live = set(sim.stores)
+    assert {(s, v.step) for s, v in sim.unhealthy_at} == {(s, step) for s in live | {COORDINATOR}
+                                                          for step in (2, 3, 5)}
+    for p in [*sim.stores.values(), sim.coordinator]:
+        assert p.committed_versions() == (VersionId(0, 4), VersionId(0, 6))
+        assert p.unhealthy_versions() == (VersionId(0, 5),)
+    # Every store let go of the same versions in the same order: 3 at once (2 began the run), 0
+    # when 4 came, 2 when 5 began a new run, 1 when 6 came.
+    assert {tuple(v.step for v in sim.released[s]) for s in live} == {(3, 0, 2, 1)}
+
+
 def test_the_trainer_is_not_needed_after_staging():
     """A training process killed right after ``save()`` returned: its shard is in its host
     store, and the stores commit without any further input from a rank."""

@@ -87,7 +87,8 @@ def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_gets_it_the_
     model, opt = build(0)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    Checkpointer(TrainState(model=model, optimizer=opt), config).save(0)
+    with Checkpointer(TrainState(model=model, optimizer=opt), config) as first:
+        first.save(0).committed.result(timeout=60)
     model2, opt2 = build(1)
     state2 = TrainState(model=model2, optimizer=opt2)
     assert not state2._prime_optimizers(
@@ -108,7 +109,8 @@ def test_a_conjugate_live_tensor_is_loaded_through_dcp():
 
     config = _config()
     saved = M(0)
-    Checkpointer(TrainState(model=saved), config).save(0)
+    with Checkpointer(TrainState(model=saved), config) as first:
+        first.save(0).committed.result(timeout=60)
     loaded = M(1)
     restored = Checkpointer(TrainState(model=loaded), config).restore()
     assert restored.path == "dcp" and torch.equal(loaded.c, saved.c)

@@ -5,6 +5,8 @@ report and timeline. (TorchTrainer runs are in ``tests/integration/test_ray_trai
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import types
 
 import pyarrow.fs as pafs
@@ -130,9 +132,17 @@ def test_host_stores_names_the_run_from_a_run_config_without_a_name():
     with host_stores(CheckpointConfig(namespace="lm-7"), run_config=run_config) as namespace:
         assert namespace == "lm-7"  # CheckpointConfig.namespace wins, as it does on the workers
     # Neither a name nor a connected Ray (to tell the run's new stores apart): say what to pass.
-    with pytest.raises(ConfigError, match="run_config=run_config"):
-        with host_stores(CheckpointConfig()):
-            pass
+    # In a fresh process, since an earlier test of this session may have left Ray connected.
+    code = ("import pytest\n"
+            "from gemini_ckpt import CheckpointConfig\n"
+            "from gemini_ckpt.errors import ConfigError\n"
+            "from gemini_ckpt.integrations.ray_train import host_stores\n"
+            "with pytest.raises(ConfigError, match='run_config=run_config'):\n"
+            "    with host_stores(CheckpointConfig()):\n"
+            "        pass\n"
+            "print('raised')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "raised", out.stderr[-2000:]
 
 
 def test_the_demo_report_never_counts_negative_steps_lost():

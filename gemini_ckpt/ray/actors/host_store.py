@@ -42,6 +42,7 @@ from typing import Any, Optional
 import ray
 from ray.exceptions import RayActorError
 
+from ...retention import KeepNewest
 from ..attach import AttachServer, Connection
 from ..commit import (
     HostCommit,
@@ -199,10 +200,12 @@ class HostStore(LocalRanks, Replication, Serving):
         else:
             self._attach.secret = secret
         self._channels, self._plans_sent, self._peers = {}, set(), {}
-        held = sorted(VersionId(v.epoch, v.step) for v in self._table.versions.values() if v.state == "committed")
+        held = [v for v in self._table.versions.values() if v.state == "committed"]
+        unhealthy = set(self._table.unhealthy_steps())
         self._commit = None if cfg.slot in cfg.idle else HostCommit(
             cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, keep=cfg.keep, dead=cfg.dead, idle=cfg.idle,
-            committed=held)
+            committed=sorted(VersionId(v.epoch, v.step) for v in held if v.step not in unhealthy),
+            unhealthy=sorted(VersionId(v.epoch, v.step) for v in held if v.step in unhealthy))
         self._registry = None
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
@@ -274,12 +277,14 @@ class HostStore(LocalRanks, Replication, Serving):
 
     def _retain_copies(self) -> None:
         """Copies of versions this store takes no part in (it has no ranks this epoch) are
-        never told a decision: keep those of the newest ``keep + 1`` steps."""
+        never told a decision: keep those of the newest ``keep + 1`` steps, not counting those
+        whose records held here say they are unhealthy (see :mod:`gemini_ckpt.retention`)."""
         with self._lock:
             if self._commit is not None or self._cfg is None:
                 return
-            steps = sorted(self._table.versions)
-            for step in steps[: -(self._cfg.keep + 1)]:
+            doomed = KeepNewest(self._cfg.keep + 1).doomed(list(self._table.versions),
+                                                            unhealthy=self._table.unhealthy_steps())
+            for step in doomed:
                 self._table.release(self._table.versions[step])
 
     # --- status and tests ----------------------------------------------------------------------------
@@ -294,6 +299,7 @@ class HostStore(LocalRanks, Replication, Serving):
                 "started_unix": self.started_unix, "epoch": self._epoch,
                 "slot": self._cfg.slot if self._cfg else None,
                 "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],
+                                    "unhealthy": e["unhealthy"],
                                     "shards": {r: {"owner": s["owner"], "complete": s["complete"],
                                                    "nbytes": s["nbytes"]} for r, s in sorted(e["shards"].items())}}
                              for step, e in sorted(index.items())},
@@ -333,10 +339,14 @@ class HostStore(LocalRanks, Replication, Serving):
             v = self._table.versions.get(step)
             return dict(v.marks) if v is not None else {}
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int) -> int:
-        """Flip one byte of a kept copy (in place): lets tests and the chaos harness prove that
-        checksums bite and that a reader moves on to another holder."""
+    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> int:
+        """Flip one byte of a kept copy (in place), or write ``data`` there (e.g. a NaN's bits,
+        :data:`gemini_ckpt.stores.finite.NAN_BITS`: memory poisoned after commit): lets tests and
+        the chaos harness prove that checksums bite and that a reader moves on to another holder."""
         with self._lock:
             shard = self._table.versions[step].shards[rank]
-            shard.seg.array[offset] ^= 0xFF
+            if data is None:
+                shard.seg.array[offset] ^= 0xFF
+            else:
+                shard.seg.array[offset : offset + len(data)] = memoryview(data).cast("B")
         return offset

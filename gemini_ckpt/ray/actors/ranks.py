@@ -12,6 +12,7 @@ import os
 import time
 
 
+from ...health import Health
 from ...stores.shards import ShardPlan, make_record
 from ..attach import Connection
 from ..commit import (
@@ -88,8 +89,10 @@ class LocalRanks:
 
     def _staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
         """A rank handed off its shard of a step: copies to the other holders start at once,
-        while this thread checksums the shard into its record; the rank's part of the version
-        is done (``ShardStaged``) once the record is made."""
+        while this thread checksums the shard into its record and checks its health in the same
+        pass (the trainer's ``verdict`` on metrics and validator comes with the hand-off); the
+        rank's part of the version is done (``ShardStaged``, with the verdict) once the record is
+        made."""
         step, seg_id = int(header["step"]), int(header["seg"])
         received = time.time()
         blobs, at = [], 0
@@ -125,7 +128,13 @@ class LocalRanks:
         for holder in holders[1:]:  # the protocol allows copies to start before it says Replicate
             self._pool.submit(self._copy, vid, holder, shard, len(cfg.ranks_here))
         try:
-            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step)  # CRC32C: GIL released
+            verdict = Health.from_json(header["verdict"]) if header.get("verdict") is not None else None
+            # With copies to make, the tensor check is fused with the CRC32C (the region read once,
+            # the least CPU): the copies take longer than both. Without (replicas=1), the record is
+            # the version's time-to-safe: the check runs beside the CRC32C, on a pool thread.
+            beside = self._pool if plan.checked and not holders[1:] else None
+            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step, verdict=verdict,
+                                 beside=beside)
             record_bytes = record.encode(self._key)
         except Exception as exc:  # noqa: BLE001 - the version cannot be committed without its record
             shard.recorded.set()
@@ -145,11 +154,16 @@ class LocalRanks:
             if epoch != self._epoch:
                 self._tell(conn, step, False, f"a newer Checkpointer (epoch {self._epoch}) took over this namespace")
                 return
-            actions = self._commit.on_message(ShardStaged(vid, rank)) if self._commit is not None else []
+            bad = record.health is not None and record.health.unhealthy
+            if bad:  # the trainer says it loudly, once; here it is one line per shard
+                log.info("node %s: step %d is unhealthy: %s", self.node_id[:12], step, record.health.reason)
+            actions = self._commit.on_message(ShardStaged(vid, rank, record.health.to_text() if bad else "")) \
+                if self._commit is not None else []
         self._apply(actions)
 
-    def _tell(self, conn: Connection, step: int, committed: bool, reason: str = "") -> None:
+    def _tell(self, conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "") -> None:
         try:
-            conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason})
+            conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason,
+                       "unhealthy": unhealthy})
         except OSError:
             pass  # the rank is gone; its version's fate is in the store either way

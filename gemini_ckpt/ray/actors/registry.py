@@ -86,6 +86,7 @@ class Registry:
         self._keep = 2
         self._node_resources: dict[str, dict] = {}  # node id -> its resources, as Ray reported them
         self._rerep_pending = False
+        self._rerep_held = False
         self._recovery: list[dict] = []  # what happened after each host loss, when (see recovery())
         self._epoch_opened = 0.0
 
@@ -256,8 +257,9 @@ class Registry:
                 self._time_out()
                 if self._dead:
                     self._note_deaths()
-                    await self._adopt_replacements()
-                if self._rerep_pending:
+                    if not self._rerep_held:
+                        await self._adopt_replacements()
+                if self._rerep_pending and not self._rerep_held:
                     await self._rereplicate()
             except Exception as exc:  # noqa: BLE001 - the watch must outlive any one failure
                 log.warning("registry %s: liveness check failed: %s: %s", self.namespace, type(exc).__name__, exc)
@@ -362,7 +364,10 @@ class Registry:
             except Exception:  # noqa: BLE001 - busy or dead: the liveness check decides, next round
                 return
         found = resolve(indexes)
-        committed = sorted((s for s, r in found.items() if r.committed), reverse=True)[: max(1, self._keep)]
+        # The versions a restore may choose: committed and not unhealthy (one kept for inspection
+        # is never made again).
+        committed = sorted((s for s, r in found.items() if r.committed and r.health != "unhealthy"),
+                           reverse=True)[: max(1, self._keep)]
         replicas, strategy = int(self._job.get("replicas", 2)), self._job.get("strategy", "auto")
         sends = []
         for step in committed:
@@ -405,6 +410,14 @@ class Registry:
             event.setdefault("rereplicated", now)
             if "replacement" in event:
                 event.setdefault("replacement_seeded", now)
+
+    def hold_rereplication(self) -> None:
+        """Fault injection (the chaos harness): make no copies and adopt no replacement until
+        :meth:`release_rereplication`, so a second failure can land inside that window."""
+        self._rerep_held = True
+
+    def release_rereplication(self) -> None:
+        self._rerep_held = False
 
     def recovery(self) -> list[dict]:
         """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,

@@ -68,7 +68,7 @@ class Replication:
             elif isinstance(a, Replicate):
                 pass  # the copies began when the shards were handed off (see _staged)
             elif isinstance(a, Committed):
-                self._decided(a.version, True, "")
+                self._decided(a.version, True, "", a.unhealthy)
             elif isinstance(a, Aborted):
                 self._decided(a.version, False, a.reason)
             elif isinstance(a, Release):
@@ -77,17 +77,18 @@ class Replication:
                     if v is not None and v.key == (a.version.epoch, a.version.step):
                         self._table.release(v)
 
-    def _decided(self, vid: VersionId, committed: bool, reason: str) -> None:
+    def _decided(self, vid: VersionId, committed: bool, reason: str, unhealthy: str = "") -> None:
         with self._lock:
             v = self._table.versions.get(vid.step)
             if v is not None and v.key == (vid.epoch, vid.step):
                 v.mark("decided")
                 v.state = "committed" if committed else "aborted"
+                v.unhealthy = unhealthy if committed else ""
                 if not committed:
                     self._table.release(v, force=True)
             waiters = self._waiters.pop((vid.epoch, vid.step), [])
         for conn, _rank in waiters:
-            self._tell(conn, vid.step, committed, reason)
+            self._tell(conn, vid.step, committed, reason, unhealthy)
         if not committed:
             log.info("node %s: step %d was not committed: %s", self.node_id[:12], vid.step, reason)
 

@@ -60,6 +60,7 @@ class Version:
     step: int
     shards: dict[int, Shard] = field(default_factory=dict)  # rank -> the copy kept here
     state: str = "pending"  # pending | prepared | committed | aborted
+    unhealthy: str = ""  # committed, but its state failed its health checks: why (the decision's)
     persist: bool = False  # kept until the persister unpins it
     released: bool = False  # retention let it go while pinned
     world_size: int = 0
@@ -216,10 +217,22 @@ class VersionTable:
 
     # --- views -----------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
-        return {step: {"epoch": v.epoch, "state": v.state, "world_size": v.world_size,
+        return {step: {"epoch": v.epoch, "state": v.state, "world_size": v.world_size, "unhealthy": v.unhealthy,
                        "shards": {r: {"owner": s.owner, "complete": s.complete, "plan_id": s.plan_id,
-                                      "nbytes": s.seg.nbytes} for r, s in v.shards.items()}}
+                                      "nbytes": s.seg.nbytes, "health": _health(s)} for r, s in v.shards.items()}}
                 for step, v in self.versions.items()}
+
+    def unhealthy_steps(self) -> list[int]:
+        """Steps whose decision, or a record of a shard held here, says the state is unhealthy."""
+        return [step for step, v in self.versions.items()
+                if v.unhealthy or any(_health(s)["status"] == "unhealthy" for s in v.shards.values())]
 
     def held_bytes(self) -> int:
         return sum(s.seg.nbytes for v in self.versions.values() for s in v.shards.values())
+
+
+def _health(shard: Shard) -> dict:
+    """What the shard's record says of its health (``unchecked`` before the record is here)."""
+    health = shard.record.health if shard.record is not None else None
+    return {"status": "unchecked", "reason": ""} if health is None else {"status": health.status,
+                                                                         "reason": health.reason}

@@ -24,7 +24,12 @@ The participants only *say* what to do: each input returns a list of actions, :c
 (a control message for another participant, or the coordinator at :data:`COORDINATOR`) and
 local effects (:class:`Replicate`, :class:`Committed`, :class:`Aborted`, :class:`Release`)
 for the actor to apply in order. This module is stdlib only and imports nothing from the
-package. :class:`gemini_ckpt.ray.commit.sim.Simulator` runs a whole cluster of them in-process
+package but :mod:`gemini_ckpt.retention` (stdlib only too), whose rule decides what is released.
+
+Health (:mod:`gemini_ckpt.health`) rides along as opaque text: a store says a shard is unhealthy
+in :class:`ShardStaged`, yes votes carry the first such reason up, and the decision carries it
+down, so every participant releases the same versions: an unhealthy version commits but never
+counts as one of the ``keep`` newest. :class:`gemini_ckpt.ray.commit.sim.Simulator` runs a whole cluster of them in-process
 (tests, benchmarks).
 
 Example (two hosts, two copies, one rank each)::

@@ -26,8 +26,9 @@ class HostCommit(Participant):
     """The commit protocol as run by the host store of ``slot`` (see the module docstring).
 
     ``hosts`` slots in the job, ``replicas`` copies of each shard (the owner's included),
-    ``keep`` committed versions kept in memory, ``dead`` slots already known dead,
-    ``committed`` versions already committed here (carried over from an earlier epoch).
+    ``keep`` healthy committed versions kept in memory, ``dead`` slots already known dead,
+    ``committed`` healthy versions already committed here (carried over from an earlier
+    epoch), ``unhealthy`` committed ones kept for inspection.
 
     Inputs, each returning the actions to carry out in order: :meth:`start_version` (the
     store learns a version is being saved, and where its shards go), :meth:`on_message`
@@ -38,8 +39,10 @@ class HostCommit(Participant):
 
     def __init__(self, slot: int, *, hosts: int, replicas: int, keep: int = 2,
                  fanout: int = DEFAULT_FANOUT, dead: Iterable[int] = (),
-                 committed: Iterable[VersionId] = (), idle: Iterable[int] = ()) -> None:
-        super().__init__(hosts=hosts, fanout=fanout, keep=keep, dead=dead, committed=committed, idle=idle)
+                 committed: Iterable[VersionId] = (), idle: Iterable[int] = (),
+                 unhealthy: Iterable[VersionId] = ()) -> None:
+        super().__init__(hosts=hosts, fanout=fanout, keep=keep, dead=dead, committed=committed, idle=idle,
+                         unhealthy=unhealthy)
         if slot in self.idle:
             raise ValueError(f"slot {slot} has no ranks this epoch (idle): it holds copies but takes no part")
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < hosts:
@@ -87,6 +90,7 @@ class HostCommit(Participant):
     def _on_message(self, v: VersionId, r: Round, message: Message, out: list) -> None:
         if isinstance(message, ShardStaged):
             r.staged.add(message.rank)
+            r.unhealthy = r.unhealthy or message.unhealthy
         elif isinstance(message, ReplicaAck):
             if not message.ok:
                 self._veto(v, r, f"holder slot {message.holder} could not keep the copy of slot "
@@ -103,6 +107,7 @@ class HostCommit(Participant):
             elif message.sender not in r.votes:
                 r.votes.add(message.sender)
                 r.below += message.shards
+                r.unhealthy = r.unhealthy or message.unhealthy
         elif isinstance(message, Decision):
             self._on_decision(v, r, message, out)
         elif isinstance(message, Query):
@@ -179,7 +184,8 @@ class HostCommit(Participant):
         if (not r.voted and staged and r.acked.issuperset(r.holders[1:])
                 and r.votes.issuperset(r.children)):
             r.voted = True
-            out.append(Send(r.parent, Vote(v, self.slot, r.view, True, shards=r.shards + r.below)))
+            out.append(Send(r.parent, Vote(v, self.slot, r.view, True, shards=r.shards + r.below,
+                                           unhealthy=r.unhealthy)))
 
     def _veto(self, v: VersionId, r: Round, reason: str, out: list) -> None:
         if r.outcome is not None or r.voted:
@@ -192,14 +198,14 @@ class HostCommit(Participant):
         if r.outcome is None:
             if d.commit and not r.voted:
                 raise ProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
-            self._decide(v, r, d.commit, d.reason, out)
+            self._decide(v, r, d.commit, d.reason, out, unhealthy=d.unhealthy)
         elif r.outcome != d.commit:
             raise ProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
                                 f"but a decision says {'commit' if d.commit else 'abort'}")
 
     def _on_query(self, v: VersionId, r: Round, q: Query, out: list) -> None:
         if r.outcome is not None:
-            out.append(Send(q.sender, Decision(v, r.outcome, r.reason)))
+            out.append(Send(q.sender, Decision(v, r.outcome, r.reason, r.unhealthy)))
             return
         self._adopt(v, r, q.sender, out)
         if not r.voted:

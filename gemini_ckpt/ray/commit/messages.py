@@ -31,10 +31,12 @@ class VersionId:
 # --- messages (control plane, small, picklable) ----------------------------------------------
 @dataclass(frozen=True)
 class ShardStaged:
-    """A rank of this host staged its shard of ``version`` into this store (local input)."""
+    """A rank of this host staged its shard of ``version`` into this store (local input).
+    ``unhealthy``: why the shard failed its health checks (opaque text; empty: it did not)."""
 
     version: VersionId
     rank: int
+    unhealthy: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,19 @@ class Vote:
     ok: bool
     reason: str = ""
     shards: int = 0  # shards staged in the sender's subtree (a yes vote)
+    unhealthy: str = ""  # a yes vote: why a shard of the subtree is unhealthy (empty: none is)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The outcome of ``version``, flowing down the tree (and to those who asked)."""
+    """The outcome of ``version``, flowing down the tree (and to those who asked). A committed
+    version that is ``unhealthy`` (the reason; empty: healthy) is kept by retention only for
+    inspection and never counts as one of the ``keep`` newest."""
 
     version: VersionId
     commit: bool
     reason: str = ""
+    unhealthy: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,9 +109,11 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Committed:
-    """Mark ``version`` committed here: readers may trust it."""
+    """Mark ``version`` committed here: readers may trust its bytes (``unhealthy``: but not its
+    state, which failed its health checks; empty: healthy)."""
 
     version: VersionId
+    unhealthy: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,8 @@ class Aborted:
 
 @dataclass(frozen=True)
 class Release:
-    """A committed version fell out of the newest ``keep``: free it."""
+    """A committed version fell out of the newest ``keep`` healthy ones (or is an unhealthy one
+    not kept for inspection): free it."""
 
     version: VersionId
 

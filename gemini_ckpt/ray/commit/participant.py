@@ -1,5 +1,10 @@
 """What every participant of the commit protocol shares: the tree over the live slots, one
-round per version, dead slots, retention (see :mod:`gemini_ckpt.ray.commit`)."""
+round per version, dead slots, retention (see :mod:`gemini_ckpt.ray.commit`).
+
+Retention follows :class:`gemini_ckpt.retention.KeepNewest` (its one home, standard library
+only): the newest ``keep`` healthy committed versions, plus the first unhealthy version of the
+latest run of them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ...retention import KeepNewest
 from .messages import (
     COORDINATOR,
     HISTORY,
@@ -74,6 +80,7 @@ class Round:
     replicated: bool = False
     outcome: Optional[bool] = None
     reason: str = ""
+    unhealthy: str = ""  # why a shard is unhealthy (the subtree's, then the decision's); empty: none
     forwarded: bool = False
     adoptees: set = field(default_factory=set)  # orphans that asked for the decision
     asked: Optional[int] = None  # whom this participant asked for the decision
@@ -90,7 +97,8 @@ class Participant:
     slot: int
 
     def __init__(self, *, hosts: int, fanout: int, keep: int, dead: Iterable[int],
-                 committed: Iterable[VersionId], idle: Iterable[int] = ()) -> None:
+                 committed: Iterable[VersionId], idle: Iterable[int] = (),
+                 unhealthy: Iterable[VersionId] = ()) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
             raise ValueError(f"hosts: expected an int >= 1, got {hosts!r}")
         _check_fanout(fanout)
@@ -101,7 +109,9 @@ class Participant:
         self.idle = frozenset(idle)  # slots without ranks this epoch: they hold copies but never vote
         self._rounds: dict = {}
         self._trees: dict = {}
-        self._committed: list = sorted(committed)[-keep:]
+        self._committed: list = sorted(committed)[-keep:]  # healthy ones only
+        self._unhealthy: list = sorted(unhealthy)[:1]  # committed, kept for inspection
+        self._retention = KeepNewest(keep)
         self._floor: Optional[VersionId] = None  # rounds at or below it were forgotten
 
     # --- queries ---------------------------------------------------------------------------
@@ -110,11 +120,15 @@ class Participant:
         r = self._rounds.get(version)
         if r is not None:
             return r.outcome
-        return True if version in self._committed else None
+        return True if version in self._committed or version in self._unhealthy else None
 
     def committed_versions(self) -> tuple:
-        """The newest ``keep`` versions committed here, oldest first."""
+        """The newest ``keep`` healthy versions committed here, oldest first."""
         return tuple(self._committed)
+
+    def unhealthy_versions(self) -> tuple:
+        """Committed unhealthy versions kept here for inspection (at most one)."""
+        return tuple(self._unhealthy)
 
     def newest_committed(self) -> Optional[VersionId]:
         return self._committed[-1] if self._committed else None
@@ -160,13 +174,17 @@ class Participant:
             self._rounds[version] = r
         return r
 
-    def _decide(self, version: VersionId, r: Round, commit: bool, reason: str, out: list) -> None:
+    def _decide(self, version: VersionId, r: Round, commit: bool, reason: str, out: list,
+                unhealthy: str = "") -> None:
         r.outcome, r.reason = commit, reason
         if commit:
-            out.append(Committed(version))
-            bisect.insort(self._committed, version)
-            while len(self._committed) > self.keep:
-                out.append(Release(self._committed.pop(0)))
+            r.unhealthy = unhealthy
+            out.append(Committed(version, unhealthy))
+            bisect.insort(self._unhealthy if unhealthy else self._committed, version)
+            held = self._committed + self._unhealthy
+            for doomed in self._retention.doomed(held, unhealthy=self._unhealthy):
+                (self._unhealthy if doomed in self._unhealthy else self._committed).remove(doomed)
+                out.append(Release(doomed))
         else:
             out.append(Aborted(version, reason))
         self._forward(version, r, out)
@@ -176,7 +194,7 @@ class Participant:
         if r.forwarded or r.outcome is None:
             return
         r.forwarded = True
-        decision = Decision(version, r.outcome, r.reason)
+        decision = Decision(version, r.outcome, r.reason, r.unhealthy)
         for to in (*r.children, *sorted(r.adoptees)):
             if to not in self.dead:
                 out.append(Send(to, decision))
@@ -185,7 +203,7 @@ class Participant:
         """``sender`` waits on this participant for the decision: send it now or once decided."""
         if r.outcome is not None:
             if sender not in r.adoptees:
-                out.append(Send(sender, Decision(version, r.outcome, r.reason)))
+                out.append(Send(sender, Decision(version, r.outcome, r.reason, r.unhealthy)))
         r.adoptees.add(sender)
 
     def _forget_old(self) -> None:

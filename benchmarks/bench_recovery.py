@@ -1,0 +1,403 @@
+"""What one failure costs a job: GEMINI's wasted time per failure, this library against
+durable-only checkpointing of the same job, with the same host loss.
+
+The job: Ray Train on a local cluster of 4 simulated hosts, one FSDP2 rank per host (the demo's
+tiny LM plus a sharded ballast buffer, so that each rank's state is ``--mb`` MB), a step of
+``--step-s`` seconds (the model's compute is a sleep: the CPU stays free for background work,
+as on a GPU host), host 1 removed hard (raylet and every process on it) at the midpoint of a
+durable interval, a replacement host added at once, ``FailureConfig(max_failures=1)``.
+
+Three runs of that job, one failure each:
+
+- **gemini_ckpt**: every step saved in memory (``replicas=2``), every ``--persist-every``-th to
+  local disk (in the background, from the host stores; the failure is recovered from memory).
+- **durable only**: stock ``torch.distributed.checkpoint.save`` (synchronous: training waits)
+  every ``N`` steps to a storage throttled to ``--storage-mbps`` MB/s per host (an fsspec
+  filesystem that sleeps to hold the rate on every read and write, used through DCP's fsspec
+  writer and reader), the stock ``dcp.load`` from it after the failure. ``N`` is Young/Daly's
+  interval for the stated MTBF, ``sqrt(2 C MTBF)`` with ``C`` the save time measured first.
+- **no checkpointing**: the same job without any checkpointing (it restarts from step 0): how
+  long Ray Train alone takes from the failure to the first step after it.
+
+Per failure, for the stated ``--mtbf-s`` (the job's mean time between failures):
+
+- *checkpoint overhead*: what checkpointing stalled training over one MTBF: every step's
+  ``save()`` stall (gemini_ckpt), ``MTBF / (N step)`` durable saves of ``C`` (durable only);
+- *work lost*: the steps done since the version that was restored (measured);
+- *retrieval*: the restore's wall time on the slowest rank (measured);
+- *restart*: from the failure to the new workers entering the training function (Ray Train);
+
+wasted = overhead + lost + retrieval (+ restart). GEMINI's headline compares the first sum.
+
+Usage::
+
+    python benchmarks/bench_recovery.py                   # 256 MB per rank, 2 s steps, MTBF 1 h
+    python benchmarks/bench_recovery.py --quick           # 16 MB per rank, short steps and MTBF
+
+Writes ``benchmarks/results/recovery.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ray  # noqa: E402
+
+HOSTS = 4
+KILL_HOST = 1
+TARGET = 13.0  # GEMINI: >13x less time wasted per failure than checkpointing to remote storage
+RAY_NAMESPACE = "gemini_bench_recovery"
+
+
+# --- the throttled storage (durable only) -------------------------------------------------------
+def register_throttled(rate_bytes_s: float) -> str:
+    """Register the ``throttled://`` fsspec protocol (a local directory read and written at
+    ``rate_bytes_s`` per process, the bandwidth a host gets from remote storage); returns it."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+    class _Bucket:
+        def __init__(self, rate: float) -> None:
+            self.rate, self.lock, self.t = rate, threading.Lock(), time.monotonic()
+
+        def take(self, n: int) -> None:
+            with self.lock:
+                self.t = max(self.t, time.monotonic()) + n / self.rate
+                wait = self.t - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+
+    bucket = _Bucket(rate_bytes_s)
+
+    class ThrottledFile(LocalFileOpener):
+        def write(self, data):
+            bucket.take(memoryview(data).nbytes)
+            return super().write(data)
+
+        def read(self, *args):
+            out = self.f.read(*args)
+            bucket.take(len(out))
+            return out
+
+        def readinto(self, b):
+            n = self.f.readinto(b)
+            bucket.take(n or 0)
+            return n
+
+    class ThrottledFS(LocalFileSystem):
+        protocol = "throttled"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = str(path)
+            if path.startswith("throttled://"):
+                path = path[len("throttled://"):]
+            return super()._strip_protocol(path)
+
+        def _open(self, path, mode="rb", block_size=None, **kwargs):
+            path = self._strip_protocol(path)
+            if self.auto_mkdir and "w" in mode:
+                self.makedirs(self._parent(path), exist_ok=True)
+            return ThrottledFile(path, mode, fs=self, **kwargs)
+
+    fsspec.register_implementation("throttled", ThrottledFS, clobber=True)
+    return "throttled://"
+
+
+# --- the training function (every Ray Train worker) ----------------------------------------------
+def train_loop(config: dict) -> dict:
+    import ray.train
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gemini_ckpt import TrainState
+    from gemini_ckpt.demo.toy import build_training, lm_loss
+    from gemini_ckpt.integrations import ray_train as gray
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    progress = ray.get_actor(config["progress"], namespace=RAY_NAMESPACE)
+
+    def emit(kind: str, **fields) -> None:
+        progress.emit.remote({"kind": kind, "rank": rank, "unix": time.time(), **fields})
+
+    emit("start")
+    mesh = init_device_mesh("cpu", (world,))
+    t = build_training(seed=0, total_steps=config["steps"], dataset_size=512, mesh=mesh)
+    # The state a large model would have: a sharded buffer of ``mb`` MB per rank, saved with it.
+    t.model.register_buffer("ballast", distribute_tensor(torch.ones(config["mb"] * world * 2**18), mesh, [Shard(0)]))
+    mode = config["mode"]
+    batches = t.batches()
+    start, restored = 0, None
+    ckpt = None
+    if mode == "gemini":
+        ckpt = gray.checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+                                 config["ckpt"])
+        t0 = time.time()
+        result = ckpt.restore()
+        if result is not None:
+            start = result.step + 1
+            restored = {"step": result.step, "seconds": time.time() - t0, "source": result.source,
+                        "bytes": result.bytes_read, "timeline": [list(m) for m in result.timeline]}
+    elif mode == "durable":
+        register_throttled(config["rate"])
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        root = config["root"]
+        done = sorted(int(d) for d in os.listdir(root) if d.isdigit()
+                      and os.path.exists(os.path.join(root, d, ".metadata"))) if os.path.isdir(root) else []
+        if done:
+            t0 = time.time()
+            msd, osd = get_state_dict(t.model, t.optimizer)
+            sd = {"model": msd, "optim": osd, "sched": t.scheduler.state_dict()}
+            dcp.load(sd, storage_reader=FsspecReader(f"throttled://{root}/{done[-1]}"))
+            set_state_dict(t.model, t.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            start = done[-1] + 1
+            restored = {"step": done[-1], "seconds": time.time() - t0, "source": "durable"}
+    if restored is not None:
+        emit("restore", **restored)
+    for _ in range(start):  # the data the restored steps consumed (the loader is not saved here)
+        next(batches)
+    for step in range(start, config["steps"]):
+        t_step = time.time()
+        loss = lm_loss(t.model, next(batches))
+        loss.backward()
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        time.sleep(max(0.0, config["step_s"] - (time.time() - t_step)))  # the rest of the step: GPU compute
+        stall = 0.0
+        if mode == "gemini":
+            handle = ckpt.save(step)
+            stall = handle.staged.result().stall_s
+        elif mode == "durable" and (step + 1) % config["interval"] == 0:
+            t0 = time.perf_counter()
+            msd, osd = get_state_dict(t.model, t.optimizer)
+            dcp.save({"model": msd, "optim": osd, "sched": t.scheduler.state_dict()},
+                     storage_writer=FsspecWriter(f"throttled://{config['root']}/{step}"))
+            stall = time.perf_counter() - t0
+        if rank == 0:
+            emit("step", step=step, stall_s=stall)
+    if ckpt is not None:
+        ckpt.close()
+    emit("done")
+    return {"rank": rank}
+
+
+class Progress:
+    """Events of one run, in arrival order (an actor on the head node)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def emit(self, event: dict) -> None:
+        self.events.append(event)
+
+    def since(self, index: int) -> list[dict]:
+        return self.events[index:]
+
+
+# --- one run ------------------------------------------------------------------------------------
+def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float, interval: int, rate: float,
+        workdir: str, persist_every: int, timeout: float) -> dict:
+    """One job with one host loss after step ``kill_at``; its events, the failure time."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from gemini_ckpt import CheckpointConfig
+    from gemini_ckpt.integrations.ray_train import host_stores
+
+    name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
+    progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
+                                            resources={"node:__internal_head__": 0.001}).remote()
+    ckpt = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=persist_every, timeout_s=120.0,
+                            durable_uri=os.path.join(workdir, name, "gemini"))
+    config = {"mode": mode, "steps": steps, "mb": mb, "step_s": step_s, "interval": interval, "rate": rate,
+              "root": os.path.join(workdir, name, "dcp"), "ckpt": ckpt, "progress": name}
+    run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1))
+    trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=HOSTS),
+                           run_config=run_config)
+    box: dict = {}
+
+    def fit() -> None:
+        try:
+            with host_stores(ckpt, run_config=run_config):
+                box["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=fit, daemon=True)
+    thread.start()
+    events: list[dict] = []
+    failure = None
+    deadline = time.monotonic() + timeout
+    try:
+        while thread.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{mode}: the run did not finish within {timeout:.0f}s")
+            events += ray.get(progress.since.remote(len(events)), timeout=60)
+            if failure is None and any(e["kind"] == "step" and e["step"] >= kill_at for e in events):
+                failure = time.time()
+                cluster.remove_hosts((KILL_HOST,), wait=False)
+                cluster.add_host(KILL_HOST)
+            time.sleep(0.05)
+        thread.join()
+        events += ray.get(progress.since.remote(len(events)), timeout=60)
+    finally:
+        ray.kill(progress)
+    if "error" in box:
+        raise box["error"]
+    return {"events": events, "failure_unix": failure}
+
+
+def measure(mode: str, out: dict, step_s: float) -> dict:
+    """The components of one run's failure (see the module docstring)."""
+    events, failure = out["events"], out["failure_unix"]
+    steps = [e for e in events if e["kind"] == "step"]
+    before = [e for e in steps if e["unix"] <= failure]
+    starts = [e["unix"] for e in events if e["kind"] == "start" and e["unix"] > failure]
+    restores = [e for e in events if e["kind"] == "restore" and e["unix"] > failure]
+    restart_s = max(starts) - failure if starts else None
+    restored_step = restores[0]["step"] if restores else -1
+    failed_at = max(e["step"] for e in before)
+    back = max(starts) if starts else failure  # the new attempt's steps come after its workers started
+    after = [e["unix"] for e in steps if e["unix"] > back]
+    stalls = [e["stall_s"] for e in before if e["stall_s"] > 0]
+    return {
+        "mode": mode, "failed_after_step": failed_at, "restored_step": restored_step,
+        "lost_steps": failed_at - restored_step, "lost_s": (failed_at - restored_step) * step_s,
+        "retrieval_s": max((e["seconds"] for e in restores), default=0.0),
+        "restart_s": restart_s, "first_step_after_s": (min(after) - failure) if after else None,
+        "stall_median_s": statistics.median(stalls) if stalls else 0.0,
+        "saves": len(stalls), "restore_timeline": restores[0].get("timeline") if restores else None,
+    }
+
+
+def wasted(row: dict, *, mtbf_s: float, step_s: float, interval: int) -> dict:
+    """Per failure, over one MTBF (see the module docstring)."""
+    if row["mode"] == "gemini":
+        overhead = mtbf_s / step_s * row["stall_median_s"]
+    elif row["mode"] == "durable":
+        overhead = mtbf_s / (interval * step_s) * row["stall_median_s"]
+    else:
+        overhead = 0.0
+    without = overhead + row["lost_s"] + row["retrieval_s"]
+    return {**row, "overhead_s": overhead, "wasted_s": without, "wasted_with_restart_s": without + row["restart_s"]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=256, help="state per rank in MB (ballast included)")
+    ap.add_argument("--step-s", type=float, default=2.0, help="seconds per training step")
+    ap.add_argument("--mtbf-s", type=float, default=3600.0, help="the job's mean time between failures")
+    ap.add_argument("--storage-mbps", type=float, default=100.0, help="remote storage bandwidth per host, MB/s")
+    ap.add_argument("--persist-every", type=int, default=50, help="gemini_ckpt: a durable version every N steps")
+    ap.add_argument("--quick", action="store_true", help="16 MB per rank, 0.3 s steps, MTBF 2 min")
+    ap.add_argument("--out", default=os.path.join(
+        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        "recovery.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.step_s, args.mtbf_s, args.persist_every = 16, 0.3, 120.0, 20
+    rate = args.storage_mbps * 1e6
+    # C, the durable save's stall: the state at the storage's rate, plus its setup; estimated
+    # first from the bytes, then replaced by the measured median (the interval stays as run).
+    estimate_c = args.mb * 1e6 / rate + 0.5
+    interval = max(4, round(math.sqrt(2 * estimate_c * args.mtbf_s) / args.step_s))
+    kill_at = interval + interval // 2  # the midpoint of the second durable interval
+    steps = kill_at + max(6, interval // 2)
+
+    from gemini_ckpt.ray.local import LocalCluster
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))
+    cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
+    rows = []
+    try:
+        for mode in ("none", "gemini", "durable"):
+            print(f"== {mode}: {steps} steps of {args.step_s}s, host {KILL_HOST} lost after step {kill_at}", flush=True)
+            out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
+                      rate=rate, workdir=workdir, persist_every=args.persist_every,
+                      timeout=600 + 3 * steps * args.step_s)
+            rows.append(wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s,
+                               interval=interval))
+            cluster.ensure_hosts()
+    finally:
+        cluster.shutdown()
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    by = {r["mode"]: r for r in rows}
+    g, d, n = by["gemini"], by["durable"], by["none"]
+    result = {
+        "question": "time wasted per failure: gemini_ckpt (every step in memory) vs durable-only at Young/Daly",
+        "hosts": HOSTS, "state_mb_per_rank": args.mb, "step_s": args.step_s, "mtbf_s": args.mtbf_s,
+        "storage_mb_per_s_per_host": args.storage_mbps, "durable_interval_steps": interval,
+        "young_daly_interval_s": interval * args.step_s, "kill_after_step": kill_at, "steps": steps,
+        "ratio_without_restart": d["wasted_s"] / g["wasted_s"] if g["wasted_s"] else None,
+        "ratio_with_restart": d["wasted_with_restart_s"] / g["wasted_with_restart_s"],
+        "target_ratio": TARGET,
+        "restart_to_first_step_with_library_s": g["first_step_after_s"],
+        "restart_to_first_step_without_checkpointing_s": n["first_step_after_s"],
+        "library_adds_to_the_restart_s": (g["first_step_after_s"] - n["first_step_after_s"])
+        if g["first_step_after_s"] is not None and n["first_step_after_s"] is not None else None,
+        "rows": rows,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
+    }
+    result["target_met"] = (result["ratio_without_restart"] or 0) >= TARGET
+    # For ``placement advise --from-bench``: what a restart and a restore cost here.
+    result["costs"] = {"restart_host_s": g["restart_s"], "restore_peer_s": g["retrieval_s"],
+                       "durable_save_s": d["stall_median_s"], "restore_durable_s": d["retrieval_s"]}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(_markdown(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _markdown(r: dict) -> str:
+    lines = [f"{r['hosts']} simulated hosts, {r['state_mb_per_rank']} MB per rank, {r['step_s']}s steps, MTBF "
+             f"{r['mtbf_s']:.0f}s, remote storage {r['storage_mb_per_s_per_host']:.0f} MB/s per host; durable-only "
+             f"every {r['durable_interval_steps']} steps (Young/Daly); host lost after step {r['kill_after_step']}", "",
+             "| per failure | overhead (s) | work lost (s) | retrieval (s) | wasted (s) | Ray Train restart (s) "
+             "| wasted incl. restart (s) | failure -> next step (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"gemini": "gemini_ckpt, every step, replicas=2", "durable": "durable only (stock DCP, Young/Daly)",
+             "none": "no checkpointing (restart only)"}
+    for row in r["rows"]:
+        first = row["first_step_after_s"]
+        lines.append(f"| {names[row['mode']]} | {row['overhead_s']:.2f} | {row['lost_s']:.2f} "
+                     f"({row['lost_steps']} steps) | {row['retrieval_s']:.2f} | {row['wasted_s']:.2f} "
+                     f"| {row['restart_s']:.1f} | {row['wasted_with_restart_s']:.1f} "
+                     f"| {first:.1f} |" if first is not None else "| - |")
+    lines.append("")
+    ratio = r["ratio_without_restart"]
+    lines.append(f"wasted per failure, durable-only / gemini_ckpt: {ratio:.1f}x without the restart "
+                 f"(target >= {r['target_ratio']:.0f}x: {'met' if r['target_met'] else 'NOT met'}), "
+                 f"{r['ratio_with_restart']:.2f}x with it")
+    if r["library_adds_to_the_restart_s"] is not None:
+        lines.append(f"failure -> next step: {r['restart_to_first_step_with_library_s']:.1f}s with gemini_ckpt, "
+                     f"{r['restart_to_first_step_without_checkpointing_s']:.1f}s without checkpointing: the library "
+                     f"adds {r['library_adds_to_the_restart_s']:+.1f}s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
