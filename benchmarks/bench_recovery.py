@@ -239,6 +239,7 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
         try:
             with host_stores(ckpt, run_config=run_config):
                 box["result"] = trainer.fit()
+                box["stores"] = _store_memory(name) if mode == "gemini" else None
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             box["error"] = exc
 
@@ -263,7 +264,16 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
         ray.kill(progress)
     if "error" in box:
         raise box["error"]
-    return {"events": events, "failure_unix": failure}
+    return {"events": events, "failure_unix": failure, "stores": box.get("stores")}
+
+
+def _store_memory(namespace: str) -> dict:
+    """What each host store holds at the end of the run (after the failure and the restart)."""
+    from gemini_ckpt.cli.status import cluster_status
+
+    ns = cluster_status(namespace)[namespace]
+    return {"held_bytes": {h.slot: h.held_bytes for h in ns.hosts}, "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts},
+            "versions": sorted({v.step for v in ns.versions})}
 
 
 def measure(mode: str, out: dict, step_s: float) -> dict:
@@ -309,6 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--storage-mbps", type=float, default=100.0, help="remote storage bandwidth per host, MB/s")
     ap.add_argument("--persist-every", type=int, default=50, help="gemini_ckpt: a durable version every N steps")
     ap.add_argument("--quick", action="store_true", help="16 MB per rank, 0.3 s steps, MTBF 2 min")
+    ap.add_argument("--modes", default="none,gemini,durable", help="which runs (comma-separated)")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "recovery.json"))
@@ -330,13 +341,16 @@ def main(argv=None) -> int:
     cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
     rows = []
     try:
-        for mode in ("none", "gemini", "durable"):
+        for mode in args.modes.split(","):
             print(f"== {mode}: {steps} steps of {args.step_s}s, host {KILL_HOST} lost after step {kill_at}", flush=True)
             out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
                       rate=rate, workdir=workdir, persist_every=args.persist_every,
                       timeout=600 + 3 * steps * args.step_s)
             rows.append(wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s,
                                interval=interval))
+            if out.get("stores"):
+                rows[-1]["stores_at_end"] = out["stores"]
+                print(f"   host stores at the end: {out['stores']}", flush=True)
             cluster.ensure_hosts()
     finally:
         cluster.shutdown()
@@ -344,6 +358,9 @@ def main(argv=None) -> int:
 
         shutil.rmtree(workdir, ignore_errors=True)
     by = {r["mode"]: r for r in rows}
+    if set(by) != {"none", "gemini", "durable"}:  # --modes: a partial run has no ratios
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
     g, d, n = by["gemini"], by["durable"], by["none"]
     result = {
         "question": "time wasted per failure: gemini_ckpt (every step in memory) vs durable-only at Young/Daly",

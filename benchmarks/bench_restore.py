@@ -214,9 +214,9 @@ def _markdown(result: dict) -> str:
                      f"| {r['gbps']:.2f} | {read} | {r['speedup_vs_baseline']:.2f}x | {r['load_average'][0]:.1f} |")
     lines.append("")
     lines.append(f"peer memory vs {result['baseline']}: {result['peer_speedup']:.2f}x "
-                 f"(target >= {result['target_speedup']:.0f}x: {'met' if result['target_met'] else 'NOT met'})")
+                 f"(target >= {result['target_speedup']:g}x: {'met' if result['target_met'] else 'NOT met'})")
     lines.append(f"local memory vs stock dcp.load with the page cache warm: {result['local_speedup_vs_warm_dcp']:.2f}x "
-                 f"(target >= {result['local_target']:.0f}x: {'met' if result['local_target_met'] else 'NOT met'})")
+                 f"(target >= {result['local_target']:g}x: {'met' if result['local_target_met'] else 'NOT met'})")
     ft = result["floor_target"]
     lines.append(f"restore() / its floor: local {result['local_vs_copy_floor']:.2f}x the plain copy, peer "
                  f"{result['peer_vs_tcp_floor']:.2f}x raw TCP (target <= {ft}x)")

@@ -133,7 +133,7 @@ def summary_rows(res: dict) -> list[list[str]]:
                     continue
                 rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"{d['baseline'][len('stock '):]} "
                              f"{_f(base)}", f"{base / s:.2f}x speedup",
-                             f">= {d['target_speedup']:.0f}x" if peer else "-",
+                             f">= {d['target_speedup']:g}x" if peer else "-",
                              _met(d["target_met"]) if peer else "-"])
     d = res.get("persist")
     if d:

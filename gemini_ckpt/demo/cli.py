@@ -93,6 +93,8 @@ class DemoReport:
     timeline: Optional[str] = None
     final_digest: Optional[str] = None  # of the final model and optimizer state (rank 0)
     stages: list = field(default_factory=list)  # (seconds after the failure, what, whose) in order
+    step_s: list = field(default_factory=list)  # rank 0's step times (save included), restarts left out
+    after_persist_s: list = field(default_factory=list)  # the step after each persisted version
 
     @property
     def steps_lost(self) -> Optional[int]:
@@ -144,6 +146,14 @@ class DemoReport:
             ms = sorted(1e3 * s for s in self.commit_s)
             lines.append(f"commit       median {statistics.median(ms):.0f} ms from save() to every copy acknowledged "
                          f"({len(ms)} versions)")
+        if self.step_s:
+            med = statistics.median(self.step_s)
+            text = f"step time    median {1e3 * med:.0f} ms (rank 0, save included)"
+            if self.after_persist_s:
+                after = statistics.median(self.after_persist_s)
+                text += (f"; the step after a persisted version median {1e3 * after:.0f} ms ({after / med:.2f}x, "
+                         f"{len(self.after_persist_s)} versions)")
+            lines.append(text)
         if self.persisted:
             lines.append(f"persisted    steps {', '.join(map(str, sorted(set(self.persisted))))}; "
                          f"Ray Train result.checkpoint = {self.ray_checkpoint}")
@@ -304,6 +314,7 @@ def _build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: fl
     report.stalls_s = [e["stall_s"] for e in steps]
     report.commit_s = [e["latency_s"] for e in events if e["kind"] == "commit"]
     report.persisted = [e["step"] for e in persists]
+    report.step_s, report.after_persist_s = step_times(steps, {e["step"] for e in persists})
     done = [e for e in events if e["kind"] == "done" and e["rank"] == 0]
     if done:
         report.final_loss = done[-1]["loss"]
@@ -332,6 +343,25 @@ def _build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: fl
                 report.recovery_s = min(after) - failure["unix"]
             report.stages = recovery_stages(failure["unix"], events, restores, min(after) if after else None)
     return report
+
+
+def step_times(steps: list[dict], persisted: set) -> tuple[list[float], list[float]]:
+    """Rank 0's step times from its step events (the time between two consecutive steps of one
+    attempt: compute and ``save()``), and those of the step right after each persisted version
+    (when the persist and the report to Ray Train run in the background)."""
+    by_step = {}
+    for e in steps:
+        if e.get("rank", 0) == 0:
+            by_step[(e["attempt"], e["step"])] = e["unix"]
+    times, after = [], []
+    for (attempt, step), unix in sorted(by_step.items()):
+        prev = by_step.get((attempt, step - 1))
+        if prev is None:
+            continue
+        times.append(unix - prev)
+        if step - 1 in persisted:
+            after.append(unix - prev)
+    return times, after
 
 
 def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict],

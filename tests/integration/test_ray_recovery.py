@@ -65,3 +65,34 @@ def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_t
     # step counters) that DCP's deduplication saved in the other group's shards.
     assert restored[1]["read_local"] > 8 << 20 and restored[1]["read_peer"] < 1024, restored[1]
     print(f"re-replication after losing 1 of 4 hosts: {rereplicated_s:.2f}s")
+
+    # Training goes on: retention lets the versions from before the loss go (those made again
+    # and seeded included), so no store keeps more than it did before the failure.
+    more = ranks.train(range(3, 7))
+    assert all(r["committed"] for per_rank in more for r in per_rank)
+    wait_for(lambda: sorted(_copies(ns)) == [5, 6], timeout=30,
+             what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})")
+    held = {h: status(ns).host(h).held_bytes for h in range(HOSTS)}
+    assert all(v <= (2 + 1) * 2 * (9 << 20) for v in held.values()), held
+
+
+def test_a_replacement_that_joins_at_once_leaves_no_copies_behind_as_training_goes_on(ray_cluster, ranks):
+    """As a cloud replaces a host: the new node joins before the loss is even noticed."""
+    ns = f"rerep-fast-{uuid.uuid4().hex[:8]}"
+    ranks.restart(ns, ballast_mb=8)
+    trained = ranks.train(range(3))
+    assert all(r["committed"] for per_rank in trained for r in per_rank)
+    ray_cluster.remove_hosts((1,), wait=False)
+    ray_cluster.add_host(1)
+    new_node = node_id_of_host(1)
+    wait_for(lambda: status(ns).host(1).node_id == new_node, timeout=60, what="the replacement to take slot 1")
+    ranks.restart(ns, ballast_mb=8)
+    restored = ranks.call("restore")
+    assert [r["step"] for r in restored] == [2] * HOSTS
+    more = ranks.train(range(3, 9))
+    assert all(r["committed"] for per_rank in more for r in per_rank)
+    wait_for(lambda: sorted(_copies(ns)) == [7, 8], timeout=30,
+             what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})")
+    time.sleep(2)  # anything late (a copy made again after its version was let go) has landed
+    held = {h: status(ns).host(h).held_bytes for h in range(HOSTS)}
+    assert all(v <= (2 + 1) * 2 * (9 << 20) for v in held.values()), held

@@ -155,3 +155,20 @@ def test_the_demo_report_never_counts_negative_steps_lost():
     assert "steps lost   0 (the newest finished step was committed in memory)" in report.format()
     report.restored_step = 34
     assert report.steps_lost == 2 and "redone: 35..36" in report.format()
+
+
+def test_the_demo_report_times_the_step_after_each_persisted_version():
+    from gemini_ckpt.demo.cli import step_times
+
+    # Steps 0..5 every 0.1 s except the step after persisted step 2 (0.3 s); then a restart
+    # (attempt 1) whose first step has no predecessor in its attempt.
+    unix = [0.0, 0.1, 0.2, 0.5, 0.6, 0.7]
+    events = [{"kind": "step", "rank": 0, "attempt": 0, "step": i, "unix": t} for i, t in enumerate(unix)]
+    events += [{"kind": "step", "rank": 0, "attempt": 1, "step": 4, "unix": 9.0},
+               {"kind": "step", "rank": 0, "attempt": 1, "step": 5, "unix": 9.1}]
+    times, after = step_times(events, persisted={2})
+    assert [round(t, 6) for t in times] == [0.1, 0.1, 0.3, 0.1, 0.1, 0.1]
+    assert [round(t, 6) for t in after] == [0.3]
+    report = DemoReport(DemoOptions(), run_dir="runs/x", seconds=1.0, step_s=times, after_persist_s=after)
+    assert "step time    median 100 ms (rank 0, save included); the step after a persisted version median " \
+           "300 ms (3.00x, 1 versions)" in report.format()

@@ -73,6 +73,32 @@ def test_lent_segments_are_reused_only_when_their_version_is_released_and_nobody
     assert 6 not in table.versions
 
 
+def test_segments_lent_to_the_ranks_of_an_earlier_epoch_are_let_go_and_never_block_a_copy():
+    """After a restart, the node's ranks may have other numbers (Ray Train places them anew): the
+    free and staging segments of the previous processes would otherwise hold budget for good."""
+    plan = _plan()
+    n = plan.region_bytes
+    table = VersionTable(4 * n)
+    v = table.version(1, 5, world_size=2)
+    held = table.lend(0, n)
+    table.stage(v, 0, held.seg.id, plan, owner=0)  # rank 0's shard of step 5, kept
+    table.lend(0, n)  # in flight when the process died: staging
+    free = table.lend(0, n)
+    table.give_back(free.seg.id)
+    assert table.pool.held == 3 * n
+    table.new_epoch(ranks_here=(1,))  # rank 0 now runs elsewhere; rank 1 here
+    assert table.pool.held == n and [x.state for x in table.lent.values()] == ["held"]
+    table.release(v)  # the kept shard goes with its version, not back to rank 0's free list
+    assert table.pool.held == 0 and not table.lent
+    # Free staging memory never makes a peer's copy fail: it is let go when room is needed.
+    segs = [table.lend(1, n) for _ in range(3)]
+    for lent in segs:
+        table.give_back(lent.seg.id)
+    assert table.pool.held == 3 * n
+    table.receive(table.version(2, 6, world_size=2), 0, owner=0, nbytes=2 * n)
+    assert table.pool.held == 2 * n
+
+
 def test_a_version_of_a_newer_epoch_replaces_an_older_one_of_the_same_step_and_never_the_reverse():
     table = VersionTable(1 << 30)
     old = table.version(1, 5)

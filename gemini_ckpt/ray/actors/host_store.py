@@ -189,6 +189,7 @@ class HostStore(LocalRanks, Replication, Serving):
             for conn, _ in waiters:
                 conn.close()
         self._waiters = {}
+        self._table.new_epoch(cfg.ranks_here)
         self._epoch, self._cfg = epoch, cfg
         self._key = bytes.fromhex(info["key"]) if info.get("key") else None
         secret = bytes.fromhex(info["secret"])
@@ -296,6 +297,8 @@ class HostStore(LocalRanks, Replication, Serving):
             return {
                 "namespace": self.namespace, "node_id": self.node_id, "budget_bytes": pool.budget_bytes,
                 "held_bytes": self._table.held_bytes(), "reserved_bytes": pool.held + pool.pooled,
+                "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
+                         "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self._table.lent.values())},
                 "started_unix": self.started_unix, "epoch": self._epoch,
                 "slot": self._cfg.slot if self._cfg else None,
                 "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],

@@ -84,6 +84,7 @@ class VersionTable:
         self.node = node
         self.versions: dict[int, Version] = {}
         self.lent: dict[int, Lent] = {}
+        self.active_ranks: Optional[frozenset] = None  # ranks on this node this epoch (None: not known yet)
         self.plans: dict[tuple[str, int], tuple[ShardPlan, bytes]] = {}
         self.forgotten: dict[int, list[int]] = {}  # rank -> lent segments its trainer should unmap
 
@@ -109,12 +110,26 @@ class VersionTable:
             if lent.rank == rank and lent.state == "free" and lent.seg.nbytes == nbytes:
                 lent.state = "staging"
                 return lent
-        if not self.pool.fits(nbytes):
-            for seg_id in [i for i, x in self.lent.items() if x.state == "free"]:
-                self._forget_lent(seg_id)
+        self.make_room(nbytes)
         seg = self.pool.reserve(nbytes)
         lent = self.lent[seg.id] = Lent(seg, rank, "staging")
         return lent
+
+    def make_room(self, nbytes: int) -> None:
+        """Before reserving ``nbytes``: if they do not fit, let go of every free lent segment
+        (staging memory of any rank, holding nothing): they count against the budget too."""
+        if not self.pool.fits(nbytes):
+            for seg_id in [i for i, x in self.lent.items() if x.state == "free"]:
+                self._forget_lent(seg_id)
+
+    def new_epoch(self, ranks_here) -> None:
+        """A new rendezvous: the previous epoch's processes are gone (fenced), so segments lent
+        to them and not holding a kept shard are let go; those holding one go when it does,
+        unless a rank of this epoch on this node has the same number (it reuses them)."""
+        self.active_ranks = frozenset(ranks_here)
+        for seg_id in [i for i, x in self.lent.items() if x.state in ("free", "staging")]:
+            self._forget_lent(seg_id)
+        self.forgotten = {r: ids for r, ids in self.forgotten.items() if r in self.active_ranks}
 
     def give_back(self, seg_id: int) -> None:
         lent = self.lent.get(seg_id)
@@ -162,6 +177,7 @@ class VersionTable:
             raise ValueError(f"node {self.node[:12]}: step {v.step} already holds rank {rank}'s shard")
         if old is not None:
             self._free_shard(old)
+        self.make_room(nbytes)
         seg = self.pool.reserve(nbytes)
         shard = v.shards[rank] = Shard(rank, owner, seg, False)
         return shard
@@ -203,6 +219,8 @@ class VersionTable:
             lent = self.lent.get(shard.seg.id)
             if lent is not None:
                 lent.state = "free"
+                if self.active_ranks is not None and lent.rank not in self.active_ranks:
+                    self._forget_lent(shard.seg.id)  # its rank is elsewhere now: nobody reuses it
         else:
             self.pool.release(shard.seg)
 
