@@ -62,6 +62,16 @@ def write_results(name: str, payload: dict) -> Path:
     return path
 
 
+def write_report(path: str, result: dict, markdown: str) -> int:
+    """Write a benchmark's JSON to ``path`` (its ``--out``), print its table and where it went."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown)
+    print(f"\nwrote {path}")
+    return 0
+
+
 def table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)

@@ -28,7 +28,6 @@ Writes ``benchmarks/results/persist.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -41,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ray  # noqa: E402
 
 import _raybench as rb  # noqa: E402
+from _common import write_report  # noqa: E402
 
 HOSTS = 4
 
@@ -122,12 +122,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
         "raw": per_rank,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(_markdown(result))
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, result, _markdown(result))
 
 
 def _markdown(result: dict) -> str:

@@ -54,6 +54,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
+from _common import write_report  # noqa: E402
 
 HOSTS = 4
 KILL_HOST = 1
@@ -381,12 +382,7 @@ def main(argv=None) -> int:
     # For ``placement advise --from-bench``: what a restart and a restore cost here.
     result["costs"] = {"restart_host_s": g["restart_s"], "restore_peer_s": g["retrieval_s"],
                        "durable_save_s": d["stall_median_s"], "restore_durable_s": d["retrieval_s"]}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(_markdown(result))
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, result, _markdown(result))
 
 
 def _markdown(r: dict) -> str:

@@ -26,7 +26,6 @@ Writes ``benchmarks/results/replicate.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -41,6 +40,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+from _common import write_report  # noqa: E402
 
 HOSTS = 4
 LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
@@ -287,12 +287,7 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
         "rows": rows, "cap": cap_rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(_markdown(result))
-    print(f"\nwrote {args.out}")
-    return 0
+    return write_report(args.out, result, _markdown(result))
 
 
 def _store_timeline(namespace: str, step: int) -> dict:
