@@ -175,6 +175,7 @@ def train_loop(config: dict) -> dict:
         emit("restore", **restored)
     for _ in range(start):  # the data the restored steps consumed (the loader is not saved here)
         next(batches)
+    t_loop = time.time()
     for step in range(start, config["steps"]):
         t_step = time.time()
         loss = lm_loss(t.model, next(batches))
@@ -182,6 +183,7 @@ def train_loop(config: dict) -> dict:
         t.optimizer.step()
         t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
+        t_compute = time.time()
         time.sleep(max(0.0, config["step_s"] - (time.time() - t_step)))  # the rest of the step: GPU compute
         stall = 0.0
         if mode == "gemini":
@@ -193,6 +195,9 @@ def train_loop(config: dict) -> dict:
             dcp.save({"model": msd, "optim": osd, "sched": t.scheduler.state_dict()},
                      storage_writer=FsspecWriter(f"throttled://{config['root']}/{step}"))
             stall = time.perf_counter() - t0
+        if step == start:  # where an attempt's first step goes, on every rank (the slowest holds the rest back)
+            emit("first", step=step, loop_unix=t_loop, compute_s=t_compute - t_step, save_s=time.time() - t_step
+                 - config["step_s"] if mode != "none" else 0.0, step_end_unix=time.time())
         if rank == 0:
             emit("step", step=step, stall_s=stall)
     if ckpt is not None:
@@ -297,7 +302,26 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
         "restart_s": restart_s, "first_step_after_s": (min(after) - failure) if after else None,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         "saves": len(stalls), "restore_timeline": restores[0].get("timeline") if restores else None,
+        "first_step_parts": _first_step_parts(events, failure),
     }
+
+
+def _first_step_parts(events: list[dict], failure: float) -> Optional[dict]:
+    """The new attempt's way to its first step, per rank, in seconds after the failure: workers
+    in the training function, restore done, loop entered, first step's compute and save done."""
+    parts: dict = {}
+    for e in events:
+        if e["unix"] <= failure:
+            continue
+        row = parts.setdefault(e["rank"], {})
+        if e["kind"] == "start":
+            row["start"] = round(e["unix"] - failure, 2)
+        elif e["kind"] == "restore":
+            row["restored"] = round(e["unix"] - failure, 2)
+        elif e["kind"] == "first":
+            row.update(loop=round(e["loop_unix"] - failure, 2), compute_s=round(e["compute_s"], 3),
+                       save_s=round(e["save_s"], 3), step_done=round(e["step_end_unix"] - failure, 2))
+    return {str(r): parts[r] for r in sorted(parts)} or None
 
 
 def wasted(row: dict, *, mtbf_s: float, step_s: float, interval: int) -> dict:
@@ -349,6 +373,7 @@ def main(argv=None) -> int:
                       timeout=600 + 3 * steps * args.step_s)
             rows.append(wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s,
                                interval=interval))
+            print(f"   after the failure, per rank (s): {rows[-1]['first_step_parts']}", flush=True)
             if out.get("stores"):
                 rows[-1]["stores_at_end"] = out["stores"]
                 print(f"   host stores at the end: {out['stores']}", flush=True)

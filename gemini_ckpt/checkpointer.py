@@ -76,6 +76,7 @@ class _Job:
     outcome: Any  # Future[Outcome] from the memory tier
     t0: float
     persist: bool
+    slot: object  # the in-flight slot this version holds (Checkpointer._slots)
 
 
 class Checkpointer:
@@ -114,12 +115,16 @@ class Checkpointer:
         self._store = store
         self.stats = CheckpointStats()
         self._lock = threading.Condition()
-        self._inflight = 0
+        # One token per save() holding an in-flight slot, added and discarded in single calls: a
+        # KeyboardInterrupt anywhere in save() leaves the set telling whether the slot was taken.
+        self._slots: set[object] = set()
         self._errors: list[BaseException] = []
         self._jobs: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._bg_group = None
         self._closed = False
+        self._closing = False  # close()/abort() began: no save() takes a slot from here on
+        self._stopped = False  # the background thread was told to stop: nothing more is queued
         self._policy = persist_policy(self.config.persist_every,
                                       self.config.durable_uri or (durable.uri if durable else None))
         self._durable: Optional[DurableTier] = durable
@@ -233,7 +238,13 @@ class Checkpointer:
         job that is going down anyway (an exception in the training loop, a peer that died).
         Versions already committed stay in the store; one still in flight never commits."""
         if not self._closed:
+            with self._lock:
+                self._closing = True
             self._shutdown(raise_errors=False)
+
+    @property
+    def _inflight(self) -> int:
+        return len(self._slots)
 
     # --- save ---------------------------------------------------------------------------------
     def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
@@ -254,20 +265,25 @@ class Checkpointer:
         self._raise_background_errors()
         self._lineage.admit(step)
         t0 = time.perf_counter()
-        with self._lock:
-            while self._inflight >= self.config.max_inflight:
-                if self.config.inflight_policy == "skip":
-                    self.stats.skipped += 1
-                    log.warning("skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
-                                step, self._inflight, self.stats.skipped)
-                    return SaveHandle(step, skipped=True)
-                if not self._lock.wait(timeout=self.config.timeout_s):
-                    raise CheckpointTimeoutError(
-                        f"save({step}) waited {self.config.timeout_s}s for the previous version's "
-                        f"background work; raise CheckpointConfig.timeout_s or look at the store")
-            self._inflight += 1
-        segment, queued = None, False
+        slot, segment, queued = object(), None, False
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
+            with self._lock:
+                while True:
+                    if self._closing:
+                        raise CheckpointError(f"save({step}): this Checkpointer is closing (close() or abort() "
+                                              f"was called from another thread); build a new one")
+                    if self._inflight < self.config.max_inflight:
+                        break
+                    if self.config.inflight_policy == "skip":
+                        self.stats.skipped += 1
+                        log.warning("skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
+                                    step, self._inflight, self.stats.skipped)
+                        return SaveHandle(step, skipped=True)
+                    if not self._lock.wait(timeout=self.config.timeout_s):
+                        raise CheckpointTimeoutError(
+                            f"save({step}) waited {self.config.timeout_s}s for the previous version's "
+                            f"background work; raise CheckpointConfig.timeout_s or look at the store")
+                self._slots.add(slot)
             self._raise_background_errors()
             captured = self._sources.capture()
             if captured is None:
@@ -287,14 +303,18 @@ class Checkpointer:
             stall = time.perf_counter() - t0
             handle = SaveHandle(step)
             handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes))
-            self._jobs.put(_Job(handle, outcome, t0, due))
-            queued = True
+            with self._lock:
+                if self._stopped:  # abort() from another thread stopped the background thread meanwhile
+                    raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
+                                          f"being staged; it may still commit in the store, but is not tracked")
+                self._jobs.put(_Job(handle, outcome, t0, due, slot))
+                queued = True
         finally:
             if not queued:
                 if segment is not None:
                     self._store.give_back(segment)
                 with self._lock:
-                    self._inflight -= 1
+                    self._slots.discard(slot)
                     self._lock.notify_all()
         self._lineage.saved(step)
         s = self.stats
@@ -343,6 +363,8 @@ class Checkpointer:
         """Wait for in-flight work, stop the background thread, raise what failed."""
         if self._closed:
             return
+        with self._lock:
+            self._closing = True  # saves from other threads are refused from here on
         try:
             if self._thread is not None:
                 self.wait()
@@ -356,16 +378,22 @@ class Checkpointer:
                               f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
 
     def wait_persisted(self, timeout: Optional[float] = None) -> None:
-        """Block until every queued persist is done (succeeded or failed)."""
+        """Block until every version saved so far is committed and its persist, if it is due
+        one, is done (succeeded or failed)."""
+        if self._thread is not None:
+            self.wait(timeout)  # a persist is queued when its version commits
         if self._persister is not None:
             self._persister.wait(self.config.timeout_s if timeout is None else timeout)
         self._raise_background_errors()
 
     def _shutdown(self, *, raise_errors: bool) -> None:
+        with self._lock:
+            self._closing = self._stopped = True
+            self._jobs.put(None)  # after every job queued so far; none is queued after it
         if self._thread is not None:
-            self._jobs.put(None)
             self._thread.join(timeout=self.config.timeout_s)
             self._thread = None
+        self._fail_unfinished()
         if self._persister is not None:
             self._persister.stop(self.config.timeout_s)
         self._closed = True
@@ -373,6 +401,29 @@ class Checkpointer:
             self._store.close()
         if raise_errors:
             self._raise_background_errors()
+
+    def _fail_unfinished(self) -> None:
+        """Resolve the handles of versions the stopped background thread never took (abort, or a
+        thread that did not stop in time): every handle a save() returned resolves."""
+        stop = False
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                if stop:  # a thread that did not stop in time still finds it
+                    self._jobs.put(None)
+                return
+            if job is None:
+                stop = True
+                continue
+            err = CheckpointError(f"rank {self.rank}: version {job.handle.step} was not tracked to its commit: "
+                                  f"the Checkpointer was closed first")
+            for fut in (job.handle.health, job.handle.committed, job.handle.persisted):
+                if not fut.done():
+                    fut.set_exception(err)
+            with self._lock:
+                self._slots.discard(job.slot)
+                self._lock.notify_all()
 
     def _raise_background_errors(self) -> None:
         with self._lock:
@@ -423,7 +474,7 @@ class Checkpointer:
                     self._errors.append(err)
             finally:
                 with self._lock:
-                    self._inflight -= 1
+                    self._slots.discard(job.slot)
                     self._lock.notify_all()
 
     def _hand_off(self, job: _Job):

@@ -29,6 +29,11 @@ class ChecksumError(CheckpointError, ValueError):
     """Bytes read back do not match the checksum recorded when they were written."""
 
 
+class VerificationError(ChecksumError):
+    """A version failed verification (damaged, unsigned, wrongly signed, or holding something
+    the allow-lists refuse); restore skips it for the next older version."""
+
+
 class VersionNotFoundError(CheckpointError, LookupError):
     """The requested version is not committed in the store."""
 

@@ -16,13 +16,12 @@ Bytes from the durable tier or from a host store are hostile until verified:
    classes, ``torch.Size``, dtypes and plain builtins; non-tensor items with
    ``torch.load(weights_only=True)``; our opaque blobs (RNG streams, data-loader, scheduler,
    scaler, ``extra``) through an unpickler that knows builtins, numpy arrays and torch tensors,
-   plus anything the user registered with ``torch.serialization.add_safe_globals``.
+   plus anything the user registered with ``torch.serialization.add_safe_globals``. The
+   unpickler itself, which also budgets what a pickle may allocate, is :mod:`gemini_ckpt.unpickle`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import hashlib
 import hmac
 import importlib
@@ -30,24 +29,20 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Optional, Union
 
 from .checksum import checksum
-from .errors import ChecksumError
+from .errors import VerificationError
 from .health import Health
 from .stores.manifest import ItemChecksum, VersionManifest
+from .unpickle import _AllowList, _Budget, _safe_load, no_gc  # noqa: F401 - no_gc: re-exported
 
 ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
 FORMAT = "gemini_ckpt/2"
 LEGACY_FORMATS = ("gemini_ckpt/1",)  # markers without metadata/manifest checksums
 _SIGN_CONTEXT = b"gemini_ckpt manifest hmac-sha256 v1\x00"
 
-
-class VerificationError(ChecksumError):
-    """A version failed verification (damaged, unsigned, wrongly signed, or holding something
-    the allow-lists refuse); restore skips it for the next older version."""
 
 
 # --- keys and signatures ----------------------------------------------------------------------
@@ -69,27 +64,32 @@ def sign(manifest: VersionManifest, key: Optional[bytes]) -> VersionManifest:
     return replace(manifest, signature=_mac(key, manifest))
 
 
-def check_signature(manifest: VersionManifest, key: Optional[bytes]) -> None:
-    """With a key: raise VerificationError unless ``manifest`` carries its valid signature."""
+def check_signature(manifest: VersionManifest, key: Optional[bytes], metadata_bytes: Optional[int] = None) -> None:
+    """With a key: raise VerificationError unless ``manifest`` carries its valid signature.
+    ``metadata_bytes``: the size of ``.metadata`` the marker records, when the manifest is
+    checked before ``.metadata`` is read (so nothing is read on an unsigned size)."""
     if key is None:
         return
     where = f"step {manifest.step}"
     if manifest.signature is None:
         raise VerificationError(f"{where} is not signed, and a signing key is set (CheckpointConfig.signing_key "
                                 f"or ${ENV_KEY}); an unsigned version is refused")
-    if manifest.metadata_crc is None or not hmac.compare_digest(manifest.signature, _mac(key, manifest)):
+    if manifest.metadata_crc is None or not hmac.compare_digest(manifest.signature,
+                                                                _mac(key, manifest, metadata_bytes)):
         raise VerificationError(f"{where} has a signature that does not match this signing key (forged, "
                                 f"damaged, or written with another key); refused")
 
 
-def _mac(key: bytes, manifest: VersionManifest) -> str:
-    return hmac.new(key, _SIGN_CONTEXT + canonical_bytes(manifest), hashlib.sha256).hexdigest()
+def _mac(key: bytes, manifest: VersionManifest, metadata_bytes: Optional[int] = None) -> str:
+    return hmac.new(key, _SIGN_CONTEXT + canonical_bytes(manifest, metadata_bytes), hashlib.sha256).hexdigest()
 
 
 # --- manifest encoding -------------------------------------------------------------------------
-def manifest_fields(m: VersionManifest) -> dict:
+def manifest_fields(m: VersionManifest, metadata_bytes: Optional[int] = None) -> dict:
     """The fields a checksum and a signature cover (everything but the signature itself).
-    ``health`` only when recorded, so markers written before it existed verify as they did."""
+    ``health`` only when recorded, so markers written before it existed verify as they did.
+    ``metadata_bytes``: instead of ``len(m.metadata)`` (a marker checked before ``.metadata``
+    is read)."""
     fields = {
         "format": FORMAT,
         "step": m.step,
@@ -97,7 +97,7 @@ def manifest_fields(m: VersionManifest) -> dict:
         "file_sizes": dict(m.file_sizes),
         "checksum_algorithm": "crc32c",
         "checksums": [[c.file, c.offset, c.length, c.crc] for c in m.checksums],
-        "metadata_bytes": len(m.metadata),
+        "metadata_bytes": len(m.metadata) if metadata_bytes is None else metadata_bytes,
         "metadata_crc": m.metadata_crc,
         "job": m.job,
     }
@@ -106,8 +106,9 @@ def manifest_fields(m: VersionManifest) -> dict:
     return fields
 
 
-def canonical_bytes(m: VersionManifest) -> bytes:
-    return json.dumps(manifest_fields(m), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+def canonical_bytes(m: VersionManifest, metadata_bytes: Optional[int] = None) -> bytes:
+    return json.dumps(manifest_fields(m, metadata_bytes), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode()
 
 
 def manifest_to_json(m: VersionManifest) -> dict:
@@ -134,7 +135,42 @@ def manifest_from_json(d: Any, metadata: bytes) -> VersionManifest:
         raise VerificationError(f"malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
+def check_marker(d: Any, key: Optional[bytes] = None) -> Optional[int]:
+    """Check a marker on its own, before ``.metadata`` is read: its structure, its checksum and,
+    with ``key``, its signature, all over the size of ``.metadata`` it records. Returns that size
+    (None for a legacy marker, which records none). A torn or forged marker raises
+    VerificationError: such a version is not complete."""
+    try:
+        manifest, fmt = _decode(d, b"")
+        if fmt != FORMAT:
+            check_signature(manifest, key)
+            return None
+        size = _int(d["metadata_bytes"], "metadata_bytes")
+        if checksum(canonical_bytes(manifest, size)) != _int(d.get("manifest_crc"), "manifest_crc"):
+            raise VerificationError("the manifest fails its checksum (damaged)")
+        check_signature(manifest, key, size)
+        return size
+    except VerificationError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise VerificationError(f"malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
 def _from_json(d: Any, metadata: bytes) -> VersionManifest:
+    manifest, fmt = _decode(d, metadata)
+    if fmt == FORMAT:
+        if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):
+            raise VerificationError(f".metadata holds {len(metadata)} bytes, the manifest says "
+                                    f"{d['metadata_bytes']} (truncated or replaced)")
+        check_metadata(manifest)  # (a manifest without ``metadata_crc`` is refused when signing)
+        if checksum(canonical_bytes(manifest)) != _int(d.get("manifest_crc"), "manifest_crc"):
+            raise VerificationError("the manifest fails its checksum (damaged)")
+    check_metadata(manifest)
+    return manifest
+
+
+def _decode(d: Any, metadata: bytes) -> tuple[VersionManifest, str]:
+    """The marker's manifest (with ``metadata``) and format, structure checked; no checksum."""
     if not isinstance(d, dict):
         raise VerificationError(f"the manifest is a {type(d).__name__}, not a JSON object")
     fmt = d.get("format")
@@ -170,15 +206,7 @@ def _from_json(d: Any, metadata: bytes) -> VersionManifest:
         signature=_signature(d.get("signature")),
         health=health,
     )
-    if fmt == FORMAT:
-        if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):
-            raise VerificationError(f".metadata holds {len(metadata)} bytes, the manifest says "
-                                    f"{d['metadata_bytes']} (truncated or replaced)")
-        check_metadata(manifest)  # (a manifest without ``metadata_crc`` is refused when signing)
-        if checksum(canonical_bytes(manifest)) != _int(d.get("manifest_crc"), "manifest_crc"):
-            raise VerificationError("the manifest fails its checksum (damaged)")
-    check_metadata(manifest)
-    return manifest
+    return manifest, fmt
 
 
 def _int(v: Any, what: str, low: int = 0) -> int:
@@ -207,50 +235,6 @@ def check_metadata(manifest: VersionManifest) -> None:
     if manifest.metadata_crc is not None and checksum(manifest.metadata) != manifest.metadata_crc:
         raise VerificationError(f"step {manifest.step}: .metadata fails its checksum "
                                 f"({len(manifest.metadata)} bytes; damaged or replaced)")
-
-
-# --- allow-listed unpickling -------------------------------------------------------------------
-class _AllowList(pickle.Unpickler):
-    """An unpickler that resolves only the globals ``allowed`` maps (module, name) to."""
-
-    def __init__(self, data: bytes, allowed: Callable[[str, str], Any], what: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._allowed, self._what = allowed, what
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = self._allowed(module, name)
-        if obj is None:
-            raise VerificationError(f"{self._what} refers to {module}.{name}, which is not allow-listed; "
-                                    f"refusing to load it (a crafted or foreign file?)")
-        return obj
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise VerificationError(f"{self._what} holds a persistent reference; refusing to load it")
-
-
-def _safe_load(data: bytes, allowed: Callable[[str, str], Any], what: str) -> Any:
-    with no_gc():
-        try:
-            return _AllowList(data, allowed, what).load()
-        except VerificationError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any decoding failure of hostile bytes means "damaged"
-            raise VerificationError(f"{what} cannot be decoded ({type(exc).__name__}: {exc})") from None
-
-
-@contextlib.contextmanager
-def no_gc():
-    """The cyclic garbage collector off inside the block (restore, and decoding pickles that
-    build thousands of small objects): an allocation burst otherwise triggers a full collection,
-    which walks every object of the process: 0.26 s of CPU in a Ray Train worker running a small
-    FSDP2 job (412k objects), more than the whole restore of that job's state."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 _BUILTINS = {"set", "frozenset", "complex", "slice", "range", "bytearray", "int", "float", "str", "bytes",
@@ -343,6 +327,7 @@ def _safe_storage_from_bytes(b: bytes) -> Any:
     # ``torch.storage._load_from_bytes`` with weights_only=False; ours loads them safely.
     import torch
 
+    check_torch_bytes(b, "a tensor's storage")
     return torch.load(io.BytesIO(b), weights_only=True)
 
 
@@ -371,8 +356,8 @@ def _value_global(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     if module in _NUMPY_MODULES and name in _NUMPY and module.split(".")[-1] == _NUMPY[name].split(".")[-1]:
         return getattr(importlib.import_module(_NUMPY[name]), name)
-    if module == "numpy.dtypes" and name.endswith("DType"):
-        import numpy as np
+    if module == "numpy.dtypes" and name.endswith("DType") and name not in ("ObjectDType", "StringDType"):
+        import numpy as np  # (arrays of objects or variable-width strings: see _by_dtype)
 
         obj = getattr(importlib.import_module(module), name, None)
         return obj if isinstance(obj, type) and issubclass(obj, np.dtype) else None
@@ -405,10 +390,13 @@ def value_loads(data: bytes, what: str = "a saved value") -> Any:
     return _safe_load(bytes(data), _value_global, what)
 
 
-def torch_load_value(data: Any, what: str) -> Any:
-    """A ``torch.save``-d item (a tensor, or a non-tensor DCP item) with ``weights_only=True``."""
+def torch_load_value(data: Any, what: str, *, storage_bytes: Optional[int] = None) -> Any:
+    """A ``torch.save``-d item (a tensor, or a non-tensor DCP item) with ``weights_only=True``,
+    after :func:`check_torch_bytes` (``storage_bytes``: what the item's metadata says its
+    tensor data holds)."""
     import torch
 
+    check_torch_bytes(data, what, storage_bytes)
     try:
         return torch.load(ViewFile(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any failure decoding hostile bytes means "refused"
@@ -416,6 +404,190 @@ def torch_load_value(data: Any, what: str) -> Any:
         reason = next((line for line in first if "Unsupported" in line or "global" in line.lower()), None)
         raise VerificationError(f"{what} cannot be loaded safely ({type(exc).__name__}: "
                                 f"{reason or (first[0] if first else '')})") from None
+
+
+# --- torch.save archives: checked before torch.load sees them ----------------------------------------
+_MAX_RECORDS = 4096
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def check_torch_bytes(data: Any, what: str, storage_bytes: Optional[int] = None) -> None:
+    """Raise VerificationError unless ``torch.load`` of ``data`` allocates no more than ``data``
+    holds: every zip record stored (never deflated: a small record could inflate to gigabytes)
+    and inside the bytes, each storage record exactly the size its pickle names (and, with
+    ``storage_bytes``, all of them together exactly that), and the pickle itself decoded once
+    through a budgeted allow-list with stand-ins for storages and tensors (torch's own
+    weights-only unpickler lets ``bytearray(10**9)`` through)."""
+    view = memoryview(data).cast("B")
+    with no_gc():
+        try:
+            if view[:4] == _ZIP_MAGIC:
+                _check_zip(view, what, storage_bytes)
+            else:
+                _check_legacy(view, what, storage_bytes)
+        except VerificationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - anything failing on hostile bytes means "refused"
+            raise VerificationError(f"{what} is not a torch.save archive that loads safely "
+                                    f"({type(exc).__name__}: {exc})") from None
+
+
+def _check_zip(view: memoryview, what: str, storage_bytes: Optional[int]) -> None:
+    import zipfile
+
+    archive = zipfile.ZipFile(ViewFile(view))
+    infos = archive.infolist()
+    if len(infos) > _MAX_RECORDS:
+        raise VerificationError(f"{what}: an archive of {len(infos)} records; refused")
+    pickled, records, total = None, {}, 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1:
+            raise VerificationError(f"{what}: record {info.filename!r} is compressed or encrypted ({info.file_size} "
+                                    f"bytes unpacked from {info.compress_size}); torch.save never writes one, refused")
+        if info.header_offset + info.file_size > len(view):
+            raise VerificationError(f"{what}: record {info.filename!r} lies outside the item")
+        total += info.file_size
+        rest = info.filename.partition("/")[2]
+        if rest == "data.pkl":
+            pickled = info
+        elif rest.startswith("data/"):
+            records[rest[len("data/"):]] = info.file_size
+    if total > len(view):
+        raise VerificationError(f"{what}: its records claim {total} bytes in an item of {len(view)}")
+    if pickled is None:
+        raise VerificationError(f"{what}: no data.pkl record (not a torch.save archive)")
+    if storage_bytes is not None and sum(records.values()) != storage_bytes:
+        raise VerificationError(f"{what}: holds {sum(records.values())} bytes of tensor data, its metadata says "
+                                f"{storage_bytes}; refused")
+    raw = archive.read(pickled)
+
+    def storage(pid: Any) -> Any:
+        typ, key, numel = _storage_pid(pid, 5, what)
+        if records.get(key) != numel * typ.itemsize:
+            raise VerificationError(f"{what}: storage {key!r} holds {records.get(key)} bytes, its pickle says "
+                                    f"{numel * typ.itemsize}; refused")
+        return _DryStorage(numel * typ.itemsize, typ.itemsize)
+
+    _AllowList(io.BytesIO(raw), _archive_global, what, _Budget(len(view), what), storage).load()
+
+
+def _check_legacy(view: memoryview, what: str, storage_bytes: Optional[int]) -> None:
+    """``torch.save(..., _use_new_zipfile_serialization=False)`` (how plain pickle stores a tensor's
+    storage): magic, protocol, system info, the object, the storage keys, then raw storages."""
+    f = ViewFile(view)
+    budget = _Budget(len(view), what)
+    claimed = [0]
+
+    def storage(pid: Any) -> Any:
+        typ, _, numel = _storage_pid(pid, 6, what)
+        claimed[0] += numel * typ.itemsize
+        if claimed[0] > len(view):
+            raise VerificationError(f"{what}: its storages claim {claimed[0]} bytes in an item of {len(view)}; "
+                                    f"refused")
+        return _DryStorage(numel * typ.itemsize, typ.itemsize)
+
+    for _ in range(3):  # magic number, protocol version, system info: plain values
+        _AllowList(f, _value_global, what, budget).load()
+    _AllowList(f, _archive_global, what, budget, storage).load()
+    _AllowList(f, _value_global, what, budget).load()
+    if storage_bytes is not None and claimed[0] != storage_bytes:
+        raise VerificationError(f"{what}: holds {claimed[0]} bytes of tensor data, its metadata says "
+                                f"{storage_bytes}; refused")
+
+
+class _StorageType:
+    """Stands in for ``torch.FloatStorage`` & co. in a checked pickle: named, never called."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise VerificationError("a torch.save archive that constructs a storage itself; refused")
+
+
+class _DryStorage:
+    def __init__(self, nbytes: int, itemsize: int) -> None:
+        self.nbytes, self.itemsize = nbytes, itemsize
+
+
+class _DryTensor:
+    pass
+
+
+def _storage_pid(pid: Any, arity: int, what: str) -> tuple[_StorageType, str, int]:
+    if not (isinstance(pid, tuple) and len(pid) == arity and pid[0] == "storage"):
+        raise VerificationError(f"{what}: a persistent reference that is not a storage; refused")
+    typ, key, numel = pid[1], pid[2], pid[4]
+    if not isinstance(typ, _StorageType) or not isinstance(key, str) or not isinstance(numel, int) or numel < 0:
+        raise VerificationError(f"{what}: a malformed storage reference; refused")
+    return typ, key, numel
+
+
+def _dry_rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _DryTensor:
+    """``torch._utils._rebuild_tensor{,_v2,_v3}`` in a checked pickle: the view must fit its storage."""
+    import torch
+
+    dims = (size, stride)
+    if (not isinstance(storage, _DryStorage) or not isinstance(offset, int) or offset < 0
+            or not all(isinstance(t, tuple) and all(isinstance(d, int) and d >= 0 for d in t) for t in dims)
+            or len(size) != len(stride)):
+        raise VerificationError("a tensor whose storage, offset, size or stride is malformed")
+    itemsize = storage.itemsize
+    if len(rest) >= 3 and isinstance(rest[2], torch.dtype):  # _rebuild_tensor_v3: an untyped storage and a dtype
+        itemsize = rest[2].itemsize
+    elements = storage.nbytes // max(itemsize, 1)
+    extent = 0 if 0 in size else offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1
+    if extent > elements:
+        raise VerificationError(f"a tensor view of {extent} elements on a storage of {elements}")
+    return _DryTensor()
+
+
+def _dry_first(data: Any, *rest: Any) -> Any:
+    return data
+
+
+def _archive_global(module: str, name: str) -> Any:
+    """What a ``torch.save`` archive's pickle may name, with stand-ins for storages and tensors."""
+    import torch
+
+    if module == "torch._utils" and name in ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+        return _dry_rebuild_tensor
+    if module == "torch._utils" and name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+        return _dry_first
+    if (module, name) == ("torch.storage", "UntypedStorage"):
+        return _StorageType(1)
+    if module == "torch" and name.endswith("Storage") and not name.startswith("_"):
+        cls = getattr(torch, name, None)
+        dtype = getattr(cls, "_dtype", None)  # (``cls.dtype`` warns that TypedStorage is deprecated)
+        if isinstance(cls, type) and issubclass(cls, torch.storage._LegacyStorage) and isinstance(dtype, torch.dtype):
+            return _StorageType(dtype.itemsize)
+        return None
+    if (module, name) == ("_codecs", "encode"):
+        import codecs
+
+        return codecs.encode
+    if (module, name) in (("torch.storage", "_load_from_bytes"), ("torch", "Tensor"),
+                          ("torch.nn.parameter", "Parameter")):
+        return None
+    return _value_global(module, name)
+
+
+def item_nbytes(metadata: Any, index: Any) -> Optional[int]:
+    """The bytes of tensor data the DCP item at ``index`` holds by its metadata (None: not a
+    tensor item); VerificationError when the metadata names no such chunk."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = metadata.state_dict_metadata.get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    offsets = tuple(index.offset) if index.offset is not None else None
+    for chunk in md.chunks:
+        if offsets is None or tuple(chunk.offsets) == offsets:
+            n = 1
+            for d in chunk.sizes:
+                n *= int(d)
+            return n * md.properties.dtype.itemsize
+    raise VerificationError(f"{index.fqn}: the metadata has no chunk at offset {offsets}")
 
 
 def is_opaque_key(fqn: str) -> bool:

@@ -2,23 +2,29 @@
 storage does: writes raise while ``failing`` is set (a full disk, a bucket refusing uploads),
 every operation raises while ``unreachable`` is set (the network to the bucket is down),
 and writes to paths containing ``stall_on`` block (a hung upload) so a test can kill the
-writer mid-persist, and deletes raise while ``failing_deletes`` is set."""
+writer mid-persist, and deletes raise while ``failing_deletes`` is set. While ``tearing`` is
+set, a write to a file whose name contains ``torn_on`` lands half its bytes and then fails
+with ENOSPC (a disk filling up in the middle of a file)."""
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 
 class FaultyHandler(pafs.FileSystemHandler):
-    def __init__(self, *, stall_on: str | None = None) -> None:
+    def __init__(self, *, stall_on: str | None = None, torn_on: str | None = None) -> None:
         self.base = pafs.LocalFileSystem()
         self.failing = threading.Event()
         self.unreachable = threading.Event()
         self.failing_deletes = threading.Event()  # deletes raise (a bucket policy without delete)
         self.stall_on = stall_on
+        self.torn_on = torn_on
+        self.tearing = threading.Event()
         self.writes = 0
 
     def _check_read(self, path) -> None:
@@ -36,7 +42,10 @@ class FaultyHandler(pafs.FileSystemHandler):
     # writes
     def open_output_stream(self, path, metadata):
         self._check_write(path)
-        return self.base.open_output_stream(path)
+        stream = self.base.open_output_stream(path)
+        if self.torn_on and self.tearing.is_set() and self.torn_on in path.rsplit("/", 1)[-1]:
+            return pa.PythonFile(_Torn(stream), mode="w")
+        return stream
 
     def open_append_stream(self, path, metadata):
         self._check_write(path)
@@ -100,6 +109,27 @@ class FaultyHandler(pafs.FileSystemHandler):
     def open_input_file(self, path):
         self._check_read(path)
         return self.base.open_input_file(path)
+
+
+class _Torn:
+    """A stream that writes half of what it is given, then fails as a full disk does."""
+
+    closed = False
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        self.stream.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.stream.close()
+        self.closed = True
 
 
 def faulty_filesystem(**kwargs) -> tuple[pafs.PyFileSystem, FaultyHandler]:

@@ -47,7 +47,7 @@ def _ls(args: argparse.Namespace) -> int:
                "health": None, "problem": None}
         if complete:
             try:
-                manifest = tier.store.manifest(step)
+                manifest = tier.store.manifest(step, key=key)  # the signature before .metadata is read
                 load_metadata(manifest, key)
                 row["bytes"] = manifest.nbytes
                 row["job"] = manifest.job

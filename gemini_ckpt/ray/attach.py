@@ -13,6 +13,13 @@ file descriptors ride with the first bytes of a message. The first exchange prov
 trainer knows the namespace's secret: the store sends a nonce, the trainer answers
 ``HMAC-SHA256(secret, "attach" | nonce | rank | epoch)``; anything else closes the socket.
 
+The socket is abstract, so any process of the node can connect. Until its proof checks, a
+connection is a stranger's and gets little: a process of another uid is refused at accept
+(``SO_PEERCRED``), the whole handshake has :data:`HANDSHAKE_DEADLINE_S`, at most
+:data:`MAX_HELLO` bytes are read (a message declaring more is refused unread), and file
+descriptors passed with the hello are closed whatever it proves. Refusals are logged at most
+once per ten seconds, with a count.
+
 Messages (trainer -> store, each with an ``id`` the reply carries):
 
 - ``plan``: payload = an encoded ShardPlan of this rank; reply ``{}``;
@@ -38,9 +45,10 @@ import os
 import socket
 import struct
 import threading
+import time
 import uuid
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -49,6 +57,48 @@ MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 31
 MAX_FDS = 4
 _CONTEXT = b"gemini_ckpt attach v1\x00"
+
+HANDSHAKE_DEADLINE_S = 5.0
+"""Seconds from accept to a verified proof (the store's greeting, the trainer's hello); past it
+the connection is closed. A trainer answers at once; a module constant for now (an
+``AttachServer`` argument once a deployment needs to tune it)."""
+
+MAX_HELLO = 4 << 10
+"""Bytes the store reads of a message before its proof checks (the hello is a JSON header of
+rank, epoch and proof, about 150 bytes, and no payload); a message declaring more is refused
+before any of it is read."""
+
+_LOG_EVERY_S = 10.0
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class PeerCredentials(NamedTuple):
+    """Who is at the other end of a Unix socket, as the kernel says (``SO_PEERCRED``)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The connecting process's pid, uid and gid (Linux ``SO_PEERCRED``; what it was at connect)."""
+    return PeerCredentials(*_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              _PEERCRED.size)))
+
+
+def peer_refusal(peer: PeerCredentials, uid: int) -> Optional[str]:
+    """Why ``peer`` may not attach to a store serving ``uid`` (None: it may). Only processes of the
+    store's own user: anyone else on the node could reach the abstract socket, and a process of
+    the same user could read the store's memory anyway.
+
+    Example::
+
+        peer_refusal(PeerCredentials(pid=4242, uid=1001, gid=1001), uid=1000)  # "pid 4242 runs as uid 1001, ..."
+    """
+    if peer.uid != uid:
+        return (f"pid {peer.pid} runs as uid {peer.uid}, the host store as uid {uid}: only processes of the "
+                f"store's own user may attach")
+    return None
 
 
 class AttachError(ConnectionError):
@@ -78,22 +128,36 @@ class Connection:
             if payload:
                 self.sock.sendall(payload)
 
-    def recv(self) -> tuple[dict, bytes, list[int]]:
-        """The next message (header, payload, received fds); EOFError when the peer closed."""
+    def recv(self, *, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD,
+             deadline: Optional[float] = None) -> tuple[dict, bytes, list[int]]:
+        """The next message (header, payload, received fds); EOFError when the peer closed,
+        AttachError when it declares more than ``max_header`` / ``max_payload`` bytes (refused
+        before they are read), TimeoutError past ``deadline`` (monotonic; None: the socket's
+        timeout per call). Whatever fails, the fds that came with it are closed."""
         fds: list[int] = []
-        head = self._exact(_HEAD.size, fds)
-        n_head, n_payload = _HEAD.unpack(head)
-        if n_head > MAX_HEADER or n_payload > MAX_PAYLOAD:
-            raise AttachError(f"an attach message of {n_head} + {n_payload} bytes; refused")
-        header = json.loads(self._exact(n_head, fds))
-        if not isinstance(header, dict):
-            raise AttachError("an attach message whose header is not an object")
-        payload = self._exact(n_payload, fds) if n_payload else b""
+        try:
+            head = self._exact(_HEAD.size, fds, deadline)
+            n_head, n_payload = _HEAD.unpack(head)
+            if n_head > max_header or n_payload > max_payload:
+                raise AttachError(f"an attach message of {n_head} + {n_payload} bytes (at most {max_header} + "
+                                  f"{max_payload} here); refused")
+            header = json.loads(self._exact(n_head, fds, deadline))
+            if not isinstance(header, dict):
+                raise AttachError("an attach message whose header is not an object")
+            payload = self._exact(n_payload, fds, deadline) if n_payload else b""
+        except BaseException:
+            _close_all(fds)
+            raise
         return header, payload, fds
 
-    def _exact(self, n: int, fds: list[int]) -> bytes:
+    def _exact(self, n: int, fds: list[int], deadline: Optional[float] = None) -> bytes:
         buf = bytearray()
         while len(buf) < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the attach handshake took too long")
+                self.sock.settimeout(left)
             msg, anc, _flags, _addr = self.sock.recvmsg(n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4))
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -101,8 +165,6 @@ class Connection:
                     got.frombytes(data[: len(data) - len(data) % got.itemsize])
                     fds.extend(got)
             if not msg:
-                for fd in fds:
-                    os.close(fd)
                 raise EOFError("the attach socket closed")
             buf += msg
         return bytes(buf)
@@ -121,8 +183,14 @@ class AttachServer:
     fds)`` answers each message (return ``(reply header, payload, fds)`` or None for no reply;
     raise to send an error reply); ``closed(conn, rank)`` runs when a trainer's socket closes."""
 
-    def __init__(self, secret: bytes, epoch: Callable[[], int], handler: Callable, closed: Callable) -> None:
+    def __init__(self, secret: bytes, epoch: Callable[[], int], handler: Callable, closed: Callable, *,
+                 uid: Optional[int] = None) -> None:
+        """``uid``: the user whose processes may attach (default: this process's; see
+        :func:`peer_refusal`)."""
         self.secret, self._epoch, self._handler, self._closed = secret, epoch, handler, closed
+        self._uid = os.getuid() if uid is None else uid
+        self._deadline_s = HANDSHAKE_DEADLINE_S
+        self._refusals = _Throttle(_LOG_EVERY_S)
         self.address = f"\0gemini-ckpt-{uuid.uuid4().hex}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -136,26 +204,67 @@ class AttachServer:
         while not self._stop:
             try:
                 sock, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop:
+                    return
+                self._refused(f"accept failed ({exc})")  # out of fds, say: keep serving once they are back
+                time.sleep(0.1)
+                continue
+            try:
+                reason = peer_refusal(peer_credentials(sock), self._uid)
+            except OSError as exc:
+                reason = f"its credentials could not be read ({exc})"
+            if reason is not None:
+                sock.close()
+                self._refused(f"refused a connection: {reason}")
+                continue
             threading.Thread(target=self._serve, args=(Connection(sock),), name="gemini-attach", daemon=True).start()
+
+    def _refused(self, what: str) -> None:
+        if (n := self._refusals.due()) is not None:
+            log.warning("attach: %s (%d refusals since the last line)", what, n)
+
+    def _handshake(self, conn: Connection) -> int:
+        """The trainer's rank once it proved the secret for this epoch, else -1 (the caller
+        closes the socket). Nothing of a stranger's is kept: at most MAX_HELLO bytes are read,
+        by the deadline, and fds it passed are closed."""
+        deadline = time.monotonic() + self._deadline_s
+        conn.sock.settimeout(self._deadline_s)
+        nonce = os.urandom(32)
+        try:
+            conn.send({"nonce": nonce.hex()})
+            hello, _, fds = conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
+        except EOFError:
+            return -1
+        except TimeoutError:
+            self._refused(f"a connection did not prove the namespace's secret within {self._deadline_s:g}s")
+            return -1
+        except (OSError, ValueError, AttachError) as exc:
+            self._refused(f"a connection sent a malformed hello ({exc})")
+            return -1
+        _close_all(fds)  # a hello carries none, whatever it proves
+        try:
+            rank, epoch = int(hello.get("rank", -1)), int(hello.get("epoch", -1))
+        except (TypeError, ValueError):
+            rank = epoch = -1
+        conn.sock.settimeout(max(0.1, deadline - time.monotonic()))
+        if rank < 0 or not hmac.compare_digest(str(hello.get("proof", "")), proof(self.secret, nonce, rank, epoch)):
+            self._refused("a connection that does not prove the namespace's secret was refused")
+            conn.send({"ok": False, "error": "refused: the proof does not match this store's secret"})
+            return -1
+        if epoch != self._epoch():
+            conn.send({"ok": False, "error": f"refused: epoch {epoch} is not this store's ({self._epoch()})"})
+            return -1
+        conn.send({"ok": True})
+        conn.sock.settimeout(None)
+        return rank
 
     def _serve(self, conn: Connection) -> None:
         rank = -1
         try:
-            nonce = os.urandom(32)
-            conn.send({"nonce": nonce.hex()})
-            hello, _, fds = conn.recv()
-            _close_all(fds)
-            rank, epoch = int(hello.get("rank", -1)), int(hello.get("epoch", -1))
-            if not hmac.compare_digest(str(hello.get("proof", "")), proof(self.secret, nonce, rank, epoch)):
-                log.warning("attach: a connection that does not prove the namespace's secret was refused")
-                conn.send({"ok": False, "error": "refused: the proof does not match this store's secret"})
+            rank = self._handshake(conn)
+            if rank < 0:
                 return
-            if epoch != self._epoch():
-                conn.send({"ok": False, "error": f"refused: epoch {epoch} is not this store's ({self._epoch()})"})
-                return
-            conn.send({"ok": True})
             with self._lock:
                 self._conns.add(conn)
             while True:
@@ -174,7 +283,7 @@ class AttachServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
-            if rank >= 0:
+            if rank >= 0:  # only a trainer that attached detaches
                 self._closed(conn, rank)
 
     def close(self) -> None:
@@ -187,6 +296,25 @@ class AttachServer:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
             conn.close()
+
+
+class _Throttle:
+    """At most one log line per ``every_s`` for what a stranger can repeat at will; the events
+    between are counted into the next line."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self._last, self._count = every_s, -float("inf"), 0
+        self._lock = threading.Lock()
+
+    def due(self) -> Optional[int]:
+        """Count one event; how many since the last line (this one included) when a line is due."""
+        now = time.monotonic()
+        with self._lock:
+            self._count += 1
+            if now - self._last < self.every_s:
+                return None
+            self._last, count, self._count = now, self._count, 0
+            return count
 
 
 def _close_all(fds) -> None:
@@ -212,10 +340,13 @@ class AttachClient:
             raise AttachError(f"rank {rank}: cannot reach the host store's attach socket: {exc}") from None
         self.conn = Connection(sock)
         try:
-            greeting, _, _ = self.conn.recv()
+            deadline = time.monotonic() + timeout_s
+            greeting, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
+            _close_all(fds)
             nonce = bytes.fromhex(greeting["nonce"])
             self.conn.send({"rank": rank, "epoch": epoch, "proof": proof(secret, nonce, rank, epoch)})
-            verdict, _, _ = self.conn.recv()
+            verdict, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
+            _close_all(fds)
         except (EOFError, OSError, KeyError, ValueError) as exc:
             self.conn.close()
             raise AttachError(f"rank {rank}: the host store closed the attach socket ({exc})") from None
@@ -242,7 +373,7 @@ class AttachClient:
         fut: Future = Future()
         with self._lock:
             if self._broken is not None:
-                raise AttachError(f"rank {self.rank}: the attach channel is broken: {self._broken}")
+                raise self._broken_error()
             rid, self._next = self._next, self._next + 1
             self._replies[rid] = fut
         self.conn.send({**header, "id": rid}, payload)
@@ -259,7 +390,7 @@ class AttachClient:
         """A message without a reply."""
         with self._lock:
             if self._broken is not None:
-                raise AttachError(f"rank {self.rank}: the attach channel is broken: {self._broken}")
+                raise self._broken_error()
         self.conn.send({**header, "id": 0}, payload)
 
     def outcome(self, step: int) -> Future:
@@ -272,8 +403,12 @@ class AttachClient:
                 if early is not None:
                     fut.set_result(early)
                 elif self._broken is not None:
-                    fut.set_exception(AttachError(f"the attach channel is broken: {self._broken}"))
+                    fut.set_exception(self._broken_error())
             return fut
+
+    def _broken_error(self) -> AttachError:
+        return AttachError(f"rank {self.rank}: the attach channel to this host's host store is broken (the "
+                           f"store died or closed it): {self._broken}")
 
     def forget_outcome(self, step: int) -> None:
         with self._lock:

@@ -44,6 +44,7 @@ from ..health import UNCHECKED_VERDICT, Health, combine
 from ..stores.shards import ShardPlan, ShardRecord, canonical
 from ..trust import (
     VerificationError,
+    item_nbytes,
     metadata_loads,
     safe_opaque,
     torch_load_value,
@@ -200,7 +201,8 @@ class DurableVersion:
             self.problems.append(f"durable: {where}: checksum mismatch")
             raise ChecksumError(f"{where}: fails its checksum (damaged)")
         self.bytes_by_source["durable"] = self.bytes_by_source.get("durable", 0) + raw.nbytes
-        value = torch_load_value(raw, f"step {self.step} {index.fqn}")
+        # torch.load only once the archive's records agree with what the metadata says the item holds
+        value = torch_load_value(raw, f"step {self.step} {index.fqn}", storage_bytes=item_nbytes(self.metadata, index))
         if isinstance(self.metadata.state_dict_metadata.get(index.fqn), _bytes_md()):
             return safe_opaque(index.fqn, value)
         if not isinstance(value, torch.Tensor):

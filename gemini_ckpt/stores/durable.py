@@ -16,10 +16,17 @@ marker. Retention deletes a version only after a newer one is complete, and neve
 in-progress marker and no completion marker (a crash mid-write) are deleted when the next job
 opens the tier. A directory with neither marker was not written by us (a stock ``dcp.save``,
 say): it is never deleted, only reported.
+
+Every file is created exclusively and the ones readers trust (``.metadata``, the marker,
+``latest``) renamed into place (:class:`~gemini_ckpt.stores.layout.Files`), so a crash or a full
+disk never leaves a torn marker. A marker that is torn or unreadable anyway (damage, an older
+version of this library) means "not complete": such a version never counts for retention, and
+is removed when it carries our in-progress marker (else reported: it cannot be shown to be ours).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import posixpath
@@ -27,13 +34,13 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-import pyarrow.fs as pafs
-
 from ..checksum import checksum
 from ..errors import CheckpointError
 from ..retention import Retention, as_retention
 from ..trust import (
     VerificationError,
+    check_torch_bytes,
+    item_nbytes,
     load_metadata,
     resolve_key,
     safe_opaque,
@@ -45,6 +52,7 @@ from .layout import (
     IN_PROGRESS_FILE,
     LATEST_FILE,
     MARKER_FILE,
+    DamagedFileError,
     read_latest,
     step_dir_name,
     write_latest,
@@ -103,13 +111,14 @@ class DurableTier(Tier):
     def begin(self, step: int) -> None:
         """Step 0, by the coordinator: remove any earlier copy of this step (a step saved again
         after restoring an older version), so no reader can mix the two."""
+        files = self.store.files
         if step == self.latest():
             # ``latest`` must never name a directory that is about to change.
-            older = [s for s in self.complete_steps() if s != step]
+            older = [s for s in self.intact_steps() if s != step]
             if older:
                 self._write_latest(older[-1])
             else:
-                self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
+                files.delete_file(LATEST_FILE)
         existing = self.store.list_versions().get(step)
         if existing is not None and not existing and not self._ours(step):
             raise FileExistsError(
@@ -117,27 +126,33 @@ class DurableTier(Tier):
                 f"(no {MARKER_FILE} or {IN_PROGRESS_FILE}); it is left alone. Move it away, or load it "
                 f"with CheckpointConfig(init_from=...) in a job that saves elsewhere")
         self.store.drop(step)
-        fs = self.store.fs
-        fs.create_dir(self.location(step), recursive=True)
-        with fs.open_output_stream(posixpath.join(self.location(step), IN_PROGRESS_FILE)) as out:
+        files.make_dir(self.store.rel(step))
+        with files.create(self.store.rel(step, IN_PROGRESS_FILE)) as out:
             out.write(json.dumps({"step": step, "started_unix": time.time()}).encode())
 
     def abandon(self, step: int) -> bool:
         """A persist of ``step`` failed: remove its partial directory now (only if it carries
-        our in-progress marker and no completion marker). Returns whether it was removed."""
-        complete = self.store.list_versions().get(step)
-        if complete is None or complete or not self._ours(step):
+        our in-progress marker and no intact completion marker). Returns whether it was removed."""
+        if not self._unfinished(step):
             return False
         self.store.drop(step)
         return True
 
     def _ours(self, step: int) -> bool:
-        info = self.store.fs.get_file_info(posixpath.join(self.location(step), IN_PROGRESS_FILE))
-        return info.type == pafs.FileType.File
+        entry = self.store.files.entry(self.store.rel(step, IN_PROGRESS_FILE))
+        return entry is not None and entry.kind == "file"
+
+    def _unfinished(self, step: int) -> bool:
+        """Ours (in-progress marker) and not complete (no marker, or a torn one)."""
+        complete = self.store.list_versions().get(step)
+        if complete is None or not self._ours(step):
+            return False
+        return not complete or self.store.marker_problem(step) is not None
 
     def open_output(self, step: int, name: str):
-        """Step 1, when the persister writes a data file itself: a binary output stream."""
-        return self.store.fs.open_output_stream(posixpath.join(self.location(step), name))
+        """Step 1, when the persister writes a data file itself: a binary output stream (a new
+        file, created exclusively)."""
+        return self.store.files.create(self.store.rel(step, name))
 
     def directory(self, step: int) -> str:
         """The version's directory name under the tier's root (what host stores write into)."""
@@ -148,8 +163,8 @@ class DurableTier(Tier):
         the coordinator's next call (:meth:`apply_retention`)."""
         self.store.commit(step, manifest)
         try:
-            self.store.fs.delete_file(posixpath.join(self.location(step), IN_PROGRESS_FILE))
-        except (FileNotFoundError, OSError):
+            self.store.files.delete_file(self.store.rel(step, IN_PROGRESS_FILE))
+        except (OSError, DamagedFileError):
             pass  # the completion marker is what readers trust; the leftover is harmless
         self._write_latest(step)
         return self.location(step)
@@ -158,7 +173,7 @@ class DurableTier(Tier):
         return posixpath.join(self.store.root, step_dir_name(step))
 
     def _write_latest(self, step: int) -> None:
-        write_latest(self.store.fs, self.store.root, step)
+        write_latest(self.store.files, step)
 
     # --- reading ------------------------------------------------------------------------------
     def latest(self) -> Optional[int]:
@@ -172,10 +187,15 @@ class DurableTier(Tier):
 
     def read_latest(self) -> tuple[Optional[int], Optional[str]]:
         """``(step latest names or None, what is wrong with the file or None)``."""
-        return read_latest(self.store.fs, self.store.root)
+        return read_latest(self.store.files)
 
     def complete_steps(self) -> list[int]:
         return self.store.committed_steps()
+
+    def intact_steps(self) -> list[int]:
+        """The complete versions whose marker is intact: what retention counts and ``latest``
+        may name (a version with a torn marker is not complete, whatever else it holds)."""
+        return [s for s in self.complete_steps() if self.store.marker_problem(s) is None]
 
     # --- as a tier restore reads (gemini_ckpt.stores.base.Tier) --------------------------------
     name = "durable"
@@ -188,10 +208,15 @@ class DurableTier(Tier):
         with ``key``, ``.metadata`` through the allow-list)."""
         from ..save.dcp import DurableVersion
 
-        manifest = self.store.manifest(step)
+        manifest = self.store.manifest(step, key=key)
         metadata = load_metadata(manifest, key)
-        return DurableVersion(step, manifest, metadata,
-                              lambda name, offset, length: self.store.read_range(step, name, offset, length))
+        return DurableVersion(step, manifest, metadata, functools.partial(self._read, manifest))
+
+    def _read(self, manifest: VersionManifest, name: str, offset: int, length: int):
+        size = manifest.file_sizes.get(name)
+        if size is None:
+            raise VerificationError(f"step {manifest.step}: {name} is not a data file its manifest records; refused")
+        return self.store.read_range(manifest.step, name, offset, length, size=size)
 
     def close(self) -> None:
         pass
@@ -201,7 +226,7 @@ class DurableTier(Tier):
         """Let go of the complete versions the retention policy dooms (never the one ``latest``
         names); returns their steps."""
         latest = self.latest()
-        doomed = self.retention.doomed(self.complete_steps(), protected=() if latest is None else (latest,))
+        doomed = self.retention.doomed(self.intact_steps(), protected=() if latest is None else (latest,))
         for step in doomed:
             self.store.drop(step)
         return doomed
@@ -211,15 +236,21 @@ class DurableTier(Tier):
         marker: a crash mid-write). Directories we did not write are reported, never deleted."""
         doomed = []
         for step, complete in sorted(self.store.list_versions().items()):
-            if complete:
+            torn = self.store.marker_problem(step) if complete else None
+            if complete and torn is None:
                 continue
             if not self._ours(step):
-                log.warning("durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
-                            "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
-                            self.uri, step_dir_name(step))
+                if torn is None:
+                    log.warning("durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
+                                "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
+                                self.uri, step_dir_name(step))
+                else:
+                    log.warning("durable tier %s: %s has a damaged marker (%s); it is not complete, never counted "
+                                "by retention, and not deleted (nothing shows it is ours)", self.uri,
+                                step_dir_name(step), torn)
                 continue
-            log.warning("durable tier %s: removing incomplete version step %d (a persist that never finished)",
-                        self.uri, step)
+            log.warning("durable tier %s: removing incomplete version step %d (a persist that never finished%s)",
+                        self.uri, step, "" if torn is None else f"; its marker is damaged: {torn}")
             self.store.drop(step)
             doomed.append(step)
         return doomed
@@ -231,14 +262,11 @@ class DurableTier(Tier):
         if not doomed:
             return
         if self.latest() in doomed:
-            keep = [s for s in self.complete_steps() if s not in doomed]
+            keep = [s for s in self.intact_steps() if s not in doomed]
             if keep:
                 self._write_latest(keep[-1])
             else:
-                try:
-                    self.store.fs.delete_file(posixpath.join(self.store.root, LATEST_FILE))
-                except FileNotFoundError:
-                    pass
+                self.store.files.delete_file(LATEST_FILE)
         for step in sorted(doomed):
             self.store.drop(step)
 
@@ -249,20 +277,21 @@ class DurableTier(Tier):
         for every item it names, every item's CRC32C, and that every non-tensor item loads
         through the allow-lists. Returns the problems found (empty = good); a damaged version
         is reported, never raised."""
+        key = resolve_key(signing_key)
         try:
-            manifest = self.store.manifest(step)
-            metadata = load_metadata(manifest, resolve_key(signing_key))
+            manifest = self.store.manifest(step, key=key)
+            metadata = load_metadata(manifest, key)
         except (CheckpointError, OSError, LookupError, ValueError) as exc:
             return [f"{type(exc).__name__}: {exc}"]
         problems: list[str] = []
         try:
-            byte_items = _byte_items(manifest, metadata, problems)
+            byte_items, tensor_items = _items(manifest, metadata, problems)
         except (AttributeError, TypeError, ValueError) as exc:
             return [f".metadata does not have DCP's structure ({type(exc).__name__}: {exc})"]
         for name, size in manifest.file_sizes.items():
             try:
-                data = self.store.read_range(step, name, 0, size)
-            except (OSError, ValueError, LookupError) as exc:  # unreadable, truncated, missing
+                data = self.store.read_range(step, name, 0, size, size=size)
+            except (OSError, ValueError, LookupError) as exc:  # unreadable, truncated, missing, not a file
                 problems.append(f"{name}: unreadable ({exc})")
                 continue
             if len(data) != size:
@@ -280,19 +309,28 @@ class DurableTier(Tier):
                         safe_opaque(fqn, torch_load_value(item, fqn))
                     except VerificationError as exc:
                         problems.append(f"{name}@{c.offset}: {exc}")
+                elif (name, c.offset) in tensor_items:
+                    index = tensor_items[(name, c.offset)]
+                    try:  # not decoded, but its archive must be one torch.load can read within its size
+                        check_torch_bytes(item, index.fqn, item_nbytes(metadata, index))
+                    except VerificationError as exc:
+                        problems.append(f"{name}@{c.offset}: {exc}")
         return problems
 
 
-def _byte_items(manifest: VersionManifest, metadata, problems: list[str]) -> dict[tuple[str, int], str]:
-    """``{(file, offset): key}`` of the non-tensor items; notes items without a checksum."""
+def _items(manifest: VersionManifest, metadata, problems: list[str]) -> tuple[dict, dict]:
+    """``({(file, offset): key}`` of the non-tensor items, ``{(file, offset): MetadataIndex}`` of
+    the tensor items); notes items without a checksum."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     recorded = manifest.checksum_index()
-    out = {}
+    values, tensors = {}, {}
     for index, info in metadata.storage_data.items():
         c = recorded.get((info.relative_path, info.offset))
         if c is None or c.length != info.length:
             problems.append(f"{index.fqn}: no checksum recorded for {info.relative_path}@{info.offset}")
         elif isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            out[(info.relative_path, info.offset)] = index.fqn
-    return out
+            values[(info.relative_path, info.offset)] = index.fqn
+        else:
+            tensors[(info.relative_path, info.offset)] = index
+    return values, tensors

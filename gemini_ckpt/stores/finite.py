@@ -20,11 +20,15 @@ for a host store that copies the shard to other holders, which takes longer than
 the record is the version's whole time-to-safe: the local tier, a host store with
 ``replicas=1``). Measured on 1 GiB of fp32 items (63 of 16 MiB, 2 cores): checksums only 67-70 ms;
 fused 95 ms of one core; beside 58-65 ms of wall time (the checksum thread finds in the cache
-what the checking thread just read), 115-128 ms of CPU over two threads.
+what the checking thread just read), 115-128 ms of CPU over two threads. Beside, the checking
+thread takes the last items' checksums once its check is done (the check reads faster than
+CRC32C), so the record is not held up by one thread while the other idles: with the check on, a
+version's time to safe is no longer than with it off (``benchmarks/bench_health.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -156,6 +160,45 @@ def _scan_items(region: np.ndarray, items: Sequence[tuple[int, int, int, str]]) 
     return None
 
 
+class _Shared:
+    """The checksums of one region, shared out item by item between the caller's thread (from the
+    front) and the checking thread once its check is done (from the back): the check's thread
+    would otherwise sit idle while the checksums finish, and the record waits for both."""
+
+    def __init__(self, region: np.ndarray, items: Sequence[tuple[int, int, str]]) -> None:
+        self.region, self.items = region, items
+        self.crcs: list[Optional[int]] = [None] * len(items)
+        self._lock = threading.Lock()
+        self._front, self._back = 0, len(items)  # items [front, back) are nobody's yet
+
+    def _take(self, front: bool) -> Optional[int]:
+        with self._lock:
+            if self._front >= self._back:
+                return None
+            if front:
+                self._front += 1
+                return self._front - 1
+            self._back -= 1
+            return self._back
+
+    def checksum_from_the_front(self) -> None:
+        self._checksum(front=True)
+
+    def checksum_from_the_back(self) -> None:
+        self._checksum(front=False)
+
+    def _checksum(self, *, front: bool) -> None:
+        while (i := self._take(front)) is not None:
+            at, n, _ = self.items[i]
+            self.crcs[i] = crc32c.crc32c(self.region[at : at + n])
+
+
+def _scan_then_help(shared: _Shared, todo: Sequence[tuple[int, int, int, str]]) -> Optional[int]:
+    bad = _scan(shared.region, todo)
+    shared.checksum_from_the_back()
+    return bad
+
+
 def checksum_items(region: np.ndarray, items: Sequence[tuple[int, int, str]], checked: Sequence[int], *,
                    beside: Optional[Executor] = None) -> tuple[tuple[int, ...], Optional[NotFinite]]:
     """CRC32C of every item ``(at, nbytes, dtype)`` of ``region`` (uint8) and the first item of
@@ -166,9 +209,11 @@ def checksum_items(region: np.ndarray, items: Sequence[tuple[int, int, str]], ch
     wanted = set(checked)
     if beside is not None and sum(items[i][1] for i in wanted) >= BESIDE_MIN_BYTES:
         todo = [(i, at, n, dtype) for i, (at, n, dtype) in enumerate(items) if i in wanted]
-        scan = beside.submit(_scan, region, todo)
-        crcs = tuple(crc32c.crc32c(region[at : at + n]) for at, n, _ in items)
+        shared = _Shared(region, items)
+        scan = beside.submit(_scan_then_help, shared, todo)
+        shared.checksum_from_the_front()
         bad = scan.result()
+        crcs = tuple(shared.crcs)
     else:
         crcs_list, bad = [], None
         scanners: dict[str, _Scanner] = {}

@@ -183,7 +183,7 @@ class Serving:
         ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
         persister), then every tensor item framed as ``torch.save`` frames it. The copy is
         checked against its record first. Returns ``[offset, length, crc32c]`` per tensor item."""
-        from ...stores.layout import resolve_filesystem
+        from ...stores.layout import files_for, resolve_filesystem
 
         with self._lock:
             shard = self._complete_shard(step, rank)
@@ -196,7 +196,9 @@ class Serving:
             fs, root = resolve_filesystem(uri)
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
-            with fs.open_output_stream(posixpath.join(target, name)) as out:
+            # Created exclusively and never through a link planted in the version's directory
+            # (stores/layout.py): a writer of the durable root cannot aim this write elsewhere.
+            with files_for(fs, root).create(posixpath.join(directory, name)) as out:
                 out.write(section)
                 placed = write_tensors(out, shard.seg.array,
                                        [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors],

@@ -21,6 +21,8 @@ Liveness, in one place:
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -89,12 +91,33 @@ def tune(sock: socket.socket, config: TcpConfig) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
 
 
-def recv_exact(sock: socket.socket, n: int, label: str) -> bytes:
-    """Exactly ``n`` small bytes under the socket's own timeout (handshakes only)."""
+class TurnedAway(PeerLostError):
+    """The listener closed the connection before its greeting: it is at its cap of
+    unauthenticated connections (see :data:`._tcp_recv.MAX_PREAUTH`), or closing. A sender tries
+    again until its connect timeout."""
+
+
+def wait_until(sock: socket.socket, deadline: Optional[float], label: str) -> None:
+    """Make ``sock``'s next call wait no later than ``deadline`` (monotonic; None: leave the
+    socket's own timeout); raise :class:`ProgressTimeoutError` once it has passed."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ProgressTimeoutError(f"{label} did not complete the handshake in time", label)
+    sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, n: int, label: str, deadline: Optional[float] = None) -> bytes:
+    """Exactly ``n`` small bytes (handshakes only), by ``deadline`` (monotonic) when given, else
+    under the socket's own timeout. One deadline for a whole handshake is what keeps a peer
+    that trickles a byte at a time from holding the connection: a per-call timeout never
+    fires for it."""
     buf = bytearray(n)
     view = memoryview(buf)
     pos = 0
     while pos < n:
+        wait_until(sock, deadline, label)
         try:
             k = sock.recv_into(view[pos:])
         except socket.timeout:
@@ -105,14 +128,44 @@ def recv_exact(sock: socket.socket, n: int, label: str) -> bytes:
     return bytes(buf)
 
 
-def recv_str(sock: socket.socket, label: str) -> str:
-    (n,) = wire.U16.unpack(recv_exact(sock, 2, label))
+def recv_str(sock: socket.socket, label: str, deadline: Optional[float] = None) -> str:
+    (n,) = wire.U16.unpack(recv_exact(sock, 2, label, deadline))
     if n > MAX_NAME_BYTES:
         raise ProtocolError(f"{label} sent a name of {n} bytes", label)
     try:
-        return recv_exact(sock, n, label).decode()
+        return recv_exact(sock, n, label, deadline).decode()
     except UnicodeDecodeError:
         raise ProtocolError(f"{label} sent a name that is not utf-8", label) from None
+
+
+class LogThrottle:
+    """At most one log line per ``every_s`` for a kind of event a stranger can repeat at will
+    (refused handshakes, connections over the cap): the first is logged at once, the rest are
+    counted into the next line. Thread-safe.
+
+    Example::
+
+        throttle = LogThrottle(10.0)
+        if (n := throttle.due()) is not None:
+            log.warning("refused a client (%d like it since the last line)", n)
+    """
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._count = 0
+
+    def due(self) -> Optional[int]:
+        """Count one event; the number of events since the last line (this one included) when
+        a line is due now, else None."""
+        now = time.monotonic()
+        with self._lock:
+            self._count += 1
+            if now - self._last < self.every_s:
+                return None
+            self._last, count, self._count = now, self._count, 0
+            return count
 
 
 def shutdown(sock: socket.socket) -> None:

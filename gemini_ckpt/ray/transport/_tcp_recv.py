@@ -6,6 +6,15 @@ chunks arrive on any of them). When any stream of a session breaks (EOF or reset
 a protocol violation, no progress), the whole session fails: every incomplete transfer gets
 ``sink.failed`` exactly once, after the last stream still writing into its buffer has stopped,
 and the other streams are shut down so the sender hears of it at once.
+
+Before its proof checks, a connection is a stranger's and holds little: one deadline for the
+whole handshake (:data:`PREAUTH_DEADLINE_S`, however the bytes trickle in), at most
+:data:`MAX_PREAUTH` such connections per listener (a thread and an fd each), and at most the
+hello's few KiB read. At the cap, a newcomer takes the place of the oldest stranger that has had
+:data:`PREAUTH_GRACE_S` (a real peer proves itself in one round trip) or, when none has, is
+closed at once; a sender turned away dials again (see :meth:`TcpChannel._open_stream`). So slow
+clients cannot starve a real peer; a flood of fresh connections faster than ``MAX_PREAUTH /
+PREAUTH_GRACE_S`` a second still can, which is the network's to stop.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ._base import Endpoint, Listener, Sink
 from ._errors import ChannelClosedError, PeerLostError, ProtocolError, TransportError
-from ._tcp import shutdown, tune
+from ._tcp import LogThrottle, shutdown, tune
 from ._tcp_stream import Session, Stream
 
 if TYPE_CHECKING:  # the transport imports this module, not the reverse
@@ -26,7 +35,21 @@ if TYPE_CHECKING:  # the transport imports this module, not the reverse
 
 log = logging.getLogger("gemini_ckpt.transport")
 
-_HANDSHAKE_TIMEOUT_S = 5.0
+PREAUTH_DEADLINE_S = 5.0
+"""Seconds from accept to a verified proof, for the whole handshake of a connection; past it the
+connection is closed. A real peer needs one round trip; this is generous for a loaded host. A
+module constant for now (a ``TcpConfig`` field once a deployment needs to tune it)."""
+
+MAX_PREAUTH = 64
+"""Connections one listener holds before their proof checks (each a thread and an fd): far below
+a host store's fd limit, far above what its real peers open at once (``streams`` per peer
+connecting). A module constant for now."""
+
+PREAUTH_GRACE_S = 1.0
+"""At the cap, an unauthenticated connection younger than this is never dropped for a newcomer
+(a real peer in its handshake); an older one is, oldest first. A module constant for now."""
+
+_LOG_EVERY_S = 10.0  # refusals a stranger can repeat at will are logged at most this often
 
 
 class TcpListener(Listener):
@@ -50,6 +73,13 @@ class TcpListener(Listener):
         self._lock = threading.Lock()
         self._closed = False
         self._conns: set[socket.socket] = set()
+        self._preauth: dict[socket.socket, float] = {}  # accepted, proof not yet checked -> since (oldest first)
+        self._preauth_deadline_s = PREAUTH_DEADLINE_S
+        self._max_preauth = MAX_PREAUTH
+        self._preauth_grace_s = PREAUTH_GRACE_S
+        self._busy_log = LogThrottle(_LOG_EVERY_S)
+        self._refused_log = LogThrottle(_LOG_EVERY_S)
+        self._accept_log = LogThrottle(_LOG_EVERY_S)
         self._sessions: dict[bytes, Session] = {}
         self._threads: set[threading.Thread] = set()
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"transport-accept-{self._endpoint.port}",
@@ -86,32 +116,65 @@ class TcpListener(Listener):
                 conn, addr = self._sock.accept()
             except socket.timeout:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._closed:
                     return
-                log.exception("transport listener %s: accept failed", self._endpoint.label())
+                if (n := self._accept_log.due()) is not None:
+                    log.warning("transport listener %s: accept failed: %s (%d failures since the last line)",
+                                self._endpoint.label(), exc, n)
                 time.sleep(self._config.tick_s)
                 continue
-            with self._lock:
-                if self._closed:
+            self._admit(conn, addr)
+
+    def _admit(self, conn: socket.socket, addr) -> None:
+        """Start serving ``conn``, within the cap of unauthenticated connections (see the module
+        docstring): the oldest past its grace makes room, else ``conn`` is closed at once."""
+        now = time.monotonic()
+        evicted = None
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            full = len(self._preauth) >= self._max_preauth
+            if full:
+                oldest, since = next(iter(self._preauth.items()))
+                if now - since < self._preauth_grace_s:
                     conn.close()
-                    return
+                else:
+                    evicted = oldest
+                    del self._preauth[oldest]
+            admitted = not full or evicted is not None
+            if admitted:
+                self._preauth[conn] = now
                 self._conns.add(conn)
-                thread = threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                thread = threading.Thread(target=self._serve, args=(conn, addr, now), daemon=True,
                                           name=f"transport-recv-{addr[0]}:{addr[1]}")
                 self._threads.add(thread)
-            thread.start()
+        if full and (n := self._busy_log.due()) is not None:
+            log.warning("transport listener %s: %d connections at once have not proved namespace %r's secret "
+                        "(the cap): %s (a flood of strangers? %d such events since the last line)",
+                        self._endpoint.label(), self._max_preauth, self._transport.namespace,
+                        "dropped the oldest for a newcomer" if evicted is not None
+                        else f"closed a newcomer from {addr[0]}:{addr[1]} at once", n)
+        if not admitted:
+            return
+        if evicted is not None:
+            shutdown(evicted)  # its thread sees EOF at once and closes it
+        thread.start()
 
-    def _serve(self, conn: socket.socket, addr) -> None:
+    def _serve(self, conn: socket.socket, addr, accepted_at: float) -> None:
         session: Optional[Session] = None
         label = f"sender at {addr[0]}:{addr[1]}"
         try:
             tune(conn, self._config)
-            conn.settimeout(_HANDSHAKE_TIMEOUT_S)
-            hello = self._transport._server_handshake(conn, label)
+            hello = self._transport._server_handshake(conn, label, accepted_at + self._preauth_deadline_s)
+            with self._lock:
+                self._preauth.pop(conn, None)
             if hello is None:
-                log.warning("transport listener %s: refused %s: it could not prove namespace %r's secret",
-                            self._endpoint.label(), label, self._transport.namespace)
+                if (n := self._refused_log.due()) is not None:
+                    log.warning("transport listener %s: refused %s: it could not prove namespace %r's secret "
+                                "(%d refused since the last line)", self._endpoint.label(), label,
+                                self._transport.namespace, n)
                 return
             key, _stream, client_name = hello
             label = f"{client_name or 'sender'} at {addr[0]}:{addr[1]}"
@@ -123,8 +186,9 @@ class TcpListener(Listener):
         except TransportError as exc:
             if session is not None:
                 session.fail(exc)
-            else:
-                log.info("transport listener %s: handshake with %s failed: %s", self._endpoint.label(), label, exc)
+            elif (n := self._refused_log.due()) is not None:
+                log.info("transport listener %s: handshake with %s failed: %s (%d refused since the last line)",
+                         self._endpoint.label(), label, exc, n)
         except OSError as exc:
             if session is not None:
                 session.fail(PeerLostError(f"the connection from {label} broke: {exc}", label))
@@ -162,5 +226,6 @@ class TcpListener(Listener):
             conn.close()
         finally:
             with self._lock:
+                self._preauth.pop(conn, None)
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())

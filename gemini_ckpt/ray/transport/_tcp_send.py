@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import socket
 import threading
 import time
@@ -34,10 +35,13 @@ from ._errors import (
     TransferRejectedError,
     TransportError,
 )
-from ._tcp import shutdown, tune
+from ._tcp import TurnedAway, shutdown, tune
 
 if TYPE_CHECKING:  # the transport imports this module, not the reverse
     from ._tcp_transport import TcpTransport
+
+_RETRY_FIRST_S = 0.05  # a turned-away stream dials again after about this, doubling up to _RETRY_MAX_S
+_RETRY_MAX_S = 0.4
 
 _DONE_ERRORS = {wire.DONE_REJECTED: TransferRejectedError, wire.DONE_CHECKSUM: ChecksumMismatchError,
                 wire.DONE_PROTOCOL: ProtocolError}
@@ -90,9 +94,8 @@ class TcpChannel(Channel):
         session = os.urandom(wire.SESSION_BYTES)
         try:
             for stream in range(config.streams):
-                sock = self._dial()
+                sock, server_name = self._open_stream(transport, session, stream)
                 self._socks.append(sock)
-                server_name = transport._client_handshake(sock, session, stream, self._label)
                 if stream == 0 and server_name:
                     self._label = f"{server_name} at {endpoint.host}:{endpoint.port}"
                 sock.settimeout(config.tick_s)
@@ -111,6 +114,29 @@ class TcpChannel(Channel):
                 self._threads.append(thread)
         for thread in self._threads:
             thread.start()
+
+    def _open_stream(self, transport: TcpTransport, session: bytes, stream: int) -> tuple[socket.socket, str]:
+        """Dial and authenticate one stream within ``connect_timeout_s``. A listener that turns
+        the connection away before its greeting (at its cap of unauthenticated connections,
+        which strangers may be filling) is dialled again after a short, jittered pause."""
+        deadline = time.monotonic() + self._config.connect_timeout_s
+        pause = _RETRY_FIRST_S
+        while True:
+            sock = self._dial()
+            try:
+                return sock, transport._client_handshake(sock, session, stream, self._label, deadline)
+            except TurnedAway:
+                sock.close()
+                wait = pause * random.uniform(0.5, 1.5)
+                if time.monotonic() + wait >= deadline:
+                    raise PeerLostError(f"{self._label} kept turning our connection away for "
+                                        f"{self._config.connect_timeout_s}s: it is at its cap of unauthenticated "
+                                        f"connections (something may be flooding it) or closing", self._label) from None
+                time.sleep(wait)
+                pause = min(2 * pause, _RETRY_MAX_S)
+            except BaseException:
+                sock.close()
+                raise
 
     def _dial(self) -> socket.socket:
         try:

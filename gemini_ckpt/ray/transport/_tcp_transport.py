@@ -19,7 +19,7 @@ from . import _wire as wire
 from ._base import Endpoint, Sink, Transport
 from ._errors import AuthenticationError, PeerLostError, ProtocolError
 from ._ratelimit import TokenBucket
-from ._tcp import MAX_NAME_BYTES, TcpConfig, recv_exact, recv_str
+from ._tcp import MAX_NAME_BYTES, TcpConfig, TurnedAway, recv_exact, recv_str, wait_until
 from ._tcp_recv import TcpListener
 from ._tcp_send import TcpChannel
 
@@ -89,45 +89,59 @@ class TcpTransport(Transport):
             thing.close()
 
     # --- the handshake (see _wire) ---------------------------------------------------------
-    def _client_handshake(self, sock: socket.socket, session: bytes, stream: int, label: str) -> str:
-        """Prove ourselves, then make the server prove itself; returns the server's name."""
-        magic, version, nonce_s = wire.HELLO_S.unpack(recv_exact(sock, wire.HELLO_S.size, label))
+    def _client_handshake(self, sock: socket.socket, session: bytes, stream: int, label: str,
+                          deadline: Optional[float] = None) -> str:
+        """Prove ourselves, then make the server prove itself, all by ``deadline`` (monotonic;
+        None: the socket's timeout per call); returns the server's name. Raises
+        :class:`~._tcp.TurnedAway` when the server closed the connection without a greeting."""
+        try:
+            greeting = recv_exact(sock, wire.HELLO_S.size, label, deadline)
+        except (PeerLostError, ConnectionResetError):
+            raise TurnedAway(f"{label} closed the connection before its greeting (at its cap of unauthenticated "
+                             f"connections, or closing)", label) from None
+        magic, version, nonce_s = wire.HELLO_S.unpack(greeting)
         if magic != wire.MAGIC or version != wire.VERSION:
             raise ProtocolError(f"{label} is not a gemini_ckpt transport endpoint (or speaks another version)", label)
         nonce_c = os.urandom(wire.NONCE_BYTES)
         proof = wire.client_proof(self._secret, self.namespace, session, stream, self.host_name, nonce_s, nonce_c)
+        wait_until(sock, deadline, label)
         sock.sendall(wire.HELLO_C_FIXED.pack(wire.MAGIC, wire.VERSION, nonce_c, session, stream)
                      + wire.pack_str(self.namespace) + wire.pack_str(self.host_name) + proof)
         try:
-            (status,) = wire.VERDICT_STATUS.unpack(recv_exact(sock, 1, label))
+            (status,) = wire.VERDICT_STATUS.unpack(recv_exact(sock, 1, label, deadline))
         except PeerLostError:
             raise AuthenticationError(f"{label} closed the connection during the handshake (namespace "
                                       f"{self.namespace!r}): is it a host store of this namespace?", label) from None
         if status != wire.ACCEPTED:
             raise AuthenticationError(f"{label} refused our proof for namespace {self.namespace!r}: the two hosts "
                                       f"do not share the namespace's secret", label)
-        server_name = recv_str(sock, label)
+        server_name = recv_str(sock, label, deadline)
         expected = wire.server_proof(self._secret, self.namespace, session, stream, self.host_name, server_name,
                                      nonce_s, nonce_c)
-        if not wire.verify(expected, recv_exact(sock, wire.PROOF_BYTES, label)):
+        if not wire.verify(expected, recv_exact(sock, wire.PROOF_BYTES, label, deadline)):
             raise AuthenticationError(f"{label} could not prove it knows namespace {self.namespace!r}'s secret; "
                                       f"no data was sent to it", label)
         return server_name
 
-    def _server_handshake(self, sock: socket.socket, label: str) -> Optional[tuple[bytes, int, str]]:
-        """Check the client's proof, then prove ourselves; returns (session, stream, client
-        name), or None when the client was refused (nothing of its was read beyond the hello)."""
+    def _server_handshake(self, sock: socket.socket, label: str,
+                          deadline: Optional[float] = None) -> Optional[tuple[bytes, int, str]]:
+        """Check the client's proof, then prove ourselves, all by ``deadline`` (monotonic; the
+        listener's pre-auth deadline); returns (session, stream, client name), or None when the
+        client was refused (nothing of its was read beyond the hello, at most a few KiB)."""
         nonce_s = os.urandom(wire.NONCE_BYTES)
+        wait_until(sock, deadline, label)
         sock.sendall(wire.HELLO_S.pack(wire.MAGIC, wire.VERSION, nonce_s))
         magic, version, nonce_c, session, stream = wire.HELLO_C_FIXED.unpack(
-            recv_exact(sock, wire.HELLO_C_FIXED.size, label))
+            recv_exact(sock, wire.HELLO_C_FIXED.size, label, deadline))
         if magic != wire.MAGIC or version != wire.VERSION:
+            wait_until(sock, deadline, label)
             sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
             return None
-        namespace = recv_str(sock, label)
-        client_name = recv_str(sock, label)
-        proof = recv_exact(sock, wire.PROOF_BYTES, label)
+        namespace = recv_str(sock, label, deadline)
+        client_name = recv_str(sock, label, deadline)
+        proof = recv_exact(sock, wire.PROOF_BYTES, label, deadline)
         expected = wire.client_proof(self._secret, self.namespace, session, stream, client_name, nonce_s, nonce_c)
+        wait_until(sock, deadline, label)
         if not wire.verify(expected, proof) or namespace != self.namespace:
             sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
             return None

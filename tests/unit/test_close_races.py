@@ -1,0 +1,102 @@
+"""close() and abort() against a save() on another thread, and an interrupt inside save()
+(issue 22, item 9): saves after close() are refused, every handle a save() returned resolves,
+and an interrupted save() gives its in-flight slot back."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from torch import nn
+
+from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer, TrainState
+
+DEADLINE_S = 60
+
+
+def _checkpointer(**kw) -> Checkpointer:
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    kw.setdefault("timeout_s", 30)
+    return Checkpointer(TrainState(model=model), CheckpointConfig(store="local", namespace=uuid.uuid4().hex, **kw))
+
+
+def _saver(ckpt: Checkpointer, handles: list, refused: list, errors: list, stop: threading.Event) -> None:
+    step = 1  # step 0 is saved before the race
+    while not stop.is_set():
+        try:
+            handles.append(ckpt.save(step))
+        except CheckpointError as exc:
+            refused.append((step, exc))
+            if ckpt.closed:
+                return
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+            return
+        step += 1
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+def test_close_from_another_thread_refuses_later_saves_and_every_handle_resolves(how):
+    for trial in range(10):  # the race lands at a different point of save() each time
+        ckpt = _checkpointer(keep_in_memory=2)
+        ckpt.save(0).committed.result(timeout=DEADLINE_S)
+        handles: list = []
+        refused: list = []
+        errors: list = []
+        stop = threading.Event()
+        thread = threading.Thread(target=_saver, args=(ckpt, handles, refused, errors, stop), daemon=True)
+        thread.start()
+        while len(handles) < 2 + trial:
+            assert thread.is_alive(), errors
+            time.sleep(0.001)
+        getattr(ckpt, how)()
+        closed_with = len(handles)
+        stop.set()
+        thread.join(timeout=DEADLINE_S)
+        assert not thread.is_alive(), "save() hung after close()"
+        assert not errors, errors
+        # at most the save() that was past the closing check when close() ran is accepted after it
+        assert len(handles) <= closed_with + 1, f"trial {trial}: saves accepted after {how}() returned"
+        for h in handles:
+            for fut in (h.committed, h.health, h.persisted):
+                try:
+                    fut.result(timeout=DEADLINE_S)
+                except CheckpointError:
+                    assert how == "abort"  # close() waits for them; abort() may fail the ones in flight
+        with pytest.raises(CheckpointError, match="closed"):
+            ckpt.save(10_000)
+
+
+def test_an_interrupt_right_after_the_slot_is_taken_gives_it_back():
+    ckpt = _checkpointer(keep_in_memory=2, max_inflight=1)
+    ckpt.save(0).committed.result(timeout=DEADLINE_S)
+    real = ckpt._raise_background_errors
+    calls = {"n": 0}
+
+    def interrupt_second_call():
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first is before the slot is taken, the second right after
+            raise KeyboardInterrupt
+        real()
+
+    ckpt._raise_background_errors = interrupt_second_call
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(1)
+    ckpt._raise_background_errors = real
+    assert ckpt._inflight == 0
+    ckpt.save(2).committed.result(timeout=DEADLINE_S)  # would wait timeout_s for the leaked slot, then fail
+    ckpt.close()
+    assert ckpt.store.committed_steps()[-1] == 2
+
+
+def test_wait_persisted_right_after_save_waits_for_that_version(tmp_path):
+    ckpt = _checkpointer(keep_in_memory=2, durable_uri=str(tmp_path), persist_every=1)
+    handle = ckpt.save(0)
+    ckpt.wait_persisted()
+    assert handle.persisted.done(), "wait_persisted() returned before the save() before it was persisted"
+    assert 0 in ckpt.durable.complete_steps()
+    ckpt.close()
