@@ -50,6 +50,8 @@ import uuid
 from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional
 
+from .transport._tcp import LogThrottle
+
 log = logging.getLogger("gemini_ckpt")
 
 _HEAD = struct.Struct("<IQ")
@@ -190,7 +192,7 @@ class AttachServer:
         self.secret, self._epoch, self._handler, self._closed = secret, epoch, handler, closed
         self._uid = os.getuid() if uid is None else uid
         self._deadline_s = HANDSHAKE_DEADLINE_S
-        self._refusals = _Throttle(_LOG_EVERY_S)
+        self._refusals = LogThrottle(_LOG_EVERY_S)
         self.address = f"\0gemini-ckpt-{uuid.uuid4().hex}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
@@ -296,25 +298,6 @@ class AttachServer:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
             conn.close()
-
-
-class _Throttle:
-    """At most one log line per ``every_s`` for what a stranger can repeat at will; the events
-    between are counted into the next line."""
-
-    def __init__(self, every_s: float) -> None:
-        self.every_s, self._last, self._count = every_s, -float("inf"), 0
-        self._lock = threading.Lock()
-
-    def due(self) -> Optional[int]:
-        """Count one event; how many since the last line (this one included) when a line is due."""
-        now = time.monotonic()
-        with self._lock:
-            self._count += 1
-            if now - self._last < self.every_s:
-                return None
-            self._last, count, self._count = now, self._count, 0
-            return count
 
 
 def _close_all(fds) -> None:

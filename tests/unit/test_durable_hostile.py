@@ -9,6 +9,7 @@ regression fails here instead of hanging the suite; planted FIFOs are unblocked 
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -32,13 +33,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from faulty_fs import faulty_filesystem
+from forge import forge_item, reseal
 from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt import faults
 from gemini_ckpt.checksum import checksum
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
-from gemini_ckpt.trust import canonical_bytes
 
 MARKER, METADATA, IN_PROGRESS, DATA = ".gemini_complete", ".metadata", ".gemini_inprogress", "__0_0.distcp"
 NEWEST, OLDER = "step_000000001", "step_000000000"
@@ -231,38 +231,9 @@ def _continue(root, steps, **config):
 
 
 # --- forging (the test's own files: pickle.loads here is of bytes the test wrote) ----------------
-def _reseal(vdir: Path, mutate=None) -> None:
-    """Recompute every checksum in the marker after a change, as a writer without the key can."""
-    marker = json.loads((vdir / MARKER).read_text())
-    md = (vdir / METADATA).read_bytes()
-    marker["metadata_crc"], marker["metadata_bytes"] = checksum(md), len(md)
-    if mutate is not None:
-        mutate(marker)
-    m = VersionManifest(step=marker["step"], world_size=marker["world_size"], metadata=md,
-                        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
-                        file_sizes=marker["file_sizes"], job=marker["job"], metadata_crc=marker["metadata_crc"],
-                        health=marker.get("health"))
-    marker["manifest_crc"] = checksum(canonical_bytes(m))
-    marker.pop("signature", None)
-    (vdir / MARKER).write_text(json.dumps(marker))
-
-
-def _forge_item(vdir: Path, fqn: str, payload: bytes) -> None:
-    """Point item ``fqn`` at ``payload`` (appended to its data file), every CRC recomputed."""
-    md = pickle.loads((vdir / METADATA).read_bytes())
-    index = next(i for i in md.storage_data if i.fqn == fqn)
-    info = md.storage_data[index]
-    data = vdir / info.relative_path
-    offset = data.stat().st_size
-    data.write_bytes(data.read_bytes() + payload)
-    md.storage_data[index] = _StorageInfo(info.relative_path, offset, len(payload))
-    (vdir / METADATA).write_bytes(pickle.dumps(md))
-
-    def mutate(marker):
-        marker["checksums"].append([info.relative_path, offset, len(payload), checksum(payload)])
-        marker["file_sizes"][info.relative_path] = offset + len(payload)
-
-    _reseal(vdir, mutate)
+# a writer without the key: every CRC recomputed, the signature dropped
+_reseal = functools.partial(reseal, unsign=True)
+_forge_item = functools.partial(forge_item, unsign=True)
 
 
 class _Reduce:
@@ -271,6 +242,17 @@ class _Reduce:
 
     def __reduce__(self):
         return self.fn, self.args
+
+
+def _assert_bomb_refused(root, versions) -> None:
+    """The newest version holds an allocation bomb: the older one is restored, ``verify`` names
+    the allocation, and memory never rose past twice a version."""
+    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    with PeakMemory() as mem:
+        _assert_restored(root, versions, 0)
+        problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
+    assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
+    assert problems and "allocat" in " ".join(problems), problems
 
 
 def _bytearray_bomb(n: int, protocol: int = 4) -> bytes:
@@ -464,12 +446,7 @@ def test_an_opaque_value_cannot_allocate_beyond_its_size(versions, tmp_path):
     buf = io.BytesIO()
     torch.save(_bytearray_bomb(BOMB), buf)
     _forge_item(root / NEWEST, "rank_local.0.extra", buf.getvalue())
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
-    with PeakMemory() as mem:
-        _assert_restored(root, versions, 0)
-        problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
-    assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
-    assert problems and "allocat" in " ".join(problems), problems
+    _assert_bomb_refused(root, versions)
 
 
 def test_a_non_tensor_item_cannot_allocate_in_torch_load(versions, tmp_path):
@@ -482,12 +459,7 @@ def test_a_non_tensor_item_cannot_allocate_in_torch_load(versions, tmp_path):
             data = z.read(info.filename)
             o.writestr(info.filename, _bytearray_bomb(BOMB, 2) if info.filename.endswith("data.pkl") else data)
     _forge_item(root / NEWEST, "rank_local.0.extra", out.getvalue())
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
-    with PeakMemory() as mem:
-        _assert_restored(root, versions, 0)
-        problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
-    assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
-    assert problems and "allocat" in " ".join(problems), problems
+    _assert_bomb_refused(root, versions)
 
 
 def test_a_crafted_numpy_object_array_is_refused_not_a_crash(tmp_path):

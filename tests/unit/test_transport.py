@@ -10,7 +10,6 @@ that the package needs nothing outside itself.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -21,28 +20,13 @@ import sys
 import threading
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-TRANSPORT_DIR = Path(__file__).resolve().parents[2] / "gemini_ckpt" / "ray" / "transport"
-SECRET = b"test-namespace-secret-0123456789"
-NS = "ns-transport"
+from standalone_transport import NS, SECRET, TRANSPORT_DIR, load_standalone
 
-
-def _load_standalone():
-    name = "_standalone_gemini_transport"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TRANSPORT_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(TRANSPORT_DIR)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-T = _load_standalone()
+T = load_standalone()
 wire = sys.modules["_standalone_gemini_transport._wire"]
 
 

@@ -8,7 +8,6 @@ Loads the transport package the way test_transport.py does (straight from its di
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import os
 import select
@@ -16,27 +15,12 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-TRANSPORT_DIR = Path(__file__).resolve().parents[2] / "gemini_ckpt" / "ray" / "transport"
-SECRET = b"test-namespace-secret-0123456789"
-NS = "ns-transport"
+from standalone_transport import NS, SECRET, load_standalone
 
-
-def _load_standalone():
-    name = "_standalone_gemini_transport"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, TRANSPORT_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(TRANSPORT_DIR)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-T = _load_standalone()
+T = load_standalone()
 wire = sys.modules["_standalone_gemini_transport._wire"]
 recv_module = sys.modules["_standalone_gemini_transport._tcp_recv"]
 

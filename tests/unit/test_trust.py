@@ -21,14 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError, TrainState
 from gemini_ckpt.__main__ import main as cli
-from gemini_ckpt.checksum import checksum
 from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.layout import parse_step_dir
-from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
 from gemini_ckpt.save.dcp import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier
 from gemini_ckpt.stores.shards import ShardFormatError, ShardPlan, ShardRecord
@@ -36,10 +33,11 @@ from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.trust import (
     ENV_KEY,
     VerificationError,
-    canonical_bytes,
     metadata_loads,
     value_loads,
 )
+from forge import forge_item as _forge_item
+from forge import reseal as _reseal
 from helpers import local_tier
 from rendezvous import join_group, master_store
 
@@ -124,39 +122,6 @@ def _assert_restored(root, versions, step, skipped=(), **config):
 
 
 # --- forging: what a writer of the storage directory can do without the key -------------------
-def _reseal(vdir: Path, mutate=None) -> None:
-    """Recompute every checksum in the marker (metadata CRC, manifest CRC) after a change."""
-    marker = json.loads((vdir / MARKER).read_text())
-    md = (vdir / METADATA).read_bytes()
-    marker["metadata_crc"], marker["metadata_bytes"] = checksum(md), len(md)
-    if mutate is not None:
-        mutate(marker)
-    m = VersionManifest(step=marker["step"], world_size=marker["world_size"], metadata=md,
-                        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
-                        file_sizes=marker["file_sizes"], job=marker["job"], metadata_crc=marker["metadata_crc"],
-                        health=marker.get("health"))
-    marker["manifest_crc"] = checksum(canonical_bytes(m))
-    (vdir / MARKER).write_text(json.dumps(marker))
-
-
-def _forge_item(vdir: Path, fqn: str, payload: bytes) -> None:
-    """Point item ``fqn`` at ``payload`` (appended to its data file), every CRC recomputed."""
-    md = pickle.loads((vdir / METADATA).read_bytes())  # the test's own file: trusted here
-    index = next(i for i in md.storage_data if i.fqn == fqn)
-    info = md.storage_data[index]
-    data = vdir / info.relative_path
-    offset = data.stat().st_size
-    data.write_bytes(data.read_bytes() + payload)
-    md.storage_data[index] = _StorageInfo(info.relative_path, offset, len(payload))
-    (vdir / METADATA).write_bytes(pickle.dumps(md))
-
-    def mutate(marker):
-        marker["checksums"].append([info.relative_path, offset, len(payload), checksum(payload)])
-        marker["file_sizes"][info.relative_path] = offset + len(payload)
-
-    _reseal(vdir, mutate)
-
-
 def _torch_saved(obj) -> bytes:
     import io
 
