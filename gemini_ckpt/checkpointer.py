@@ -309,6 +309,13 @@ class Checkpointer:
                                           f"being staged; it may still commit in the store, but is not tracked")
                 self._jobs.put(_Job(handle, outcome, t0, due, slot))
                 queued = True
+        except Exception as exc:
+            if self._stopped and slot in self._slots and "aborted" not in str(exc):
+                # abort() from another thread closed the store under this save(): the store's
+                # own error (an executor shut down, a closed channel) says nothing to the caller
+                raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
+                                      f"being staged ({type(exc).__name__}: {exc})") from exc
+            raise
         finally:
             if not queued:
                 if segment is not None:

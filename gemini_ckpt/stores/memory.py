@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import FencedError, MemoryBudgetError, VersionNotFoundError
+from ..errors import CheckpointError, FencedError, MemoryBudgetError, VersionNotFoundError
 from ..health import Health
 from ..retention import Retention, as_retention
 from .base import Capabilities, MemoryTier, Outcome
@@ -165,6 +165,7 @@ class LocalTier(MemoryTier):
         # step -> the trainer's verdict, until the commit thread takes it (not an argument of
         # _commit: its signature is the seam tests use to fail or hold a commit)
         self._verdicts: dict[int, Optional[Health]] = {}
+        self._closed = False
 
     def segment(self, plan: ShardPlan) -> Segment:
         return self.store._segment(self.epoch, plan)
@@ -186,6 +187,8 @@ class LocalTier(MemoryTier):
         return Outcome(step, True, health=record.health)
 
     def _worker(self) -> ThreadPoolExecutor:
+        if self._closed:  # not a new pool that nobody shuts down
+            raise CheckpointError("this process's local store tier is closed (its Checkpointer was closed)")
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-local")
         return self._pool
@@ -197,6 +200,7 @@ class LocalTier(MemoryTier):
         return self._beside
 
     def close(self) -> None:
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

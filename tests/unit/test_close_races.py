@@ -100,3 +100,42 @@ def test_wait_persisted_right_after_save_waits_for_that_version(tmp_path):
     assert handle.persisted.done(), "wait_persisted() returned before the save() before it was persisted"
     assert 0 in ckpt.durable.complete_steps()
     ckpt.close()
+
+
+def test_abort_while_a_save_is_handing_off_refuses_that_save_with_a_checkpoint_error():
+    """The race the loop above hits now and then, pinned: abort() closes the store while another
+    thread's save() is between staging and the hand-off. That save() gets a CheckpointError
+    naming the abort, not the store's own "cannot schedule new futures after shutdown"."""
+    from gemini_ckpt import faults
+
+    ckpt = _checkpointer(keep_in_memory=2)
+    ckpt.save(0).committed.result(timeout=DEADLINE_S)
+    at_handoff, aborted = threading.Event(), threading.Event()
+
+    def hook(phase, **ctx):
+        if phase == "replicate" and ctx["step"] == 1:
+            at_handoff.set()
+            assert aborted.wait(DEADLINE_S)
+
+    outcome: list = []
+
+    def save_one():
+        try:
+            outcome.append(ckpt.save(1))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            outcome.append(exc)
+
+    faults.set_hook(hook)
+    try:
+        thread = threading.Thread(target=save_one, daemon=True)
+        thread.start()
+        assert at_handoff.wait(DEADLINE_S)
+        ckpt.abort()
+        aborted.set()
+        thread.join(timeout=DEADLINE_S)
+    finally:
+        faults.set_hook(None)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError), outcome
+    assert "aborted" in str(outcome[0])
+    assert ckpt._inflight == 0
