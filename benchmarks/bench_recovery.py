@@ -185,10 +185,10 @@ def train_loop(config: dict) -> dict:
         t.optimizer.zero_grad(set_to_none=True)
         t_compute = time.time()
         time.sleep(max(0.0, config["step_s"] - (time.time() - t_step)))  # the rest of the step: GPU compute
-        stall = 0.0
+        stall, phases = 0.0, ()
         if mode == "gemini":
             handle = ckpt.save(step)
-            stall = handle.staged.result().stall_s
+            stall, phases = handle.staged.result().stall_s, handle.staged.result().phases
         elif mode == "durable" and (step + 1) % config["interval"] == 0:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(t.model, t.optimizer)
@@ -197,7 +197,8 @@ def train_loop(config: dict) -> dict:
             stall = time.perf_counter() - t0
         if step == start:  # where an attempt's first step goes, on every rank (the slowest holds the rest back)
             emit("first", step=step, loop_unix=t_loop, compute_s=t_compute - t_step, save_s=time.time() - t_step
-                 - config["step_s"] if mode != "none" else 0.0, step_end_unix=time.time())
+                 - config["step_s"] if mode != "none" else 0.0, step_end_unix=time.time(),
+                 save_phases={n: round(t, 3) for n, t in phases})
         if rank == 0:
             emit("step", step=step, stall_s=stall)
     if ckpt is not None:
@@ -279,6 +280,7 @@ def _store_memory(namespace: str) -> dict:
 
     ns = cluster_status(namespace)[namespace]
     return {"held_bytes": {h.slot: h.held_bytes for h in ns.hosts}, "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts},
+            "memory": {h.slot: h.memory for h in ns.hosts},
             "versions": sorted({v.step for v in ns.versions})}
 
 
@@ -321,6 +323,8 @@ def _first_step_parts(events: list[dict], failure: float) -> Optional[dict]:
         elif e["kind"] == "first":
             row.update(loop=round(e["loop_unix"] - failure, 2), compute_s=round(e["compute_s"], 3),
                        save_s=round(e["save_s"], 3), step_done=round(e["step_end_unix"] - failure, 2))
+            if e.get("save_phases"):
+                row["save_phases"] = e["save_phases"]
     return {str(r): parts[r] for r in sorted(parts)} or None
 
 

@@ -40,6 +40,7 @@ BENCHES = [
     ("scaling", "bench_scaling.py", "scaling.json", 400, 3600),
     ("health", "bench_health.py", "health.json", 300, 1800),
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
+    ("soak", "bench_soak.py", "soak.json", 600, 3600),
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 
@@ -186,6 +187,11 @@ def summary_rows(res: dict) -> list[list[str]]:
             rows.append([f"{what} with the default health check ({d['staged_bytes'] / 2**30:.2f} GiB)",
                          _f(med["on"][k]), f"check off {_f(med['off'][k])}", f"{r[k]:.3f}x",
                          f"<= {d['target_ratio']}x", _met(r[k] <= d["target_ratio"])])
+    d = res.get("soak")
+    if d:
+        rows.append([f"host-store private memory, {d['versions']:,} versions every step (after "
+                     f"{d['warmup_versions']} -> end)", f"{100 * d['worst_growth']:+.2f}%", "flat",
+                     "-", f"within {100 * d['target_growth']:.0f}%", _met(d["target_met"])])
     d = res.get("recovery")
     if d:
         rows.append([f"time wasted per failure, durable-only / gemini_ckpt ({d['state_mb_per_rank']} MB per rank)",

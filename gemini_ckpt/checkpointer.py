@@ -79,6 +79,26 @@ class _Job:
     slot: object  # the in-flight slot this version holds (Checkpointer._slots)
 
 
+
+SLOW_SAVE_S = 1.0
+"""A save() that stalls training longer than this (and 10x its average) is logged with its phases."""
+
+
+class _Phases:
+    """Wall time of the phases of one save() (``StageInfo.phases``)."""
+
+    def __init__(self, t0: float) -> None:
+        self._last, self._marks = t0, []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._marks.append((name, now - self._last))
+        self._last = now
+
+    def done(self) -> tuple:
+        return tuple(self._marks)
+
+
 class Checkpointer:
     """Checkpoint a :class:`TrainState` every step into memory (and every Nth to disk).
 
@@ -285,24 +305,31 @@ class Checkpointer:
                             f"background work; raise CheckpointConfig.timeout_s or look at the store")
                 self._slots.add(slot)
             self._raise_background_errors()
+            phases = _Phases(t0)
             captured = self._sources.capture()
             if captured is None:
                 captured = self._plan()
+                phases.mark("plan")
             tensors, blobs = captured
             plan = self._sources.plan
             verdict = self._judge(step, metrics or {})
+            phases.mark("check")
             segment = self._store.segment(plan.shard)
+            phases.mark("segment")
             self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
                                volatile=self._sources.volatile)
+            phases.mark("copy")
             due = self._durable is not None and (persist or self._policy.should_persist(step))
             fire("replicate", step=step, rank=self.rank)
             # Handed off before save() returns: a training process that dies right after still
             # leaves a whole shard with its host store, which commits the version without it.
             outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
             segment = None  # the tier's now
+            phases.mark("hand_off")
             stall = time.perf_counter() - t0
             handle = SaveHandle(step)
-            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes))
+            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes,
+                                               phases=phases.done()))
             with self._lock:
                 if self._stopped:  # abort() from another thread stopped the background thread meanwhile
                     raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
@@ -325,6 +352,9 @@ class Checkpointer:
                     self._lock.notify_all()
         self._lineage.saved(step)
         s = self.stats
+        if s.saves >= 2 and stall > max(SLOW_SAVE_S, 10 * s.total_stall_s / s.saves):
+            log.warning("rank %d: save(%d) stalled training %.2fs (%.3fs per save so far): %s", self.rank, step,
+                        stall, s.total_stall_s / s.saves, ", ".join(f"{n} {t:.3f}s" for n, t in phases.done()))
         s.saves += 1
         s.last_stall_s = stall
         s.total_stall_s += stall
@@ -531,7 +561,8 @@ class Checkpointer:
     def _job_description(self) -> dict:
         from ._version import __version__
 
-        return {"world_size": self.world_size, "replicas": self.config.replicas,
+        return {"namespace": self.config.resolved_namespace, "world_size": self.world_size,
+                "replicas": self.config.replicas,
                 "placement": self.config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
 
     # --- restore ------------------------------------------------------------------------------

@@ -241,7 +241,9 @@ class Persister:
         return sign(VersionManifest(
             step=step, world_size=view.world_size, metadata=metadata_bytes,
             checksums=tuple(sorted(checksums, key=lambda c: (c.file, c.offset))), file_sizes=sizes,
-            job={**self.job, **view.plans[0].job, "created_unix": time.time()},
+            # memory_fingerprint: which version of this step it is, so that a restore falls back
+            # to this copy only for the memory version it was written from (never mixes two)
+            job={**self.job, **view.plans[0].job, "created_unix": time.time(), "memory_fingerprint": view.fingerprint},
             metadata_crc=checksum(metadata_bytes), health=view.health.to_json()), resolve_key(self.signing_key))
 
     # --- telling the other ranks ------------------------------------------------------------------

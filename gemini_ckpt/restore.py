@@ -162,16 +162,48 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     return None
 
 
-def _open_views(tiers: list, step: int, key) -> tuple[list, list[str]]:
+def _open_views(tiers: list, step: int, key, namespace: Optional[str] = None) -> tuple[list, list[str]]:
     """Verified views of ``step`` in every tier that holds it (best first), and why the others
-    could not be opened."""
+    could not be opened. An item the first cannot produce is read from the next (see
+    :mod:`.save.direct`), so a later view is kept only when it holds the same version as the
+    first: a durable copy written from that memory version (its manifest names the memory
+    version's fingerprint). With a signing key, a durable version signed for another namespace
+    (copied from another run) is refused."""
     views, problems = [], []
     for tier in tiers:
         try:
-            views.append(tier.open(step, key=key))
+            view = tier.open(step, key=key)
         except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
             problems.append(f"{tier.name}: {type(exc).__name__}: {exc}")
+            continue
+        written_for = _durable_job(view).get("namespace")
+        if key is not None and namespace is not None and written_for is not None and written_for != namespace:
+            view.close()
+            problems.append(f"{tier.name}: step {step} is signed for namespace {written_for!r}, not this job's "
+                            f"{namespace!r} (copied from another run?); refused. CheckpointConfig.init_from "
+                            f"starts a job from another run's version")
+            continue
+        if views and not _same_version(views[0], view):
+            view.close()
+            problems.append(f"{tier.name}: holds another version of step {step} than {views[0].tier} (not written "
+                            f"from it); not mixed in")
+            continue
+        views.append(view)
     return views, problems
+
+
+def _durable_job(view) -> dict:
+    job = getattr(getattr(view, "manifest", None), "job", None)
+    return job if isinstance(job, dict) else {}
+
+
+def _same_version(first, other) -> bool:
+    """Whether ``other`` holds the version of ``first`` (so its items may stand in for them)."""
+    if first.tier == other.tier:
+        return first.fingerprint == other.fingerprint
+    if first.tier == "memory" and other.tier == "durable":
+        return _durable_job(other).get("memory_fingerprint") == first.fingerprint
+    return False
 
 
 def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
@@ -182,7 +214,7 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     fingerprint = None
     direct = None
     health = None
-    views, problems = _open_views(tiers, step, resolve_key(config.signing_key))
+    views, problems = _open_views(tiers, step, resolve_key(config.signing_key), config.resolved_namespace)
     if not views:
         outcome = ("skip", "; ".join(problems))
     else:

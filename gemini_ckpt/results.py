@@ -17,6 +17,12 @@ class StageInfo:
     step: int
     stall_s: float
     staged_bytes: int
+    phases: tuple = ()
+    """Where ``stall_s`` went, as ``(name, seconds)`` in order: ``plan`` (planning the snapshot
+    with every rank: the first save, and the first after a restore or a change of the state's
+    structure; a collective, so it includes waiting for the slowest rank), ``check`` (the
+    trainer's health predicates), ``segment`` (a staging segment from the store), ``copy``
+    (the one copy of the state) and ``hand_off`` (telling the store)."""
 
 
 class SaveHandle:

@@ -39,6 +39,7 @@ class HostStatus:
     reserved_bytes: int = 0  # memory the store holds against its budget (incl. buffers kept for reuse)
     budget_bytes: int = 0
     error: Optional[str] = None
+    memory: dict = field(default_factory=dict)  # where the reserved bytes are (VersionTable.memory)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
         shards = [sh for v in d["versions"].values() for sh in v["shards"].values()]
         own = sum(1 for sh in shards if sh["owner"] == slot)
         hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
-                                own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"]))
+                                own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"],
+                                memory=d.get("memory", {})))
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
     return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
                            table["epoch"] if table is not None else 0, tuple(failures), tuple(events))

@@ -253,3 +253,11 @@ def local_store(namespace: str) -> LocalStore:
         if store is None:
             store = _registry[namespace] = LocalStore(namespace)
         return store
+
+
+def drop_local_store(namespace: str) -> None:
+    """Forget the process-wide store of ``namespace`` and what it holds, as a restart of the
+    process does (for tests and tools that restart a job inside one process). A Checkpointer
+    still attached keeps the store it has; the next one gets an empty store."""
+    with _registry_lock:
+        _registry.pop(namespace, None)

@@ -399,9 +399,10 @@ class SegmentPool:
     Kept segments count against the budget and are the first to go when a request needs the
     room. Not thread-safe: the owner holds its lock around calls."""
 
-    def __init__(self, budget_bytes: int, *, shared: bool) -> None:
+    def __init__(self, budget_bytes: int, *, shared: bool, max_free: int = 4) -> None:
         self.budget_bytes = int(budget_bytes)
         self.shared = shared
+        self.max_free = max_free  # free segments kept; the oldest beyond go (a burst of copies let go)
         self.held = 0  # bytes of segments handed out and not released
         self.created = 0  # segments made (not reused) over the pool's life
         self._free: list[Segment] = []
@@ -435,6 +436,8 @@ class SegmentPool:
     def release(self, seg: Segment) -> None:
         self.held -= seg.nbytes
         self._free.append(seg)
+        while len(self._free) > self.max_free:  # every version needs one or two again, not a pile
+            self._free.pop(0).close()
 
     def close(self) -> None:
         for seg in self._free:

@@ -297,6 +297,60 @@ def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
 
 
 @pytest.mark.ray
+def test_an_authenticated_peer_cannot_make_a_store_allocate_past_its_limits(ray_cluster):
+    """Plans and records land in buffers of their own, not budgeted segments: one past
+    MAX_META_TRANSFER_BYTES, a piece of one, or an unknown kind is refused before a byte of
+    it is allocated, and the store goes on with the job's versions."""
+    from gemini_ckpt.ray.actors.replication import MAX_META_TRANSFER_BYTES
+    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.ray.transport import Header, TcpTransport, TransferRejectedError
+    from tier_contract import save_filled
+
+    tier = connect(CheckpointConfig(namespace="dataplane-meta", replicas=1, timeout_s=60), rank=0, world_size=1)
+    try:
+        save_filled(tier, 1, 2.0)
+        actor = find_store("dataplane-meta", tier.node_id)
+        endpoint = ray.get(actor.endpoint.remote())
+        peer = TcpTransport(tier._secret, "dataplane-meta")  # the secret: an authenticated peer
+        meta = json.dumps({"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1, "plan_id": "x"}).encode()
+        huge = MAX_META_TRANSFER_BYTES + 1
+        cases = [(Header("dataplane-meta", 2, "plan/0", 0, 16, total=huge, meta=meta), "one piece"),
+                 (Header("dataplane-meta", 2, "record/0", 0, huge, total=huge, meta=meta), "refused"),
+                 (Header("dataplane-meta", 2, "blob/0", 0, 16, total=16, meta=meta), "unknown transfer")]
+        try:
+            channel = peer.connect(endpoint)
+            for header, why in cases:
+                data = np.zeros(header.length, np.uint8)
+                with pytest.raises(TransferRejectedError, match=why):
+                    channel.send(header, data, timeout=30)
+        finally:
+            peer.close()
+        save_filled(tier, 3, 4.0)  # the store goes on
+        assert 3 in tier.committed_steps()
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_ranks_with_different_signing_keys_are_refused_when_they_connect(ray_cluster):
+    """A key set on only some ranks (or two keys) would make every version one rank writes
+    unreadable to another, found out only at restore: the rendezvous refuses it at once."""
+    import concurrent.futures
+
+    from gemini_ckpt.ray.client import connect
+
+    def join(rank: int, key):
+        cfg = CheckpointConfig(namespace="mixed-keys", replicas=1, timeout_s=60, signing_key=key)
+        return connect(cfg, rank=rank, world_size=2)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(join, 0, "the-secret"), pool.submit(join, 1, None)]
+        for fut in futures:
+            with pytest.raises(ConfigError, match=r"do not share one signing key \(ranks \[1\] no key; ranks \[0\]"):
+                fut.result(timeout=120)
+
+
+@pytest.mark.ray
 def test_a_holder_that_dies_mid_transfer_fails_the_version_in_about_a_second(ray_cluster, ranks):
     ranks.restart("dataplane-death", ballast_mb=64,
                   replication_bandwidth=16 << 20)  # 64 MiB per shard take 4 s: the kill lands mid-transfer

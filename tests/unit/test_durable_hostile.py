@@ -39,6 +39,16 @@ from gemini_ckpt import faults
 from gemini_ckpt.checksum import checksum
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.stores.memory import drop_local_store
+
+NAMESPACE = "hostile-" + uuid.uuid4().hex
+
+
+def _job_namespace() -> str:
+    """This module's jobs share one namespace (a signed version is bound to it), each starting
+    with empty memory, as a restarted job does."""
+    drop_local_store(NAMESPACE)
+    return NAMESPACE
 
 MARKER, METADATA, IN_PROGRESS, DATA = ".gemini_complete", ".metadata", ".gemini_inprogress", "__0_0.distcp"
 NEWEST, OLDER = "step_000000001", "step_000000000"
@@ -144,7 +154,7 @@ def _params(model):
 
 def _make_versions(root: Path, **config):
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=1,
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1,
                                                 durable_uri=str(root), keep_durable=5, **config))
     batches, params = t.batches(), {}
     for step in range(2):
@@ -195,7 +205,7 @@ def outside(tmp_path):
 def _restore(root, **config):
     """A new job (empty memory) restores from ``root``: (result, extra, params)."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
                                                 timeout_s=30, **config))
     try:
         with warnings.catch_warnings():
@@ -218,7 +228,7 @@ def _assert_restored(root, versions, step, **config):
 def _continue(root, steps, **config):
     """A new job restores from ``root`` and saves (and persists) ``steps``; returns the tier."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
                                                 persist_every=1, keep_durable=5, timeout_s=30, **config))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -517,7 +527,7 @@ def _stock_checkpoint(path: Path, *, seed: int, with_optim: bool, fill=None):
 
 def _init(path, **config):
     t, _, state = _state(11)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, init_from=str(path),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), init_from=str(path),
                                                 timeout_s=30, **config))
     try:
         return ckpt.restore(), t
@@ -582,7 +592,7 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
     root = str(tmp_path / "d")
     durable = DurableTier(filesystem=fs, root=root, keep=2)
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3,
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=3,
                                                 keep_durable=2, persist_on_close=False, timeout_s=30),
                         durable=durable)
     batches = t.batches()
@@ -607,7 +617,7 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
 def _three_versions(tmp_path) -> Path:
     root = tmp_path / "three"
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3,
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=3,
                                                 durable_uri=str(root), keep_durable=5, persist_on_close=False))
     for step in range(9):
         ckpt.save(step)

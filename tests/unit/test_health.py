@@ -36,14 +36,24 @@ from gemini_ckpt.state.digest import digest
 from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.finite import CHUNK, NAN_BITS, checksum_items
 from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
+from gemini_ckpt.stores.memory import drop_local_store
 from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardFormatError, ShardRecord, canonical
 from gemini_ckpt.trust import canonical_bytes
+
+NAMESPACE = "health-" + uuid.uuid4().hex
+
+
+def _job_namespace() -> str:
+    """One namespace for this module's jobs (a signed version is bound to it), each starting
+    with empty memory, as a restarted job does."""
+    drop_local_store(NAMESPACE)
+    return NAMESPACE
 
 FINITE = "failed the finite check"
 
 
 def _config(**kw) -> CheckpointConfig:
-    kw.setdefault("namespace", uuid.uuid4().hex)
+    kw.setdefault("namespace", _job_namespace())
     kw.setdefault("timeout_s", 60)
     return CheckpointConfig(store="local", **kw)
 

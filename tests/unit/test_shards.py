@@ -123,3 +123,38 @@ def test_plans_and_records_refuse_what_does_not_fit_them():
         ShardRecord.decode(bytes(encoded))
     with pytest.raises(ValueError, match="blobs for"):
         make_record(plan, bytearray(plan.region_bytes), [], epoch=3, step=9)
+
+
+def test_a_rank_whose_plan_changes_lets_go_of_its_free_segments_and_memory_says_where_the_budget_is():
+    plan = _plan()
+    n = plan.region_bytes
+    table = VersionTable(16 * n)
+    v = table.version(1, 5, world_size=2)
+    table.stage(v, 0, table.lend(0, n).seg.id, plan, owner=0)  # rank 0's own shard, kept
+    table.receive(v, 1, owner=1, nbytes=2 * n)  # a peer's copy
+    free = table.lend(0, n)
+    table.give_back(free.seg.id)
+    staging = table.lend(0, n)  # reuses the free one
+    assert staging is free
+    table.give_back(staging.seg.id)
+    table.lend(1, n)  # another rank's, being filled
+    mem = table.memory()
+    assert (mem["own"], mem["replicas"], mem["staging"], mem["lent_free"], mem["pooled"], mem["other"]) == \
+        (n, 2 * n, n, n, 0, 0)
+    assert mem["reserved"] == table.pool.held == 5 * n and mem["budget"] == 16 * n
+    # rank 0 saves a state of another size: its free segment goes, not into a growing pile
+    table.lend(0, 3 * n)
+    mem = table.memory()
+    assert mem["lent_free"] == 0 and mem["staging"] == n + 3 * n and mem["reserved"] == 7 * n
+    table.release(v)  # the replica goes back to the pool, the own shard to rank 0's free list
+    mem = table.memory()
+    assert (mem["own"], mem["replicas"], mem["pooled"], mem["lent_free"]) == (0, 0, 2 * n, n)
+
+
+def test_the_pool_keeps_a_few_free_segments_not_everything_a_burst_let_go():
+    pool = SegmentPool(1 << 30, shared=False, max_free=2)
+    segs = [pool.reserve(1 << 20) for _ in range(6)]  # e.g. the copies of a re-replication
+    for seg in segs:
+        pool.release(seg)
+    assert pool.held == 0 and pool.pooled == 2 << 20  # the budget is not held by idle buffers
+    assert pool.reserve(1 << 20) in segs[4:] and pool.created == 6  # the newest free ones are reused

@@ -27,7 +27,7 @@ from gemini_ckpt.__main__ import main as cli
 from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.layout import parse_step_dir
 from gemini_ckpt.save.dcp import MemoryVersion
-from gemini_ckpt.stores.memory import LocalTier
+from gemini_ckpt.stores.memory import LocalTier, drop_local_store
 from gemini_ckpt.stores.shards import ShardFormatError, ShardPlan, ShardRecord
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.trust import (
@@ -40,6 +40,15 @@ from forge import forge_item as _forge_item
 from forge import reseal as _reseal
 from helpers import local_tier
 from rendezvous import join_group, master_store
+
+NAMESPACE = "trust-" + uuid.uuid4().hex
+
+
+def _job_namespace() -> str:
+    """This module's jobs share one namespace (a signed version is bound to it), each starting
+    with empty memory, as a restarted job does."""
+    drop_local_store(NAMESPACE)
+    return NAMESPACE
 
 MARKER, METADATA, EXTRA_KEY = ".gemini_complete", ".metadata", "rank_local.0.extra"
 NEWEST, OLDER = "step_000000001", "step_000000000"
@@ -77,7 +86,7 @@ def versions(tmp_path_factory):
     """A durable directory with two good versions (steps 0 and 1) and the model at each."""
     root = tmp_path_factory.mktemp("versions") / "d"
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=1,
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1,
                                                 durable_uri=str(root), keep_durable=5))
     batches, params = t.batches(), {}
     for step in range(2):
@@ -101,7 +110,7 @@ def _copy(versions, tmp_path) -> Path:
 def _restore(root, **config):
     """A new job (empty memory) restores from ``root``: (result, extra, params)."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
                                                 **config))
     try:
         with warnings.catch_warnings():
@@ -237,7 +246,7 @@ def _save_steps(root, steps, *, key=None, config_key=None, monkeypatch=None):
         else:
             monkeypatch.setenv(ENV_KEY, key)
     t, extra, state = _state(0)
-    cfg = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=1, durable_uri=str(root),
+    cfg = CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1, durable_uri=str(root),
                            keep_durable=5, signing_key=config_key, overwrite=True)
     ckpt = Checkpointer(state, cfg)
     batches = t.batches()
@@ -284,7 +293,7 @@ def test_signed_versions_restore_and_unsigned_or_forged_ones_are_refused(tmp_pat
 
 def _restore_warned(root, **config):
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
                                                 **config))
     try:
         result = ckpt.restore()
@@ -307,6 +316,54 @@ def test_config_signing_key_signs_local_store_versions(tmp_path, monkeypatch):
     _save_steps(root, [0], config_key=b"cfg-secret")
     assert "signature" in json.loads((root / OLDER / MARKER).read_text())
     assert _restore(root, signing_key=b"cfg-secret")[0].step == 0
+
+
+def test_a_signed_version_copied_into_another_run_is_refused(tmp_path, monkeypatch):
+    """The signature covers the namespace the version was written for: a directory copied
+    from another run (same key) is not restored as this run's."""
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    root = tmp_path / "d"
+    _save_steps(root, [0, 1], config_key=b"shared-key")
+    assert json.loads((root / NEWEST / MARKER).read_text())["job"]["namespace"] == NAMESPACE
+    assert _restore(root, signing_key=b"shared-key")[0].step == 1  # its own run restores it
+    t, extra, state = _state(9)
+    other = Checkpointer(state, CheckpointConfig(store="local", namespace="another-run", durable_uri=str(root),
+                                                 signing_key=b"shared-key"))
+    try:
+        with pytest.warns(UserWarning), pytest.raises(ChecksumError) as caught:
+            other.restore()
+    finally:
+        other.close()
+    assert str(caught.value).count(f"is signed for namespace {NAMESPACE!r}, not this job's 'another-run'") == 2
+
+
+def test_an_item_missing_from_memory_is_never_taken_from_another_version_of_the_step_on_disk(tmp_path):
+    """Memory holds one run's step 1, the durable tier another run's step 1 (same namespace):
+    a memory item that fails its checksum is not read from the durable copy (a mixed state);
+    the version is skipped whole and the older one restored."""
+    root = tmp_path / "d"
+    _save_steps(root, [0, 1])  # run A: steps 0 and 1 on disk
+    t, extra, state = _state(5)  # run B: another state, its steps 0 and 1 in memory only
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace()))
+    batches, params = t.batches(), {}
+    for step in (0, 1):
+        lm_loss(t.model, next(batches)).backward()
+        t.optimizer.step()
+        t.optimizer.zero_grad()
+        ckpt.save(step)
+        params[step] = _params(t.model)
+    ckpt.close()
+    ckpt.store.corrupt_for_test(1, 0, 0)  # the first item of run B's step 1, in memory
+    t2, _, state2 = _state(9)
+    fresh = Checkpointer(state2, CheckpointConfig(store="local", namespace=NAMESPACE, durable_uri=str(root)))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = fresh.restore()
+    finally:
+        fresh.close()
+    assert result.step == 0 and 1 in result.skipped_steps
+    assert all(torch.equal(p, params[0][n]) for n, p in _params(t2.model).items())
 
 
 # --- 3. a damaged newest version falls back -------------------------------------------------------
@@ -358,7 +415,7 @@ def test_bad_latest_is_ignored_and_rewritten_by_the_next_persist(versions, tmp_p
     _assert_restored(root, versions, 1)
     # The next persist goes through and rewrites it.
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root),
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
                                                 persist_every=1, keep_durable=5))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -299,6 +299,7 @@ class HostStore(LocalRanks, Replication, Serving):
                 "held_bytes": self._table.held_bytes(), "reserved_bytes": pool.held + pool.pooled,
                 "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
                          "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self._table.lent.values())},
+                "memory": self._table.memory(),
                 "started_unix": self.started_unix, "epoch": self._epoch,
                 "slot": self._cfg.slot if self._cfg else None,
                 "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],

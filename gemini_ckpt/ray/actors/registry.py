@@ -20,12 +20,14 @@ An async actor: ``join`` waits for the whole world, the liveness loop is a task.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ...errors import ConfigError
 from ..commit import COORDINATOR, Coordinator, Send
 
 log = logging.getLogger("gemini_ckpt")
@@ -59,6 +61,30 @@ class _Round:
     params: dict = field(default_factory=dict)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     table: Optional[dict] = None
+    keys: dict = field(default_factory=dict)  # rank -> its signing key's fingerprint ("" for none)
+    error: str = ""  # why the round was refused (every rank raises it)
+
+
+def key_fingerprint(key_hex: Optional[str]) -> str:
+    """A short name of a signing key that says nothing of the key ("" for none)."""
+    if not key_hex:
+        return ""
+    return hashlib.sha256(b"gemini_ckpt key fingerprint\x00" + bytes.fromhex(key_hex)).hexdigest()[:12]
+
+
+def _key_mismatch(keys: dict[int, str]) -> str:
+    """Why the ranks of one rendezvous cannot go on together ("" when they agree): every rank
+    signs and checks with the same key, or none does; otherwise the versions one rank writes
+    are refused by another only at restore, when it is too late."""
+    groups: dict[str, list[int]] = {}
+    for rank, fp in sorted(keys.items()):
+        groups.setdefault(fp, []).append(rank)
+    if len(groups) <= 1:
+        return ""
+    parts = [f"ranks {ranks} " + (f"the key {fp}" if fp else "no key") for fp, ranks in sorted(groups.items())]
+    return ("the ranks of this job do not share one signing key (" + "; ".join(parts) + "): set "
+            "CheckpointConfig.signing_key (or $GEMINI_CKPT_SIGNING_KEY) to the same secret on every rank, "
+            "or on none")
 
 
 class Registry:
@@ -102,13 +128,17 @@ class Registry:
             self._round = _Round()
         rnd = self._round
         rnd.pending[rank] = node_id
+        rnd.keys[rank] = key_fingerprint((job or {}).get("key"))
         rnd.params = {"keep": keep, "timeout_s": timeout_s}
         if job:
             self._job = dict(job)
         for stale in [r for r in rnd.pending if r >= world_size]:
             del rnd.pending[stale]
+            rnd.keys.pop(stale, None)
         if all(r in rnd.pending for r in range(world_size)):
-            rnd.table = await self._open_epoch(rnd.pending, rnd.params)
+            rnd.error = _key_mismatch(rnd.keys)
+            if not rnd.error:
+                rnd.table = await self._open_epoch(rnd.pending, rnd.params)
             self._round = None
             rnd.done.set()
         else:
@@ -120,6 +150,8 @@ class Registry:
                     f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
                     f"namespace {self.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
                     f"rank must build its Checkpointer and save/restore") from None
+        if rnd.error:
+            raise ConfigError(rnd.error)
         return rnd.table
 
     async def _open_epoch(self, pending: dict[int, str], params: dict) -> dict:

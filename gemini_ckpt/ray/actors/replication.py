@@ -31,6 +31,14 @@ from ..transport import Endpoint, Header, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 
+MAX_META_TRANSFER_BYTES = 64 << 20
+"""The most one plan or record transfer may be (a region lands in a budgeted segment; these
+land in buffers of their own). A plan is about 200 bytes per tensor, a record less: 64 MiB is
+hundreds of thousands of tensors per shard."""
+MAX_META_ARRIVING_BYTES = 256 << 20
+"""The most the plans and records still arriving at a store may hold together (and never
+more than the room left in its budget)."""
+
 
 class Replication:
     """Commit protocol and replication (see the module docstring)."""
@@ -225,9 +233,28 @@ class Replication:
                 self._table.use(shard)
                 self._incoming[key] = ("region", shard, meta)
                 return memoryview(shard.seg.array)[header.offset : header.offset + header.length]
-            buf = bytearray(header.length)
+            buf = self._meta_buffer(header, kind)
             self._incoming[key] = (kind, buf, meta)
             return memoryview(buf)
+
+    def _meta_buffer(self, header: Header, kind: str) -> bytearray:
+        """A buffer for a plan or record arriving from a peer (the lock is held): refused past
+        :data:`MAX_META_TRANSFER_BYTES`, or when those still arriving would pass
+        :data:`MAX_META_ARRIVING_BYTES` or the budget's room."""
+        if kind not in ("plan", "record"):
+            raise ValueError(f"node {self.node_id[:12]}: unknown transfer {header.name!r}")
+        n = header.length
+        if header.offset != 0 or (header.total is not None and header.total != n):
+            raise ValueError(f"node {self.node_id[:12]}: a {kind} comes in one piece, not {header.describe()}")
+        if n > MAX_META_TRANSFER_BYTES:
+            raise ValueError(f"node {self.node_id[:12]}: a {kind} of {n:,} bytes is refused (at most "
+                             f"{MAX_META_TRANSFER_BYTES:,})")
+        arriving = sum(len(x[1]) for x in self._incoming.values() if x[0] != "region")
+        arriving += sum(len(b) for b in self._copies_in.values() if isinstance(b, bytearray))
+        if arriving + n > MAX_META_ARRIVING_BYTES or not self._table.pool.fits(arriving + n):
+            raise MemoryError(f"node {self.node_id[:12]}: a {kind} of {n:,} bytes with {arriving:,} bytes of plans "
+                              f"and records still arriving would pass this store's room")
+        return bytearray(n)
 
     def _incoming_done(self, header: Header, ok: bool) -> None:
         meta = json.loads(header.meta)
@@ -374,7 +401,7 @@ class Replication:
                 raise PermissionError(f"node {self.node_id[:12]}: a copy of epoch {epoch}, this store is at "
                                       f"{self._epoch}")
             if kind != "region":
-                buf = bytearray(header.length)
+                buf = self._meta_buffer(header, kind)
                 self._copies_in[(key, kind)] = buf
                 return memoryview(buf)
             record = self._copies_in.pop((key, "record"), None)

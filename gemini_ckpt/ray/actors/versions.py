@@ -110,6 +110,10 @@ class VersionTable:
             if lent.rank == rank and lent.state == "free" and lent.seg.nbytes == nbytes:
                 lent.state = "staging"
                 return lent
+        # none fits: the rank's plan changed (a restore, a new structure), so its free ones of
+        # other sizes would only sit on the budget until room runs out
+        for seg_id in [i for i, x in self.lent.items() if x.rank == rank and x.state == "free"]:
+            self._forget_lent(seg_id)
         self.make_room(nbytes)
         seg = self.pool.reserve(nbytes)
         lent = self.lent[seg.id] = Lent(seg, rank, "staging")
@@ -247,6 +251,29 @@ class VersionTable:
 
     def held_bytes(self) -> int:
         return sum(s.seg.nbytes for v in self.versions.values() for s in v.shards.values())
+
+    def memory(self) -> dict:
+        """Where the budget goes, in bytes (``gemini_ckpt status --json``): the shards of kept
+        versions (``own``: staged here by this node's ranks; ``replicas``: peers' copies),
+        staging segments lent to this node's ranks (``staging``: being filled; ``lent_free``:
+        kept for the rank's next save), buffers kept for reuse (``pooled``), and ``other``: held
+        for none of these (shards a reader still maps after their version went). ``reserved`` is
+        their sum, what counts against ``budget``."""
+        own = replicas = 0
+        for v in self.versions.values():
+            for shard in v.shards.values():
+                if shard.lent:
+                    own += shard.seg.nbytes
+                else:
+                    replicas += shard.seg.nbytes
+        by_state = {"staging": 0, "free": 0}
+        for lent in self.lent.values():
+            if lent.state in by_state:
+                by_state[lent.state] += lent.seg.nbytes
+        pool = self.pool
+        return {"own": own, "replicas": replicas, "staging": by_state["staging"], "lent_free": by_state["free"],
+                "pooled": pool.pooled, "other": pool.held - own - replicas - by_state["staging"] - by_state["free"],
+                "reserved": pool.held + pool.pooled, "budget": pool.budget_bytes, "segments_made": pool.created}
 
 
 def _health(shard: Shard) -> dict:
