@@ -10,7 +10,10 @@ durable interval, a replacement host added at once, ``FailureConfig(max_failures
 Three runs of that job, one failure each:
 
 - **gemini_ckpt**: every step saved in memory (``replicas=2``), every ``--persist-every``-th to
-  local disk (in the background, from the host stores; the failure is recovered from memory).
+  local disk (in the background, from the host stores; the failure is recovered from memory),
+  with ``--staging`` (default ``overlap``: the parameters, optimizer state and ballast are
+  copied while the next step's forward and backward run, which is where a step spends its
+  ``--step-s``: the optimizer step and the save come after it).
 - **durable only**: stock ``torch.distributed.checkpoint.save`` (synchronous: training waits)
   every ``N`` steps to a storage throttled to ``--storage-mbps`` MB/s per host (an fsspec
   filesystem that sleeps to hold the rate on every read and write, used through DCP's fsspec
@@ -22,7 +25,10 @@ Three runs of that job, one failure each:
 Per failure, for the stated ``--mtbf-s`` (the job's mean time between failures):
 
 - *checkpoint overhead*: what checkpointing stalled training over one MTBF: every step's
-  ``save()`` stall (gemini_ckpt), ``MTBF / (N step)`` durable saves of ``C`` (durable only);
+  ``save()`` stall, plus any wait of the next ``optimizer.step()`` for an overlapped copy
+  (gemini_ckpt: the run's first ``WARM_UP`` saves, which plan and make the segments the run
+  reuses, once per failure, then the mean of the others, measured),
+  ``MTBF / (N step)`` durable saves of ``C``, the measured mean (durable only);
 - *work lost*: the steps done since the version that was restored (measured);
 - *retrieval*: the restore's wall time on the slowest rank (measured);
 - *restart*: from the failure to the new workers entering the training function (Ray Train);
@@ -58,6 +64,7 @@ from _common import write_report  # noqa: E402
 
 HOSTS = 4
 KILL_HOST = 1
+WARM_UP = 8  # gemini_ckpt's first saves: the plan, and the staging and replica segments a run reuses
 TARGET = 13.0  # GEMINI: >13x less time wasted per failure than checkpointing to remote storage
 RAY_NAMESPACE = "gemini_bench_recovery"
 
@@ -123,7 +130,7 @@ def train_loop(config: dict) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     from gemini_ckpt import TrainState
     from gemini_ckpt.demo.toy import build_training, lm_loss
@@ -140,8 +147,11 @@ def train_loop(config: dict) -> dict:
     emit("start")
     mesh = init_device_mesh("cpu", (world,))
     t = build_training(seed=0, total_steps=config["steps"], dataset_size=512, mesh=mesh)
-    # The state a large model would have: a sharded buffer of ``mb`` MB per rank, saved with it.
-    t.model.register_buffer("ballast", distribute_tensor(torch.ones(config["mb"] * world * 2**18), mesh, [Shard(0)]))
+    # The state a large model would have: ``mb`` MB per rank of sharded (frozen) weights, saved
+    # with it; like every parameter, only an optimizer step may change them.
+    # (Built shard by shard: a full tensor on every rank would be world x mb MB each, at once.)
+    t.model.register_parameter("ballast", torch.nn.Parameter(
+        DTensor.from_local(torch.ones(config["mb"] * 2**18), mesh, [Shard(0)], run_check=False), requires_grad=False))
     mode = config["mode"]
     batches = t.batches()
     start, restored = 0, None
@@ -178,17 +188,19 @@ def train_loop(config: dict) -> dict:
     t_loop = time.time()
     for step in range(start, config["steps"]):
         t_step = time.time()
+        stalled = ckpt.stats.total_stall_s if ckpt is not None else 0.0
         loss = lm_loss(t.model, next(batches))
         loss.backward()
-        t.optimizer.step()
+        t_compute = time.time()
+        time.sleep(max(0.0, config["step_s"] - (time.time() - t_step)))  # the rest of forward/backward: GPU compute
+        t.optimizer.step()  # with staging="overlap", waits for the previous version's copy
         t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
-        t_compute = time.time()
-        time.sleep(max(0.0, config["step_s"] - (time.time() - t_step)))  # the rest of the step: GPU compute
         stall, phases = 0.0, ()
         if mode == "gemini":
-            handle = ckpt.save(step)
-            stall, phases = handle.staged.result().stall_s, handle.staged.result().phases
+            ckpt.save(step)
+            phases = ckpt.stats.last_phases
+            stall = ckpt.stats.total_stall_s - stalled  # save() and any wait of the optimizer step for its copy
         elif mode == "durable" and (step + 1) % config["interval"] == 0:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(t.model, t.optimizer)
@@ -222,7 +234,7 @@ class Progress:
 
 # --- one run ------------------------------------------------------------------------------------
 def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float, interval: int, rate: float,
-        workdir: str, persist_every: int, timeout: float) -> dict:
+        workdir: str, persist_every: int, timeout: float, staging: str = "overlap") -> dict:
     """One job with one host loss after step ``kill_at``; its events, the failure time."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -233,8 +245,11 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
     name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
     progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
                                             resources={"node:__internal_head__": 0.001}).remote()
+    # Four simulated hosts share this machine's memory: each store gets an explicit budget (the
+    # default, a fraction of the machine's RAM per store, would let four of them take it all).
     ckpt = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=persist_every, timeout_s=120.0,
-                            durable_uri=os.path.join(workdir, name, "gemini"))
+                            durable_uri=os.path.join(workdir, name, "gemini"), staging=staging,
+                            host_memory_budget_bytes=max(1 << 30, 12 * mb << 20))
     config = {"mode": mode, "steps": steps, "mb": mb, "step_s": step_s, "interval": interval, "rate": rate,
               "root": os.path.join(workdir, name, "dcp"), "ckpt": ckpt, "progress": name}
     run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1))
@@ -296,14 +311,25 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
     failed_at = max(e["step"] for e in before)
     back = max(starts) if starts else failure  # the new attempt's steps come after its workers started
     after = [e["unix"] for e in steps if e["unix"] > back]
-    stalls = [e["stall_s"] for e in before if e["stall_s"] > 0]
+    stalls = [e["stall_s"] for e in sorted(before, key=lambda e: e["step"]) if e["stall_s"] > 0]
     return {
         "mode": mode, "failed_after_step": failed_at, "restored_step": restored_step,
         "lost_steps": failed_at - restored_step, "lost_s": (failed_at - restored_step) * step_s,
         "retrieval_s": max((e["seconds"] for e in restores), default=0.0),
         "restart_s": restart_s, "first_step_after_s": (min(after) - failure) if after else None,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
+        # gemini_ckpt's first WARM_UP saves of a run plan and make the segments it reuses (once
+        # per run, so once per failure); the mean of the others is the steady cost of a save
+        "stall_warm_up_s": sum(stalls[:WARM_UP]) if mode == "gemini" else 0.0,
+        "stall_mean_s": statistics.fmean(stalls[WARM_UP:] if mode == "gemini" and len(stalls) > WARM_UP else stalls)
+        if stalls else 0.0,
+        "stall_top": sorted(((round(e["stall_s"], 4), e["step"]) for e in before if e["stall_s"] > 0),
+                            reverse=True)[:8],
         "saves": len(stalls), "restore_timeline": restores[0].get("timeline") if restores else None,
+        # every rank's restore stages, in seconds after the failure (the slowest holds the rest back)
+        "restore_stages": {str(e["rank"]): [(n, round(t - failure, 3)) for n, t in e["timeline"]]
+                           for e in restores if e.get("timeline")},
+        "restore_bytes": {str(e["rank"]): e.get("bytes") for e in restores},
         "first_step_parts": _first_step_parts(events, failure),
     }
 
@@ -330,12 +356,17 @@ def _first_step_parts(events: list[dict], failure: float) -> Optional[dict]:
 
 def wasted(row: dict, *, mtbf_s: float, step_s: float, interval: int) -> dict:
     """Per failure, over one MTBF (see the module docstring)."""
+    # over one MTBF: the run's first save (it plans), then the mean of the others
     if row["mode"] == "gemini":
-        overhead = mtbf_s / step_s * row["stall_median_s"]
+        saves = mtbf_s / step_s
     elif row["mode"] == "durable":
-        overhead = mtbf_s / (interval * step_s) * row["stall_median_s"]
+        saves = mtbf_s / (interval * step_s)
     else:
-        overhead = 0.0
+        saves = 0
+    if row["mode"] == "gemini" and saves:
+        overhead = row["stall_warm_up_s"] + (saves - WARM_UP) * row["stall_mean_s"]
+    else:  # durable: every save does the same work
+        overhead = saves * row["stall_mean_s"]
     without = overhead + row["lost_s"] + row["retrieval_s"]
     return {**row, "overhead_s": overhead, "wasted_s": without, "wasted_with_restart_s": without + row["restart_s"]}
 
@@ -349,6 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--persist-every", type=int, default=50, help="gemini_ckpt: a durable version every N steps")
     ap.add_argument("--quick", action="store_true", help="16 MB per rank, 0.3 s steps, MTBF 2 min")
     ap.add_argument("--modes", default="none,gemini,durable", help="which runs (comma-separated)")
+    ap.add_argument("--staging", default="overlap", choices=("overlap", "copy"),
+                    help="gemini_ckpt's CheckpointConfig.staging (overlap: the copy runs beside the next step)")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "recovery.json"))
@@ -374,7 +407,7 @@ def main(argv=None) -> int:
             print(f"== {mode}: {steps} steps of {args.step_s}s, host {KILL_HOST} lost after step {kill_at}", flush=True)
             out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
                       rate=rate, workdir=workdir, persist_every=args.persist_every,
-                      timeout=600 + 3 * steps * args.step_s)
+                      timeout=600 + 3 * steps * args.step_s, staging=args.staging)
             rows.append(wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s,
                                interval=interval))
             print(f"   after the failure, per rank (s): {rows[-1]['first_step_parts']}", flush=True)
@@ -394,7 +427,7 @@ def main(argv=None) -> int:
     g, d, n = by["gemini"], by["durable"], by["none"]
     result = {
         "question": "time wasted per failure: gemini_ckpt (every step in memory) vs durable-only at Young/Daly",
-        "hosts": HOSTS, "state_mb_per_rank": args.mb, "step_s": args.step_s, "mtbf_s": args.mtbf_s,
+        "hosts": HOSTS, "state_mb_per_rank": args.mb, "gemini_staging": args.staging, "step_s": args.step_s, "mtbf_s": args.mtbf_s,
         "storage_mb_per_s_per_host": args.storage_mbps, "durable_interval_steps": interval,
         "young_daly_interval_s": interval * args.step_s, "kill_after_step": kill_at, "steps": steps,
         "ratio_without_restart": d["wasted_s"] / g["wasted_s"] if g["wasted_s"] else None,
@@ -421,7 +454,7 @@ def _markdown(r: dict) -> str:
              "| per failure | overhead (s) | work lost (s) | retrieval (s) | wasted (s) | Ray Train restart (s) "
              "| wasted incl. restart (s) | failure -> next step (s) |",
              "|---|---|---|---|---|---|---|---|"]
-    names = {"gemini": "gemini_ckpt, every step, replicas=2", "durable": "durable only (stock DCP, Young/Daly)",
+    names = {"gemini": f"gemini_ckpt, every step, replicas=2, staging={r.get('gemini_staging', 'copy')}", "durable": "durable only (stock DCP, Young/Daly)",
              "none": "no checkpointing (restart only)"}
     for row in r["rows"]:
         first = row["first_step_after_s"]

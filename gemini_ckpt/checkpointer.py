@@ -6,7 +6,9 @@ The life of a version, on the trainer's side:
    first version, and a version whose structure changed, plan with DCP first:
    :mod:`gemini_ckpt.save.plan`, the only collective saving runs), a free segment of the
    memory tier is taken and the tensors are copied into it (:mod:`gemini_ckpt.save.stager`).
-   ``save`` returns: the snapshot aliases nothing live.
+   ``save`` returns: the snapshot aliases nothing live. With ``staging="overlap"``
+   (:mod:`gemini_ckpt.save.overlap`) the parameters and optimizer state are copied on a
+   copying thread while the next step runs, and the next ``optimizer.step()`` waits for it.
    The segment is handed to the memory tier before ``save`` returns (one small message);
    with host stores the checksums, replication and commit happen there, not here.
    With a health check (``CheckpointConfig.health_check``, :mod:`gemini_ckpt.health`), ``save``
@@ -27,6 +29,7 @@ import threading
 import time
 import uuid
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -48,6 +51,7 @@ from .persister import Persister
 from .restore import restore_newest
 from .retention import KeepNewest, Retention
 from .results import CheckpointStats, RestoreResult, SaveHandle, StageInfo
+from .save import overlap
 from .save.checked import checked_items
 from .save.plan import make_plan
 from .save.sources import Sources
@@ -162,6 +166,11 @@ class Checkpointer:
                                 durable_uri=self.config.durable_uri or (durable.uri if durable else None))
         self._run_id = uuid.uuid4().hex
         self._warm: Optional[threading.Thread] = None
+        # staging="overlap": the copying thread, the copy it is doing, the optimizers' hooks
+        self._copier: Optional[ThreadPoolExecutor] = None
+        self._copying: Optional[Future] = None
+        self._step_hooks: list = []  # (optimizer, its pre-step hook's handle)
+        self._split: Optional[tuple[int, list[int], list[int]]] = None  # (generation, now, behind)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -285,6 +294,7 @@ class Checkpointer:
         self._raise_background_errors()
         self._lineage.admit(step)
         t0 = time.perf_counter()
+        self._wait_copy()  # the previous version's overlapped copy (done by now, unless no optimizer step ran)
         slot, segment, queued = object(), None, False
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
             with self._lock:
@@ -316,20 +326,26 @@ class Checkpointer:
             phases.mark("check")
             segment = self._store.segment(plan.shard)
             phases.mark("segment")
-            self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
-                               volatile=self._sources.volatile)
-            phases.mark("copy")
             due = self._durable is not None and (persist or self._policy.should_persist(step))
-            fire("replicate", step=step, rank=self.rank)
-            # Handed off before save() returns: a training process that dies right after still
-            # leaves a whole shard with its host store, which commits the version without it.
-            outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
-            segment = None  # the tier's now
-            phases.mark("hand_off")
-            stall = time.perf_counter() - t0
             handle = SaveHandle(step)
-            handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes,
-                                               phases=phases.done()))
+            behind = self._behind(tensors) if self.config.staging == "overlap" else []
+            if behind:
+                outcome = self._overlap(step, plan, segment, tensors, blobs, behind, due, verdict, handle, phases, t0)
+                segment = None  # the copying thread's now
+                stall = time.perf_counter() - t0
+            else:
+                self._stager.stage(plan.shard, segment, tensors, generation=self._sources.generation,
+                                   volatile=self._sources.volatile)
+                phases.mark("copy")
+                fire("replicate", step=step, rank=self.rank)
+                # Handed off before save() returns: a training process that dies right after still
+                # leaves a whole shard with its host store, which commits the version without it.
+                outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
+                segment = None  # the tier's now
+                phases.mark("hand_off")
+                stall = time.perf_counter() - t0
+                handle.staged.set_result(StageInfo(step=step, stall_s=stall, staged_bytes=plan.shard.region_bytes,
+                                                   phases=phases.done()))
             with self._lock:
                 if self._stopped:  # abort() from another thread stopped the background thread meanwhile
                     raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
@@ -357,10 +373,98 @@ class Checkpointer:
                         stall, s.total_stall_s / s.saves, ", ".join(f"{n} {t:.3f}s" for n, t in phases.done()))
         s.saves += 1
         s.last_stall_s = stall
+        s.last_phases = phases.done()
         s.total_stall_s += stall
         s.staging_bytes = plan.shard.region_bytes
         s.staging_allocations = self._store.allocations
         return handle
+
+    # --- overlapped staging (staging="overlap", gemini_ckpt.save.overlap) ------------------------
+    def _behind(self, tensors: list) -> list[int]:
+        """The tensor items the copying thread copies (cached per generation of the sources)."""
+        gen = self._sources.generation
+        if self._split is None or self._split[0] != gen:
+            now, behind = overlap.split(self.state, tensors, self._sources.volatile)
+            self._split = (gen, now, behind)
+            hooked = {id(opt) for opt, _ in self._step_hooks}
+            self._step_hooks += [(opt, opt.register_step_pre_hook(self._before_optimizer_step))
+                                 for opt in self.state.optimizers if id(opt) not in hooked]
+            log.info("rank %d: overlapped staging: %d tensor item(s) copied while the next step runs, %d by save()",
+                     self.rank, len(behind), len(now))
+        if not self._step_hooks:  # no optimizer: nothing would wait for the copy
+            return []
+        return self._split[2]
+
+    def _overlap(self, step: int, plan, segment, tensors: list, blobs: list, behind: list[int], due: bool,
+                 verdict, handle: SaveHandle, phases: _Phases, t0: float) -> Future:
+        """Copy what may change before the next optimizer step now, queue the rest on the
+        copying thread; the future resolves as the store's outcome does."""
+        now = self._split[1]
+        after = None
+        if any(tensors[i].device.type == "cuda" for i in behind):
+            after = torch.cuda.Event()
+            after.record()  # the sources are final here on the training stream
+        versions = [overlap.version_of(tensors[i]) for i in behind]
+        self._stager.copy_items(plan.shard, segment, tensors, now)
+        phases.mark("copy")
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-copy-behind")
+        outcome: Future = Future()
+        info = dict(step=step, stall_s=time.perf_counter() - t0, staged_bytes=plan.shard.region_bytes,
+                    phases=phases.done())
+        self._copying = self._copier.submit(self._copy_behind, step, plan, segment, tensors, blobs, behind, versions,
+                                            due, verdict, handle, outcome, after, info)
+        return outcome
+
+    def _copy_behind(self, step: int, plan, segment, tensors: list, blobs: list, behind: list[int],
+                     versions: list[int], due: bool, verdict, handle: SaveHandle, outcome: Future, after,
+                     info: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            fire("copy_behind", step=step, rank=self.rank)
+            self._stager.copy_items(plan.shard, segment, tensors, behind, after=after)
+            changed = [plan.tensor_index[i].fqn for i, v in zip(behind, versions) if overlap.version_of(tensors[i]) != v]
+            if changed:
+                raise CheckpointError(
+                    f"rank {self.rank}: version {step} is torn: {', '.join(changed[:5])}"
+                    f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''} changed in place while "
+                    f"staging='overlap' was copying it. Only optimizer.step() may change parameters and optimizer "
+                    f"state between save() and the next step (it waits for the copy); change them after it, or use "
+                    f"CheckpointConfig(staging='copy'). The previous version is kept")
+            fire("replicate", step=step, rank=self.rank)
+            store_outcome = self._store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
+            segment = None
+        except BaseException as exc:  # noqa: BLE001 - reported through the version's futures
+            if segment is not None:
+                try:
+                    self._store.give_back(segment)
+                except Exception as give_exc:  # noqa: BLE001 - a closing store takes it back itself
+                    log.debug("could not give back a segment: %s", give_exc)
+            handle.staged.set_exception(exc)
+            outcome.set_exception(exc)
+            return
+        handle.staged.set_result(StageInfo(**info, behind_s=time.perf_counter() - t0))
+        store_outcome.add_done_callback(lambda f: outcome.set_exception(f.exception()) if f.exception() is not None
+                                        else outcome.set_result(f.result()))
+
+    def _wait_copy(self) -> float:
+        """Wait for the overlapped copy in progress, if any; the seconds waited."""
+        copying = self._copying
+        if copying is None or copying.done():
+            return 0.0
+        t0 = time.perf_counter()
+        try:
+            copying.result(timeout=self.config.timeout_s)
+        except TimeoutError as exc:
+            raise CheckpointTimeoutError(f"rank {self.rank}: the overlapped copy of a version did not finish "
+                                         f"within {self.config.timeout_s}s") from exc
+        return time.perf_counter() - t0
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        waited = self._wait_copy()
+        if waited:
+            self.stats.overlap_wait_s += waited
+            self.stats.total_stall_s += waited
 
     def _plan(self):
         """Plan the state with every rank (collective) and bind the sources to the new plan."""
@@ -430,6 +534,7 @@ class Checkpointer:
         if self._thread is not None:
             self._thread.join(timeout=self.config.timeout_s)
             self._thread = None
+        self._stop_copier()
         self._fail_unfinished()
         if self._persister is not None:
             self._persister.stop(self.config.timeout_s)
@@ -438,6 +543,15 @@ class Checkpointer:
             self._store.close()
         if raise_errors:
             self._raise_background_errors()
+
+    def _stop_copier(self) -> None:
+        """The overlapped copy in progress finishes before the store (and its segments) close."""
+        for _, hook in self._step_hooks:
+            hook.remove()
+        self._step_hooks = []
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     def _fail_unfinished(self) -> None:
         """Resolve the handles of versions the stopped background thread never took (abort, or a

@@ -21,6 +21,7 @@ PLACEMENTS = ("auto", "group", "ring", "mixed")
 PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
+STAGINGS = ("copy", "overlap")
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
 
@@ -53,6 +54,13 @@ class CheckpointConfig:
         max_inflight: versions whose background work may run at once.
         inflight_policy: when ``max_inflight`` versions are busy: ``wait`` blocks ``save``
             until one finishes; ``skip`` drops this save (counted and logged).
+        staging: ``"copy"`` (``save`` returns once the whole state is copied) or ``"overlap"``
+            (``save`` copies buffers, gradients and values and returns; the parameters and
+            optimizer state are copied on a copying thread while the next step's forward and
+            backward run, and the next ``optimizer.step()`` waits for that copy: the stall of
+            a save shrinks to the small part. A parameter or optimizer-state tensor changed in
+            place before its copy is done (anything but ``optimizer.step()``) fails that version
+            with an error naming it; see :mod:`gemini_ckpt.save.overlap`).
         host_memory_budget_bytes: per-host memory budget for kept shards; None = a fraction
             of the node's RAM.
         world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
@@ -87,6 +95,7 @@ class CheckpointConfig:
     persist_errors: str = "log"
     max_inflight: int = 1
     inflight_policy: str = "wait"
+    staging: str = "copy"
     host_memory_budget_bytes: Optional[int] = None
     world_size_change: str = "derive"
     timeout_s: float = 300.0
@@ -102,6 +111,7 @@ class CheckpointConfig:
         _choice(self, "inflight_policy", INFLIGHT_POLICIES)
         _choice(self, "world_size_change", WORLD_SIZE_CHANGE_RULES)
         _choice(self, "persist_errors", PERSIST_ERRORS)
+        _choice(self, "staging", STAGINGS)
         if not isinstance(self.persist_on_close, bool):
             raise ConfigError(f"CheckpointConfig.persist_on_close must be True or False, got {self.persist_on_close!r}")
         _int_at_least(self, "replicas", 1, "keep at least the local copy: replicas=1")

@@ -10,6 +10,8 @@ own phase, its vote held before the decision, is :meth:`HostStore.hold_vote`):
 
 - ``"replicate"``: a rank is about to hand its staged shard to its host store (which replicates
   it to the other holders).
+- ``"copy_behind"``: with ``staging="overlap"``, the copying thread is about to copy the
+  parameters and optimizer state of a version whose ``save()`` returned.
 - ``"committed"``: a version was committed (the training process heard the outcome).
 - ``"persist"``: the coordinator is about to write a committed version to the durable tier.
 - ``"persist_commit"``: the durable data files are written; the DCP metadata and marker are next.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-PHASES = ("replicate", "committed", "persist", "persist_commit")
+PHASES = ("replicate", "committed", "persist", "persist_commit")  # copy_behind: only with staging="overlap"
 Hook = Callable[..., None]
 _hook: Optional[Hook] = None
 

@@ -215,6 +215,7 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     direct = None
     health = None
     views, problems = _open_views(tiers, step, resolve_key(config.signing_key), config.resolved_namespace)
+    marks.append(("fetched", time.time()))  # the version's plans and records, verified
     if not views:
         outcome = ("skip", "; ".join(problems))
     else:
@@ -232,6 +233,7 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank,
                                        saved=metadata.state_dict_metadata)
             check_structure(target, metadata)
+            marks.append(("targeted", time.time()))  # the live state's load target, checked against it
             if primary.tier == "memory" and saved_ws == world_size:
                 direct, why_not = direct_plan(target, primary, live_storages(state))
                 if direct is None:

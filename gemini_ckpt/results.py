@@ -22,13 +22,20 @@ class StageInfo:
     with every rank: the first save, and the first after a restore or a change of the state's
     structure; a collective, so it includes waiting for the slowest rank), ``check`` (the
     trainer's health predicates), ``segment`` (a staging segment from the store), ``copy``
-    (the one copy of the state) and ``hand_off`` (telling the store)."""
+    (the one copy of the state) and ``hand_off`` (telling the store). With
+    ``staging="overlap"``, ``copy`` is the part ``save()`` copied itself (buffers, gradients)."""
+    behind_s: float = 0.0
+    """``staging="overlap"``: the copying thread's copy of the parameters and optimizer state
+    (while the next step ran; not a stall unless ``optimizer.step()`` had to wait for it,
+    counted in ``CheckpointStats.overlap_wait_s``)."""
 
 
 class SaveHandle:
     """One version's progress.
 
-    ``staged`` is already resolved when ``save`` returns (the snapshot aliases nothing live);
+    ``staged`` is already resolved when ``save`` returns (the snapshot aliases nothing live;
+    with ``staging="overlap"`` it resolves when the copying thread is done, and fails, as
+    ``committed`` does, when a source changed in place before it was copied);
     ``committed`` resolves to the step once every copy is acknowledged; ``health`` resolves,
     just before ``committed``, to the version's :class:`~gemini_ckpt.health.Health` (``healthy``,
     ``unhealthy`` with the tensor and check that failed, or ``unchecked`` with
@@ -95,8 +102,10 @@ class RestoreResult:
     timeline: tuple[tuple[str, float], ...] = field(default=())
     """This rank's stages of the restore, in order, as ``(stage, unix time)``: ``called``
     (``restore()`` entered), ``connected`` (rendezvous with the other ranks and the stores),
-    ``surveyed`` (every rank agreed on the candidates), ``opened`` (the chosen version's
-    records verified, every rank agreed to load it), ``loaded`` (its bytes in the live
+    ``surveyed`` (every rank agreed on the candidates), ``fetched`` (a candidate's plans and
+    records read and verified), ``targeted`` (the live state's load target built and checked
+    against the saved structure), ``opened`` (every rank agreed to load it; ``fetched`` and
+    ``targeted`` repeat for each candidate tried), ``loaded`` (its bytes in the live
     tensors), ``done`` (applied, every rank agreed). ``path`` says how it was loaded:
     ``direct`` (each item copied straight into its live tensor) or ``dcp`` (DCP's load planner:
     resharding, or the durable tier)."""
@@ -136,7 +145,9 @@ class CheckpointStats:
     committed: int = 0
     failed: int = 0
     last_stall_s: float = 0.0
-    total_stall_s: float = 0.0
+    total_stall_s: float = 0.0  # save() calls plus overlap_wait_s
+    overlap_wait_s: float = 0.0  # staging="overlap": optimizer.step() waiting for the copying thread
+    last_phases: tuple = ()  # where the newest save()'s stall went (StageInfo.phases)
     staging_bytes: int = 0  # bytes of the newest version's shard (this rank)
     staging_allocations: int = 0  # segments the memory tier created for this rank (not reused ones)
     plans: int = 0  # snapshot plans made (the first version, and every change of structure)

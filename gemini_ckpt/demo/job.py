@@ -124,7 +124,7 @@ def train_loop(config: dict) -> dict:
         else:
             handle = ckpt.save(step, metrics={"loss": loss_value})
             if rank == 0:
-                emit("step", step=step, loss=loss_value, stall_s=handle.staged.result().stall_s)
+                emit("step", step=step, loss=loss_value, stall_s=ckpt.stats.last_stall_s)
                 handle.committed.add_done_callback(on_commit(step, saved_at))
                 handle.persisted.add_done_callback(on_persist(step))
         if kill and rank == kill["rank"] and step == kill["step"] and not os.path.exists(kill["marker"]):

@@ -107,6 +107,39 @@ class Stager:
                 del self._pairs[k]
             self._pairs[(segment.id, plan.plan_id, generation)] = (cached_pairs, slow)
 
+    def copy_items(self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor], items: list[int], *,
+                   after=None) -> None:
+        """Copy only the tensor items ``items`` into ``segment``, uncached (the overlapped
+        staging: part now, the rest on the copying thread). ``after``: a CUDA event recorded on
+        the training stream when the sources were final; the device copies wait for it."""
+        key = (segment.id, plan.plan_id)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = segment_views(plan, segment)
+        pairs, device_items = [], []
+        for i in items:
+            src = tensors[i].detach()
+            if src.device.type != "cpu":
+                device_items.append(i)
+            elif _raw_copyable(views[i], src):
+                pairs.append((_bytes_of(views[i]), _bytes_of(src)))
+            else:
+                views[i].copy_(src)
+        copy_parallel(pairs)
+        if device_items:
+            self._pin(segment)
+            device = tensors[device_items[0]].device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=device)
+            if after is not None:
+                self._stream.wait_event(after)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                for i in device_items:
+                    views[i].copy_(tensors[i].detach(), non_blocking=segment.id in self._pinned)
+            self._stream.synchronize()
+
     def forget(self, segment_id: int) -> None:
         """Drop the views of a segment its store took back (before it is unmapped)."""
         for key in [k for k in self._views if k[0] == segment_id]:

@@ -36,7 +36,7 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
-def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False):
+def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, staging="copy"):
     """One TorchTrainer run of the demo's loop. Host stores are stopped by ``host_stores()``
     around ``fit()`` (the public path), or with ``callback`` by the ``HostStores`` adapter."""
     from ray.train import CheckpointConfig as RayCheckpointConfig
@@ -45,7 +45,8 @@ def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False):
 
     from gemini_ckpt.demo.cli import train_loop
 
-    ckpt_config = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0)
+    ckpt_config = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0,
+                                   staging=staging)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"ckpt": ckpt_config, "steps": STEPS, "kill": kill},
@@ -105,8 +106,10 @@ class TestRayTrain:
         assert not _gemini_actors("reference")
 
     def test_killed_worker_restarts_and_restores_from_memory(self, reference, tmp_path):
+        """With overlapped staging: its versions are the reference's (copy staging) bit for bit."""
         marker = tmp_path / "killed"
-        result = _fit(tmp_path, "sigkill", kill={"rank": 1, "step": 7, "marker": str(marker)}, callback=True)
+        result = _fit(tmp_path, "sigkill", kill={"rank": 1, "step": 7, "marker": str(marker)}, callback=True,
+                      staging="overlap")
         out = result.return_value
         assert marker.exists()  # rank 1 did SIGKILL itself after saving step 7
         assert out["restore"]["source"] == "memory" and out["restore"]["step"] in (6, 7)
