@@ -238,6 +238,7 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
                 direct, why_not = direct_plan(target, primary, live_storages(state))
                 if direct is None:
                     log.info("rank %d: step %d is loaded through DCP's planner: %s", rank, step, why_not)
+                marks.append(("planned", time.time()))  # the direct plan (or why not), on this rank alone
         except StructureMismatchError as exc:
             outcome = ("structure", str(exc))
         except ConfigError as exc:

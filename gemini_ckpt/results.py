@@ -104,7 +104,8 @@ class RestoreResult:
     (``restore()`` entered), ``connected`` (rendezvous with the other ranks and the stores),
     ``surveyed`` (every rank agreed on the candidates), ``fetched`` (a candidate's plans and
     records read and verified), ``targeted`` (the live state's load target built and checked
-    against the saved structure), ``opened`` (every rank agreed to load it; ``fetched`` and
+    against the saved structure), ``planned`` (this rank's direct plan made, or the reason it
+    takes DCP's planner logged; same world size memory versions only), ``opened`` (every rank agreed to load it; ``fetched`` and
     ``targeted`` repeat for each candidate tried), ``loaded`` (its bytes in the live
     tensors), ``done`` (applied, every rank agreed). ``path`` says how it was loaded:
     ``direct`` (each item copied straight into its live tensor) or ``dcp`` (DCP's load planner:

@@ -50,6 +50,7 @@ from ..trust import (
     torch_load_value,
     value_loads,
 )
+from .chunks import local_load_plan
 from .plan import RawLocation
 from .stager import torch_dtype
 
@@ -332,6 +333,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=False)`` (any pickle runs); here :class:`VersionReader` hands over
     values it already decoded through the allow-lists (:meth:`load_value`), and a stock reader's
     bytes are decoded with ``weights_only=True`` (:meth:`load_bytes`)."""
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's, its DTensor chunks computed without index tensors (:mod:`.chunks`); a
+        checkpoint whose keys only DCP's pre-2.4 flattening finds goes through DCP's own."""
+        if self.metadata is None:
+            raise ValueError("the load planner was set up without the checkpoint's metadata")
+        if self.flatten_state_dict and set(self.metadata.state_dict_metadata) - set(self.state_dict):
+            return super().create_local_plan()
+        return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
     def load_value(self, read_item, value: Any) -> None:
         fqn = read_item.dest_index.fqn

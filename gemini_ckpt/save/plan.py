@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..stores.shards import ShardPlan, TensorItem, ValueItem, align
+from .chunks import local_save_plan
 from .templates import template_for
 
 
@@ -75,6 +76,18 @@ def signature(flat: dict[str, Any]) -> tuple:
         else:
             out.append((key,))
     return tuple(out)
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (no plan caching), its DTensor chunks computed without
+    index tensors (:mod:`.chunks`)."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = local_save_plan(self.state_dict)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        return plan
 
 
 class _PlanCapture(StorageWriter):
@@ -130,7 +143,7 @@ def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict)
     (collective when ``world_size > 1``). Returns the plan and the flattened state dict DCP's
     planner resolved (key -> live value), from which the first version is filled."""
     capture = _PlanCapture()
-    planner = DefaultSavePlanner()
+    planner = _SavePlanner()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.save(state_dict, storage_writer=capture, planner=planner, process_group=group,

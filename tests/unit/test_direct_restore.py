@@ -41,8 +41,8 @@ def test_the_usual_restart_loads_every_item_directly_into_the_live_tensors_and_c
     restored = Checkpointer(TrainState(model=b.model, optimizer=b.optimizer, scheduler=b.scheduler),
                             config).restore()
     assert restored.step == 2 and restored.path == "direct"
-    assert [name for name, _ in restored.timeline] == ["called", "connected", "surveyed", "fetched", "targeted", "opened",
-                                                       "loaded", "done"]
+    assert [name for name, _ in restored.timeline] == ["called", "connected", "surveyed", "fetched", "targeted", "planned",
+                                                       "opened", "loaded", "done"]
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), name
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
