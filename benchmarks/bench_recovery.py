@@ -164,7 +164,8 @@ def train_loop(config: dict) -> dict:
         if result is not None:
             start = result.step + 1
             restored = {"step": result.step, "seconds": time.time() - t0, "source": result.source,
-                        "bytes": result.bytes_read, "timeline": [list(m) for m in result.timeline]}
+                        "bytes": result.bytes_read, "timeline": [list(m) for m in result.timeline],
+                        "recovery": [dict(r) for r in result.recovery]}
     elif mode == "durable":
         register_throttled(config["rate"])
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -240,7 +241,7 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
     from ray.train.torch import TorchTrainer
 
     from gemini_ckpt import CheckpointConfig
-    from gemini_ckpt.integrations.ray_train import host_stores
+    from gemini_ckpt.integrations.ray_train import host_stores, ranks_on_hosts
 
     name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
     progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
@@ -253,8 +254,9 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
     config = {"mode": mode, "steps": steps, "mb": mb, "step_s": step_s, "interval": interval, "rate": rate,
               "root": os.path.join(workdir, name, "dcp"), "ckpt": ckpt, "progress": name}
     run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1))
-    trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=ScalingConfig(num_workers=HOSTS),
-                           run_config=run_config)
+    # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
+    scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
+    trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run_config)
     box: dict = {}
 
     def fit() -> None:
@@ -330,6 +332,10 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
         "restore_stages": {str(e["rank"]): [(n, round(t - failure, 3)) for n, t in e["timeline"]]
                            for e in restores if e.get("timeline")},
         "restore_bytes": {str(e["rank"]): e.get("bytes") for e in restores},
+        # what the host stores did meanwhile (seconds after the failure): noticed, node dead,
+        # copies made again, replacement joined and seeded
+        "recovery_stages": {k: round(v - failure, 3) for e in restores[:1] for r in e.get("recovery", [])[-1:]
+                            for k, v in r.items() if isinstance(v, float) and v > failure},
         "first_step_parts": _first_step_parts(events, failure),
     }
 

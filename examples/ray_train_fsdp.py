@@ -126,7 +126,10 @@ def main() -> None:
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"ckpt": ckpt_config, "steps": args.steps},
-        scaling_config=ScalingConfig(num_workers=args.workers),
+        # Simulated hosts carry gemini_ckpt's host label: rank r stays on its host across restarts, so
+        # it restores from its own host's memory (on your cluster: `ray start --labels gemini-ckpt.io/host=i`).
+        scaling_config=ScalingConfig(num_workers=args.workers, label_selector=None if args.address else
+                                     gray.ranks_on_hosts(args.workers, ranks_per_host=max(1, args.workers // hosts))),
         run_config=run_config,
     )
     try:

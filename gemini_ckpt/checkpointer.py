@@ -53,8 +53,8 @@ from .retention import KeepNewest, Retention
 from .results import CheckpointStats, RestoreResult, SaveHandle, StageInfo
 from .save import overlap
 from .save.checked import checked_items
-from .save.plan import make_plan
-from .save.sources import Sources
+from .save.plan import adopt, adoptable, make_plan
+from .save.sources import Sources, flatten
 from .save.stager import Stager, check_saveable
 from .state.train_state import TrainState
 from .stores.base import MemoryTier
@@ -471,15 +471,19 @@ class Checkpointer:
         state_dict = self._sources.live_state()
         plan, flat = make_plan(state_dict, rank=self.rank, world_size=self.world_size, group=self._bg_group,
                                job=self._job_description())
+        self.stats.plans += 1
+        log.info("rank %d: planned the snapshot (%d tensor items, %d values, %.1f MB per version)", self.rank,
+                 len(plan.shard.tensors), len(plan.shard.values), plan.shard.region_bytes / 1e6)
+        return self._use_plan(plan, flat)
+
+    def _use_plan(self, plan, flat: dict):
+        """Bind the sources to ``plan`` (made from, or checked against, the live state ``flat``)."""
         for index in plan.tensor_index:
             value = flat[index.fqn]
             check_saveable(index.fqn, value._local_tensor if hasattr(value, "_local_tensor") else value)
         # The store checks the items the plan names: only here do we know parameters from buffers.
         plan.shard = dataclasses.replace(plan.shard, checked=checked_items(plan, flat, self.state,
                                                                            self.config.health_check))
-        self.stats.plans += 1
-        log.info("rank %d: planned the snapshot (%d tensor items, %d values, %.1f MB per version)", self.rank,
-                 len(plan.shard.tensors), len(plan.shard.values), plan.shard.region_bytes / 1e6)
         return self._sources.bind(plan, flat)
 
     def _judge(self, step: int, metrics: dict) -> Optional[Health]:
@@ -710,8 +714,9 @@ class Checkpointer:
         tiers = [self._store]
         if self._durable is not None:
             tiers.append(self._durable)
+        plans: dict = {}
         result = restore_newest(self.state, tiers, rank=self.rank, world_size=self.world_size,
-                                group=self._bg_group, config=self.config, marks=marks, step=step)
+                                group=self._bg_group, config=self.config, marks=marks, step=step, plans=plans)
         if result is None and self.config.init_from and step is None:
             from .init_from import init_from
 
@@ -724,9 +729,15 @@ class Checkpointer:
             # Continue from here: versions newer than this one (damaged, or abandoned) are
             # discarded before the next save is written, and never restored later.
             existing = self._list_existing() if self.rank == 0 else ()
+            flat = flatten(self._sources.live_state())
+            job = self._job_description()
+            can_adopt = adoptable(plans.get("restored"), flat, rank=self.rank, world_size=self.world_size, job=job)
             if self.world_size > 1:
-                box = [existing]
-                dist.broadcast_object_list(box, src=0, group=self._bg_group)
-                existing = box[0]
+                everyone: list = [None] * self.world_size
+                dist.all_gather_object(everyone, (existing, can_adopt), group=self._bg_group)
+                existing, can_adopt = everyone[0][0], all(ok for _, ok in everyone)
             self._lineage.restored_to(result.step, existing)
+            if can_adopt:  # the first save needs no planning (a collective) and no new templates
+                self._use_plan(adopt(plans["restored"], flat, run_id=self._run_id, job=job), flat)
+                log.info("rank %d: the next save reuses the plan of restored step %d", self.rank, result.step)
         return result

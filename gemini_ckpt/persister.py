@@ -40,6 +40,7 @@ from .errors import BackgroundError, CheckpointError, CheckpointTimeoutError
 from .faults import fire
 from .results import CheckpointStats, SaveHandle
 from .save.framing import FileItem, value_section, write_tensors
+from .save.plan import DCP_VERSION
 from .save.templates import torch_save_bytes
 from .stores.base import MemoryTier
 from .stores.durable import DurableTier
@@ -48,7 +49,6 @@ from .trust import metadata_loads, resolve_key, sign, value_loads
 
 log = logging.getLogger("gemini_ckpt")
 
-DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
 DATA_SUFFIX = ".distcp"
 
 

@@ -79,7 +79,7 @@ def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, st
 
 def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
                    config: CheckpointConfig, marks: Optional[list] = None,
-                   step: Optional[int] = None) -> Optional[RestoreResult]:
+                   step: Optional[int] = None, plans: Optional[dict] = None) -> Optional[RestoreResult]:
     """Try versions newest first (memory before durable at equal steps) until a healthy one loads.
 
     Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
@@ -90,7 +90,9 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
 
     ``marks``: the restore's timeline so far (``(stage, unix time)``), continued here and
     returned in :attr:`RestoreResult.timeline`. ``step``: only that version, healthy or not
-    (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it."""
+    (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it.
+    ``plans``: given a dict, the version loaded leaves this rank's shard plan in it (``"restored"``)
+    when it is a memory version saved at this world size (its plan may be taken over)."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
     named = _agree_step(step, rank, world_size, group)
@@ -120,7 +122,8 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
         name = tiers[holding[0]].name
         try:
             result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
-                                  group=group, config=config, t0=t0, marks=marks, allow_unhealthy=named is not None)
+                                  group=group, config=config, t0=t0, marks=marks, allow_unhealthy=named is not None,
+                                  plans=plans)
         except _Unhealthy as exc:
             if rank == 0:
                 log.warning("skipping step %d from %s: it is unhealthy: %s", step, name, exc)
@@ -208,7 +211,7 @@ def _same_version(first, other) -> bool:
 
 def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
                  config: CheckpointConfig, t0: float, marks: Optional[list] = None,
-                 allow_unhealthy: bool = False) -> RestoreResult:
+                 allow_unhealthy: bool = False, plans: Optional[dict] = None) -> RestoreResult:
     marks = marks if marks is not None else []
     outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "unhealthy", "structure" or "config"
     fingerprint = None
@@ -299,6 +302,8 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     else:
         _raise_agreed([(rank, outcome, None)], rank)
     marks.append(("done", time.time()))
+    if plans is not None and primary.tier == "memory" and saved_ws == world_size:
+        plans["restored"] = primary.plans.get(rank)
     return RestoreResult(step=step, source=primary.tier, sources=sources,
                          bytes_read=bytes_read, seconds=time.perf_counter() - t0,
                          world_size=world_size, saved_world_size=saved_ws, timeline=tuple(marks), path=path,

@@ -219,7 +219,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..integrations.ray_train import host_stores
+    from ..integrations.ray_train import host_stores, ranks_on_hosts
 
     progress_name = f"{run_name}::progress"
     progress = (ray.remote(Progress).options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0,
@@ -229,7 +229,8 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"ckpt": ckpt_config, "steps": options.steps, "progress": progress_name},
-        scaling_config=ScalingConfig(num_workers=options.hosts),
+        # rank r on host r after every restart, so the replacement of a lost host restores from its memory
+        scaling_config=ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts)),
         run_config=RunConfig(name=run_name, storage_path=os.path.abspath(options.out),
                              failure_config=FailureConfig(max_failures=3),
                              checkpoint_config=RayCheckpointConfig(num_to_keep=3)))

@@ -20,7 +20,7 @@ Two pieces, one per side of the job::
 
     trainer = TorchTrainer(
         train_loop_per_worker,
-        scaling_config=ScalingConfig(num_workers=4),
+        scaling_config=ScalingConfig(num_workers=4, label_selector=gray.ranks_on_hosts(4)),
         run_config=RunConfig(storage_path="/mnt/shared/runs", name="lm-7",
                              failure_config=FailureConfig(max_failures=3),
                              checkpoint_config=RayCheckpointConfig(num_to_keep=3)))
@@ -89,15 +89,40 @@ from ..state.train_state import TrainState
 from ..stores.durable import DurableTier, persist_policy
 from ..retention import LeftToRayTrain
 from ..stores.layout import parse_step_dir, resolve_filesystem, step_dir_name
+from ..ray.slots import HOST_LABEL
 from ._ray_train_callback import HostStores
 
-__all__ = ["DURABLE_DIR", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores", "resolve_config",
+__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores",
+           "ranks_on_hosts", "resolve_config",
            "stop_host_stores"]
 
 log = logging.getLogger("gemini_ckpt")
 
 DURABLE_DIR = "gemini"
 """Durable versions go to ``<Ray Train run directory>/gemini/step_XXXXXXXXX``."""
+
+def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[str, str]]:
+    """Per-worker label selectors that put rank ``r`` on host ``r // ranks_per_host`` after
+    every restart: ``ScalingConfig(num_workers=n, label_selector=gray.ranks_on_hosts(n))``.
+
+    Without them Ray Train places its workers wherever its placement group lands, so after a
+    restart a rank may start on a host that does not keep its shards (observed: ranks swapped
+    between surviving hosts) and read them from a peer. The hosts are the nodes labelled
+    :data:`HOST_LABEL` (``ray start --labels gemini-ckpt.io/host=0``; every simulated host of
+    :class:`~gemini_ckpt.ray.local.LocalCluster` carries it); a replacement machine started
+    with the lost one's label takes over its slot and is given its copies before the workers
+    start, so its rank restores from local memory too. A worker group waits until every
+    labelled host is there, so give each lost host a replacement (or leave the selectors out).
+
+    >>> ranks_on_hosts(4, ranks_per_host=2)
+    [{'gemini-ckpt.io/host': '0'}, {'gemini-ckpt.io/host': '0'}, {'gemini-ckpt.io/host': '1'}, {'gemini-ckpt.io/host': '1'}]
+    """
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"ranks_on_hosts(num_workers=...) needs a positive int, got {num_workers!r}")
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+        raise ValueError(f"ranks_on_hosts(ranks_per_host=...) needs a positive int, got {ranks_per_host!r}")
+    return [{HOST_LABEL: str(rank // ranks_per_host)} for rank in range(num_workers)]
+
 
 def resolve_config(config: Optional[CheckpointConfig], *, run_name: str, storage=None,
                    report: bool = True) -> tuple[CheckpointConfig, Optional[DurableTier]]:

@@ -2,7 +2,10 @@
 the tests and the benchmarks (``ray.cluster_utils.Cluster``).
 
 A head node plus ``hosts`` nodes; host ``i`` carries the custom resource ``host{i}`` (so a
-rank or worker is pinned with ``resources={"host{i}": 1}``). Node health checks
+rank or worker is pinned with ``resources={"host{i}": 1}``) and the label
+``gemini-ckpt.io/host=i`` (:data:`~gemini_ckpt.ray.slots.HOST_LABEL`: Ray Train's workers are
+pinned with ``ScalingConfig(label_selector=gemini_ckpt.ray_train.ranks_on_hosts(n))``; a
+replacement added with :meth:`LocalCluster.add_host` carries the label of the host it replaces). Node health checks
 (:data:`HEALTH_CHECKS`) tell a dead host from a busy one: a removed host is known dead in about
 3 s, while one that stops answering for less than ~15 s (a loaded machine, a paused raylet) is
 not declared dead. Removing a host is losing a machine: its raylet, workers and host store die
@@ -30,6 +33,8 @@ import os
 import threading
 import time
 from typing import Iterator, Optional
+
+from .slots import HOST_LABEL
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -96,7 +101,7 @@ class LocalCluster:
         """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
         self._main_thread_only("add_host")
         node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
-                                     object_store_memory=self.object_store_bytes)
+                                     labels={HOST_LABEL: str(i)}, object_store_memory=self.object_store_bytes)
         self._nodes[i] = node
         return node
 

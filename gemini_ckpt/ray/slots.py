@@ -16,6 +16,13 @@ every copy is acknowledged). A slot is dead for a rank once its store fails to a
 not exist when the rank connected). A store that dies while its node lives is not replaced
 during a run: the ranks of that host create a fresh one when they connect again (a job
 restart), as does :func:`start_host_stores`.
+
+**The host label.** A node started with the label :data:`HOST_LABEL` (``ray start --labels
+gemini-ckpt.io/host=3``; :class:`~gemini_ckpt.ray.local.LocalCluster` sets it on every simulated
+host) names the host it is. Ray Train can then place rank ``r`` on the same host after every
+restart (:func:`gemini_ckpt.ray_train.ranks_on_hosts`), and a replacement started with a dead
+host's label takes over that host's slot: the registry gives its store the dead host's copies
+before the new workers start, so the rank placed there restores from local memory.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from dataclasses import dataclass, field
 import placement
 
 from ..errors import ConfigError
+
+HOST_LABEL = "gemini-ckpt.io/host"
+"""The Ray node label that names a host (a machine of the job): ``"0"``, ``"1"``, ..."""
 
 
 @dataclass(frozen=True)

@@ -335,11 +335,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     bytes are decoded with ``weights_only=True`` (:meth:`load_bytes`)."""
 
     def create_local_plan(self) -> LoadPlan:
-        """DCP's, its DTensor chunks computed without index tensors (:mod:`.chunks`); a
-        checkpoint whose keys only DCP's pre-2.4 flattening finds goes through DCP's own."""
+        """DCP's, its DTensor chunks computed without index tensors (:mod:`.chunks`). A
+        checkpoint that does not say which DCP version wrote it (every one of ours does) and
+        holds keys this state lacks may use DCP's pre-2.4 flattening: DCP's own plan finds them."""
         if self.metadata is None:
             raise ValueError("the load planner was set up without the checkpoint's metadata")
-        if self.flatten_state_dict and set(self.metadata.state_dict_metadata) - set(self.state_dict):
+        if (self.flatten_state_dict and getattr(self.metadata, "version", None) is None
+                and set(self.metadata.state_dict_metadata) - set(self.state_dict)):
             return super().create_local_plan()
         return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 

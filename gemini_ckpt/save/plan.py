@@ -10,12 +10,17 @@ fixed, aligned offsets of a region (in DCP's plan order), non-tensor items as bl
 verified ``torch.save`` template per tensor signature (so a host store can write the
 durable layout without torch), and, on rank 0, the pickled skeleton of the global metadata.
 
-Every later version reuses the plan while :func:`signature` of the state is unchanged.
+Every later version reuses the plan while :func:`signature` of the state is unchanged. After a
+restore at the same world size, the restored version's plan is taken over when the live state
+has the signature it was made for (:func:`adopt`), so the first save after a restart does not
+plan again (DCP's planning collective and a template per tensor signature: seconds for a large
+state).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import pickle
 import uuid
 import warnings
@@ -63,6 +68,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def digest(sig: tuple) -> str:
+    """A plan's record of the signature it was made for (:attr:`ShardPlan.signature`), in key
+    order: a restored optimizer holds the same state as the saved one, not always in the order
+    the saved one made it (a plan finds each item by its key)."""
+    return hashlib.sha256(repr(sorted(sig, key=lambda entry: entry[0])).encode()).hexdigest()
+
+
 def signature(flat: dict[str, Any]) -> tuple:
     """What a plan depends on: every key, and each tensor's dtype, global and local shape."""
     out = []
@@ -76,6 +88,11 @@ def signature(flat: dict[str, Any]) -> tuple:
         else:
             out.append((key,))
     return tuple(out)
+
+
+DCP_VERSION = "1.0.0"
+"""What DCP's ``FileSystemWriter`` stamps into ``Metadata.version`` (since 2.4); every version we
+write carries it, and a checkpoint without it may use DCP's pre-2.4 key flattening."""
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -128,6 +145,7 @@ class _PlanCapture(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = DCP_VERSION  # flattened the >= 2.4 way (what a load planner needs to know)
         self.metadata = metadata
 
     def storage_meta(self):
@@ -176,6 +194,36 @@ def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict)
     if capture.metadata is not None:
         bare = dataclasses.replace(capture.metadata, storage_data={}, storage_meta=None)
         skeleton = pickle.dumps(bare, protocol=pickle.HIGHEST_PROTOCOL)
+    sig = signature(flat)
     shard = ShardPlan(plan_id=capture.plan_id, rank=rank, world_size=world_size, tensors=tuple(tensors),
-                      values=tuple(values), templates=tuple(templates), metadata=skeleton, job=dict(job))
-    return SnapshotPlan(shard, signature(flat), tensor_index, value_index), flat
+                      values=tuple(values), templates=tuple(templates), metadata=skeleton, job=dict(job),
+                      signature=digest(sig))
+    return SnapshotPlan(shard, sig, tensor_index, value_index), flat
+
+
+ADOPT_JOB_KEYS = ("namespace", "world_size", "gemini_ckpt", "torch")
+"""What a restored plan's job must share with the live one to be taken over: the same run and
+world, and the same versions of the code that laid it out and verified its templates."""
+
+
+def adoptable(shard: Optional[ShardPlan], flat: dict[str, Any], *, rank: int, world_size: int, job: dict) -> bool:
+    """Whether this rank can take over ``shard`` (a restored version's plan of this rank) for the
+    live state ``flat`` (flattened as DCP's save planner does): made for this rank and world by
+    the same code, for a state of the same :func:`signature`. Every rank must be able to, or
+    every rank plans again (planning is a collective)."""
+    return (shard is not None and shard.signature != "" and shard.rank == rank and shard.world_size == world_size
+            and all(shard.job.get(k) == job.get(k) for k in ADOPT_JOB_KEYS)
+            and shard.signature == digest(signature(flat)))
+
+
+def adopt(shard: ShardPlan, flat: dict[str, Any], *, run_id: str, job: dict) -> SnapshotPlan:
+    """The restored plan ``shard`` as this run's plan (see :func:`adoptable`): the same items,
+    offsets, templates and metadata skeleton, under a plan id derived from the restored one and
+    ``run_id`` (the same on every rank; a new id, so the host stores never mix it up with the
+    restored version's, whose job and checked items may differ)."""
+    tensor_index = [MetadataIndex(t.fqn, None if t.chunk is None else torch.Size(t.chunk), t.index)
+                    for t in shard.tensors]
+    value_index = [MetadataIndex(v.fqn, None, v.index) for v in shard.values]
+    plan_id = hashlib.sha256(f"{shard.plan_id}/{run_id}".encode()).hexdigest()[:32]
+    return SnapshotPlan(dataclasses.replace(shard, plan_id=plan_id, job=dict(job), checked=()),
+                        signature(flat), tensor_index, value_index)

@@ -106,6 +106,7 @@ class ShardPlan:
     metadata: bytes = b""  # rank 0: the pickled DCP Metadata skeleton; others: empty
     job: dict = field(default_factory=dict)
     checked: tuple[int, ...] = ()  # tensor items (indices) the health check reads: finite values only
+    signature: str = ""  # digest of what the plan depends on (the live state's structure); "" unknown
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_region", max((align(t.at + t.nbytes) for t in self.tensors), default=0))
@@ -122,7 +123,7 @@ class ShardPlan:
             "values": [[v.fqn, v.index, v.kind] for v in self.values],
             "templates": [t.to_json() for t in self.templates],
             "metadata_bytes": len(self.metadata), "metadata_crc": crc32c.crc32c(self.metadata),
-            "job": self.job, "checked": list(self.checked),
+            "job": self.job, "checked": list(self.checked), "signature": self.signature,
         }
 
     def encode(self, key: Optional[bytes] = None) -> bytes:
@@ -150,7 +151,7 @@ class ShardPlan:
             checked = tuple(_nat(i) for i in body.get("checked", ()))
             plan = cls(plan_id=_text(body["plan_id"]), rank=_nat(body["rank"]), world_size=_nat(body["world_size"]),
                        tensors=tensors, values=values, templates=templates, metadata=metadata,
-                       job=_dict(body["job"]), checked=checked)
+                       job=_dict(body["job"]), checked=checked, signature=_text(body.get("signature", "")))
         except ShardFormatError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:

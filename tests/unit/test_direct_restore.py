@@ -4,6 +4,7 @@ throw-away step, and what does not fit the direct path goes through DCP's planne
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.save.plan import adoptable
+from gemini_ckpt.save.sources import flatten
 
 
 def _config() -> CheckpointConfig:
@@ -59,6 +62,48 @@ def test_the_usual_restart_loads_every_item_directly_into_the_live_tensors_and_c
     _step(b, iter([next(build_training(seed=3, dataset_size=32).batches())]))
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), name
+
+
+def test_the_first_save_after_a_restore_takes_over_the_restored_plan_and_its_versions_restore_exactly():
+    config = _config()
+    a = build_training(seed=0, dataset_size=32)
+    batches = a.batches()
+    with Checkpointer(TrainState(model=a.model, optimizer=a.optimizer, scheduler=a.scheduler), config) as ckpt:
+        for step in range(2):
+            _step(a, batches)
+            ckpt.save(step)
+    assert ckpt.stats.plans == 1
+
+    b = build_training(seed=7, dataset_size=32)
+    second = Checkpointer(TrainState(model=b.model, optimizer=b.optimizer, scheduler=b.scheduler), config)
+    assert second.restore().step == 1
+    _step(b, b.batches())
+    second.save(2).committed.result(timeout=60)
+    second.close()
+    assert second.stats.plans == 0  # no planning: the restored version's plan, taken over
+    plans = {v.plans[0].plan_id for v in (second.store.open(s) for s in (1, 2))}
+    assert len(plans) == 2  # under a plan id of its own
+
+    c = build_training(seed=9, dataset_size=32)
+    third = Checkpointer(TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler), config)
+    assert third.restore().step == 2
+    for (name, pb), (_, pc) in zip(b.model.named_parameters(), c.model.named_parameters()):
+        assert torch.equal(pb, pc), name
+    third.close()
+
+    # Taken over only for the state, rank, world and code it was made for.
+    shard = third.store.open(2).plans[0]
+    flat = flatten(TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).tensor_state()
+                   | TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).opaque_state(0))
+    job = dict(shard.job)
+    assert adoptable(shard, flat, rank=0, world_size=1, job=job)
+    other = dict(flat)
+    key = next(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dtype == torch.float32)
+    other[key] = flat[key].double()
+    assert not adoptable(shard, other, rank=0, world_size=1, job=job)  # another signature
+    assert not adoptable(shard, flat, rank=0, world_size=1, job={**job, "torch": "0.0"})  # other code
+    assert not adoptable(shard, flat, rank=1, world_size=2, job=job)
+    assert not adoptable(dataclasses.replace(shard, signature=""), flat, rank=0, world_size=1, job=job)
 
 
 def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_gets_it_the_usual_way():

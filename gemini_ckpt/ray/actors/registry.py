@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from ...errors import ConfigError
 from ..commit import COORDINATOR, Coordinator, Send
+from ..slots import HOST_LABEL
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -44,15 +45,25 @@ def alive_node_ids() -> list[str]:
 
 
 def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
-    """Whether a node with resources ``candidate`` can stand in for one that had ``dead``: the
-    same resource names, apart from the ones Ray names after the node itself."""
+    """Whether a node ``candidate`` can stand in for the ``dead`` one (both as ``ray.nodes()``
+    describes a node): the same resource names, apart from the ones Ray names after the node
+    itself, and, when the dead node carried the host label (:data:`~gemini_ckpt.ray.slots.HOST_LABEL`),
+    the same host label (the ranks pinned to that host will be placed on it)."""
     if dead is None or candidate is None:
         return False
 
-    def names(resources: dict) -> set:
-        return {k for k in resources if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+    def names(node: dict) -> set:
+        return {k for k in node.get("Resources", {})
+                if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
 
+    label = (dead.get("Labels") or {}).get(HOST_LABEL)
+    if label is not None and (candidate.get("Labels") or {}).get(HOST_LABEL) != label:
+        return False
     return names(dead) == names(candidate)
+
+
+def _node_info(node: dict) -> dict:
+    return {"Resources": dict(node.get("Resources") or {}), "Labels": dict(node.get("Labels") or {})}
 
 
 @dataclass
@@ -110,7 +121,7 @@ class Registry:
         self._watch: Optional[asyncio.Task] = None
         self._job: dict = {}
         self._keep = 2
-        self._node_resources: dict[str, dict] = {}  # node id -> its resources, as Ray reported them
+        self._node_info: dict[str, dict] = {}  # node id -> its resources and labels, as Ray reported them
         self._rerep_pending = False
         self._rerep_held = False
         self._recovery: list[dict] = []  # what happened after each host loss, when (see recovery())
@@ -302,7 +313,7 @@ class Registry:
 
         for n in ray.nodes():
             if n.get("Alive"):
-                self._node_resources[n["NodeID"]] = dict(n.get("Resources", {}))
+                self._node_info[n["NodeID"]] = _node_info(n)
 
     def _note_deaths(self) -> None:
         """When Ray declared each lost host's node dead (the recovery timeline)."""
@@ -318,7 +329,8 @@ class Registry:
         would at the job's next rendezvous): its host store is started and given the dead host's
         copies, before the job's new workers reach ``restore()``, which then reads them locally.
         A replacement is a live node without a slot whose resources have the same names as the
-        dead node's (``host3`` replaces ``host3``; GPUs replace GPUs)."""
+        dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
+        carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
         import ray
 
         from ..cluster import get_or_create_store
@@ -335,8 +347,7 @@ class Registry:
             node = n["NodeID"]
             if not n.get("Alive") or node in taken:
                 continue
-            slot = next((s for s in dead if _same_kind(self._node_resources.get(self._nodes[s]), n.get("Resources"))),
-                        None)
+            slot = next((s for s in dead if _same_kind(self._node_info.get(self._nodes[s]), n)), None)
             if slot is None:
                 continue
             dead.remove(slot)
@@ -350,7 +361,7 @@ class Registry:
                             self.namespace, node[:12], slot, exc)
                 continue
             self._nodes[slot] = node
-            self._node_resources[node] = dict(n.get("Resources", {}))
+            self._node_info[node] = _node_info(n)
             self._handles.pop(slot, None)
             self._dead.discard(slot)
             self._event(f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
