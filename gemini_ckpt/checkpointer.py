@@ -53,7 +53,7 @@ from .retention import KeepNewest, Retention
 from .results import CheckpointStats, RestoreResult, SaveHandle, StageInfo
 from .save import overlap
 from .save.checked import checked_items
-from .save.plan import adopt, adoptable, make_plan
+from .save.plan import adopt, adoptable, make_plan, signature
 from .save.sources import Sources, flatten
 from .save.stager import Stager, check_saveable
 from .state.train_state import TrainState
@@ -728,16 +728,19 @@ class Checkpointer:
             log.info("rank %d: %s", self.rank, result.summary())
             # Continue from here: versions newer than this one (damaged, or abandoned) are
             # discarded before the next save is written, and never restored later.
-            existing = self._list_existing() if self.rank == 0 else ()
-            flat = flatten(self._sources.live_state())
+            existing = plans.get("held", ())  # what the tiers held (the survey every rank walked)
             job = self._job_description()
-            can_adopt = adoptable(plans.get("restored"), flat, rank=self.rank, world_size=self.world_size, job=job)
+            can_adopt, flat, sig = False, {}, ()
+            if plans.get("restored") is not None:  # (a live state dict of an optimizer without state makes it)
+                flat = flatten(self._sources.live_state())
+                sig = signature(flat)
+                can_adopt = adoptable(plans["restored"], sig, rank=self.rank, world_size=self.world_size, job=job)
             if self.world_size > 1:
                 everyone: list = [None] * self.world_size
-                dist.all_gather_object(everyone, (existing, can_adopt), group=self._bg_group)
-                existing, can_adopt = everyone[0][0], all(ok for _, ok in everyone)
+                dist.all_gather_object(everyone, can_adopt, group=self._bg_group)
+                can_adopt = all(everyone)
             self._lineage.restored_to(result.step, existing)
             if can_adopt:  # the first save needs no planning (a collective) and no new templates
-                self._use_plan(adopt(plans["restored"], flat, run_id=self._run_id, job=job), flat)
+                self._use_plan(adopt(plans["restored"], sig, run_id=self._run_id, job=job), flat)
                 log.info("rank %d: the next save reuses the plan of restored step %d", self.rank, result.step)
         return result

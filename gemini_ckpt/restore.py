@@ -92,7 +92,8 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     returned in :attr:`RestoreResult.timeline`. ``step``: only that version, healthy or not
     (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it.
     ``plans``: given a dict, the version loaded leaves this rank's shard plan in it (``"restored"``)
-    when it is a memory version saved at this world size (its plan may be taken over)."""
+    when it is a memory version saved at this world size (its plan may be taken over), and the
+    steps the tiers held (``"held"``, the survey every rank walked)."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
     named = _agree_step(step, rank, world_size, group)
@@ -106,6 +107,8 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
         for tier, shared in zip(tiers, states):
             tier.use_survey_state(shared)
     marks.append(("surveyed", time.time()))
+    if plans is not None:
+        plans["held"] = tuple(sorted(s for s, _ in order))  # every rank walks the same survey
     fire("restore", step=order[0][0] if order else None, rank=rank)
     if named is not None:
         held = [s for s, _ in order]
@@ -174,6 +177,12 @@ def _open_views(tiers: list, step: int, key, namespace: Optional[str] = None) ->
     (copied from another run) is refused."""
     views, problems = [], []
     for tier in tiers:
+        if views and views[0].tier == "memory":
+            # A restore from memory rarely reads an item from a later tier: open it when it does
+            # (reading and verifying a durable version's metadata costs tens of milliseconds).
+            views.append(_Deferred(tier.name, step, lambda tier=tier: _open_views([tier], step, key, namespace),
+                                   views[0]))
+            continue
         try:
             view = tier.open(step, key=key)
         except Exception as exc:  # noqa: BLE001 - whatever fails reading a version means "skip it"
@@ -193,6 +202,43 @@ def _open_views(tiers: list, step: int, key, namespace: Optional[str] = None) ->
             continue
         views.append(view)
     return views, problems
+
+
+class _Deferred:
+    """A later tier's view of the step, opened on the first read of an item from it; an item it
+    cannot give (it does not open, or holds another version of the step) is a ``LookupError``,
+    so the reader moves on, as with any view that lacks the item."""
+
+    def __init__(self, tier: str, step: int, opener, first) -> None:
+        self.tier, self.step = tier, step
+        self._opener, self._first = opener, first
+        self._view = None
+        self._problem: Optional[str] = None
+
+    def read(self, index):
+        if self._view is None and self._problem is None:
+            opened, problems = self._opener()
+            view = opened[0] if opened else None
+            if view is not None and not _same_version(self._first, view):
+                view.close()
+                view, problems = None, [f"{self.tier}: holds another version of step {self.step} than "
+                                        f"{self._first.tier} (not written from it); not mixed in"]
+            self._view, self._problem = view, "; ".join(problems) if view is None else None
+        if self._view is None:
+            raise LookupError(self._problem or f"{self.tier}: step {self.step} could not be opened")
+        return self._view.read(index)
+
+    @property
+    def bytes_by_source(self) -> dict:
+        return self._view.bytes_by_source if self._view is not None else {}
+
+    @property
+    def problems(self) -> list[str]:
+        return self._view.problems if self._view is not None else []
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.close()
 
 
 def _durable_job(view) -> dict:

@@ -82,7 +82,7 @@ def signature(flat: dict[str, Any]) -> tuple:
         if isinstance(value, DTensor):
             local = value._local_tensor
             out.append((key, dtype_name(value.dtype), tuple(value.shape), tuple(local.shape),
-                        tuple(value.placements), tuple(value.device_mesh.mesh.shape)))
+                        tuple(value.placements), tuple(value.device_mesh.shape)))
         elif isinstance(value, torch.Tensor):
             out.append((key, dtype_name(value.dtype), tuple(value.shape)))
         else:
@@ -206,17 +206,17 @@ ADOPT_JOB_KEYS = ("namespace", "world_size", "gemini_ckpt", "torch")
 world, and the same versions of the code that laid it out and verified its templates."""
 
 
-def adoptable(shard: Optional[ShardPlan], flat: dict[str, Any], *, rank: int, world_size: int, job: dict) -> bool:
+def adoptable(shard: Optional[ShardPlan], sig: tuple, *, rank: int, world_size: int, job: dict) -> bool:
     """Whether this rank can take over ``shard`` (a restored version's plan of this rank) for the
-    live state ``flat`` (flattened as DCP's save planner does): made for this rank and world by
-    the same code, for a state of the same :func:`signature`. Every rank must be able to, or
-    every rank plans again (planning is a collective)."""
+    live state of :func:`signature` ``sig``: made for this rank and world by the same code, for a
+    state of the same signature. Every rank must be able to, or every rank plans again
+    (planning is a collective)."""
     return (shard is not None and shard.signature != "" and shard.rank == rank and shard.world_size == world_size
             and all(shard.job.get(k) == job.get(k) for k in ADOPT_JOB_KEYS)
-            and shard.signature == digest(signature(flat)))
+            and shard.signature == digest(sig))
 
 
-def adopt(shard: ShardPlan, flat: dict[str, Any], *, run_id: str, job: dict) -> SnapshotPlan:
+def adopt(shard: ShardPlan, sig: tuple, *, run_id: str, job: dict) -> SnapshotPlan:
     """The restored plan ``shard`` as this run's plan (see :func:`adoptable`): the same items,
     offsets, templates and metadata skeleton, under a plan id derived from the restored one and
     ``run_id`` (the same on every rank; a new id, so the host stores never mix it up with the
@@ -226,4 +226,4 @@ def adopt(shard: ShardPlan, flat: dict[str, Any], *, run_id: str, job: dict) -> 
     value_index = [MetadataIndex(v.fqn, None, v.index) for v in shard.values]
     plan_id = hashlib.sha256(f"{shard.plan_id}/{run_id}".encode()).hexdigest()[:32]
     return SnapshotPlan(dataclasses.replace(shard, plan_id=plan_id, job=dict(job), checked=()),
-                        signature(flat), tensor_index, value_index)
+                        sig, tensor_index, value_index)

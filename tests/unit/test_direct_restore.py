@@ -12,7 +12,7 @@ from torch import nn
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 from gemini_ckpt.demo.toy import build_training, lm_loss
-from gemini_ckpt.save.plan import adoptable
+from gemini_ckpt.save.plan import adoptable, signature
 from gemini_ckpt.save.sources import flatten
 
 
@@ -96,14 +96,14 @@ def test_the_first_save_after_a_restore_takes_over_the_restored_plan_and_its_ver
     flat = flatten(TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).tensor_state()
                    | TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).opaque_state(0))
     job = dict(shard.job)
-    assert adoptable(shard, flat, rank=0, world_size=1, job=job)
+    assert adoptable(shard, signature(flat), rank=0, world_size=1, job=job)
     other = dict(flat)
     key = next(k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.dtype == torch.float32)
     other[key] = flat[key].double()
-    assert not adoptable(shard, other, rank=0, world_size=1, job=job)  # another signature
-    assert not adoptable(shard, flat, rank=0, world_size=1, job={**job, "torch": "0.0"})  # other code
-    assert not adoptable(shard, flat, rank=1, world_size=2, job=job)
-    assert not adoptable(dataclasses.replace(shard, signature=""), flat, rank=0, world_size=1, job=job)
+    assert not adoptable(shard, signature(other), rank=0, world_size=1, job=job)  # another signature
+    assert not adoptable(shard, signature(flat), rank=0, world_size=1, job={**job, "torch": "0.0"})  # other code
+    assert not adoptable(shard, signature(flat), rank=1, world_size=2, job=job)
+    assert not adoptable(dataclasses.replace(shard, signature=""), signature(flat), rank=0, world_size=1, job=job)
 
 
 def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_gets_it_the_usual_way():
