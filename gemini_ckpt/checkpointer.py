@@ -156,6 +156,7 @@ class Checkpointer:
         self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
         self._persister: Optional[Persister] = None
         self._sources = Sources(state, self.rank)
+        self._restored_plan = None  # the restored version's shard plan, until the first save decides on it
         self._stager = Stager()
         self._newest_committed: Optional[int] = None
         self._newest_healthy: Optional[int] = None  # what persist_on_close persists
@@ -467,8 +468,22 @@ class Checkpointer:
             self.stats.total_stall_s += waited
 
     def _plan(self):
-        """Plan the state with every rank (collective) and bind the sources to the new plan."""
+        """Plan the state with every rank (collective) and bind the sources to the new plan; the
+        first save after a restore takes the restored version's plan over instead when every
+        rank can (no planning collective, no new templates: seconds for a large state)."""
         state_dict = self._sources.live_state()
+        restored, self._restored_plan = self._restored_plan, None
+        if restored is not None:
+            flat, job = flatten(state_dict), self._job_description()
+            sig = signature(flat)
+            ok = adoptable(restored, sig, rank=self.rank, world_size=self.world_size, job=job)
+            if self.world_size > 1:
+                everyone: list = [None] * self.world_size
+                dist.all_gather_object(everyone, ok, group=self._bg_group)
+                ok = all(everyone)
+            if ok:
+                log.info("rank %d: this save takes over the plan of the restored version", self.rank)
+                return self._use_plan(adopt(restored, sig, run_id=self._run_id, job=job), flat)
         plan, flat = make_plan(state_dict, rank=self.rank, world_size=self.world_size, group=self._bg_group,
                                job=self._job_description())
         self.stats.plans += 1
@@ -729,18 +744,6 @@ class Checkpointer:
             # Continue from here: versions newer than this one (damaged, or abandoned) are
             # discarded before the next save is written, and never restored later.
             existing = plans.get("held", ())  # what the tiers held (the survey every rank walked)
-            job = self._job_description()
-            can_adopt, flat, sig = False, {}, ()
-            if plans.get("restored") is not None:  # (a live state dict of an optimizer without state makes it)
-                flat = flatten(self._sources.live_state())
-                sig = signature(flat)
-                can_adopt = adoptable(plans["restored"], sig, rank=self.rank, world_size=self.world_size, job=job)
-            if self.world_size > 1:
-                everyone: list = [None] * self.world_size
-                dist.all_gather_object(everyone, can_adopt, group=self._bg_group)
-                can_adopt = all(everyone)
             self._lineage.restored_to(result.step, existing)
-            if can_adopt:  # the first save needs no planning (a collective) and no new templates
-                self._use_plan(adopt(plans["restored"], sig, run_id=self._run_id, job=job), flat)
-                log.info("rank %d: the next save reuses the plan of restored step %d", self.rank, result.step)
+            self._restored_plan = plans.get("restored")  # the first save may take it over
         return result
