@@ -377,6 +377,24 @@ def wasted(row: dict, *, mtbf_s: float, step_s: float, interval: int) -> dict:
     return {**row, "overhead_s": overhead, "wasted_s": without, "wasted_with_restart_s": without + row["restart_s"]}
 
 
+def restart_comparison(runs: list[dict]) -> dict:
+    """Per mode, over every run (``--repeat``): failure -> next step and failure -> workers back in
+    the training function, each run's and the median; and what gemini_ckpt adds to the median
+    failure -> next step of the job without checkpointing."""
+    out: dict = {}
+    for mode in sorted({r["mode"] for r in runs}):
+        first = [r["first_step_after_s"] for r in runs if r["mode"] == mode and r["first_step_after_s"] is not None]
+        back = [r["restart_s"] for r in runs if r["mode"] == mode and r["restart_s"] is not None]
+        out[mode] = {"first_step_after_s": first, "restart_s": back,
+                     "median_first_step_after_s": statistics.median(first) if first else None,
+                     "median_restart_s": statistics.median(back) if back else None}
+    g, n = out.get("gemini", {}), out.get("none", {})
+    if g.get("median_first_step_after_s") is not None and n.get("median_first_step_after_s") is not None:
+        out["library_adds_median_s"] = g["median_first_step_after_s"] - n["median_first_step_after_s"]
+        out["library_adds_to_workers_back_median_s"] = g["median_restart_s"] - n["median_restart_s"]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=256, help="state per rank in MB (ballast included)")
@@ -388,6 +406,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="none,gemini,durable", help="which runs (comma-separated)")
     ap.add_argument("--staging", default="overlap", choices=("overlap", "copy"),
                     help="gemini_ckpt's CheckpointConfig.staging (overlap: the copy runs beside the next step)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the modes this many times, alternating (the restart comparison takes medians: "
+                         "Ray Train's own restart varies by seconds from one failure to the next)")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "recovery.json"))
@@ -407,15 +428,21 @@ def main(argv=None) -> int:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))
     cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
-    rows = []
+    rows, repeats = [], []
     try:
-        for mode in args.modes.split(","):
+        for mode in [m for _ in range(max(1, args.repeat)) for m in args.modes.split(",")]:
             print(f"== {mode}: {steps} steps of {args.step_s}s, host {KILL_HOST} lost after step {kill_at}", flush=True)
             out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
                       rate=rate, workdir=workdir, persist_every=args.persist_every,
                       timeout=600 + 3 * steps * args.step_s, staging=args.staging)
-            rows.append(wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s,
-                               interval=interval))
+            row = wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s, interval=interval)
+            repeats.append(row)
+            if any(r["mode"] == mode for r in rows):  # a repeat: only the restart comparison takes it
+                print(f"   failure -> next step {row['first_step_after_s']:.1f}s, workers back "
+                      f"{row['restart_s']:.1f}s", flush=True)
+                cluster.ensure_hosts()
+                continue
+            rows.append(row)
             print(f"   after the failure, per rank (s): {rows[-1]['first_step_parts']}", flush=True)
             if out.get("stores"):
                 rows[-1]["stores_at_end"] = out["stores"]
@@ -427,8 +454,10 @@ def main(argv=None) -> int:
 
         shutil.rmtree(workdir, ignore_errors=True)
     by = {r["mode"]: r for r in rows}
+    restarts = restart_comparison(repeats)
     if set(by) != {"none", "gemini", "durable"}:  # --modes: a partial run has no ratios
         print(json.dumps(rows, indent=2, default=str))
+        print(json.dumps(restarts, indent=2))
         return 0
     g, d, n = by["gemini"], by["durable"], by["none"]
     result = {
@@ -443,7 +472,7 @@ def main(argv=None) -> int:
         "restart_to_first_step_without_checkpointing_s": n["first_step_after_s"],
         "library_adds_to_the_restart_s": (g["first_step_after_s"] - n["first_step_after_s"])
         if g["first_step_after_s"] is not None and n["first_step_after_s"] is not None else None,
-        "rows": rows,
+        "rows": rows, "restarts": restarts,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
     }
     result["target_met"] = (result["ratio_without_restart"] or 0) >= TARGET
@@ -473,6 +502,13 @@ def _markdown(r: dict) -> str:
     lines.append(f"wasted per failure, durable-only / gemini_ckpt: {ratio:.1f}x without the restart "
                  f"(target >= {r['target_ratio']:.0f}x: {'met' if r['target_met'] else 'NOT met'}), "
                  f"{r['ratio_with_restart']:.2f}x with it")
+    rs = r.get("restarts", {})
+    if "library_adds_median_s" in rs:
+        g, n = rs["gemini"], rs["none"]
+        lines.append(f"failure -> next step, median of {len(g['first_step_after_s'])} failures each: "
+                     f"{g['median_first_step_after_s']:.1f}s with gemini_ckpt, {n['median_first_step_after_s']:.1f}s "
+                     f"without checkpointing: the library adds {rs['library_adds_median_s']:+.1f}s "
+                     f"({rs['library_adds_to_workers_back_median_s']:+.1f}s of it before the workers are back)")
     if r["library_adds_to_the_restart_s"] is not None:
         lines.append(f"failure -> next step: {r['restart_to_first_step_with_library_s']:.1f}s with gemini_ckpt, "
                      f"{r['restart_to_first_step_without_checkpointing_s']:.1f}s without checkpointing: the library "

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import ray
+
 from ...errors import ConfigError
 from ..commit import COORDINATOR, Coordinator, Send
 from ..slots import HOST_LABEL
@@ -39,8 +41,6 @@ PING_TIMEOUT_S = 5.0
 
 
 def alive_node_ids() -> list[str]:
-    import ray
-
     return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
 
 
@@ -221,6 +221,7 @@ class Registry:
                 "idle": sorted(self._idle)}
 
     # --- the coordinator ---------------------------------------------------------------------------
+    @ray.method(enable_task_events=False)  # per version, per store: no events for Ray's state API to keep
     async def commit_message(self, message) -> None:
         """A vote or a query from a store (fire-and-forget)."""
         coordinator = self._coordinator
@@ -309,8 +310,6 @@ class Registry:
 
     # --- after a host is lost: replacements and re-replication ----------------------------------------
     def _note_nodes(self) -> None:
-        import ray
-
         for n in ray.nodes():
             if n.get("Alive"):
                 self._node_info[n["NodeID"]] = _node_info(n)
@@ -331,8 +330,6 @@ class Registry:
         A replacement is a live node without a slot whose resources have the same names as the
         dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
         carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
-        import ray
-
         from ..cluster import get_or_create_store
 
         if not self._job:
