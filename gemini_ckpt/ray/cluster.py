@@ -55,6 +55,16 @@ def alive_node_ids() -> list[str]:
 
 
 # --- starting, finding and stopping actors -----------------------------------------------------
+ACTOR_ENV = {"RAY_task_events_report_interval_ms": "0", "MALLOC_ARENA_MAX": "2"}
+"""The environment of host-store and registry processes. They make and take a few Ray calls per
+version for as long as the job runs, and Ray's per-call bookkeeping grew their private memory
+without end: an actor sending 20,000 small calls grew 59.7 -> 134.8 MB, ~3 KB per call, and kept
+growing. Measured on Ray 2.60: without task events (nothing of ours reads them; the state API
+just lists fewer tasks) the same actor grew 59.6 -> 65.2 MB, and with two malloc arenas (its
+threads no longer spread the garbage over one arena each) 59.6 -> 84.3 MB, flat after the
+first 5,000 calls."""
+
+
 def get_or_create_registry(namespace: str):
     """The registry of ``namespace`` (created, detached, on the head node, on first use).
     The actors import ``gemini_ckpt`` (which imports nothing heavy: never torch)."""
@@ -62,7 +72,7 @@ def get_or_create_registry(namespace: str):
 
     return (ray.remote(Registry)
             .options(name=registry_name(namespace), namespace=RAY_NAMESPACE, get_if_exists=True,
-                     lifetime="detached", max_restarts=0, num_cpus=0,
+                     lifetime="detached", max_restarts=0, num_cpus=0, runtime_env={"env_vars": ACTOR_ENV},
                      resources={"node:__internal_head__": 0.001})
             .remote(namespace))
 
@@ -75,6 +85,7 @@ def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int
     handle = (ray.remote(HostStore)
               .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
                        lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
+                       runtime_env={"env_vars": ACTOR_ENV},
                        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
               .remote(namespace, node_id, budget_bytes))
     if budget_bytes is not None:

@@ -152,7 +152,6 @@ class HostStore(LocalRanks, Replication, Serving):
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()
 
     # --- liveness and configuration -----------------------------------------------------------
-    @ray.method(enable_task_events=False)  # the registry's liveness check, every second
     def ping(self) -> str:
         return self.node_id
 

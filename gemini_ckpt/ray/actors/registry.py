@@ -221,7 +221,6 @@ class Registry:
                 "idle": sorted(self._idle)}
 
     # --- the coordinator ---------------------------------------------------------------------------
-    @ray.method(enable_task_events=False)  # per version, per store: no events for Ray's state API to keep
     async def commit_message(self, message) -> None:
         """A vote or a query from a store (fire-and-forget)."""
         coordinator = self._coordinator

@@ -44,7 +44,6 @@ class Replication:
     """Commit protocol and replication (see the module docstring)."""
 
     # --- the commit protocol ---------------------------------------------------------------------
-    @ray.method(enable_task_events=False)  # per version, per peer: no events for Ray's state API to keep
     def commit_message(self, message) -> None:
         """A control message from a peer store or the coordinator (fire-and-forget)."""
         with self._lock:
