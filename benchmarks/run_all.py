@@ -41,6 +41,7 @@ BENCHES = [
     ("health", "bench_health.py", "health.json", 300, 1800),
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("soak", "bench_soak.py", "soak.json", 600, 3600),
+    ("peers", "bench_peers.py", "peers.json", 600, 3600),  # needs the [peers] extra; says so and exits 0 without it
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 

@@ -354,7 +354,7 @@ class RayTier(MemoryTier):
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
             local = LocalCopy(self, step, rank)
-            return ShardCopy("local", local.fetch, "this node", verified=local.verified)
+            return ShardCopy("local", local.fetch, "this node")
         handle = self._live().get(slot)
         peer = PeerCopy(self, slot, handle, step, rank, nbytes)
         return ShardCopy("peer", peer.fetch, self._describe(slot), receive_into=peer.receive_into)

@@ -37,7 +37,6 @@ class LocalCopy:
     def __init__(self, tier: "RayTier", step: int, rank: int) -> None:
         self.tier, self.step, self.rank = tier, step, rank
         self.seg: Optional[Segment] = None
-        self._verified = False
 
     def _map(self) -> Segment:
         if self.seg is None:
@@ -46,13 +45,7 @@ class LocalCopy:
             except (LookupError, AttachError) as exc:
                 raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
             self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
-            self._verified = bool(reply.get("verified"))
         return self.seg
-
-    def verified(self) -> bool:
-        """Whether the store certified this copy since the job last went down (maps it)."""
-        self._map()
-        return self._verified
 
     def fetch(self, offset: int, length: int):
         self._map()

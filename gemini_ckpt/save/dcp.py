@@ -69,15 +69,12 @@ Receive = Callable[[list], Any]
 class ShardCopy:
     """One readable copy of a shard's region: ``source`` is ``local`` or ``peer``. A copy that
     can land bytes straight in the reader's memory (a peer pushing over the data plane) has
-    ``receive_into``; one its store has certified, ``verified``."""
+    ``receive_into``."""
 
     source: str
     fetch: Fetch
     label: str = ""
     receive_into: Optional[Receive] = None
-    verified: Optional[Callable[[], bool]] = None
-    """For a copy in this node's store: whether the store certified every byte against the
-    record since the job last went down (then the reader copies without checking again)."""
 
 
 class MemoryVersion:

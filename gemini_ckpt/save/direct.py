@@ -8,11 +8,9 @@ so :func:`direct_plan` checks, on this rank alone, that every read DCP's planner
 (``create_local_plan``, no collective) is a whole saved chunk into a whole, contiguous live
 tensor of the same dtype, and :func:`direct_load` then moves the bytes:
 
-- from this node's store: out of the mapped shard, one copy into the live tensor, after the
-  item's CRC32C matched its record; the store checks every copy it holds against the records
-  in the background when the job goes down here (a rank detached, a peer died), and a copy it
-  certified since is copied without checking it again (``verified``): the check is done while
-  Ray restarts the workers, not on the restore's critical path;
+- from this node's store: out of the mapped shard, one copy into the live tensor, whose bytes
+  are then checked against the item's CRC32C (the store also checks every copy it holds when
+  the job goes down here, but memory can change after a check: what lands is what counts);
 - from a peer: pushed by the peer's store over the data plane straight into the live
   tensors' memory (``receive_into``, a batch of items per call), then checked against the
   record while the next batches are still on the wire.
@@ -184,10 +182,6 @@ def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem])
                 _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
             failed.extend(batch)
 
-    try:
-        certified = copy.verified is not None and copy.verified()
-    except (LookupError, OSError, ValueError, CheckpointError):
-        certified = False  # the fetches below say why
     batch: list[DirectItem] = []
     for item in items:
         if copy.receive_into is not None:
@@ -202,11 +196,18 @@ def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem])
             _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
             failed.append(item)
             continue
-        if src.nbytes != item.nbytes or (not certified and checksum(src) != item.crc):
+        if src.nbytes != item.nbytes:
+            _problem(version, copy, item, f"{src.nbytes} bytes where the record says {item.nbytes}")
+            failed.append(item)
+            continue
+        # What landed is checked, every time: memory can change after any earlier check (a flipped bit, a process writing into the segment), and the copy itself could
+        # go wrong; a CRC32C is ~20 ms per 268 MB here, a tenth of the copy.
+        dest = item.dest_bytes
+        np.copyto(dest, src)
+        if checksum(dest) != item.crc:
             _problem(version, copy, item, "checksum mismatch (corrupt copy skipped)")
             failed.append(item)
             continue
-        np.copyto(item.dest_bytes, src)
         _count(version, copy, item)
     if batch:
         push(batch)

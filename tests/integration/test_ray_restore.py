@@ -6,6 +6,7 @@ size reshards from peer memory; ranks never mix versions."""
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 
 import pytest
@@ -144,13 +145,21 @@ def test_ranks_never_mix_versions_when_one_dies_mid_save(ray_cluster, ranks, ref
 
 
 @pytest.mark.ray
-def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, reference):
+@pytest.mark.parametrize("when", ["while the job runs", "after the restart, right before the restore"])
+def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, reference, when):
     ns = f"corrupt-{uuid.uuid4().hex[:8]}"
     ranks.restart(ns)
     ranks.train(range(4))
     # Flip a byte in the middle of rank 1's shard of step 3, in host 1's own store (the local copy).
-    corrupt_shard_copy(ns, host=1, step=3, rank=1)
-    ranks.restart(ns)
+    # Also once the job went down and came back: memory can change after any earlier check (the
+    # stores used to certify their copies then, and a reader copied a certified one unchecked).
+    if when == "while the job runs":
+        corrupt_shard_copy(ns, host=1, step=3, rank=1)
+        ranks.restart(ns)
+    else:
+        ranks.restart(ns)
+        time.sleep(2.0)
+        corrupt_shard_copy(ns, host=1, step=3, rank=1)
     restored = ranks.call("restore")
     # Same step, still from memory: only the bad item came from host 0, the other holder.
     assert [(r["step"], r["source"]) for r in restored] == [(3, "memory")] * HOSTS

@@ -145,8 +145,6 @@ class HostStore(LocalRanks, Replication, Serving):
         self._copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
         self._vote_hold: Optional[int] = None  # fault injection: see hold_vote
         self._held_votes: list = []
-        self._window_from = 0.0  # when the job last went down here (see Serving._open_window)
-        self._scrubbing = self._scrub_again = False
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
         self._stopped = False
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import time
-
-import crc32c
-
 
 from ...save.framing import write_tensors
 from ..commit import (
@@ -118,64 +114,6 @@ class Serving:
             with self._lock:
                 self._table.done_with(shard)
         return sum(length for _, length, _ in ranges)
-
-    # --- scrubbing: copies checked again while the job is down ----------------------------------
-    def _open_window(self, why: str) -> None:
-        """The job is down here (a rank detached, a peer died): a restore is coming. Check every
-        complete copy against its record now, in the background, so that a local reader can copy
-        it without checking it again on the restore's critical path (``map`` says ``verified``).
-        The bytes were checked when they arrived (or made); this catches what happened to them
-        in memory since (a bit flip, silent corruption), right before they are needed.""" 
-        with self._lock:
-            self._window_from = time.time()
-            if self._scrubbing:
-                self._scrub_again = True
-                return
-            self._scrubbing = True
-        log.debug("node %s: scrubbing the copies here (%s)", self.node_id[:12], why)
-        self._pool.submit(self._scrub)
-
-    def _fresh(self, shard) -> bool:
-        """Whether ``shard`` matched its record after the job last went down here."""
-        return self._window_from > 0 and shard.verified_unix >= self._window_from
-
-    def _scrub(self) -> None:
-        while True:
-            with self._lock:
-                self._scrub_again = False
-                todo = [(v.step, s) for v in sorted(self._table.versions.values(), key=lambda v: -v.step)
-                        if v.state != "aborted" for s in v.shards.values() if s.complete and not self._fresh(s)]
-            for step, shard in todo:
-                self._scrub_one(step, shard)
-            with self._lock:
-                if not self._scrub_again:
-                    self._scrubbing = False
-                    return
-
-    def _scrub_one(self, step: int, shard) -> None:
-        """Certify one copy (``verified_unix``). A damaged one stays uncertified: its readers
-        check every item themselves and take the bad ones from another holder."""
-        with self._lock:
-            if not shard.complete or shard.dropped:
-                return
-            try:
-                plan = self._table.plan(shard.plan_id, shard.rank)
-            except LookupError:
-                return
-            self._table.use(shard)
-        started = time.time()
-        try:
-            bad = next((t.fqn for t, crc in zip(plan.tensors, shard.record.crcs)
-                        if crc32c.crc32c(shard.seg.array[t.at : t.at + t.nbytes]) != crc), None)
-        finally:
-            with self._lock:
-                self._table.done_with(shard)
-        if bad is None:
-            with self._lock:
-                shard.verified_unix = started
-            return
-        log.warning("node %s: the copy of rank %d's shard of step %d held here is damaged (%s fails its checksum); "
-                    "its readers take that item from another holder", self.node_id[:12], shard.rank, step, bad)
 
     # --- the durable tier ----------------------------------------------------------------------------
     def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes) -> list:

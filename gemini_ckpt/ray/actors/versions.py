@@ -47,7 +47,6 @@ class Shard:
     users: int = 0  # transfers and readers using seg right now
     dropped: bool = False  # released while in use: freed by the last user
     recorded: threading.Event = field(default_factory=threading.Event)  # the record is set (or failed)
-    verified_unix: float = 0.0  # when its bytes last matched the record (made, checked or scrubbed)
 
     @property
     def complete(self) -> bool:
