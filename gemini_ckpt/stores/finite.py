@@ -18,12 +18,15 @@ checksummed and checked while it is in the CPU's cache: one read of the region, 
 for a host store that copies the shard to other holders, which takes longer than both) or
 **beside** it (the check on a second thread while the caller checksums: the least latency, where
 the record is the version's whole time-to-safe: the local tier, a host store with
-``replicas=1``). Measured on 1 GiB of fp32 items (63 of 16 MiB, 2 cores): checksums only 67-70 ms;
-fused 95 ms of one core; beside 58-65 ms of wall time (the checksum thread finds in the cache
-what the checking thread just read), 115-128 ms of CPU over two threads. Beside, the checking
-thread takes the last items' checksums once its check is done (the check reads faster than
-CRC32C), so the record is not held up by one thread while the other idles: with the check on, a
-version's time to safe is no longer than with it off (``benchmarks/bench_health.py``).
+``replicas=1``). Beside, the checking thread also reads :data:`CHUNK` at a time, each chunk once
+(the dot product; min and max again only for a chunk whose sum is not finite), so the two threads
+together read the region from memory about once: whole 16 MiB items reduced by ``max`` then
+``min`` were read twice, which on a host with less memory bandwidth made the check cost more
+than the checksums. Measured on 1 GiB of fp32 items (63 of 16 MiB, 2 cores, 2026-12-03):
+checksums only 72 ms; fused 107 ms of one core; beside 67 ms of wall time (whole-item min/max:
+154 ms that day, 58-65 ms on an earlier host). Beside, the checking thread takes the last items'
+checksums once its check is done (the check reads faster than CRC32C), so the record is not held
+up by one thread while the other idles (``benchmarks/bench_health.py``).
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ CHUNK = 4 << 20
 from memory once, and few enough steps per GiB that the GIL, taken back after each, is rarely
 in the way of the store's data-plane threads (1 MiB steps took the same CPU)."""
 BESIDE_CHUNK = 16 << 20
-"""Bytes checked per step beside the checksums, where the bytes come from memory anyway: large,
+"""Bytes of a 16-bit item checked per step beside the checksums (through the scratch buffer): large,
 so the checking thread takes the GIL back rarely (each time it does, it can delay the training
-thread). fp32/fp64 items are reduced whole: they need no scratch buffer."""
+thread). fp32/fp64 items go by :data:`CHUNK`, read once each."""
 
 BESIDE_MIN_BYTES = 8 << 20
 """Below this many checked bytes the check is fused even when a thread is offered: handing work
@@ -151,9 +154,9 @@ def _scan(region: np.ndarray, items: Sequence[tuple[int, int, int, str]]) -> Opt
 def _scan_items(region: np.ndarray, items: Sequence[tuple[int, int, int, str]]) -> Optional[int]:
     scanners: dict[str, _Scanner] = {}
     for index, at, nbytes, dtype in items:
-        scanner = scanners.setdefault(dtype, _Scanner(dtype, BESIDE_CHUNK))
+        scanner = scanners.setdefault(dtype, _Scanner(dtype, BESIDE_CHUNK, one_pass=True))
         raw = region[at : at + nbytes]
-        step = nbytes if dtype in _FLOATS else BESIDE_CHUNK
+        step = CHUNK if dtype in _FLOATS else BESIDE_CHUNK
         for start in range(0, nbytes, max(step, 1)):
             if not scanner.finite(raw[start : start + step]):
                 return index

@@ -126,6 +126,10 @@ def test_the_check_reads_every_value_of_items_many_chunks_long():
             (first if bad == 0 else second)[where] = 1.0 if bad == 0 else 2.0
         # item 2 (not a float format, not asked for) is never read as floats
         assert checksum_items(region, items, [0, 1], beside=pool)[1] is None
+        # large finite values overflow the one-pass sum (the dot product): checked again exactly
+        first[:] = 3e38
+        for beside in (None, pool):
+            assert checksum_items(region, items, [0, 1], beside=beside)[1] is None
 
 
 def test_buffers_are_not_checked_by_default_and_are_when_asked():
