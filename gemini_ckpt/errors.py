@@ -2,7 +2,10 @@
 
 Every error derives from :class:`CheckpointError` and, where one fits, from a built-in
 (``ValueError``, ``TimeoutError``, ``LookupError``) so callers can catch what they already know.
-All of them pickle, so they survive crossing a Ray actor boundary intact.
+All of them pickle, so they survive crossing a Ray actor boundary intact. The one exception to
+"all errors live here": the data plane's (:mod:`gemini_ckpt.ray.transport`), a package that is
+shipped to the host stores by value and imports nothing of ours; the stores turn them into
+:class:`ReplicationError` before a user sees one.
 """
 
 from __future__ import annotations
@@ -73,3 +76,30 @@ class UnhealthyVersionError(CheckpointError):
 
     def __reduce__(self):
         return (self.__class__, (str(self),), {"step": self.step, "health": self.health})
+
+
+class ReplicationError(CheckpointError, RuntimeError):
+    """A version could not be committed in the host stores (a holder died or refused its copy)."""
+
+
+class ShardFormatError(CheckpointError, ValueError):
+    """Bytes that claim to be a shard plan or record are damaged, forged or malformed."""
+
+
+class DamagedFileError(ChecksumError):
+    """A file under a durable root (or an ``init_from`` directory) is not what may be read or
+    replaced there: a link, a FIFO, a device, a directory, or not of its recorded size."""
+
+
+class TemplateError(CheckpointError, ValueError):
+    """``torch.save`` of this tensor signature does not have a layout a template can capture."""
+
+
+class AttachError(CheckpointError, ConnectionError):
+    """The attach channel (a trainer and its host store) broke, refused the trainer, or the store
+    answered with an error."""
+
+
+class CommitProtocolError(CheckpointError, RuntimeError):
+    """Participants of the commit protocol disagree about a decision: a bug in the protocol or
+    its driver."""

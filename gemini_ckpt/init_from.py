@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DamagedFileError
 from .restore import check_structure
 from .results import RestoreResult
 from .save.dcp import load as dcp_load
 from .state.train_state import MODEL, OPTIM, TrainState
 from .stores.fs import MAX_UNRECORDED_METADATA_BYTES
-from .stores.layout import METADATA_FILE, DamagedFileError, LocalFiles, path_parts
+from .stores.layout import METADATA_FILE, LocalFiles, path_parts
 from .trust import VerificationError, item_nbytes, metadata_loads, safe_opaque, torch_load_value
 
 log = logging.getLogger("gemini_ckpt")

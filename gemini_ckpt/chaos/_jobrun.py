@@ -7,13 +7,18 @@ import os
 import shutil
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from ._results import HarnessError, InfraError, err, infrastructure
-from ._spec import HookRule
+from ._spec import ChaosConfig, HookRule
 
-if TYPE_CHECKING:
-    from ._harness import Harness
+
+class Harness(Protocol):
+    """What a job needs of the harness that runs it (:class:`~gemini_ckpt.chaos._harness.Harness`)."""
+
+    workdir: str
+    pool: Any  # the rank pool (:class:`~gemini_ckpt.chaos._sim.RankPool`)
+    config: ChaosConfig
 
 StoreFactory = Callable[[Any, int, int], Any]
 """``store_factory(config, rank, world_size) -> Store``, called in each rank process; the store

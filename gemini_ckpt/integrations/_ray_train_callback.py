@@ -15,6 +15,7 @@ from typing import Optional
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointError
+from ._ray_train_run import resolve_config, stop_host_stores
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -79,7 +80,6 @@ class HostStores(*_BASES):  # type: ignore[misc]
     # ControllerCallback
     def after_controller_start(self, train_run_context) -> None:
         from ..ray.cluster import start_host_stores
-        from .ray_train import resolve_config
 
         self._resolved, _ = resolve_config(self.config, run_name=train_run_context.run_config.name)
         self.namespace = self._resolved.resolved_namespace
@@ -105,7 +105,5 @@ class HostStores(*_BASES):  # type: ignore[misc]
     def _stop(self) -> None:
         if self.keep or self._stopped or self.namespace is None:
             return
-        from .ray_train import stop_host_stores
-
         self._stopped = True
         stop_host_stores(self.namespace)

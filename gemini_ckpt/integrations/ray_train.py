@@ -70,14 +70,12 @@ Decisions worth knowing:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
 import posixpath
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -91,6 +89,7 @@ from ..retention import LeftToRayTrain
 from ..stores.layout import parse_step_dir, resolve_filesystem, step_dir_name
 from ..ray.slots import HOST_LABEL
 from ._ray_train_callback import HostStores
+from ._ray_train_run import DURABLE_DIR, resolve_config, stop_host_stores
 
 __all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores",
            "ranks_on_hosts", "resolve_config",
@@ -98,8 +97,7 @@ __all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "c
 
 log = logging.getLogger("gemini_ckpt")
 
-DURABLE_DIR = "gemini"
-"""Durable versions go to ``<Ray Train run directory>/gemini/step_XXXXXXXXX``."""
+
 
 def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[str, str]]:
     """Per-worker label selectors that put rank ``r`` on host ``r // ranks_per_host`` after
@@ -122,54 +120,6 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
         raise ValueError(f"ranks_on_hosts(ranks_per_host=...) needs a positive int, got {ranks_per_host!r}")
     return [{HOST_LABEL: str(rank // ranks_per_host)} for rank in range(num_workers)]
-
-
-def resolve_config(config: Optional[CheckpointConfig], *, run_name: str, storage=None,
-                   report: bool = True) -> tuple[CheckpointConfig, Optional[DurableTier]]:
-    """The run's settings: ``namespace`` defaults to ``run_name``; with a durable tier and
-    ``storage`` (Ray Train's ``StorageContext``), ``durable_uri`` defaults to the run's
-    directory. Returns ``(config, durable tier or None)``; the tier is built here only when the
-    storage filesystem cannot be named by a URI string (a custom ``storage_filesystem``)."""
-    config = config if config is not None else CheckpointConfig()
-    if not isinstance(config, CheckpointConfig):
-        raise TypeError(f"expected a gemini_ckpt.CheckpointConfig, got {type(config).__name__}")
-    changes: dict[str, Any] = {}
-    if config.namespace is None:
-        changes["namespace"] = run_name
-    durable = None
-    if config.persist_every > 0 and storage is not None:
-        root = posixpath.join(storage.experiment_fs_path, DURABLE_DIR)
-        if config.durable_uri is None:
-            if _is_local(storage.storage_filesystem):
-                changes["durable_uri"] = root
-            else:
-                durable = DurableTier(filesystem=storage.storage_filesystem, root=root,
-                                      keep=LeftToRayTrain() if report else config.keep_durable)
-        elif report and not _inside(config.durable_uri, storage):
-            raise ConfigError(
-                f"CheckpointConfig.durable_uri={config.durable_uri!r} is outside this Ray Train run's "
-                f"directory ({storage.experiment_fs_path}), so its versions cannot be reported as Ray "
-                f"checkpoints; leave durable_uri=None (versions go to <run directory>/{DURABLE_DIR}) or "
-                f"pass report=False")
-    if changes:
-        config = dataclasses.replace(config, **changes)
-    return config, durable
-
-
-def _is_local(fs) -> bool:
-    import pyarrow.fs as pafs
-
-    return isinstance(fs, pafs.LocalFileSystem)
-
-
-def _inside(uri: str, storage) -> bool:
-    fs, path = resolve_filesystem(uri)
-    if type(fs) is not type(storage.storage_filesystem):
-        return False
-    run_dir = storage.experiment_fs_path.rstrip("/")
-    if _is_local(fs):
-        path, run_dir = os.path.realpath(path), os.path.realpath(run_dir)
-    return path == run_dir or path.startswith(run_dir + "/")
 
 
 # --- driver side ---------------------------------------------------------------------------------
@@ -230,16 +180,6 @@ def _namespaces() -> set[str]:
     from ..ray.cluster import named_actors
 
     return set(named_actors())
-
-
-def stop_host_stores(namespace: str) -> list[str]:
-    """Stop the host stores and registry of ``namespace`` (a run's name); their versions are gone.
-    Returns the names of the actors stopped. Needs a connected Ray (the driver after ``fit()``)."""
-    from ..ray.cluster import shutdown_host_stores
-
-    killed = shutdown_host_stores(namespace)
-    log.info("gemini_ckpt: stopped %d host-store actor(s) of namespace %r", len(killed), namespace)
-    return killed
 
 
 # --- worker side ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import uuid
 from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional
 
+from ..errors import AttachError
 from .transport._tcp import LogThrottle
 
 log = logging.getLogger("gemini_ckpt")
@@ -101,10 +102,6 @@ def peer_refusal(peer: PeerCredentials, uid: int) -> Optional[str]:
         return (f"pid {peer.pid} runs as uid {peer.uid}, the host store as uid {uid}: only processes of the "
                 f"store's own user may attach")
     return None
-
-
-class AttachError(ConnectionError):
-    """The attach channel broke, refused the trainer, or the store answered with an error."""
 
 
 def proof(secret: bytes, nonce: bytes, rank: int, epoch: int) -> str:

@@ -29,19 +29,22 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..config import CheckpointConfig
 from ..errors import (
+    AttachError,
     CheckpointError,
     CheckpointTimeoutError,
     ConfigError,
     FencedError,
     MemoryBudgetError,
+    ReplicationError,
+    ShardFormatError,
     VersionNotFoundError,
 )
 from ..health import Health
 from ..save.dcp import MemoryVersion, ShardCopy
 from ..stores.base import Capabilities, MemoryTier, Outcome
-from ..stores.shards import Segment, ShardFormatError, ShardPlan, ShardRecord
+from ..stores.shards import Segment, ShardPlan, ShardRecord
 from ..trust import resolve_key
-from .attach import AttachClient, AttachError
+from .attach import AttachClient
 from .cluster import (
     current_node_id,
     ensure_ray,
@@ -49,7 +52,7 @@ from .cluster import (
     get_or_create_registry,
     get_or_create_store,
 )
-from .readahead import LocalCopy, PeerCopy, ReadSink
+from .readahead import LocalCopy, PeerCopy, PeerReads, ReadSink
 from .resolve import Resolved, resolve
 from .slots import SlotTable
 from .transport import Endpoint, TcpConfig, TcpTransport
@@ -57,10 +60,6 @@ from .transport import Endpoint, TcpConfig, TcpTransport
 log = logging.getLogger("gemini_ckpt")
 
 PROGRESS_TIMEOUT_S = 5.0  # as the host store's (gemini_ckpt.ray.actors.host_store.PROGRESS_TIMEOUT_S)
-
-
-class ReplicationError(CheckpointError, RuntimeError):
-    """A version could not be committed in the host stores (a holder died or refused its copy)."""
 
 
 def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier":
@@ -155,6 +154,8 @@ class RayTier(MemoryTier):
         self._transport: Optional[TcpTransport] = None
         self._read_sink = ReadSink()
         self._read_listener = None
+        self.peer_reads = PeerReads(sink=self._read_sink, endpoint=self._reader_endpoint, lost=self._mark_dead,
+                                    describe=self._describe, timeout_s=config.timeout_s)
         self.recovery_events: tuple[dict, ...] = ()  # the registry's, at the rendezvous
 
     # --- write: this node's store does the work ----------------------------------------------
@@ -353,10 +354,10 @@ class RayTier(MemoryTier):
 
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
-            local = LocalCopy(self, step, rank)
+            local = LocalCopy(self._attach, step, rank)
             return ShardCopy("local", local.fetch, "this node")
         handle = self._live().get(slot)
-        peer = PeerCopy(self, slot, handle, step, rank, nbytes)
+        peer = PeerCopy(self.peer_reads, slot, handle, step, rank, nbytes)
         return ShardCopy("peer", peer.fetch, self._describe(slot), receive_into=peer.receive_into)
 
     def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
@@ -366,7 +367,7 @@ class RayTier(MemoryTier):
                 if isinstance(owner, LocalCopy):
                     owner.release()
 
-    def _reader_endpoint(self, handle) -> Endpoint:
+    def _reader_endpoint(self) -> Endpoint:
         """This reader's data-plane listener (started on first use), where peers push ranges."""
         with self._lock:
             listener = self._read_listener

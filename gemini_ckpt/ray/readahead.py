@@ -5,7 +5,9 @@ shard's items in offset order, so transfers overlap its checksums and copies).
 
 :class:`LocalCopy` and :class:`PeerCopy` are the ``fetch`` of a
 :class:`~gemini_ckpt.save.dcp.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
-ranges. Both copies belong to one :class:`~gemini_ckpt.ray.client.RayTier`.
+ranges. A :class:`LocalCopy` talks to this node's store through the reader's attach channel; a
+:class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.ray.client.RayTier`) as
+one :class:`PeerReads`.
 """
 
 from __future__ import annotations
@@ -14,34 +16,46 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..stores.shards import Segment
-from .attach import AttachError
-from .transport import Header
-
-if TYPE_CHECKING:
-    from .client import RayTier
+from ..errors import AttachError
+from .transport import Endpoint, Header
 
 READ_BLOCK_BYTES = 16 << 20
 READ_AHEAD_BLOCKS = 4
 
 
-class LocalCopy:
-    """A shard held by this node's store, mapped read-only through the attach channel."""
+@dataclass(frozen=True)
+class PeerReads:
+    """What reading from peers needs of the reader: where pushed ranges land (``sink``), this
+    reader's endpoint (``endpoint()``; its listener starts on first use), what to do when a holder
+    dies (``lost(slot, why)``), how to name a holder in errors (``describe(slot)``), and how long
+    to wait for one (``timeout_s``)."""
 
-    def __init__(self, tier: "RayTier", step: int, rank: int) -> None:
-        self.tier, self.step, self.rank = tier, step, rank
+    sink: "ReadSink"
+    endpoint: Callable[[], Endpoint]
+    lost: Callable[[int, str], None]
+    describe: Callable[[int], str]
+    timeout_s: float
+
+
+class LocalCopy:
+    """A shard held by this node's store, mapped read-only through the attach channel
+    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach.AttachClient`)."""
+
+    def __init__(self, attach, step: int, rank: int) -> None:
+        self.attach, self.step, self.rank = attach, step, rank
         self.seg: Optional[Segment] = None
 
     def _map(self) -> Segment:
         if self.seg is None:
             try:
-                reply, fds = self.tier._attach.request({"type": "map", "step": self.step, "rank": self.rank})
+                reply, fds = self.attach.request({"type": "map", "step": self.step, "rank": self.rank})
             except (LookupError, AttachError) as exc:
                 raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
             self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
@@ -57,7 +71,7 @@ class LocalCopy:
         if self.seg is not None:
             seg, self.seg = self.seg, None
             try:
-                self.tier._attach.request({"type": "unmap", "seg": seg.id})
+                self.attach.request({"type": "unmap", "seg": seg.id})
             except (AttachError, OSError, LookupError):
                 pass
             seg.close()
@@ -66,9 +80,9 @@ class LocalCopy:
 class PeerCopy:
     """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
 
-    def __init__(self, tier: "RayTier", slot: int, handle, step: int, rank: int, size: int, *,
+    def __init__(self, reads: PeerReads, slot: int, handle, step: int, rank: int, size: int, *,
                  block_bytes: int = READ_BLOCK_BYTES) -> None:
-        self.tier, self.slot, self.handle = tier, slot, handle
+        self.reads, self.slot, self.handle = reads, slot, handle
         self.step, self.rank, self.size, self.block = step, rank, size, block_bytes
         self.blocks: dict[int, Any] = {}
 
@@ -108,35 +122,35 @@ class PeerCopy:
         for offset, into in ranges:
             if offset < 0 or offset + into.nbytes > self.size:
                 raise ValueError(f"range [{offset}, {offset + into.nbytes}) is outside rank {self.rank}'s shard")
-        endpoint = self.tier._reader_endpoint(self.handle)
+        endpoint = self.reads.endpoint()
         tags = []
         for _, into in ranges:
             tag = uuid.uuid4().hex
-            self.tier._read_sink.expect(tag, into)
+            self.reads.sink.expect(tag, into)
             tags.append(tag)
         ref = self.handle.push_ranges.remote(self.step, self.rank,
                                              [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint)
         return _Received(self, _Pending(ref, None, tags), [into for _, into in ranges])
 
     def _push(self, offset: int, length: int) -> "_Pending":
-        endpoint = self.tier._reader_endpoint(self.handle)
+        endpoint = self.reads.endpoint()
         tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
-        self.tier._read_sink.expect(tag, into)
+        self.reads.sink.expect(tag, into)
         return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,))
 
     def _resolve(self, pending: "_Pending") -> np.ndarray:
         try:
-            ray.get(pending.ref, timeout=self.tier.config.timeout_s)
+            ray.get(pending.ref, timeout=self.reads.timeout_s)
         except RayActorError:
-            self.tier._mark_dead(self.slot, "died")
+            self.reads.lost(self.slot, "died")
             raise LookupError(f"the host store of slot {self.slot} died while sending") from None
         except RayTaskError as exc:
-            raise LookupError(f"{self.tier._describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
+            raise LookupError(f"{self.reads.describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
         except GetTimeoutError:
-            raise LookupError(f"{self.tier._describe(self.slot)} did not send in time") from None
+            raise LookupError(f"{self.reads.describe(self.slot)} did not send in time") from None
         finally:
             for tag in pending.tags:
-                self.tier._read_sink.forget(tag)
+                self.reads.sink.forget(tag)
         return pending.into
 
 

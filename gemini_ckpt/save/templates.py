@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import TemplateError
 from .framing import SID_DIGITS, Template, hash_combine
 
 _DATA_RECORD = "data/0"
@@ -27,10 +28,6 @@ _SID_RECORD = ".data/serialization_id"
 _TRIES = 4
 
 _cache: dict[tuple, Template] = {}
-
-
-class TemplateError(ValueError):
-    """``torch.save`` of this tensor signature does not have a layout a template can capture."""
 
 
 def template_for(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from ..checksum import checksum
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DamagedFileError
 from ..retention import Retention, as_retention
 from ..trust import (
     VerificationError,
@@ -52,7 +52,6 @@ from .layout import (
     IN_PROGRESS_FILE,
     LATEST_FILE,
     MARKER_FILE,
-    DamagedFileError,
     read_latest,
     step_dir_name,
     write_latest,

@@ -28,12 +28,11 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from ..errors import VersionNotFoundError
+from ..errors import DamagedFileError, VersionNotFoundError
 from ..trust import VerificationError, check_marker, manifest_from_json, manifest_to_json
 from .layout import (
     MARKER_FILE,
     METADATA_FILE,
-    DamagedFileError,
     files_for,
     looks_like_step,
     parse_step_dir,

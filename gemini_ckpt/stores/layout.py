@@ -34,7 +34,7 @@ from typing import Optional, Protocol
 
 import pyarrow.fs as pafs
 
-from ..errors import ChecksumError
+from ..errors import DamagedFileError
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -84,11 +84,6 @@ def version_dir(root: str, step: int) -> str:
 # file we write is created exclusively and renamed into place.
 
 TMP_SUFFIX = ".tmp"
-
-
-class DamagedFileError(ChecksumError):
-    """A file under a durable root (or an ``init_from`` directory) is not what may be read or
-    replaced there: a link, a FIFO, a device, a directory, or not of its recorded size."""
 
 
 @dataclass(frozen=True)

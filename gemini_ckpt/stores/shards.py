@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional
 import crc32c
 import numpy as np
 
+from ..errors import ShardFormatError
 from ..health import HEALTHY_VERDICT, UNHEALTHY, Health
 from ..save.framing import Template
 from .finite import CHECKED_DTYPES, checksum_items
@@ -50,10 +51,6 @@ VALUE_KINDS = ("bytes", "pickle")
 """How a non-tensor item's blob encodes its value: ``bytes`` (the value *is* these bytes:
 TrainState's opaque blobs) or ``pickle`` (``pickle.dumps`` of the value, decoded through the
 value allow-list)."""
-
-
-class ShardFormatError(ValueError):
-    """Bytes that claim to be a shard plan or record are damaged, forged or malformed."""
 
 
 def align(n: int) -> int:

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from gemini_ckpt.ray.attach import AttachClient, AttachError, AttachServer
+from gemini_ckpt.errors import AttachError
+from gemini_ckpt.ray.attach import AttachClient, AttachServer
 from gemini_ckpt.stores.shards import Segment
 
 SECRET = os.urandom(32)

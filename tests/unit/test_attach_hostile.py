@@ -17,7 +17,8 @@ import time
 import pytest
 
 from gemini_ckpt.ray import attach
-from gemini_ckpt.ray.attach import AttachClient, AttachError, AttachServer
+from gemini_ckpt.errors import AttachError
+from gemini_ckpt.ray.attach import AttachClient, AttachServer
 
 SECRET = os.urandom(32)
 _HEAD = struct.Struct("<IQ")

@@ -1,7 +1,7 @@
 """The commit protocol among host stores (``gemini_ckpt.ray.commit``), in-process, no Ray.
 
 1,024 simulated stores per run; messages are delivered in a seeded random order. The
-simulator itself raises ``ProtocolError`` if a store marks a version committed before the
+simulator itself raises ``CommitProtocolError`` if a store marks a version committed before the
 coordinator decided COMMIT, or if two participants decide a version differently.
 """
 

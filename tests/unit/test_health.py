@@ -37,7 +37,8 @@ from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.finite import CHUNK, NAN_BITS, checksum_items
 from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
 from gemini_ckpt.stores.memory import drop_local_store
-from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardFormatError, ShardRecord, canonical
+from gemini_ckpt.errors import ShardFormatError
+from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardRecord, canonical
 from gemini_ckpt.trust import canonical_bytes
 
 NAMESPACE = "health-" + uuid.uuid4().hex

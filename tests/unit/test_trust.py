@@ -28,7 +28,8 @@ from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.layout import parse_step_dir
 from gemini_ckpt.save.dcp import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier, drop_local_store
-from gemini_ckpt.stores.shards import ShardFormatError, ShardPlan, ShardRecord
+from gemini_ckpt.errors import ShardFormatError
+from gemini_ckpt.stores.shards import ShardPlan, ShardRecord
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.trust import (
     ENV_KEY,

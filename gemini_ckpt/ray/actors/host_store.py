@@ -41,9 +41,11 @@ from typing import Any, Optional
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...retention import KeepNewest
 from ..attach import AttachServer, Connection
+from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import (
     HostCommit,
     Send,
@@ -108,7 +110,7 @@ class EpochConfig:
 class HostStore(LocalRanks, Replication, Serving):
     """Shards of recent versions of one namespace on one node (see the module docstring).
 
-    Run as a Ray actor (:func:`gemini_ckpt.ray.cluster.get_or_create_store`): detached,
+    Run as a Ray actor (:func:`get_or_create_store`): detached,
     ``max_restarts=0``, pinned to its node, threaded."""
 
     def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None) -> None:
@@ -352,3 +354,17 @@ class HostStore(LocalRanks, Replication, Serving):
             else:
                 shard.seg.array[offset : offset + len(data)] = memoryview(data).cast("B")
         return offset
+
+
+def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None):
+    """The host store of ``node_id`` in ``namespace``, created there (hard node affinity) if
+    missing. An existing store keeps its budget unless ``budget_bytes`` is given."""
+    handle = (ray.remote(HostStore)
+              .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
+                       lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
+                       runtime_env={"env_vars": ACTOR_ENV},
+                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+              .remote(namespace, node_id, budget_bytes))
+    if budget_bytes is not None:
+        handle.set_budget.remote(budget_bytes)
+    return handle

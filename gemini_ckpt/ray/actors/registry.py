@@ -31,7 +31,10 @@ import ray
 
 from ...errors import ConfigError
 from ..commit import COORDINATOR, Coordinator, Send
-from ..slots import HOST_LABEL
+from ..names import ACTOR_ENV, RAY_NAMESPACE, find_store, registry_name
+from ..resolve import resolve
+from ..slots import HOST_LABEL, holders_for
+from .host_store import configure_logging, get_or_create_store
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -102,8 +105,6 @@ class Registry:
     """Slots, the commit coordinator and liveness of one namespace (see the module docstring)."""
 
     def __init__(self, namespace: str) -> None:
-        from .host_store import configure_logging
-
         configure_logging()
         self.namespace = namespace
         self._nodes: list[str] = []
@@ -193,8 +194,6 @@ class Registry:
                 "committed": [[v.epoch, v.step] for v in committed], "recovery": since}
 
     async def _store_exists(self, node: str) -> bool:
-        from ..cluster import find_store
-
         return find_store(self.namespace, node) is not None
 
     def _assign(self, pending: dict[int, str]) -> None:
@@ -239,8 +238,6 @@ class Registry:
     def _store(self, slot: int):
         handle = self._handles.get(slot)
         if handle is None and 0 <= slot < len(self._nodes):
-            from ..cluster import find_store
-
             handle = self._handles[slot] = find_store(self.namespace, self._nodes[slot])
         return handle
 
@@ -329,8 +326,6 @@ class Registry:
         A replacement is a live node without a slot whose resources have the same names as the
         dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
         carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
-        from ..cluster import get_or_create_store
-
         if not self._job:
             return
         dead = sorted(s for s in self._dead if self._nodes[s] not in self._alive_now())
@@ -388,9 +383,6 @@ class Registry:
         sent by a store that holds one. A copy becomes visible only once its new holder checked
         it, so a version is never half-copied to a reader. Runs until nothing is missing (or
         nothing missing can be fixed: no live copy)."""
-        from ..resolve import resolve
-        from ..slots import holders_for
-
         if not self._job or not self._nodes:
             self._rerep_pending = False
             return
@@ -491,3 +483,13 @@ class Registry:
         log.info("registry %s: %s", self.namespace, message)
         self._events.append({"unix": time.time(), "message": message})
         del self._events[:-_MAX_REPORTS]
+
+
+def get_or_create_registry(namespace: str):
+    """The registry of ``namespace`` (created, detached, on the head node, on first use).
+    The actors import ``gemini_ckpt`` (which imports nothing heavy: never torch)."""
+    return (ray.remote(Registry)
+            .options(name=registry_name(namespace), namespace=RAY_NAMESPACE, get_if_exists=True,
+                     lifetime="detached", max_restarts=0, num_cpus=0, runtime_env={"env_vars": ACTOR_ENV},
+                     resources={"node:__internal_head__": 0.001})
+            .remote(namespace))

@@ -15,7 +15,8 @@ import crc32c
 import ray
 from ray.exceptions import RayActorError
 
-from ...stores.shards import ShardFormatError, ShardPlan, ShardRecord, check_record
+from ...errors import ShardFormatError
+from ...stores.shards import ShardPlan, ShardRecord, check_record
 from ..commit import (
     COORDINATOR,
     Aborted,
@@ -26,6 +27,7 @@ from ..commit import (
     Send,
     VersionId,
 )
+from ..names import find_registry, find_store
 from ..transport import Endpoint, Header, TransportError
 
 log = logging.getLogger("gemini_ckpt")
@@ -115,8 +117,6 @@ class Replication:
             handle = self._peers.get(slot)
             cfg = self._cfg
         if handle is None and cfg is not None:
-            from ..cluster import find_store
-
             handle = find_store(self.namespace, cfg.nodes[slot])
             with self._lock:
                 self._peers[slot] = handle
@@ -124,8 +124,6 @@ class Replication:
 
     def _registry_handle(self):
         if self._registry is None:
-            from ..cluster import find_registry
-
             self._registry = find_registry(self.namespace)
         return self._registry
 

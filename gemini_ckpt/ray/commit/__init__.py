@@ -24,7 +24,8 @@ The participants only *say* what to do: each input returns a list of actions, :c
 (a control message for another participant, or the coordinator at :data:`COORDINATOR`) and
 local effects (:class:`Replicate`, :class:`Committed`, :class:`Aborted`, :class:`Release`)
 for the actor to apply in order. This module is stdlib only and imports nothing from the
-package but :mod:`gemini_ckpt.retention` (stdlib only too), whose rule decides what is released.
+package but :mod:`gemini_ckpt.retention` (stdlib only too), whose rule decides what is released,
+and :mod:`gemini_ckpt.errors` (:class:`~gemini_ckpt.errors.CommitProtocolError`).
 
 Health (:mod:`gemini_ckpt.health`) rides along as opaque text: a store says a shard is unhealthy
 in :class:`ShardStaged`, yes votes carry the first such reason up, and the decision carries it
@@ -51,7 +52,6 @@ from .messages import (
     Committed,
     Decision,
     Message,
-    ProtocolError,
     Query,
     Release,
     ReplicaAck,
@@ -64,6 +64,6 @@ from .messages import (
 
 __all__ = [
     "COORDINATOR", "DEFAULT_FANOUT", "Aborted", "Action", "Committed", "Coordinator", "Decision",
-    "HostCommit", "Message", "ProtocolError", "Query", "Release", "Replicate", "ReplicaAck", "Send",
+    "HostCommit", "Message", "Query", "Release", "Replicate", "ReplicaAck", "Send",
     "ShardStaged", "VersionId", "Vote",
 ]

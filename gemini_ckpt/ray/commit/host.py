@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ...errors import CommitProtocolError
 from .messages import (
     COORDINATOR,
     DEFAULT_FANOUT,
     Aborted,
     Decision,
     Message,
-    ProtocolError,
     Query,
     ReplicaAck,
     Replicate,
@@ -197,10 +197,10 @@ class HostCommit(Participant):
     def _on_decision(self, v: VersionId, r: Round, d: Decision, out: list) -> None:
         if r.outcome is None:
             if d.commit and not r.voted:
-                raise ProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
+                raise CommitProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
             self._decide(v, r, d.commit, d.reason, out, unhealthy=d.unhealthy)
         elif r.outcome != d.commit:
-            raise ProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
+            raise CommitProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
                                 f"but a decision says {'commit' if d.commit else 'abort'}")
 
     def _on_query(self, v: VersionId, r: Round, q: Query, out: list) -> None:

@@ -15,10 +15,6 @@ DEFAULT_FANOUT = 4
 HISTORY = 256  # decided versions a participant remembers, to answer late messages
 
 
-class ProtocolError(RuntimeError):
-    """Participants disagree about a decision: a bug in the protocol or its driver."""
-
-
 @dataclass(frozen=True, order=True)
 class VersionId:
     """One version of the job: ``step`` within slot-table ``epoch``; newer compares greater.

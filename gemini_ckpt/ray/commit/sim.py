@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from ...errors import CommitProtocolError
 from . import (
     COORDINATOR,
     DEFAULT_FANOUT,
@@ -19,7 +20,6 @@ from . import (
     Committed,
     Coordinator,
     HostCommit,
-    ProtocolError,
     Release,
     ReplicaAck,
     Replicate,
@@ -225,10 +225,10 @@ class Simulator:
                     self._queue.append(("stored", h, sender))
             elif isinstance(a, Committed):
                 if self.coordinator.outcome(a.version) is not True:
-                    raise ProtocolError(f"slot {sender} marked {a.version} committed before the coordinator "
+                    raise CommitProtocolError(f"slot {sender} marked {a.version} committed before the coordinator "
                                         f"decided COMMIT")
                 if a.version in self.aborted:
-                    raise ProtocolError(f"{a.version} was aborted somewhere, yet slot {sender} committed it")
+                    raise CommitProtocolError(f"{a.version} was aborted somewhere, yet slot {sender} committed it")
                 self.committed_at.add((sender, a.version))
                 if a.unhealthy:
                     self.unhealthy_at.add((sender, a.version))
@@ -236,5 +236,5 @@ class Simulator:
                 self.released.setdefault(sender, []).append(a.version)
             elif isinstance(a, Aborted):
                 if self.coordinator.outcome(a.version) is True:
-                    raise ProtocolError(f"slot {sender} aborted {a.version}, which the coordinator committed")
+                    raise CommitProtocolError(f"slot {sender} aborted {a.version}, which the coordinator committed")
                 self.aborted.add(a.version)

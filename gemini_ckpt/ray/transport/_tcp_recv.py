@@ -23,15 +23,13 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ._base import Endpoint, Listener, Sink
 from ._errors import ChannelClosedError, PeerLostError, ProtocolError, TransportError
 from ._tcp import LogThrottle, shutdown, tune
+from ._handshake import Parts
 from ._tcp_stream import Session, Stream
-
-if TYPE_CHECKING:  # the transport imports this module, not the reverse
-    from ._tcp_transport import TcpTransport
 
 log = logging.getLogger("gemini_ckpt.transport")
 
@@ -55,21 +53,21 @@ _LOG_EVERY_S = 10.0  # refusals a stranger can repeat at will are logged at most
 class TcpListener(Listener):
     """Accepts authenticated senders into a sink (see :meth:`TcpTransport.listen`)."""
 
-    def __init__(self, transport: TcpTransport, sink: Sink, bind_host: str, port: int,
+    def __init__(self, parts: Parts, sink: Sink, bind_host: str, port: int,
                  advertise_host: Optional[str]) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink must implement buffer_for, received and failed, got {type(sink).__name__}")
         if advertise_host is None and bind_host in ("", "0.0.0.0", "::"):
             raise ValueError(f"listening on the wildcard address {bind_host!r} needs advertise_host (the node "
                              f"address peers should dial; Ray's node IP)")
-        self._transport = transport
-        self._config = transport.config
+        self._parts = parts
+        self._config = parts.config
         self._sink = sink
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.create_server((bind_host, port), family=family, backlog=128)
         self._sock.settimeout(self._config.tick_s)
         self._endpoint = Endpoint("tcp", advertise_host or bind_host, self._sock.getsockname()[1],
-                                  transport.host_name)
+                                  parts.host_name)
         self._lock = threading.Lock()
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -153,7 +151,7 @@ class TcpListener(Listener):
         if full and (n := self._busy_log.due()) is not None:
             log.warning("transport listener %s: %d connections at once have not proved namespace %r's secret "
                         "(the cap): %s (a flood of strangers? %d such events since the last line)",
-                        self._endpoint.label(), self._max_preauth, self._transport.namespace,
+                        self._endpoint.label(), self._max_preauth, self._parts.namespace,
                         "dropped the oldest for a newcomer" if evicted is not None
                         else f"closed a newcomer from {addr[0]}:{addr[1]} at once", n)
         if not admitted:
@@ -167,14 +165,14 @@ class TcpListener(Listener):
         label = f"sender at {addr[0]}:{addr[1]}"
         try:
             tune(conn, self._config)
-            hello = self._transport._server_handshake(conn, label, accepted_at + self._preauth_deadline_s)
+            hello = self._parts.handshake.server(conn, label, accepted_at + self._preauth_deadline_s)
             with self._lock:
                 self._preauth.pop(conn, None)
             if hello is None:
                 if (n := self._refused_log.due()) is not None:
                     log.warning("transport listener %s: refused %s: it could not prove namespace %r's secret "
                                 "(%d refused since the last line)", self._endpoint.label(), label,
-                                self._transport.namespace, n)
+                                self._parts.namespace, n)
                 return
             key, _stream, client_name = hello
             label = f"{client_name or 'sender'} at {addr[0]}:{addr[1]}"
@@ -182,7 +180,7 @@ class TcpListener(Listener):
             session = self._join(key, label, conn)
             if session is None:
                 return
-            Stream(self, session, conn).run()
+            Stream(self._parts, session, conn).run()
         except TransportError as exc:
             if session is not None:
                 session.fail(exc)

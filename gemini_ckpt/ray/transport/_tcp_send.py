@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from . import _wire as wire
 from ._base import Channel, Endpoint, Header
@@ -35,10 +35,8 @@ from ._errors import (
     TransferRejectedError,
     TransportError,
 )
+from ._handshake import Parts
 from ._tcp import TurnedAway, shutdown, tune
-
-if TYPE_CHECKING:  # the transport imports this module, not the reverse
-    from ._tcp_transport import TcpTransport
 
 _RETRY_FIRST_S = 0.05  # a turned-away stream dials again after about this, doubling up to _RETRY_MAX_S
 _RETRY_MAX_S = 0.4
@@ -77,9 +75,9 @@ class _StreamState:
 class TcpChannel(Channel):
     """Streams to one peer's listener (see :meth:`TcpTransport.connect`)."""
 
-    def __init__(self, transport: TcpTransport, endpoint: Endpoint) -> None:
-        self._config = config = transport.config
-        self._limiter = transport.limiter
+    def __init__(self, parts: Parts, endpoint: Endpoint) -> None:
+        self._config = config = parts.config
+        self._limiter = parts.limiter
         self._endpoint = endpoint
         self._label = endpoint.label()
         self._timeout = config.progress_timeout_s
@@ -94,7 +92,7 @@ class TcpChannel(Channel):
         session = os.urandom(wire.SESSION_BYTES)
         try:
             for stream in range(config.streams):
-                sock, server_name = self._open_stream(transport, session, stream)
+                sock, server_name = self._open_stream(parts, session, stream)
                 self._socks.append(sock)
                 if stream == 0 and server_name:
                     self._label = f"{server_name} at {endpoint.host}:{endpoint.port}"
@@ -115,7 +113,7 @@ class TcpChannel(Channel):
         for thread in self._threads:
             thread.start()
 
-    def _open_stream(self, transport: TcpTransport, session: bytes, stream: int) -> tuple[socket.socket, str]:
+    def _open_stream(self, parts: Parts, session: bytes, stream: int) -> tuple[socket.socket, str]:
         """Dial and authenticate one stream within ``connect_timeout_s``. A listener that turns
         the connection away before its greeting (at its cap of unauthenticated connections,
         which strangers may be filling) is dialled again after a short, jittered pause."""
@@ -124,7 +122,7 @@ class TcpChannel(Channel):
         while True:
             sock = self._dial()
             try:
-                return sock, transport._client_handshake(sock, session, stream, self._label, deadline)
+                return sock, parts.handshake.client(sock, session, stream, self._label, deadline)
             except TurnedAway:
                 sock.close()
                 wait = pause * random.uniform(0.5, 1.5)

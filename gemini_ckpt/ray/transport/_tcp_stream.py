@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from . import _wire as wire
 from ._base import Header, Sink
@@ -22,10 +22,8 @@ from ._errors import (
     ProtocolError,
     TransportError,
 )
+from ._handshake import Parts
 from ._tcp import shutdown
-
-if TYPE_CHECKING:  # the listener imports this module, not the reverse
-    from ._tcp_recv import TcpListener
 
 
 log = logging.getLogger("gemini_ckpt.transport")
@@ -108,15 +106,14 @@ def _notify_failed(sink: Sink, incoming: Incoming) -> None:
 class Stream:
     """One connection's receive loop (the hot path: ``recv_into`` the sink's view)."""
 
-    def __init__(self, listener: TcpListener, session: Session, conn: socket.socket) -> None:
-        self.listener = listener
+    def __init__(self, parts: Parts, session: Session, conn: socket.socket) -> None:
         self.session = session
         self.sink = session.sink
         self.conn = conn
         self.label = session.label
-        self.namespace = listener._transport.namespace
-        self.timeout = listener._config.progress_timeout_s
-        self.verify_fn = listener._config.verify_checksum
+        self.namespace = parts.namespace
+        self.timeout = parts.config.progress_timeout_s
+        self.verify_fn = parts.config.verify_checksum
         self.rx_total = 0  # every byte read from this stream after the handshake
         self.reported = 0  # what the last PROGRESS frame told the sender
         self.last_progress_sent = time.monotonic()

@@ -9,17 +9,14 @@ torch) the first time it ran.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import weakref
 from typing import Any, Optional
 
-from . import _wire as wire
 from ._base import Endpoint, Sink, Transport
-from ._errors import AuthenticationError, PeerLostError, ProtocolError
+from ._handshake import Handshake, Parts
 from ._ratelimit import TokenBucket
-from ._tcp import MAX_NAME_BYTES, TcpConfig, TurnedAway, recv_exact, recv_str, wait_until
+from ._tcp import MAX_NAME_BYTES, TcpConfig
 from ._tcp_recv import TcpListener
 from ._tcp_send import TcpChannel
 
@@ -55,7 +52,7 @@ class TcpTransport(Transport):
         self.config = config or TcpConfig()
         self.limiter = limiter if limiter is not None else (
             TokenBucket(self.config.max_send_bytes_per_s) if self.config.max_send_bytes_per_s else None)
-        self._secret = bytes(secret)
+        self.handshake = Handshake(secret, namespace, host_name)
         self._lock = threading.Lock()
         self._opened: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -66,7 +63,7 @@ class TcpTransport(Transport):
         """Accept peers on ``bind_host:port`` (0: any free port) into ``sink``; returns a started
         :class:`~._tcp_recv.TcpListener` whose ``endpoint`` names ``advertise_host`` (default
         ``bind_host``; required when binding a wildcard address)."""
-        listener = TcpListener(self, sink, bind_host, port, advertise_host)
+        listener = TcpListener(self.parts(), sink, bind_host, port, advertise_host)
         with self._lock:
             self._opened.add(listener)
         return listener
@@ -77,75 +74,17 @@ class TcpTransport(Transport):
         cannot prove the secret, :class:`PeerLostError` when the peer is unreachable."""
         if endpoint.transport != self.name:
             raise ValueError(f"endpoint {endpoint.label()} is for transport {endpoint.transport!r}, not tcp")
-        channel = TcpChannel(self, endpoint)
+        channel = TcpChannel(self.parts(), endpoint)
         with self._lock:
             self._opened.add(channel)
         return channel
+
+    def parts(self) -> Parts:
+        """What this transport's listeners and channels share (the cap and settings as of now)."""
+        return Parts(self.namespace, self.host_name, self.config, self.limiter, self.handshake)
 
     def close(self) -> None:
         with self._lock:
             opened = list(self._opened)
         for thing in opened:
             thing.close()
-
-    # --- the handshake (see _wire) ---------------------------------------------------------
-    def _client_handshake(self, sock: socket.socket, session: bytes, stream: int, label: str,
-                          deadline: Optional[float] = None) -> str:
-        """Prove ourselves, then make the server prove itself, all by ``deadline`` (monotonic;
-        None: the socket's timeout per call); returns the server's name. Raises
-        :class:`~._tcp.TurnedAway` when the server closed the connection without a greeting."""
-        try:
-            greeting = recv_exact(sock, wire.HELLO_S.size, label, deadline)
-        except (PeerLostError, ConnectionResetError):
-            raise TurnedAway(f"{label} closed the connection before its greeting (at its cap of unauthenticated "
-                             f"connections, or closing)", label) from None
-        magic, version, nonce_s = wire.HELLO_S.unpack(greeting)
-        if magic != wire.MAGIC or version != wire.VERSION:
-            raise ProtocolError(f"{label} is not a gemini_ckpt transport endpoint (or speaks another version)", label)
-        nonce_c = os.urandom(wire.NONCE_BYTES)
-        proof = wire.client_proof(self._secret, self.namespace, session, stream, self.host_name, nonce_s, nonce_c)
-        wait_until(sock, deadline, label)
-        sock.sendall(wire.HELLO_C_FIXED.pack(wire.MAGIC, wire.VERSION, nonce_c, session, stream)
-                     + wire.pack_str(self.namespace) + wire.pack_str(self.host_name) + proof)
-        try:
-            (status,) = wire.VERDICT_STATUS.unpack(recv_exact(sock, 1, label, deadline))
-        except PeerLostError:
-            raise AuthenticationError(f"{label} closed the connection during the handshake (namespace "
-                                      f"{self.namespace!r}): is it a host store of this namespace?", label) from None
-        if status != wire.ACCEPTED:
-            raise AuthenticationError(f"{label} refused our proof for namespace {self.namespace!r}: the two hosts "
-                                      f"do not share the namespace's secret", label)
-        server_name = recv_str(sock, label, deadline)
-        expected = wire.server_proof(self._secret, self.namespace, session, stream, self.host_name, server_name,
-                                     nonce_s, nonce_c)
-        if not wire.verify(expected, recv_exact(sock, wire.PROOF_BYTES, label, deadline)):
-            raise AuthenticationError(f"{label} could not prove it knows namespace {self.namespace!r}'s secret; "
-                                      f"no data was sent to it", label)
-        return server_name
-
-    def _server_handshake(self, sock: socket.socket, label: str,
-                          deadline: Optional[float] = None) -> Optional[tuple[bytes, int, str]]:
-        """Check the client's proof, then prove ourselves, all by ``deadline`` (monotonic; the
-        listener's pre-auth deadline); returns (session, stream, client name), or None when the
-        client was refused (nothing of its was read beyond the hello, at most a few KiB)."""
-        nonce_s = os.urandom(wire.NONCE_BYTES)
-        wait_until(sock, deadline, label)
-        sock.sendall(wire.HELLO_S.pack(wire.MAGIC, wire.VERSION, nonce_s))
-        magic, version, nonce_c, session, stream = wire.HELLO_C_FIXED.unpack(
-            recv_exact(sock, wire.HELLO_C_FIXED.size, label, deadline))
-        if magic != wire.MAGIC or version != wire.VERSION:
-            wait_until(sock, deadline, label)
-            sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
-            return None
-        namespace = recv_str(sock, label, deadline)
-        client_name = recv_str(sock, label, deadline)
-        proof = recv_exact(sock, wire.PROOF_BYTES, label, deadline)
-        expected = wire.client_proof(self._secret, self.namespace, session, stream, client_name, nonce_s, nonce_c)
-        wait_until(sock, deadline, label)
-        if not wire.verify(expected, proof) or namespace != self.namespace:
-            sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
-            return None
-        sock.sendall(wire.VERDICT_STATUS.pack(wire.ACCEPTED) + wire.pack_str(self.host_name)
-                     + wire.server_proof(self._secret, self.namespace, session, stream, client_name, self.host_name,
-                                         nonce_s, nonce_c))
-        return session, stream, client_name

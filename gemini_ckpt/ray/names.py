@@ -1,0 +1,88 @@
+"""Where gemini_ckpt's actors live: their Ray namespace and names, finding them, and the
+environment they run in. Imports nothing of ours, so the actors and the code that starts them
+can both use it.
+
+**Names.** Every actor lives in the Ray namespace ``gemini_ckpt`` (whatever namespace the
+job's driver runs in, so a restarted driver, ``python -m gemini_ckpt status`` and the
+training ranks all find the same actors); the job is told apart by
+``CheckpointConfig.namespace``: ``{ns}::store::{node_id}`` is the host store of a node and
+``{ns}::registry`` the slot registry.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import ray
+
+RAY_NAMESPACE = "gemini_ckpt"
+_STORE, _REGISTRY = "::store::", "::registry"
+
+ACTOR_ENV = {"RAY_task_events_report_interval_ms": "0", "MALLOC_ARENA_MAX": "2"}
+"""The environment of host-store and registry processes. They make and take a few Ray calls per
+version for as long as the job runs, and Ray's per-call bookkeeping grew their private memory
+without end: an actor sending 20,000 small calls grew 59.7 -> 134.8 MB, ~3 KB per call, and kept
+growing. Measured on Ray 2.60: without task events (nothing of ours reads them; the state API
+just lists fewer tasks) the same actor grew 59.6 -> 65.2 MB, and with two malloc arenas (its
+threads no longer spread the garbage over one arena each) 59.6 -> 84.3 MB, flat after the
+first 5,000 calls."""
+
+
+def store_name(namespace: str, node_id: str) -> str:
+    return f"{namespace}{_STORE}{node_id}"
+
+
+def registry_name(namespace: str) -> str:
+    return f"{namespace}{_REGISTRY}"
+
+
+def ensure_ray(address: Optional[str] = None) -> None:
+    """Connect this process to Ray if it is not yet (``address``, else ``RAY_ADDRESS``, else
+    a new local instance)."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(log_to_driver=False, include_dashboard=False)
+
+
+def current_node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def alive_node_ids() -> list[str]:
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+
+
+def find_store(namespace: str, node_id: str):
+    """The host store of ``node_id``, or None when it does not exist (never started, or dead)."""
+    try:
+        return ray.get_actor(store_name(namespace, node_id), namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def find_registry(namespace: str):
+    try:
+        return ray.get_actor(registry_name(namespace), namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+
+
+def named_actors() -> dict[str, dict[str, list[str]]]:
+    """``{namespace: {"stores": [node ids], "registry": [name]}}`` of every gemini_ckpt actor."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != RAY_NAMESPACE:
+            continue
+        name = entry["name"]
+        if _STORE in name:
+            ns, node = name.split(_STORE, 1)
+            out.setdefault(ns, {"stores": [], "registry": []})["stores"].append(node)
+        elif name.endswith(_REGISTRY):
+            ns = name[: -len(_REGISTRY)]
+            out.setdefault(ns, {"stores": [], "registry": []})["registry"].append(name)
+    return out
