@@ -534,16 +534,17 @@ def _node_id_of_host(i: int) -> str:
 
 def _corrupt_own_copy(namespace: str, host: int, step: int, rank: int) -> int:
     """Flip one byte in the middle of the biggest item of host ``host``'s copy of ``rank``'s
-    shard (the store's test hook ``corrupt_for_test``, as the chaos harness does)."""
+    shard (``gemini_ckpt.chaos.damage_copy``, as the chaos harness does)."""
     import ray
 
+    from gemini_ckpt.chaos import damage_copy
     from gemini_ckpt.ray.cluster import find_store
     from gemini_ckpt.stores.shards import ShardPlan
 
     store = find_store(namespace, _node_id_of_host(host))
     plan_bytes, _ = ray.get(store.shard_info.remote(step, [rank]), timeout=60)[rank]
     item = max(ShardPlan.decode(plan_bytes).tensors, key=lambda t: t.nbytes)
-    return ray.get(store.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2), timeout=60)
+    return damage_copy(store, step, rank, item.at + item.nbytes // 2)
 
 
 def _store_memory(namespace: str) -> dict:
@@ -855,7 +856,7 @@ def _markdown(result: dict) -> str:
                      f"{x['restored_step']}, rank 0's bytes equal that step's: {x['digest_ok']} |")
     for x in c["gemini_ckpt"] or []:
         r = x["restored"]
-        lines.append(f"| gemini_ckpt: {x['target']}, {x['scenario']} (host store test hook corrupt_for_test) "
+        lines.append(f"| gemini_ckpt: {x['target']}, {x['scenario']} (gemini_ckpt.chaos.damage_copy) "
                      f"| {x['verdict']} | step {r['step']} from {r['source']}, rank {x['rank']}'s bytes from "
                      f"{r['where']}, bytes read {r['bytes_read']}, all ranks' bytes equal the saved ones: "
                      f"{x['all_digests_ok']} |")

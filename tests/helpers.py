@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import uuid
 
+from gemini_ckpt.chaos import damage_copy
+
 
 def corrupt_item(tier, step: int, *, rank: int = 0, item: int | None = None) -> str:
     """Flip one byte inside a tensor item of rank ``rank``'s shard of ``step`` in a memory tier
     (the biggest item unless ``item`` names one); returns the item's key."""
     plan = tier.open(step).plans[rank]
     t = max(plan.tensors, key=lambda t: t.nbytes) if item is None else plan.tensors[item]
-    tier.corrupt_for_test(step, rank, t.at + t.nbytes // 2)
+    damage_copy(tier, step, rank, t.at + t.nbytes // 2)
     return t.fqn
 
 

@@ -300,13 +300,14 @@ def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: st
 def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
     """Flip one byte inside the biggest tensor item of host ``host``'s copy of rank ``rank``'s
     shard of ``step``; returns the item's key."""
+    from gemini_ckpt.chaos import damage_copy
     from gemini_ckpt.ray.cluster import find_store
     from gemini_ckpt.stores.shards import ShardPlan
 
     store = find_store(namespace, node_id_of_host(host))
     plan_bytes, _ = ray.get(store.shard_info.remote(step, [rank]))[rank]
     item = max(ShardPlan.decode(plan_bytes).tensors, key=lambda t: t.nbytes)
-    ray.get(store.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2))
+    damage_copy(store, step, rank, item.at + item.nbytes // 2)
     return item.fqn
 
 

@@ -30,6 +30,7 @@ Or from a shell: ``python -m gemini_ckpt chaos --matrix ci --json chaos.json``. 
 from ._cli import add_chaos_command
 from ._harness import Harness
 from ._job import TinyJob, TrainJob
+from ._memory import damage_copy
 from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
 from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._results import Check, HarnessError, InfraError, ScenarioResult
@@ -84,4 +85,5 @@ __all__ = [
     "run_matrix",
     "run_scenario",
     "versions_after",
+    "damage_copy",
 ]

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ._harness import Harness
+from ._memory import damage_copy
 from ._jobrun import JobRun
 from ._results import (
     HarnessError,
@@ -54,9 +55,9 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int, nan: bo
         item = max((t for t in tensors if t.dtype in NAN_BITS and t.nbytes), key=lambda t: t.nbytes, default=None)
         if item is None:
             raise HarnessError(f"rank {rank}'s shard of step {step} has no floating-point item to poison")
-        return ray.get(handle.corrupt_for_test.remote(step, rank, item.at, NAN_BITS[item.dtype]), timeout=30)
+        return damage_copy(handle, step, rank, item.at, NAN_BITS[item.dtype])
     item = max(tensors, key=lambda t: t.nbytes)
-    return ray.get(handle.corrupt_for_test.remote(step, rank, item.at + item.nbytes // 2), timeout=30)
+    return damage_copy(handle, step, rank, item.at + item.nbytes // 2)
 
 
 def ray_get(ref, timeout: float = 30.0):

@@ -436,14 +436,13 @@ class RayTier(MemoryTier):
     def discard(self, step: int) -> None:
         self._gather("discard", step, self.epoch)
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int, *, slot: Optional[int] = None,
-                         data: Optional[bytes] = None) -> None:
-        """Flip one byte of a copy of rank ``rank``'s shard (this node's copy, else the first), or
-        write ``data`` there (see :meth:`HostStore.corrupt_for_test`)."""
+    def holder(self, step: int, rank: int, *, slot: Optional[int] = None):
+        """The actor handle of a host store holding a copy of rank ``rank``'s shard of ``step``:
+        the store of ``slot``, else this node's, else the first holder."""
         self.committed_steps()
         where = self._where[step]
         slot = slot if slot is not None else where.copies[rank][0]
-        ray.get(self._live()[slot].corrupt_for_test.remote(step, rank, offset, data))
+        return self._live()[slot]
 
     def close(self) -> None:
         """Close this client's channels (the host stores keep every version)."""

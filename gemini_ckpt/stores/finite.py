@@ -59,7 +59,7 @@ CHECKED_DTYPES = frozenset(_FLOATS) | frozenset(_HALVES)
 NAN_BITS = {"float32": np.array([np.nan], np.float32).tobytes(), "float64": np.array([np.nan], np.float64).tobytes(),
             "float16": np.array([0x7E00], np.uint16).tobytes(), "bfloat16": np.array([0x7FC0], np.uint16).tobytes()}
 """The bytes of one quiet NaN in each checked format (little-endian): what a test or the chaos
-harness writes to poison a value (``corrupt_for_test(..., data=NAN_BITS[dtype])``)."""
+harness writes to poison a value (``gemini_ckpt.chaos.damage_copy(..., data=NAN_BITS[dtype])``)."""
 
 
 @dataclass(frozen=True)

@@ -143,14 +143,10 @@ class LocalStore:
         with self._lock:
             return sum(v.segment.nbytes for v in self._versions.values())
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> None:
-        """Flip one byte of a kept shard, or write ``data`` there (a NaN's bits: memory poisoned
-        after commit): lets tests (and the chaos harness) prove checksums bite."""
-        v = self._get(step)
-        if data is None:
-            v.segment.array[offset] ^= 0xFF
-        else:
-            v.segment.array[offset : offset + len(data)] = memoryview(data).cast("B")
+    def kept_bytes(self, step: int, rank: int = 0):
+        """The bytes of the kept shard of ``step`` as they are held (a uint8 view, not a copy): for
+        inspection, and for the chaos harness's faults (:func:`gemini_ckpt.chaos.damage_copy`)."""
+        return self._get(step).segment.array
 
 
 class LocalTier(MemoryTier):
@@ -230,9 +226,6 @@ class LocalTier(MemoryTier):
 
     def discard(self, step: int) -> None:
         self.store._discard(self.epoch, step)
-
-    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> None:
-        self.store.corrupt_for_test(step, rank, offset, data)
 
     @property
     def allocations(self) -> int:

@@ -27,6 +27,7 @@ from gemini_ckpt import (
     VersionNotFoundError,
 )
 from gemini_ckpt.__main__ import main as cli
+from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt.checksum import checksum
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.health import Finite, NoSpike
@@ -399,7 +400,7 @@ def test_memory_poisoned_after_commit_is_caught_by_the_checksum_and_never_loaded
     expected = digest([t.model.state_dict(), t.optimizer.state_dict()])
     ckpt.wait_persisted()
     item = next(i for i in ckpt.store.open(2).plans[0].tensors if i.fqn == "model.head.weight")
-    ckpt.store.corrupt_for_test(2, 0, item.at, data=NAN_BITS[item.dtype])
+    damage_copy(ckpt.store, 2, 0, item.at, data=NAN_BITS[item.dtype])
     ckpt.close()
     t2, fresh = _lm(config, seed=2)
     result = fresh.restore()

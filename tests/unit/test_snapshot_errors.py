@@ -17,6 +17,7 @@ from gemini_ckpt import (
     StructureMismatchError,
     TrainState,
 )
+from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt.stores.memory import LocalTier
 from helpers import local_tier
 from gemini_ckpt.demo.toy import TinyLM, build_training, lm_loss
@@ -65,7 +66,7 @@ def test_corrupted_newest_version_is_refused_and_restore_falls_back():
     ckpt.save(2)
     ckpt.wait()
     biggest = max(ckpt.store.open(2).plans[0].tensors, key=lambda t: t.nbytes)
-    ckpt.store.corrupt_for_test(2, 0, biggest.at + biggest.nbytes // 2)
+    damage_copy(ckpt.store, 2, 0, biggest.at + biggest.nbytes // 2)
     with pytest.warns(UserWarning, match=r"step 2 \(memory\) could not be restored"):
         result = ckpt.restore()
     assert result.step == 1 and result.skipped_steps == (2,)
@@ -81,7 +82,7 @@ def test_corrupted_only_version_raises_a_clear_checksum_error():
     ckpt.save(1)
     ckpt.wait()
     last = ckpt.store.open(1).plans[0].tensors[-1]
-    ckpt.store.corrupt_for_test(1, 0, last.at)
+    damage_copy(ckpt.store, 1, 0, last.at)
     with pytest.warns(UserWarning), pytest.raises(ChecksumError, match="no committed version"):
         ckpt.restore()
     ckpt.close()

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError, TrainState
 from gemini_ckpt.__main__ import main as cli
 from gemini_ckpt.stores.durable import DurableTier
@@ -354,7 +355,7 @@ def test_an_item_missing_from_memory_is_never_taken_from_another_version_of_the_
         ckpt.save(step)
         params[step] = _params(t.model)
     ckpt.close()
-    ckpt.store.corrupt_for_test(1, 0, 0)  # the first item of run B's step 1, in memory
+    damage_copy(ckpt.store, 1, 0, 0)  # the first item of run B's step 1, in memory
     t2, _, state2 = _state(9)
     fresh = Checkpointer(state2, CheckpointConfig(store="local", namespace=NAMESPACE, durable_uri=str(root)))
     try:

@@ -343,17 +343,12 @@ class HostStore(LocalRanks, Replication, Serving):
             v = self._table.versions.get(step)
             return dict(v.marks) if v is not None else {}
 
-    def corrupt_for_test(self, step: int, rank: int, offset: int, data: Optional[bytes] = None) -> int:
-        """Flip one byte of a kept copy (in place), or write ``data`` there (e.g. a NaN's bits,
-        :data:`gemini_ckpt.stores.finite.NAN_BITS`: memory poisoned after commit): lets tests and
-        the chaos harness prove that checksums bite and that a reader moves on to another holder."""
+    def kept_bytes(self, step: int, rank: int):
+        """The bytes of this store's copy of rank ``rank``'s shard of ``step`` as they are held (in
+        this process, a uint8 view of the segment; through a Ray call, a copy): for inspection, and
+        for the chaos harness's faults (:func:`gemini_ckpt.chaos.damage_copy`)."""
         with self._lock:
-            shard = self._table.versions[step].shards[rank]
-            if data is None:
-                shard.seg.array[offset] ^= 0xFF
-            else:
-                shard.seg.array[offset : offset + len(data)] = memoryview(data).cast("B")
-        return offset
+            return self._table.versions[step].shards[rank].seg.array
 
 
 def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None):
