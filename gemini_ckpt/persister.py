@@ -44,17 +44,11 @@ from .save.plan import DCP_VERSION
 from .save.templates import torch_save_bytes
 from .stores.base import MemoryTier
 from .stores.durable import DurableTier
+from .stores.layout import data_file_name
 from .stores.manifest import ItemChecksum, VersionManifest
 from .trust import metadata_loads, resolve_key, sign, value_loads
 
 log = logging.getLogger("gemini_ckpt")
-
-DATA_SUFFIX = ".distcp"
-
-
-def data_file_name(rank: int) -> str:
-    return f"__{rank}_0{DATA_SUFFIX}"
-
 
 @dataclass
 class _Job:

@@ -22,11 +22,8 @@ Bytes from the durable tier or from a host store are hostile until verified:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import importlib
 import io
-import json
 import os
 import pickle
 from dataclasses import replace
@@ -34,6 +31,7 @@ from typing import Any, Optional, Union
 
 from .checksum import checksum
 from .errors import VerificationError
+from .signing import canonical, mac, mac_matches
 from .health import Health
 from .stores.manifest import ItemChecksum, VersionManifest
 from .unpickle import _AllowList, _Budget, _safe_load, no_gc  # noqa: F401 - no_gc: re-exported
@@ -61,7 +59,7 @@ def sign(manifest: VersionManifest, key: Optional[bytes]) -> VersionManifest:
         return manifest
     if manifest.metadata_crc is None:
         manifest = replace(manifest, metadata_crc=checksum(manifest.metadata))
-    return replace(manifest, signature=_mac(key, manifest))
+    return replace(manifest, signature=mac(key, _SIGN_CONTEXT, canonical_bytes(manifest)))
 
 
 def check_signature(manifest: VersionManifest, key: Optional[bytes], metadata_bytes: Optional[int] = None) -> None:
@@ -74,14 +72,10 @@ def check_signature(manifest: VersionManifest, key: Optional[bytes], metadata_by
     if manifest.signature is None:
         raise VerificationError(f"{where} is not signed, and a signing key is set (CheckpointConfig.signing_key "
                                 f"or ${ENV_KEY}); an unsigned version is refused")
-    if manifest.metadata_crc is None or not hmac.compare_digest(manifest.signature,
-                                                                _mac(key, manifest, metadata_bytes)):
+    if manifest.metadata_crc is None or not mac_matches(manifest.signature, key, _SIGN_CONTEXT,
+                                                        canonical_bytes(manifest, metadata_bytes)):
         raise VerificationError(f"{where} has a signature that does not match this signing key (forged, "
                                 f"damaged, or written with another key); refused")
-
-
-def _mac(key: bytes, manifest: VersionManifest, metadata_bytes: Optional[int] = None) -> str:
-    return hmac.new(key, _SIGN_CONTEXT + canonical_bytes(manifest, metadata_bytes), hashlib.sha256).hexdigest()
 
 
 # --- manifest encoding -------------------------------------------------------------------------
@@ -107,8 +101,7 @@ def manifest_fields(m: VersionManifest, metadata_bytes: Optional[int] = None) ->
 
 
 def canonical_bytes(m: VersionManifest, metadata_bytes: Optional[int] = None) -> bytes:
-    return json.dumps(manifest_fields(m, metadata_bytes), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=True).encode()
+    return canonical(manifest_fields(m, metadata_bytes))
 
 
 def manifest_to_json(m: VersionManifest) -> dict:

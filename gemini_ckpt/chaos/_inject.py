@@ -147,9 +147,8 @@ def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], commit
     """Apply the faults; returns what was corrupted (memory: step -> owner -> slots; durable steps)."""
     import ray
 
-    from ..persister import data_file_name
     from ..ray.cluster import find_store
-    from ..stores.layout import step_dir_name
+    from ..stores.layout import data_file_name, step_dir_name
 
     corrupt_memory: dict[int, dict[int, set]] = {}
     corrupt_durable: set[int] = set()

@@ -42,6 +42,7 @@ from ..errors import (
 from ..health import Health
 from ..save.dcp import MemoryVersion, ShardCopy
 from ..stores.base import Capabilities, MemoryTier, Outcome
+from ..stores.layout import data_file_name
 from ..stores.shards import Segment, ShardPlan, ShardRecord
 from ..trust import resolve_key
 from .attach import AttachClient
@@ -401,8 +402,6 @@ class RayTier(MemoryTier):
                 where = self._where.get(step)
         if where is None or not where.committed:
             raise VersionNotFoundError(f"step {step} is not committed on the live host stores")
-        from ..persister import data_file_name
-
         def write(rank: int) -> list:
             problems = []
             for slot in sorted(where.copies[rank], key=lambda s: s != self._owner(where, rank)):

@@ -41,7 +41,8 @@ from torch.futures import Future
 from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError
 from ..health import UNCHECKED_VERDICT, Health, combine
-from ..stores.shards import ShardPlan, ShardRecord, canonical
+from ..signing import canonical
+from ..stores.shards import ShardPlan, ShardRecord
 from ..trust import (
     VerificationError,
     item_nbytes,

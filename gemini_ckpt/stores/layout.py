@@ -43,11 +43,17 @@ MARKER_FILE = ".gemini_complete"
 IN_PROGRESS_FILE = ".gemini_inprogress"
 LATEST_FILE = "latest"
 STEP_PREFIX = "step_"
+DATA_SUFFIX = ".distcp"
 _STEP_DIR = re.compile(r"step_([0-9]{9,18})", re.ASCII)
 
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:09d}"
+
+
+def data_file_name(rank: int) -> str:
+    """Rank ``rank``'s data file in a version's directory, as DCP's ``FileSystemWriter`` names it."""
+    return f"__{rank}_0{DATA_SUFFIX}"
 
 
 def parse_step_dir(name: str) -> Optional[int]:

@@ -22,8 +22,6 @@ This module imports only the standard library, numpy and crc32c: host-store acto
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import mmap
 import os
@@ -36,6 +34,7 @@ import crc32c
 import numpy as np
 
 from ..errors import ShardFormatError
+from ..signing import canonical, mac, mac_matches
 from ..health import HEALTHY_VERDICT, UNHEALTHY, Health
 from ..save.framing import Template
 from .finite import CHECKED_DTYPES, checksum_items
@@ -55,14 +54,6 @@ value allow-list)."""
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def _mac(key: bytes, context: bytes, payload: bytes) -> str:
-    return hmac.new(key, context + payload, hashlib.sha256).hexdigest()
 
 
 # --- the plan -----------------------------------------------------------------------------------
@@ -128,7 +119,7 @@ class ShardPlan:
         payload = canonical(body)
         head = {"plan": body, "crc": crc32c.crc32c(payload)}
         if key is not None:
-            head["signature"] = _mac(key, _SIGN_PLAN, payload)
+            head["signature"] = mac(key, _SIGN_PLAN, payload)
         text = canonical(head)
         return PLAN_MAGIC + _LEN.pack(len(text)) + text + self.metadata
 
@@ -212,7 +203,7 @@ class ShardRecord:
         payload = canonical(body)
         head = {"record": body, "crc": crc32c.crc32c(payload)}
         if key is not None:
-            head["signature"] = _mac(key, _SIGN_RECORD, payload)
+            head["signature"] = mac(key, _SIGN_RECORD, payload)
         text = canonical(head)
         return RECORD_MAGIC + _LEN.pack(len(text)) + text + b"".join(self.values)
 
@@ -311,7 +302,7 @@ def _check_crc_and_signature(head: dict, payload: bytes, key: Optional[bytes], c
         return
     if signature is None:
         raise ShardFormatError(f"the {what} is not signed, and a signing key is set; refused")
-    if not isinstance(signature, str) or not hmac.compare_digest(signature, _mac(key, context, payload)):
+    if not mac_matches(signature, key, context, payload):
         raise ShardFormatError(f"the {what} has a signature that does not match this signing key; refused")
 
 

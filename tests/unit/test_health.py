@@ -39,7 +39,8 @@ from gemini_ckpt.stores.finite import CHUNK, NAN_BITS, checksum_items
 from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
 from gemini_ckpt.stores.memory import drop_local_store
 from gemini_ckpt.errors import ShardFormatError
-from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardRecord, canonical
+from gemini_ckpt.signing import canonical
+from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardRecord
 from gemini_ckpt.trust import canonical_bytes
 
 NAMESPACE = "health-" + uuid.uuid4().hex

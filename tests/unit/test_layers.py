@@ -18,7 +18,8 @@ NAME = "gemini_ckpt"
 
 LAYERS = [
     # base: stdlib (and numpy) only, no torch, nothing of ours above
-    {"errors", "_version", "faults", "checksum", "unpickle", "lineage", "health", "results", "retention", "config"},
+    {"errors", "_version", "faults", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
+     "config"},
     # core: the training state, snapshots and their formats, the tiers' storage, trust, persisting
     {"state", "save", "stores", "trust", "persister"},
     # engine: restoring, seeding from stock checkpoints, the Ray host stores
