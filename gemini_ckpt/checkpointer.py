@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .collective import everyones, rank0s
 from .config import CheckpointConfig
 from .errors import (
     BackgroundError,
@@ -192,10 +193,9 @@ class Checkpointer:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
-            box = [(self._run_id, existing)]
-            dist.broadcast_object_list(box, src=0, group=self._bg_group)
             # rank 0's run id names this job's persist outcomes in the rendezvous store
-            self._run_id, existing = box[0]
+            self._run_id, existing = rank0s((self._run_id, existing), world_size=self.world_size,
+                                            group=self._bg_group)
         self._lineage.started(existing)
         if self._durable is not None:
             if self.rank == 0:
@@ -477,10 +477,7 @@ class Checkpointer:
             flat, job = flatten(state_dict), self._job_description()
             sig = signature(flat)
             ok = adoptable(restored, sig, rank=self.rank, world_size=self.world_size, job=job)
-            if self.world_size > 1:
-                everyone: list = [None] * self.world_size
-                dist.all_gather_object(everyone, ok, group=self._bg_group)
-                ok = all(everyone)
+            ok = all(everyones(ok, world_size=self.world_size, group=self._bg_group))
             if ok:
                 log.info("rank %d: this save takes over the plan of the restored version", self.rank)
                 return self._use_plan(adopt(restored, sig, run_id=self._run_id, job=job), flat)

@@ -19,11 +19,11 @@ import time
 import warnings
 from typing import Any, Optional
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from .collective import everyones, rank0s
 from .config import CheckpointConfig
 from .errors import (
     CheckpointError,
@@ -340,13 +340,9 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     # A rank's source is the farthest tier it had to reach: durable > peer > local.
     where = next((k for k in ("durable", "peer") if bytes_read.get(k)), "local")
     sources = {rank: where}
-    if world_size > 1:
-        gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, (rank, where, outcome), group=group)
-        sources = {r: w for r, w, _ in gathered}
-        _raise_agreed([(r, o, None) for r, _, o in gathered], rank)
-    else:
-        _raise_agreed([(rank, outcome, None)], rank)
+    gathered = everyones((rank, where, outcome), world_size=world_size, group=group)
+    sources = {r: w for r, w, _ in gathered}
+    _raise_agreed([(r, o, None) for r, _, o in gathered], rank)
     marks.append(("done", time.time()))
     if plans is not None and primary.tier == "memory" and saved_ws == world_size:
         plans["restored"] = primary.plans.get(rank)
@@ -403,11 +399,7 @@ def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointCo
 
 def _gather_outcomes(rank: int, outcome, fingerprint, world_size: int, group, direct: bool = False) -> list:
     """Every rank's ``(rank, outcome, fingerprint, can load directly)`` for one candidate version."""
-    if world_size == 1:
-        return [(rank, outcome, fingerprint, direct)]
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, (rank, outcome, fingerprint, direct), group=group)
-    return everyone
+    return everyones((rank, outcome, fingerprint, direct), world_size=world_size, group=group)
 
 
 def _raise_agreed(everyone: list, rank: int) -> None:
@@ -433,10 +425,7 @@ def _raise_agreed(everyone: list, rank: int) -> None:
 def _agree_step(step: Optional[int], rank: int, world_size: int, group) -> Optional[int]:
     """``restore(step=...)``: every rank must name the same step (one collective, so that all
     raise together when they do not)."""
-    if world_size == 1:
-        return step
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, step, group=group)
+    everyone = everyones(step, world_size=world_size, group=group)
     if len(set(everyone)) > 1:
         raise ConfigError(f"restore(step=...) was called with different steps on different ranks "
                           f"({dict(enumerate(everyone))}); every rank must name the same version")
@@ -445,11 +434,7 @@ def _agree_step(step: Optional[int], rank: int, world_size: int, group) -> Optio
 
 def _agree(survey_result, world_size: int, group):
     """All ranks walk rank 0's survey (one collective)."""
-    if world_size == 1:
-        return survey_result
-    box = [survey_result]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    return rank0s(survey_result, world_size=world_size, group=group)
 
 
 class _Unreadable(Exception):

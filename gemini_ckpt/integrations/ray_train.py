@@ -80,6 +80,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
+from ..collective import rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 from ..results import RestoreResult, SaveHandle
@@ -441,8 +442,4 @@ class _Reporter:
         return _Reported(step, self.ckpt._path(step) if location is not None else None)
 
     def _agree(self, item):
-        if self.ckpt.world_size == 1:
-            return item
-        box = [item]
-        dist.broadcast_object_list(box, src=0, group=self.ckpt._report_group)
-        return box[0]
+        return rank0s(item, world_size=self.ckpt.world_size, group=self.ckpt._report_group)

@@ -21,7 +21,7 @@ LAYERS = [
     {"errors", "_version", "faults", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
      "config"},
     # core: the training state, snapshots and their formats, the tiers' storage, trust, persisting
-    {"state", "save", "stores", "trust", "persister"},
+    {"state", "save", "stores", "trust", "persister", "collective"},
     # engine: restoring, seeding from stock checkpoints, the Ray host stores
     {"restore", "init_from", "ray"},
     {"checkpointer"},
