@@ -2,7 +2,7 @@
 
 A rank attaches (its segments' memfds come over the socket), says a shard is staged, and hears
 each version's outcome; a rank that detaches or dies fails the versions waiting for it.
-A mixin of :class:`~gemini_ckpt.ray.actors.host_store.HostStore`, whose ``__init__`` owns the state.
+One of the host store's collaborators (:mod:`.host_store`); the state they share is :class:`.state.StoreState`.
 """
 
 from __future__ import annotations
@@ -20,71 +20,76 @@ from ..commit import (
     VersionId,
 )
 from ..slots import holders_for
+from .state import StoreState
 
 log = logging.getLogger("gemini_ckpt")
 
 
-class LocalRanks:
-    """Attach-channel handlers (see the module docstring)."""
+class RankPort:
+    """This node's ranks on the attach channel (see the module docstring): ``on_attach`` and
+    ``on_detach`` are the channel's handlers."""
 
-    def _on_attach(self, conn: Connection, rank: int, header: dict, payload: bytes, fds: list):
+    def __init__(self, state: StoreState, driver, replicator) -> None:
+        self.s, self.driver, self.replicator = state, driver, replicator
+
+    def on_attach(self, conn: Connection, rank: int, header: dict, payload: bytes, fds: list):
         for fd in fds:
             os.close(fd)
         kind = header.get("type")
         if kind == "plan":
             plan = ShardPlan.decode(payload)
-            with self._lock:
-                self._table.add_plan(plan, payload)
+            with self.s.lock:
+                self.s.table.add_plan(plan, payload)
             return {}, b"", ()
         if kind == "segment":
-            with self._lock:
-                plan = self._table.plan(header["plan_id"], rank)
-                lent = self._table.lend(rank, plan.region_bytes)
-                sent = self._sent_fds.setdefault(conn, set())
+            with self.s.lock:
+                plan = self.s.table.plan(header["plan_id"], rank)
+                lent = self.s.table.lend(rank, plan.region_bytes)
+                sent = self.s.sent_fds.setdefault(conn, set())
                 fds_out = () if lent.seg.id in sent else (lent.seg.fd,)
                 sent.add(lent.seg.id)
-                forget = self._table.forgotten.pop(rank, [])
+                forget = self.s.table.forgotten.pop(rank, [])
             return {"seg": lent.seg.id, "nbytes": lent.seg.nbytes, "forget": forget}, b"", fds_out
         if kind == "give_back":
-            with self._lock:
-                self._table.give_back(int(header["seg"]))
+            with self.s.lock:
+                self.s.table.give_back(int(header["seg"]))
             return None
         if kind == "staged":
-            self._staged(conn, rank, header, payload)
+            self.staged(conn, rank, header, payload)
             return None
         if kind == "map":
-            with self._lock:
-                shard = self._complete_shard(int(header["step"]), int(header["rank"]))
-                self._table.use(shard)
-                self._maps.setdefault(conn, []).append(shard)
+            with self.s.lock:
+                shard = self.s.complete_shard(int(header["step"]), int(header["rank"]))
+                self.s.table.use(shard)
+                self.s.maps.setdefault(conn, []).append(shard)
             # the reader checks every item it copies out of it against the record
             return {"nbytes": shard.seg.nbytes, "seg": shard.seg.id}, b"", (shard.seg.fd,)
         if kind == "unmap":
-            with self._lock:
-                mapped = self._maps.get(conn, [])
+            with self.s.lock:
+                mapped = self.s.maps.get(conn, [])
                 shard = next((s for s in mapped if s.seg.id == int(header["seg"])), None)
                 if shard is not None:
                     mapped.remove(shard)
-                    self._table.done_with(shard)
+                    self.s.table.done_with(shard)
             return {}, b"", ()
         raise ValueError(f"unknown attach message {kind!r}")
 
-    def _on_detach(self, conn: Connection, rank: int) -> None:
+    def on_detach(self, conn: Connection, rank: int) -> None:
         actions = []
-        with self._lock:
-            for shard in self._maps.pop(conn, []):
-                self._table.done_with(shard)
-            self._sent_fds.pop(conn, None)
-            if self._commit is None or self._cfg is None:
+        with self.s.lock:
+            for shard in self.s.maps.pop(conn, []):
+                self.s.table.done_with(shard)
+            self.s.sent_fds.pop(conn, None)
+            if self.s.commit is None or self.s.cfg is None:
                 return
-            for vid in self._commit.pending():
-                v = self._table.versions.get(vid.step)
-                if vid.epoch == self._epoch and (v is None or rank not in v.shards):
-                    actions += self._commit.on_local_failure(vid, f"rank {rank}'s training process ended before "
+            for vid in self.s.commit.pending():
+                v = self.s.table.versions.get(vid.step)
+                if vid.epoch == self.s.epoch and (v is None or rank not in v.shards):
+                    actions += self.s.commit.on_local_failure(vid, f"rank {rank}'s training process ended before "
                                                                   f"it staged its shard")
-        self._apply(actions)
+        self.driver.apply(actions)
 
-    def _staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
+    def staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
         """A rank handed off its shard of a step: copies to the other holders start at once,
         while this thread checksums the shard into its record and checks its health in the same
         pass (the trainer's ``verdict`` on metrics and validator comes with the hand-off); the
@@ -96,70 +101,71 @@ class LocalRanks:
         for n in header.get("lengths", []):
             blobs.append(payload[at : at + n])
             at += n
-        with self._lock:
-            epoch, cfg = self._epoch, self._cfg
-            self._waiters.setdefault((epoch, step), []).append((conn, rank))
+        with self.s.lock:
+            epoch, cfg = self.s.epoch, self.s.cfg
+            self.s.waiters.setdefault((epoch, step), []).append((conn, rank))
             vid = VersionId(epoch, step)
             try:
-                plan = self._table.plan(header["plan_id"], rank)
-                v = self._table.version(epoch, step, world_size=cfg.world_size)
+                plan = self.s.table.plan(header["plan_id"], rank)
+                v = self.s.table.version(epoch, step, world_size=cfg.world_size)
                 if v is None:
                     raise ValueError(f"step {step} was saved again by a newer epoch")
                 v.marks.setdefault("staged", received)
                 v.persist |= bool(header.get("persist"))
-                shard = self._table.stage(v, rank, seg_id, plan, owner=cfg.slot)
-                self._table.use(shard)
+                shard = self.s.table.stage(v, rank, seg_id, plan, owner=cfg.slot)
+                self.s.table.use(shard)
                 holders: tuple = ()
-                if self._commit is not None:
+                if self.s.commit is not None:
                     holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
-                                          dead=self._commit.dead)
-                    actions = self._commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
+                                          dead=self.s.commit.dead)
+                    actions = self.s.commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
                 else:
                     actions = []
             except Exception as exc:  # noqa: BLE001 - e.g. too few live hosts for the replicas asked
                 reason = f"{type(exc).__name__}: {exc}"
-                self._tell(conn, step, False, reason)
-                self._apply(self._commit.on_local_failure(vid, reason) if self._commit is not None else [])
+                tell(conn, step, False, reason)
+                self.driver.apply(self.s.commit.on_local_failure(vid, reason) if self.s.commit is not None else [])
                 return
-        self._apply(actions)
+        self.driver.apply(actions)
         for holder in holders[1:]:  # the protocol allows copies to start before it says Replicate
-            self._pool.submit(self._copy, vid, holder, shard, len(cfg.ranks_here))
+            self.s.pool.submit(self.replicator.copy, vid, holder, shard, len(cfg.ranks_here))
         try:
             verdict = Health.from_json(header["verdict"]) if header.get("verdict") is not None else None
             # With copies to make, the tensor check is fused with the CRC32C (the region read once,
             # the least CPU): the copies take longer than both. Without (replicas=1), the record is
             # the version's time-to-safe: the check runs beside the CRC32C, on a pool thread.
-            beside = self._pool if plan.checked and not holders[1:] else None
+            beside = self.s.pool if plan.checked and not holders[1:] else None
             record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step, verdict=verdict,
                                  beside=beside)
-            record_bytes = record.encode(self._key)
+            record_bytes = record.encode(self.s.key)
         except Exception as exc:  # noqa: BLE001 - the version cannot be committed without its record
             shard.recorded.set()
-            with self._lock:
-                self._table.done_with(shard)
-                actions = self._commit.on_local_failure(vid, f"rank {rank}'s record: {exc}") \
-                    if self._commit is not None else []
-            self._tell(conn, step, False, f"{type(exc).__name__}: {exc}")
-            self._apply(actions)
+            with self.s.lock:
+                self.s.table.done_with(shard)
+                actions = self.s.commit.on_local_failure(vid, f"rank {rank}'s record: {exc}") \
+                    if self.s.commit is not None else []
+            tell(conn, step, False, f"{type(exc).__name__}: {exc}")
+            self.driver.apply(actions)
             return
-        with self._lock:
+        with self.s.lock:
             shard.record, shard.record_bytes = record, record_bytes
             shard.recorded.set()
             v.mark("recorded")
-            self._table.done_with(shard)
-            if epoch != self._epoch:
-                self._tell(conn, step, False, f"a newer Checkpointer (epoch {self._epoch}) took over this namespace")
+            self.s.table.done_with(shard)
+            if epoch != self.s.epoch:
+                tell(conn, step, False, f"a newer Checkpointer (epoch {self.s.epoch}) took over this namespace")
                 return
             bad = record.health is not None and record.health.unhealthy
             if bad:  # the trainer says it loudly, once; here it is one line per shard
-                log.info("node %s: step %d is unhealthy: %s", self.node_id[:12], step, record.health.reason)
-            actions = self._commit.on_message(ShardStaged(vid, rank, record.health.to_text() if bad else "")) \
-                if self._commit is not None else []
-        self._apply(actions)
+                log.info("node %s: step %d is unhealthy: %s", self.s.node_id[:12], step, record.health.reason)
+            actions = self.s.commit.on_message(ShardStaged(vid, rank, record.health.to_text() if bad else "")) \
+                if self.s.commit is not None else []
+        self.driver.apply(actions)
 
-    def _tell(self, conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "") -> None:
-        try:
-            conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason,
-                       "unhealthy": unhealthy})
-        except OSError:
-            pass  # the rank is gone; its version's fate is in the store either way
+
+def tell(conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "") -> None:
+    try:
+        conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason,
+                   "unhealthy": unhealthy})
+    except OSError:
+        pass  # the rank is gone; its version's fate is in the store either way

@@ -1,7 +1,7 @@
 """The host store serving what it holds: the index and shard records readers survey, bytes
 pushed to a restoring reader, data files written to the durable tier, versions let go.
 
-A mixin of :class:`~gemini_ckpt.ray.actors.host_store.HostStore`, whose ``__init__`` owns the state.
+One of the host store's collaborators (:mod:`.host_store`); the state they share is :class:`.state.StoreState`.
 """
 
 from __future__ import annotations
@@ -14,42 +14,40 @@ from ..commit import (
     VersionId,
 )
 from ..transport import Endpoint, Header, TransportError
+from .replication import verify_copies
+from .state import StoreState
 
 log = logging.getLogger("gemini_ckpt")
 
 
-class Serving:
+class ShardServer:
     """Reads, persists and releases (see the module docstring)."""
 
-    # --- reading ------------------------------------------------------------------------------------
-    def _complete_shard(self, step: int, rank: int):
-        v = self._table.versions.get(step)
-        shard = v.shards.get(rank) if v is not None else None
-        if shard is None or not shard.complete or v.state == "aborted":
-            raise LookupError(f"step {step} has no complete shard of rank {rank} on node {self.node_id[:12]}")
-        return shard
+    def __init__(self, state: StoreState) -> None:
+        self.s = state
 
+    # --- reading ------------------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
         """Per step: epoch, state (``committed``, ``prepared``, ``pending``, ``aborted``; copies
         of a version this store takes no part in stay ``pending``), world size, and the shards
         held here (owner slot, complete, plan id, bytes)."""
-        with self._lock:
-            out = self._table.index()
-            if self._commit is not None:
+        with self.s.lock:
+            out = self.s.table.index()
+            if self.s.commit is not None:
                 for step, entry in out.items():
-                    if entry["epoch"] == self._epoch and entry["state"] == "pending":
+                    if entry["epoch"] == self.s.epoch and entry["state"] == "pending":
                         entry["state"] = {"prepared": "prepared"}.get(
-                            self._commit.state(VersionId(self._epoch, step)), "pending")
+                            self.s.commit.state(VersionId(self.s.epoch, step)), "pending")
             return out
 
     def shard_info(self, step: int, ranks: list[int]) -> dict[int, tuple[bytes, bytes]]:
         """``rank -> (encoded plan, encoded record)`` of the complete shards of ``step`` held here."""
-        with self._lock:
+        with self.s.lock:
             out = {}
             for rank in ranks:
                 try:
-                    shard = self._complete_shard(step, rank)
-                    _, plan = self._table.plans[(shard.plan_id, rank)]
+                    shard = self.s.complete_shard(step, rank)
+                    _, plan = self.s.table.plans[(shard.plan_id, rank)]
                 except (LookupError, KeyError):
                     continue
                 out[rank] = (plan, shard.record_bytes)
@@ -58,61 +56,61 @@ class Serving:
     def push_range(self, step: int, rank: int, offset: int, length: int, reader: Endpoint, tag: str) -> int:
         """Send bytes ``[offset, offset + length)`` of a shard's region to a reader's
         data-plane listener; returns once the reader has them."""
-        with self._lock:
-            shard = self._complete_shard(step, rank)
+        with self.s.lock:
+            shard = self.s.complete_shard(step, rank)
             if offset < 0 or length <= 0 or offset + length > shard.seg.nbytes:
                 raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
                                  f"({shard.seg.nbytes} bytes)")
-            self._table.use(shard)
-            transport, key = self._transport, (reader.host, reader.port)
-            channel = self._readers.get(key)
+            self.s.table.use(shard)
+            transport, key = self.s.transport, (reader.host, reader.port)
+            channel = self.s.readers.get(key)
         try:
             if channel is None:
                 channel = transport.connect(reader)
-                with self._lock:
-                    self._readers[key] = channel
-            channel.send(Header(self.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes,
+                with self.s.lock:
+                    self.s.readers[key] = channel
+            channel.send(Header(self.s.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes,
                                 put_id=tag), shard.seg.array[offset : offset + length], timeout=600)
         except TransportError as exc:
-            with self._lock:
-                self._readers.pop(key, None)
-            raise ConnectionError(f"node {self.node_id[:12]} could not send to the reader: {exc}") from None
+            with self.s.lock:
+                self.s.readers.pop(key, None)
+            raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
         finally:
-            with self._lock:
-                self._table.done_with(shard)
+            with self.s.lock:
+                self.s.table.done_with(shard)
         return length
 
     def push_ranges(self, step: int, rank: int, ranges: list, reader: Endpoint) -> int:
         """Send several ranges ``[(offset, length, tag), ...]`` of a shard's region to a reader's
         data-plane listener, one transfer each, all in flight at once; returns once the reader
         has every one (the direct restore: each range lands in its own live tensor)."""
-        with self._lock:
-            shard = self._complete_shard(step, rank)
+        with self.s.lock:
+            shard = self.s.complete_shard(step, rank)
             for offset, length, _ in ranges:
                 if offset < 0 or length <= 0 or offset + length > shard.seg.nbytes:
                     raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
                                      f"({shard.seg.nbytes} bytes)")
-            self._table.use(shard)
-            transport, key = self._transport, (reader.host, reader.port)
-            channel = self._readers.get(key)
+            self.s.table.use(shard)
+            transport, key = self.s.transport, (reader.host, reader.port)
+            channel = self.s.readers.get(key)
         try:
             if channel is None:
                 channel = transport.connect(reader)
-                with self._lock:
-                    self._readers[key] = channel
-            sent = [channel.send_async(Header(self.namespace, step, f"region/{rank}", offset, length,
+                with self.s.lock:
+                    self.s.readers[key] = channel
+            sent = [channel.send_async(Header(self.s.namespace, step, f"region/{rank}", offset, length,
                                               total=shard.seg.nbytes, put_id=tag),
                                        shard.seg.array[offset : offset + length])
                     for offset, length, tag in ranges]
             for fut in sent:
                 fut.result(timeout=600)
         except TransportError as exc:
-            with self._lock:
-                self._readers.pop(key, None)
-            raise ConnectionError(f"node {self.node_id[:12]} could not send to the reader: {exc}") from None
+            with self.s.lock:
+                self.s.readers.pop(key, None)
+            raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
         finally:
-            with self._lock:
-                self._table.done_with(shard)
+            with self.s.lock:
+                self.s.table.done_with(shard)
         return sum(length for _, length, _ in ranges)
 
     # --- the durable tier ----------------------------------------------------------------------------
@@ -123,14 +121,14 @@ class Serving:
         checked against its record first. Returns ``[offset, length, crc32c]`` per tensor item."""
         from ...stores.layout import files_for, resolve_filesystem
 
-        with self._lock:
-            shard = self._complete_shard(step, rank)
-            plan = self._table.plan(shard.plan_id, rank)
-            self._table.use(shard)
+        with self.s.lock:
+            shard = self.s.complete_shard(step, rank)
+            plan = self.s.table.plan(shard.plan_id, rank)
+            self.s.table.use(shard)
         try:
-            problem = self._verify_copies([shard])
+            problem = verify_copies(self.s, [shard])
             if problem:
-                raise ValueError(f"node {self.node_id[:12]}: {problem}; not persisted from this copy")
+                raise ValueError(f"node {self.s.node_id[:12]}: {problem}; not persisted from this copy")
             fs, root = resolve_filesystem(uri)
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
@@ -143,17 +141,17 @@ class Serving:
                                        start=len(section))
             return [[p.offset, p.length, p.crc] for p in placed]
         finally:
-            with self._lock:
-                self._table.done_with(shard)
+            with self.s.lock:
+                self.s.table.done_with(shard)
 
     def unpin(self, step: int) -> None:
-        with self._lock:
-            self._table.unpin(step)
+        with self.s.lock:
+            self.s.table.unpin(step)
 
     def discard(self, step: int, epoch: int) -> int:
         """Forget the version of ``step`` if it is of an epoch before ``epoch``; bytes freed."""
-        with self._lock:
-            v = self._table.versions.get(step)
+        with self.s.lock:
+            v = self.s.table.versions.get(step)
             if v is None or v.epoch >= epoch:
                 return 0
-            return self._table.release(v, force=True)
+            return self.s.table.release(v, force=True)

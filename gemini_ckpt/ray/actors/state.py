@@ -1,0 +1,78 @@
+"""What the host store's collaborators share: the version table, the lock around it, this epoch's
+configuration, the commit state and the data plane (see :mod:`.host_store`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..commit import HostCommit
+from .versions import VersionTable
+
+
+@dataclass(frozen=True)
+class EpochConfig:
+    """What the ranks of one rendezvous tell their host store (see :meth:`HostStore.attach`)."""
+
+    epoch: int
+    slot: int
+    nodes: tuple[str, ...]
+    ranks_here: tuple[int, ...]
+    world_size: int
+    replicas: int
+    strategy: str
+    keep: int
+    dead: frozenset
+    idle: frozenset
+    timeout_s: float
+
+    @property
+    def hosts(self) -> int:
+        return len(self.nodes)
+
+
+class StoreState:
+    """One host store's shared state. Every field is read and written under ``lock``."""
+
+    def __init__(self, namespace: str, node_id: str, table: VersionTable) -> None:
+        self.namespace, self.node_id = namespace, node_id
+        self.started_unix = time.time()
+        self.lock = threading.RLock()
+        self.table = table
+        self.epoch = 0
+        self.cfg: Optional[EpochConfig] = None
+        self.commit: Optional[HostCommit] = None  # None: this store holds copies only this epoch
+        self.secret = b""
+        self.bandwidth: Optional[int] = None
+        self.key: Optional[bytes] = None  # the signing key, when the job has one
+        self.transport = None  # this store's TcpTransport (its sends share its bandwidth cap)
+        self.listener = None  # where peers' copies and restoring readers' requests come in
+        self.attach = None  # the AttachServer of this node's ranks
+        self.registry = None  # the registry's actor handle, once looked up
+        self.peers: dict[int, Any] = {}  # slot -> actor handle
+        self.channels: dict[int, Any] = {}  # slot -> data-plane Channel
+        self.plans_sent: set[tuple[int, str, int]] = set()  # (slot, plan id, rank) sent on its channel
+        self.waiters: dict[tuple[int, int], list] = {}  # version -> local ranks told: [(Connection, rank)]
+        self.sent_fds: dict[Any, set[int]] = {}  # Connection -> segments whose memfd a trainer has
+        self.maps: dict[Any, list] = {}  # Connection -> shards a local reader mapped
+        self.incoming: dict[tuple, Any] = {}  # transfer -> what it fills
+        self.early_records: dict[tuple, tuple] = {}  # (epoch, step, rank) -> a record whose region is not here yet
+        self.refs: list[tuple[Any, int]] = []  # fire-and-forget control calls (ref, to whom)
+        self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel
+        self.copy_channels: dict[tuple, Any] = {}  # (host, port) of a store re-replicated to -> channel
+        self.copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
+        self.vote_hold: Optional[int] = None  # fault injection: see CommitDriver.hold_vote
+        self.held_votes: list = []
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
+        self.stopped = False
+
+    def complete_shard(self, step: int, rank: int):
+        """The complete shard of ``rank`` of ``step`` held here (the lock is held), else LookupError."""
+        v = self.table.versions.get(step)
+        shard = v.shards.get(rank) if v is not None else None
+        if shard is None or not shard.complete or v.state == "aborted":
+            raise LookupError(f"step {step} has no complete shard of rank {rank} on node {self.node_id[:12]}")
+        return shard
