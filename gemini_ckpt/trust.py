@@ -34,7 +34,7 @@ from .errors import VerificationError
 from .signing import canonical, mac, mac_matches
 from .health import Health
 from .stores.manifest import ItemChecksum, VersionManifest
-from .unpickle import _AllowList, _Budget, _safe_load, no_gc  # noqa: F401 - no_gc: re-exported
+from .unpickle import AllowList, Budget, safe_load, no_gc  # noqa: F401 - no_gc: re-exported
 
 ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
 FORMAT = "gemini_ckpt/2"
@@ -280,7 +280,7 @@ def metadata_loads(data: bytes) -> Any:
     """DCP ``Metadata`` from ``.metadata`` bytes, through the metadata allow-list."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    obj = _safe_load(bytes(data), _metadata_global, ".metadata")
+    obj = safe_load(bytes(data), _metadata_global, ".metadata")
     if not isinstance(obj, Metadata):
         raise VerificationError(f".metadata holds a {type(obj).__name__}, not DCP Metadata")
     return obj
@@ -380,7 +380,7 @@ def _user_safe_global(module: str, name: str) -> Any:
 def value_loads(data: bytes, what: str = "a saved value") -> Any:
     """A pickled opaque value (RNG, data loader, scheduler, scaler, ``extra``) through the
     value allow-list."""
-    return _safe_load(bytes(data), _value_global, what)
+    return safe_load(bytes(data), _value_global, what)
 
 
 def torch_load_value(data: Any, what: str, *, storage_bytes: Optional[int] = None) -> Any:
@@ -461,14 +461,14 @@ def _check_zip(view: memoryview, what: str, storage_bytes: Optional[int]) -> Non
                                     f"{numel * typ.itemsize}; refused")
         return _DryStorage(numel * typ.itemsize, typ.itemsize)
 
-    _AllowList(io.BytesIO(raw), _archive_global, what, _Budget(len(view), what), storage).load()
+    AllowList(io.BytesIO(raw), _archive_global, what, Budget(len(view), what), storage).load()
 
 
 def _check_legacy(view: memoryview, what: str, storage_bytes: Optional[int]) -> None:
     """``torch.save(..., _use_new_zipfile_serialization=False)`` (how plain pickle stores a tensor's
     storage): magic, protocol, system info, the object, the storage keys, then raw storages."""
     f = ViewFile(view)
-    budget = _Budget(len(view), what)
+    budget = Budget(len(view), what)
     claimed = [0]
 
     def storage(pid: Any) -> Any:
@@ -480,9 +480,9 @@ def _check_legacy(view: memoryview, what: str, storage_bytes: Optional[int]) -> 
         return _DryStorage(numel * typ.itemsize, typ.itemsize)
 
     for _ in range(3):  # magic number, protocol version, system info: plain values
-        _AllowList(f, _value_global, what, budget).load()
-    _AllowList(f, _archive_global, what, budget, storage).load()
-    _AllowList(f, _value_global, what, budget).load()
+        AllowList(f, _value_global, what, budget).load()
+    AllowList(f, _archive_global, what, budget, storage).load()
+    AllowList(f, _value_global, what, budget).load()
     if storage_bytes is not None and claimed[0] != storage_bytes:
         raise VerificationError(f"{what}: holds {claimed[0]} bytes of tensor data, its metadata says "
                                 f"{storage_bytes}; refused")

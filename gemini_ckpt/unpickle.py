@@ -1,6 +1,6 @@
 """Allow-listed, budgeted unpickling: the decoder every pickle from storage or a peer goes through.
 
-:func:`_safe_load` (used by :mod:`gemini_ckpt.trust` for DCP ``.metadata``, our opaque values
+:func:`safe_load` (used by :mod:`gemini_ckpt.trust` for DCP ``.metadata``, our opaque values
 and the pickle inside a ``torch.save`` archive) resolves only the globals its caller allows, and
 charges every allow-listed call whose result grows with its arguments (``bytearray(n)``,
 containers, ``range``, ``torch.Size``, tensors, NumPy arrays) to a budget from the bytes
@@ -29,7 +29,7 @@ A legitimate pickle's calls build objects from what the pickle itself holds (a f
 element at the least), so they stay far below; ``bytearray(10**9)`` in 48 bytes does not."""
 
 
-class _Budget:
+class Budget:
     """What one decode may still allocate through calls (see ``_GROWTH``)."""
 
     def __init__(self, nbytes: int, what: str) -> None:
@@ -52,7 +52,7 @@ class _Counted:
 
     __slots__ = ("fn", "estimate", "budget", "by_length")
 
-    def __init__(self, fn: Any, estimate: Callable, budget: _Budget) -> None:
+    def __init__(self, fn: Any, estimate: Callable, budget: Budget) -> None:
         self.fn, self.estimate, self.budget = fn, estimate, budget
         self.by_length = estimate is _by_length
 
@@ -162,11 +162,11 @@ def _py3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-class _AllowList(pickle.Unpickler):
+class AllowList(pickle.Unpickler):
     """An unpickler that resolves only the globals ``allowed`` maps (module, name) to, and
     charges what growing calls allocate to ``budget``; persistent ids only through ``persistent``."""
 
-    def __init__(self, file: Any, allowed: Callable[[str, str], Any], what: str, budget: _Budget,
+    def __init__(self, file: Any, allowed: Callable[[str, str], Any], what: str, budget: Budget,
                  persistent: Optional[Callable[[Any], Any]] = None) -> None:
         super().__init__(file)
         self._allowed, self._what, self._budget, self._persistent = allowed, what, budget, persistent
@@ -189,10 +189,10 @@ class _AllowList(pickle.Unpickler):
         return self._persistent(pid)
 
 
-def _safe_load(data: bytes, allowed: Callable[[str, str], Any], what: str) -> Any:
+def safe_load(data: bytes, allowed: Callable[[str, str], Any], what: str) -> Any:
     with no_gc():
         try:
-            return _AllowList(io.BytesIO(data), allowed, what, _Budget(len(data), what)).load()
+            return AllowList(io.BytesIO(data), allowed, what, Budget(len(data), what)).load()
         except VerificationError:
             raise
         except Exception as exc:  # noqa: BLE001 - any decoding failure of hostile bytes means "damaged"

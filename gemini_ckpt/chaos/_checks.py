@@ -23,7 +23,7 @@ from ._results import (
 
 
 
-def _observe(restored: dict[int, Any], errors: dict[int, str]) -> dict:
+def observe(restored: dict[int, Any], errors: dict[int, str]) -> dict:
     if errors:
         rank, message = sorted(errors.items())[0]
         return {"outcome": ERROR, "step": None, "error": short(f"rank {rank}: {message}", 600)}
@@ -35,14 +35,14 @@ def _observe(restored: dict[int, Any], errors: dict[int, str]) -> dict:
             "saved_world_size": r0["saved_world_size"], "world_size": len(restored)}
 
 
-def _check_pre_fault(trace: Trace, ref: Reference, steps: list[int]) -> list[Check]:
+def check_pre_fault(trace: Trace, ref: Reference, steps: list[int]) -> list[Check]:
     bad = [st for st in steps if trace.losses.get(st) != ref.trace.losses.get(st)
            or trace.digests.get(st) != ref.trace.digests.get(st)]
     return [Check("pre_fault", not bad, f"steps {bad} differ from the reference before any fault" if bad
                   else f"steps 0..{steps[-1] if steps else -1} equal the reference")]
 
 
-def _check_restore(checks: list[Check], restored: dict[int, dict], versions: Versions, ref: Reference,
+def check_restore(checks: list[Check], restored: dict[int, dict], versions: Versions, ref: Reference,
                    saved_world_size: int) -> None:
     pairs = {(v["step"], v["source"]) for v in restored.values()}
     checks.append(Check("agreed", len(pairs) == 1, f"ranks restored {sorted(pairs, key=str)}"))
@@ -70,7 +70,7 @@ def _check_restore(checks: list[Check], restored: dict[int, dict], versions: Ver
                             f"committed {list(known)}"))
 
 
-def _check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Reference, after: dict[int, Any],
+def check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Reference, after: dict[int, Any],
                         closed: dict[int, Any], hosts: tuple[int, ...], step0: Optional[int], rest: list[int]) -> None:
     errors = {r: err(v) for r, v in after.items() if err(v)}
     records = {r: v for r, v in after.items() if isinstance(v, list)}

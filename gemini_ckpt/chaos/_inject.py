@@ -27,7 +27,7 @@ from ._spec import (
 
 
 
-def _store(namespace: str, node_id: str):
+def store_of(namespace: str, node_id: str):
     from ..ray.cluster import find_store
 
     handle = find_store(namespace, node_id)
@@ -45,7 +45,7 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int, nan: bo
     from ..stores.finite import NAN_BITS
     from ..stores.shards import ShardPlan
 
-    handle = _store(namespace, node_id)
+    handle = store_of(namespace, node_id)
     held = ray.get(handle.shard_info.remote(step, [rank]), timeout=30)
     if rank not in held:
         raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of rank {rank}'s shard of "
@@ -77,7 +77,7 @@ def _corrupt_file(path: str) -> int:
     return i
 
 
-def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
+def let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
             namespace: str, grace_s: float = 3.0) -> dict[int, Any]:
     """Release the ranks held at the fault's phase and collect what their in-flight step did.
 
@@ -91,7 +91,7 @@ def _let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], i
         # then the coordinator decides with that knowledge, as it would had the vote been slower.
         _wait_known_dead(namespace, s.failed_slots(), timeout=cfg.timeout_s)
         try:
-            ray_get(_store(namespace, h.sim.node_id(hosts[s.at.rank])).release_vote.remote())
+            ray_get(store_of(namespace, h.sim.node_id(hosts[s.at.rank])).release_vote.remote())
         except Exception:  # noqa: BLE001 - the store died with its host: nothing to let go
             pass
     h.pool.collect({r: h.pool.workers[x].release.remote() for r, x in alive.items()}, timeout=10)
@@ -117,12 +117,12 @@ def _wait_known_dead(namespace: str, slots, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def _wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: float, namespace: str) -> None:
+def wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: float, namespace: str) -> None:
     import ray
 
     deadline = time.monotonic() + timeout
     worker = h.pool.workers[host]
-    store = _store(namespace, h.sim.node_id(host)) if s.at.phase in STORE_PHASES else None
+    store = store_of(namespace, h.sim.node_id(host)) if s.at.phase in STORE_PHASES else None
     while time.monotonic() < deadline:
         try:
             if store is not None:
@@ -142,7 +142,7 @@ def _wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: f
     raise HarnessError(f"rank {s.at.rank} did not reach phase {s.at.phase!r} of step {s.at.step} within {timeout}s")
 
 
-def _inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committed: list[int],
+def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committed: list[int],
             persisted: list[int]) -> tuple[dict, set]:
     """Apply the faults; returns what was corrupted (memory: step -> owner -> slots; durable steps)."""
     import ray

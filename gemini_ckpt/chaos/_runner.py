@@ -23,8 +23,8 @@ from ._results import (
     infrastructure,
     short,
 )
-from ._checks import _check_continuation, _check_pre_fault, _check_restore, _observe
-from ._inject import _inject, _let_go, _store, _wait_paused, ray_get
+from ._checks import check_continuation, check_pre_fault, check_restore, observe
+from ._inject import inject, let_go, store_of, wait_paused, ray_get
 from ._spec import (
     PERSIST_PHASES,
     STEP,
@@ -199,15 +199,15 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         # 2. strike
         in_flight: dict[int, Any] = {}
         if s.at.phase in STORE_PHASES:
-            ray_get(_store(job.namespace, h.sim.node_id(hosts[s.at.rank])).hold_vote.remote(f))
+            ray_get(store_of(job.namespace, h.sim.node_id(hosts[s.at.rank])).hold_vote.remote(f))
         if s.at.phase != STEP:
             in_flight = job.run_async(hosts, [f], outage_steps=outage_steps)
-            _wait_paused(h, hosts[s.at.rank], s, in_flight, cfg.timeout_s + 30, job.namespace)
+            wait_paused(h, hosts[s.at.rank], s, in_flight, cfg.timeout_s + 30, job.namespace)
         t_fault = time.perf_counter()
-        corrupt_memory, corrupt_durable = _inject(s, h, job, hosts, committed, persisted)
+        corrupt_memory, corrupt_durable = inject(s, h, job, hosts, committed, persisted)
         replace_s = time.perf_counter() - t_fault
         if in_flight:
-            late = _let_go(s, h, cfg, hosts, in_flight, job.namespace)
+            late = let_go(s, h, cfg, hosts, in_flight, job.namespace)
             trace.add({r: v for r, v in late.items() if isinstance(v, list)})
 
         # 3. what the planner says should happen
@@ -251,7 +251,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         # Detection, replacement hosts, restart and restore; not the harness's own waiting for
         # survivors stuck in a collective with a dead peer (a job controller kills those at once).
         result.recovery_s = round(replace_s + time.perf_counter() - t_restart, 2)
-        observed = _observe(restored, errors)
+        observed = observe(restored, errors)
         result.observed = observed
         if errors:
             result.steps_lost = None
@@ -266,7 +266,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
                             f"predicted {pred.label()} ({pred.reason}); observed {result.observed_label}"
                             + (f": {observed.get('error')}" if observed.get("error") else "")))
         # A poisoned step differs from the reference by design; the ones before it must not.
-        checks.extend(_check_pre_fault(trace, ref, [x for x in before if x not in s.unhealthy_steps()]))
+        checks.extend(check_pre_fault(trace, ref, [x for x in before if x not in s.unhealthy_steps()]))
         if s.unhealthy_steps():
             checks.append(_check_unhealthy_skipped(s, restored, errors))
         durable_now = _durable_steps(job.durable_root)
@@ -277,14 +277,14 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
                 checks.append(Check(name, None, "restore failed"))
             ok = True
             return
-        _check_restore(checks, restored, versions, ref, cfg.hosts)
+        check_restore(checks, restored, versions, ref, cfg.hosts)
 
         # 6. continue to the end and compare with the reference
         step0 = observed["step"]
         rest = list(range((step0 if step0 is not None else -1) + 1, cfg.steps))
         after = job.run(restart_hosts, rest)
         closed = job.call(restart_hosts, "close", timeout=cfg.timeout_s + 60)
-        _check_continuation(checks, h, train_job, ref, after, closed, restart_hosts, step0, rest)
+        check_continuation(checks, h, train_job, ref, after, closed, restart_hosts, step0, rest)
         ok = True
     finally:
         result.notes.extend(job.notes)

@@ -42,6 +42,7 @@ from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError
 from ..health import UNCHECKED_VERDICT, Health, combine
 from ..signing import canonical
+from ..stores.manifest import as_uint8
 from ..stores.shards import ShardPlan, ShardRecord
 from ..trust import (
     VerificationError,
@@ -149,7 +150,7 @@ class MemoryVersion:
                 log.warning("the %s copy (%s) of %s could not be read (%s: %s); trying the next copy", copy.source,
                             copy.label, where, type(exc).__name__, exc)
                 continue
-            arr = _uint8(raw)
+            arr = as_uint8(raw)
             if arr.nbytes != t.nbytes or checksum(arr) != record.crcs[loc.item]:
                 self.problems.append(f"{copy.source} {copy.label}: {where}: checksum mismatch (corrupt copy skipped)")
                 log.warning("the %s copy %s of %s failed its checksum; trying the next copy", copy.source,
@@ -192,7 +193,7 @@ class DurableVersion:
         if expected is None or expected.length != info.length:
             raise ChecksumError(f"{where}: no checksum recorded for this item; refusing to load it")
         try:
-            raw = _uint8(self._read_range(info.relative_path, info.offset, info.length))
+            raw = as_uint8(self._read_range(info.relative_path, info.offset, info.length))
         except (OSError, ValueError, CheckpointError) as exc:
             self.problems.append(f"durable: {where}: {type(exc).__name__}: {exc}")
             raise ChecksumError(f"{where}: unreadable ({type(exc).__name__}: {exc})") from None
@@ -220,12 +221,6 @@ def _canonical_manifest(manifest) -> bytes:
     from ..trust import canonical_bytes
 
     return canonical_bytes(manifest)
-
-
-def _uint8(data: Any) -> np.ndarray:
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8)
-    return np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
 
 
 def _tensor_from(arr: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError
-from .dcp import MemoryVersion, SafeLoadPlanner, ShardCopy, _uint8
+from ..stores.manifest import as_uint8
+from .dcp import MemoryVersion, SafeLoadPlanner, ShardCopy
 from .plan import RawLocation, dtype_name
 
 log = logging.getLogger("gemini_ckpt")
@@ -191,7 +192,7 @@ def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem])
                 batch = []
             continue
         try:
-            src = _uint8(copy.fetch(item.at, item.nbytes))
+            src = as_uint8(copy.fetch(item.at, item.nbytes))
         except (LookupError, OSError, ValueError, CheckpointError) as exc:
             _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
             failed.append(item)

@@ -165,3 +165,23 @@ def test_the_graph_is_read_the_way_python_imports():
     assert "gemini_ckpt.errors" in graph["gemini_ckpt.ray.commit.host"]  # from ...errors import
     assert "gemini_ckpt.ray.client" in graph["gemini_ckpt.checkpointer"]  # inside a function
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_private_name_is_imported_from_another_module():
+    # ``from .dcp import _uint8`` couples two modules through a name the first may change at will;
+    # a private module of a package (``from . import _wire``) is that package's business
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(NAME)):
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and f"{base}.{alias.name}" not in modules:
+                        found.append(f"{name}: from {base} import {alias.name}")
+    assert not found, f"private names imported across modules: {found}"
