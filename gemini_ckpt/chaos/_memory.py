@@ -21,22 +21,16 @@ def damage_copy(where, step: int, rank: int, offset: int, data: Optional[bytes] 
     """
     import ray
 
-    if isinstance(where, ray.actor.ActorHandle):
-        def write(store, step, rank, offset, data):  # runs in the host store's process (by value)
-            held = store.kept_bytes(step, rank)
-            if data is None:
-                held[offset] ^= 0xFF
-            else:
-                held[offset : offset + len(data)] = memoryview(data).cast("B")
-            return offset
+    def write(store, step, rank, offset, data):  # by value into a host store's process: no imports
+        held = store.kept_bytes(step, rank)
+        if data is None:
+            held[offset] ^= 0xFF
+        else:
+            held[offset : offset + len(data)] = memoryview(data).cast("B")
+        return offset
 
+    if isinstance(where, ray.actor.ActorHandle):
         return ray.get(where.__ray_call__.remote(write, step, rank, offset, data), timeout=60)
     if hasattr(where, "holder"):  # a Ray tier
         return damage_copy(where.holder(step, rank, slot=slot), step, rank, offset, data)
-    store = getattr(where, "store", where)  # a local tier, or its store
-    held = store.kept_bytes(step, rank)
-    if data is None:
-        held[offset] ^= 0xFF
-    else:
-        held[offset : offset + len(data)] = memoryview(data).cast("B")
-    return offset
+    return write(getattr(where, "store", where), step, rank, offset, data)  # a local tier, or its store
