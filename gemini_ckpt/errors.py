@@ -103,3 +103,14 @@ class AttachError(CheckpointError, ConnectionError):
 class CommitProtocolError(CheckpointError, RuntimeError):
     """Participants of the commit protocol disagree about a decision: a bug in the protocol or
     its driver."""
+
+
+class UnreadableCandidate(CheckpointError):
+    """Inside restore (:mod:`gemini_ckpt.restore`): this candidate version cannot be read on some
+    rank (corrupt bytes, a failed check); the walk moves to an older one. Users meet what the
+    walk raises when none is left (:class:`ChecksumError`), never this."""
+
+
+class UnhealthyCandidate(UnreadableCandidate):
+    """Inside restore: this candidate version's state failed its health checks; an older one
+    may be healthy (users meet :class:`UnhealthyVersionError` when none is)."""

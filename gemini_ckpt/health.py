@@ -6,9 +6,9 @@ also gets a **health** verdict, a :class:`Health`:
 
 - **the tensor check** (default on): every parameter and every optimizer-state tensor is
   finite. It runs off the training thread, in the store that checksums the shard, on the raw
-  bits of bf16/fp16/fp32/fp64 items (:mod:`gemini_ckpt.stores.finite`). Which items it covers
+  bits of bf16/fp16/fp32/fp64 items (:mod:`gemini_ckpt.format.finite`). Which items it covers
   is decided on the trainer, which knows parameters from buffers, when it plans the snapshot,
-  and travels in the signed shard plan (:attr:`gemini_ckpt.stores.shards.ShardPlan.checked`).
+  and travels in the signed shard plan (:attr:`gemini_ckpt.format.shards.ShardPlan.checked`).
   Buffers are not checked by default: attention masks legitimately hold ``-inf``;
 - **checks on the trainer**, optional and composable: predicates on the metrics given to
   ``save(step, metrics=...)`` (:class:`Finite`, :class:`NoSpike`, or any :class:`MetricCheck`)

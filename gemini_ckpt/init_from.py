@@ -38,10 +38,11 @@ from torch.distributed.checkpoint.state_dict import (
 from .errors import CheckpointError, DamagedFileError
 from .restore import check_structure
 from .results import RestoreResult
-from .save.dcp import load as dcp_load
+from .restore.loader import load as dcp_load
 from .state.train_state import MODEL, OPTIM, TrainState
 from .stores.fs import MAX_UNRECORDED_METADATA_BYTES
-from .stores.layout import METADATA_FILE, LocalFiles, path_parts
+from .format.layout import METADATA_FILE, path_parts
+from .stores.files import LocalFiles
 from .trust import VerificationError, item_nbytes, metadata_loads, safe_opaque, torch_load_value
 
 log = logging.getLogger("gemini_ckpt")
@@ -51,7 +52,7 @@ INIT_STEP = -1
 
 
 class StockVersion:
-    """A stock DCP directory as a view :func:`gemini_ckpt.save.dcp.load` reads, item by item."""
+    """A stock DCP directory as a view :func:`gemini_ckpt.restore.loader.load` reads, item by item."""
 
     tier = "init"
 

@@ -39,13 +39,13 @@ from .checksum import checksum
 from .errors import BackgroundError, CheckpointError, CheckpointTimeoutError
 from .faults import fire
 from .results import CheckpointStats, SaveHandle
-from .save.framing import FileItem, value_section, write_tensors
+from .format.framing import FileItem, value_section, write_tensors
 from .save.plan import DCP_VERSION
 from .save.templates import torch_save_bytes
 from .stores.base import MemoryTier
 from .stores.durable import DurableTier
-from .stores.layout import data_file_name
-from .stores.manifest import ItemChecksum, VersionManifest
+from .format.layout import data_file_name
+from .format.manifest import ItemChecksum, VersionManifest
 from .trust import metadata_loads, resolve_key, sign, value_loads
 
 log = logging.getLogger("gemini_ckpt")

@@ -1,6 +1,6 @@
 """Canonical JSON and HMAC-SHA256 signatures: the one encoding every signed thing uses (durable
 manifests in :mod:`gemini_ckpt.trust`, shard plans and records in
-:mod:`gemini_ckpt.stores.shards`). Each kind of thing signs under its own ``context`` prefix,
+:mod:`gemini_ckpt.format.shards`). Each kind of thing signs under its own ``context`` prefix,
 so a signature made for one kind never verifies as another. Stdlib only."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Bytes from the durable tier or from a host store are hostile until verified:
 
 1. A manifest travels as JSON (``manifest_to_json`` for the durable marker; a memory
-   version's shard plans and records are JSON too, :mod:`gemini_ckpt.stores.shards`), never
+   version's shard plans and records are JSON too, :mod:`gemini_ckpt.format.shards`), never
    as a pickle. Its canonical encoding
    (``canonical_bytes``: sorted keys, no whitespace) carries a CRC32C of the DCP ``.metadata``
    bytes and of every data item; the marker also records a CRC32C of that canonical encoding,
@@ -33,7 +33,7 @@ from .checksum import checksum
 from .errors import VerificationError
 from .signing import canonical, mac, mac_matches
 from .health import Health
-from .stores.manifest import ItemChecksum, VersionManifest
+from .format.manifest import ItemChecksum, VersionManifest
 from .unpickle import AllowList, Budget, safe_load, no_gc  # noqa: F401 - no_gc: re-exported
 
 ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"

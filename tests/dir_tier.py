@@ -15,9 +15,10 @@ from concurrent.futures import Future
 import numpy as np
 
 from gemini_ckpt.errors import VersionNotFoundError
-from gemini_ckpt.save.dcp import MemoryVersion, ShardCopy
+from gemini_ckpt.stores.views import MemoryVersion, ShardCopy
 from gemini_ckpt.stores.base import Capabilities, MemoryTier, Outcome
-from gemini_ckpt.stores.shards import Segment, ShardPlan, ShardRecord, make_record
+from gemini_ckpt.format.segments import Segment
+from gemini_ckpt.format.shards import ShardPlan, ShardRecord, make_record
 
 
 class DirTier(MemoryTier):

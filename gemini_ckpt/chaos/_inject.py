@@ -42,8 +42,8 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int, nan: bo
     first value of the biggest floating-point item instead."""
     import ray
 
-    from ..stores.finite import NAN_BITS
-    from ..stores.shards import ShardPlan
+    from ..format.finite import NAN_BITS
+    from ..format.shards import ShardPlan
 
     handle = store_of(namespace, node_id)
     held = ray.get(handle.shard_info.remote(step, [rank]), timeout=30)
@@ -148,7 +148,7 @@ def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committ
     import ray
 
     from ..ray.cluster import find_store
-    from ..stores.layout import data_file_name, step_dir_name
+    from ..format.layout import data_file_name, step_dir_name
 
     corrupt_memory: dict[int, dict[int, set]] = {}
     corrupt_durable: set[int] = set()

@@ -10,7 +10,7 @@ from typing import Optional
 def damage_copy(where, step: int, rank: int, offset: int, data: Optional[bytes] = None, *,
                 slot: Optional[int] = None) -> int:
     """Flip the byte at ``offset`` of a kept copy of rank ``rank``'s shard of ``step`` (or write
-    ``data`` there, e.g. :data:`gemini_ckpt.stores.finite.NAN_BITS` of a dtype); returns ``offset``.
+    ``data`` there, e.g. :data:`gemini_ckpt.format.finite.NAN_BITS` of a dtype); returns ``offset``.
 
     ``where``: a process-local store or tier (``store="local"``), a Ray tier (the copy of the
     store of ``slot``, else this node's, else the first holder's), or a host store's actor handle.

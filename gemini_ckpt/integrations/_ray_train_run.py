@@ -13,7 +13,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..retention import LeftToRayTrain
 from ..stores.durable import DurableTier
-from ..stores.layout import resolve_filesystem
+from ..format.layout import resolve_filesystem
 
 log = logging.getLogger("gemini_ckpt")
 

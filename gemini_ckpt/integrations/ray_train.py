@@ -87,7 +87,7 @@ from ..results import RestoreResult, SaveHandle
 from ..state.train_state import TrainState
 from ..stores.durable import DurableTier, persist_policy
 from ..retention import LeftToRayTrain
-from ..stores.layout import parse_step_dir, resolve_filesystem, step_dir_name
+from ..format.layout import parse_step_dir, resolve_filesystem, step_dir_name
 from ..ray.slots import HOST_LABEL
 from ._ray_train_callback import HostStores
 from ._ray_train_run import DURABLE_DIR, resolve_config, stop_host_stores

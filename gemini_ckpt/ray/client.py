@@ -40,10 +40,11 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..health import Health
-from ..save.dcp import MemoryVersion, ShardCopy
+from ..stores.views import MemoryVersion, ShardCopy
 from ..stores.base import Capabilities, MemoryTier, Outcome
-from ..stores.layout import data_file_name
-from ..stores.shards import Segment, ShardPlan, ShardRecord
+from ..format.layout import data_file_name
+from ..format.segments import Segment
+from ..format.shards import ShardPlan, ShardRecord
 from ..trust import resolve_key
 from .attach import AttachClient
 from .cluster import (

@@ -4,7 +4,7 @@
 shard's items in offset order, so transfers overlap its checksums and copies).
 
 :class:`LocalCopy` and :class:`PeerCopy` are the ``fetch`` of a
-:class:`~gemini_ckpt.save.dcp.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
+:class:`~gemini_ckpt.stores.views.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
 ranges. A :class:`LocalCopy` talks to this node's store through the reader's attach channel; a
 :class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.ray.client.RayTier`) as
 one :class:`PeerReads`.
@@ -22,7 +22,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..stores.shards import Segment
+from ..format.segments import Segment
 from ..errors import AttachError
 from .transport import Endpoint, Header
 

@@ -1,7 +1,6 @@
-"""Saving a version: the snapshot plan, staging into store-owned memory, and the DCP file layout.
-
-The trainer's side (:mod:`.plan`, :mod:`.sources`, :mod:`.stager`, :mod:`.templates`,
-:mod:`.dcp`) imports torch; :mod:`.framing` (how a shard is laid out as DCP's
-``FileSystemWriter`` file, from its raw bytes) does not, so host stores can persist without
-torch. Importing this package imports nothing.
+"""Saving a version on the trainer: the snapshot plan (:mod:`.plan`, with DCP's planner and
+:mod:`.chunks`), where each item's bytes come from (:mod:`.sources`, :mod:`.checked`), the staging
+copy into store-owned memory (:mod:`.stager`, :mod:`.overlap`) and the DCP file templates
+(:mod:`.templates`). The bytes' layout is :mod:`gemini_ckpt.format`'s. Importing this package
+imports nothing.
 """

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..health import HealthCheck
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState
-from ..stores.finite import CHECKED_DTYPES
+from ..format.finite import CHECKED_DTYPES
 from .plan import SnapshotPlan
 
 

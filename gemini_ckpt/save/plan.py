@@ -5,7 +5,7 @@ planning through public API (``torch.distributed.checkpoint.save`` with
 ``DefaultSavePlanner`` and :class:`_PlanCapture`, a ``StorageWriter`` that writes nothing):
 the ranks agree on who saves which item (replicated tensors deduplicated, DTensor shards by
 their owners) and rank 0 gets the global ``Metadata``. That is the only collective saving ever
-runs. The result is this rank's :class:`~gemini_ckpt.stores.shards.ShardPlan`: tensor items at
+runs. The result is this rank's :class:`~gemini_ckpt.format.shards.ShardPlan`: tensor items at
 fixed, aligned offsets of a region (in DCP's plan order), non-tensor items as blobs, a
 verified ``torch.save`` template per tensor signature (so a host store can write the
 durable layout without torch), and, on rank 0, the pickled skeleton of the global metadata.
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ..stores.shards import ShardPlan, TensorItem, ValueItem, align
+from ..format.shards import ShardPlan, TensorItem, ValueItem, align
 from .chunks import local_save_plan
 from .templates import template_for
 

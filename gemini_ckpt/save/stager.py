@@ -1,7 +1,7 @@
 """Staging: the one copy ``save()`` makes, from the live tensors into a store-owned segment.
 
 Each tensor item of the plan has a fixed place in the segment (see
-:mod:`gemini_ckpt.stores.shards`); the copy is all the training process does per version.
+:mod:`gemini_ckpt.format.shards`); the copy is all the training process does per version.
 CPU tensors are copied as 8 MiB memcpys spread over this process's intra-op threads. Tensors
 on an accelerator are copied on a side stream into the segment, which is pinned (registered
 with CUDA) the first time it is used that way, and the stream is synchronised before
@@ -20,7 +20,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..stores.shards import Segment, ShardPlan
+from ..format.segments import Segment
+from ..format.shards import ShardPlan
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -1,6 +1,6 @@
 """Templates of ``torch.save``'s bytes for each tensor signature, made and verified at plan time.
 
-See :mod:`gemini_ckpt.save.framing` for what a :class:`~gemini_ckpt.save.framing.Template`
+See :mod:`gemini_ckpt.format.framing` for what a :class:`~gemini_ckpt.format.framing.Template`
 is. Here, with torch at hand: a template is cut from ``torch.save`` of a tensor of the
 signature, and used only after an archive built from it for *other* bytes equals what
 ``torch.save`` writes for those bytes. A signature whose archive does not have the layout we
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import TemplateError
-from .framing import SID_DIGITS, Template, hash_combine
+from ..format.framing import SID_DIGITS, Template, hash_combine
 
 _DATA_RECORD = "data/0"
 _SID_RECORD = ".data/serialization_id"

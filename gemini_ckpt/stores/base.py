@@ -9,7 +9,7 @@ Two kinds of tier hold versions:
   :class:`gemini_ckpt.stores.durable.DurableTier`) holds persisted versions as DCP directories.
 
 Both answer the reader's questions the same way (:class:`Tier`): which steps are committed,
-and a verified, item-by-item view of one (:mod:`gemini_ckpt.save.dcp`). What a memory tier
+and a verified, item-by-item view of one (:mod:`gemini_ckpt.stores.views`). What a memory tier
 can do beyond the protocol is in its :class:`Capabilities`, which callers read instead of
 probing for methods.
 
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from ..health import Health
-from .shards import Segment, ShardPlan
+from ..format.segments import Segment
+from ..format.shards import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def open(self, step: int, *, key: Optional[bytes] = None):
-        """A verified view of ``step`` (:class:`gemini_ckpt.save.dcp.MemoryVersion` or
+        """A verified view of ``step`` (:class:`gemini_ckpt.stores.views.MemoryVersion` or
         ``DurableVersion``), signatures checked with ``key``; ``VersionNotFoundError`` when it
         is not committed here, a ``VerificationError`` when what describes it is damaged."""
 

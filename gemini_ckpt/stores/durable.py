@@ -18,7 +18,7 @@ opens the tier. A directory with neither marker was not written by us (a stock `
 say): it is never deleted, only reported.
 
 Every file is created exclusively and the ones readers trust (``.metadata``, the marker,
-``latest``) renamed into place (:class:`~gemini_ckpt.stores.layout.Files`), so a crash or a full
+``latest``) renamed into place (:class:`~gemini_ckpt.format.layout.Files`), so a crash or a full
 disk never leaves a torn marker. A marker that is torn or unreadable anyway (damage, an older
 version of this library) means "not complete": such a version never counts for retention, and
 is removed when it carries our in-progress marker (else reported: it cannot be shown to be ours).
@@ -48,15 +48,8 @@ from ..trust import (
 )
 from .base import Tier
 from .fs import FsStore
-from .layout import (
-    IN_PROGRESS_FILE,
-    LATEST_FILE,
-    MARKER_FILE,
-    read_latest,
-    step_dir_name,
-    write_latest,
-)
-from .manifest import VersionManifest
+from ..format.layout import IN_PROGRESS_FILE, LATEST_FILE, MARKER_FILE, read_latest, step_dir_name, write_latest
+from ..format.manifest import VersionManifest
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -205,7 +198,7 @@ class DurableTier(Tier):
     def open(self, step: int, *, key: Optional[bytes] = None):
         """A verified view of a complete version (marker, ``.metadata`` checksum, signature
         with ``key``, ``.metadata`` through the allow-list)."""
-        from ..save.dcp import DurableVersion
+        from .views import DurableVersion  # torch: only a reader needs it (status, retention do not)
 
         manifest = self.store.manifest(step, key=key)
         metadata = load_metadata(manifest, key)

@@ -14,7 +14,7 @@ before anything is unpickled (see :mod:`gemini_ckpt.trust`). Only directory name
 writes count as versions (``step_`` and ASCII digits, exactly our width for that step), and only
 real directories (a link planted under a version's name is never followed).
 
-Every read goes through :mod:`gemini_ckpt.stores.layout`'s :class:`~gemini_ckpt.stores.layout.Files`:
+Every read goes through :mod:`gemini_ckpt.format.layout`'s :class:`~gemini_ckpt.format.layout.Files`:
 the marker is read with a cap and checked (with a key, its signature too) before ``.metadata``,
 which is then read only if it has exactly the size the marker records; a data file only if it has
 exactly its recorded size. Links, FIFOs and devices are refused before they are opened.
@@ -30,16 +30,9 @@ import pyarrow.fs as pafs
 
 from ..errors import DamagedFileError, VersionNotFoundError
 from ..trust import VerificationError, check_marker, manifest_from_json, manifest_to_json
-from .layout import (
-    MARKER_FILE,
-    METADATA_FILE,
-    files_for,
-    looks_like_step,
-    parse_step_dir,
-    resolve_filesystem,
-    step_dir_name,
-)
-from .manifest import VersionManifest
+from ..format.layout import (MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, resolve_filesystem, step_dir_name)
+from .files import files_for
+from ..format.manifest import VersionManifest
 
 MAX_MARKER_BYTES = 256 << 20  # a marker is JSON of a few hundred bytes per item; refuse absurd ones
 MAX_UNRECORDED_METADATA_BYTES = 1 << 30  # legacy markers record no .metadata size

@@ -8,7 +8,7 @@ refuses writes once a newer one was attached (:class:`~gemini_ckpt.FencedError`)
 A version here is one shard (the world is one rank): committed as soon as the store has
 checksummed it and checked its health, on the tier's own thread (the tensor check on a second
 one beside it: here the record is the version's whole time-to-safe, see
-:mod:`gemini_ckpt.stores.finite`).
+:mod:`gemini_ckpt.format.finite`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ..errors import CheckpointError, FencedError, MemoryBudgetError, VersionNot
 from ..health import Health
 from ..retention import Retention, as_retention
 from .base import Capabilities, MemoryTier, Outcome
-from .shards import Segment, SegmentPool, ShardPlan, ShardRecord, make_record
+from ..format.segments import Segment, SegmentPool
+from ..format.shards import ShardPlan, ShardRecord, make_record
 
 DEFAULT_LOCAL_BUDGET = 1 << 62  # a process's own memory: the OS is the limit
 
@@ -214,7 +215,7 @@ class LocalTier(MemoryTier):
         self.store._give_back(segment)
 
     def open(self, step: int, *, key: Optional[bytes] = None):
-        from ..save.dcp import MemoryVersion, ShardCopy
+        from .views import MemoryVersion, ShardCopy  # torch: only a reader needs it
 
         v = self.store._get(step)
         array = v.segment.array

@@ -11,7 +11,7 @@ import pytest
 
 from gemini_ckpt.errors import AttachError
 from gemini_ckpt.ray.attach import AttachClient, AttachServer
-from gemini_ckpt.stores.shards import Segment
+from gemini_ckpt.format.segments import Segment
 
 SECRET = os.urandom(32)
 

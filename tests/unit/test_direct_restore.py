@@ -1,4 +1,4 @@
-"""The direct restore (:mod:`gemini_ckpt.save.direct`): at the world size a version was saved
+"""The direct restore (:mod:`gemini_ckpt.restore.direct`): at the world size a version was saved
 at, every item goes straight into its live tensor, optimizers get their state without a
 throw-away step, and what does not fit the direct path goes through DCP's planner."""
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemini_ckpt.save.framing import Template, value_section, write_tensors
+from gemini_ckpt.format.framing import Template, value_section, write_tensors
 from gemini_ckpt.save.templates import cut, template_for, torch_save_bytes
 
 SIGNATURES = [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.float16, (2, 3, 4)), (torch.int64, (9,)),

@@ -35,12 +35,12 @@ from gemini_ckpt.restore import UnhealthyRestoreWarning
 from gemini_ckpt.retention import KeepNewest
 from gemini_ckpt.state.digest import digest
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.stores.finite import CHUNK, NAN_BITS, checksum_items
-from gemini_ckpt.stores.manifest import ItemChecksum, VersionManifest
+from gemini_ckpt.format.finite import CHUNK, NAN_BITS, checksum_items
+from gemini_ckpt.format.manifest import ItemChecksum, VersionManifest
 from gemini_ckpt.stores.memory import drop_local_store
 from gemini_ckpt.errors import ShardFormatError
 from gemini_ckpt.signing import canonical
-from gemini_ckpt.stores.shards import RECORD_MAGIC, ShardRecord
+from gemini_ckpt.format.shards import RECORD_MAGIC, ShardRecord
 from gemini_ckpt.trust import canonical_bytes
 
 NAMESPACE = "health-" + uuid.uuid4().hex

@@ -27,7 +27,7 @@ from gemini_ckpt import (
 )
 from gemini_ckpt import faults as _faults
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.stores.layout import IN_PROGRESS_FILE
+from gemini_ckpt.format.layout import IN_PROGRESS_FILE
 from gemini_ckpt.demo.toy import build_training, lm_loss
 
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from gemini_ckpt.ray.actors.versions import VersionTable
-from gemini_ckpt.save.framing import Template
+from gemini_ckpt.format.framing import Template
 from gemini_ckpt.errors import ShardFormatError
-from gemini_ckpt.stores.shards import (ALIGN, Segment, SegmentPool, ShardPlan, ShardRecord, TensorItem, ValueItem,
-                                       make_record)
+from gemini_ckpt.format.shards import ALIGN, ShardPlan, ShardRecord, TensorItem, ValueItem, make_record
+from gemini_ckpt.format.segments import Segment, SegmentPool
 
 
 def _plan(sizes=(100, 3000), rank=0, plan_id="p1") -> ShardPlan:

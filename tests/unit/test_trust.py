@@ -26,11 +26,11 @@ from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError, TrainState
 from gemini_ckpt.__main__ import main as cli
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.stores.layout import parse_step_dir
-from gemini_ckpt.save.dcp import MemoryVersion
+from gemini_ckpt.format.layout import parse_step_dir
+from gemini_ckpt.stores.views import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier, drop_local_store
 from gemini_ckpt.errors import ShardFormatError
-from gemini_ckpt.stores.shards import ShardPlan, ShardRecord
+from gemini_ckpt.format.shards import ShardPlan, ShardRecord
 from gemini_ckpt.demo.toy import build_training, lm_loss
 from gemini_ckpt.trust import (
     ENV_KEY,

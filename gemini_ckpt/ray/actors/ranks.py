@@ -13,7 +13,7 @@ import time
 
 
 from ...health import Health
-from ...stores.shards import ShardPlan, make_record
+from ...format.shards import ShardPlan, make_record
 from ..attach import Connection
 from ..commit import (
     ShardStaged,

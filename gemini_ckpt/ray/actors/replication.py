@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from ...errors import ShardFormatError
-from ...stores.shards import ShardPlan, ShardRecord, check_record
+from ...format.shards import ShardPlan, ShardRecord, check_record
 from ..commit import ReplicaAck, Send, VersionId
 from ..transport import Endpoint, Header, TransportError
 from .state import StoreState

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import posixpath
 
-from ...save.framing import write_tensors
+from ...format.framing import write_tensors
 from ..commit import (
     VersionId,
 )
@@ -119,7 +119,8 @@ class ShardServer:
         ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
         persister), then every tensor item framed as ``torch.save`` frames it. The copy is
         checked against its record first. Returns ``[offset, length, crc32c]`` per tensor item."""
-        from ...stores.layout import files_for, resolve_filesystem
+        from ...stores.files import files_for
+        from ...format.layout import resolve_filesystem
 
         with self.s.lock:
             shard = self.s.complete_shard(step, rank)

@@ -1,6 +1,6 @@
 """What a host store holds: versions of shards in segments, within a byte budget. No Ray, no I/O.
 
-Two kinds of segment, one pool (:class:`~gemini_ckpt.stores.shards.SegmentPool`):
+Two kinds of segment, one pool (:class:`~gemini_ckpt.format.segments.SegmentPool`):
 
 - **lent** segments belong to one rank of this host: the store lends a free one for each
   version the rank stages (the trainer maps it once, through the attach channel) and keeps it
@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ...stores.shards import Segment, SegmentPool, ShardPlan, ShardRecord
+from ...format.segments import Segment, SegmentPool
+from ...format.shards import ShardPlan, ShardRecord
 
 
 @dataclass

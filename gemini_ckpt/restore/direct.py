@@ -19,7 +19,7 @@ An item whose copy fails its check is taken from the next copy (the other holder
 then the next view: the durable tier); only when none has it is the version unreadable.
 Nothing but raw bytes lands in a tensor, and restore returns (or moves to an older version)
 only after every item passed; values come from the verified records through the value
-allow-list, as on the DCP path (:mod:`gemini_ckpt.save.dcp`).
+allow-list, as on the DCP path (:mod:`.loader`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError
-from ..stores.manifest import as_uint8
-from .dcp import MemoryVersion, SafeLoadPlanner, ShardCopy
-from .plan import RawLocation, dtype_name
+from ..format.manifest import as_uint8
+from ..save.plan import RawLocation, dtype_name
+from ..stores.views import MemoryVersion, ShardCopy
+from .loader import SafeLoadPlanner
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -1,7 +1,7 @@
 """A shard as DCP's ``FileSystemWriter`` lays it out, built from its raw bytes. No torch.
 
 In memory a shard is raw: every tensor item's bytes at a fixed offset of one region, every
-non-tensor item a small blob (see :mod:`gemini_ckpt.stores.shards`). Only a version that is
+non-tensor item a small blob (see :mod:`gemini_ckpt.format.shards`). Only a version that is
 persisted is laid out as a DCP data file, byte for byte what ``FileSystemWriter`` writes for
 the same state: the non-tensor items first (each a ``torch.save`` archive, built by the
 trainer, which has torch), then every tensor item as ``torch.save`` writes it.
