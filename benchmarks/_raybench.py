@@ -81,7 +81,7 @@ class Rank:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from gemini_ckpt.demo.toy import linear_stack
+        from gemini_ckpt.toy import linear_stack
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=900))

@@ -26,7 +26,7 @@ import torch
 
 from _common import table, write_results
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.demo.toy import TinyLM, lm_loss
+from gemini_ckpt.toy import TinyLM, lm_loss
 
 
 def run(model, opt, batch, steps: int, ckpt, first: int = 0) -> tuple[float, list[float]]:

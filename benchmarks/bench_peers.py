@@ -1,7 +1,7 @@
 """GEMINI's official implementation (``lm-resiliency``), this library and stock PyTorch DCP on
 the same state, on the same machine, in one run.
 
-The state: an FSDP2 stack of bias-free Linear layers (``gemini_ckpt.demo.toy.linear_stack``)
+The state: an FSDP2 stack of bias-free Linear layers (``gemini_ckpt.toy.linear_stack``)
 sharded over 4 ranks (gloo, CPU) plus its AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``),
 about ``--mb`` MB per rank in all (a third of it parameters). Each library is driven through
 its public API, in its own harness:
@@ -80,7 +80,7 @@ def build_state(rank: int, world: int, mb: float, fill: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
 
     from _raybench import LAYER_DIM
-    from gemini_ckpt.demo.toy import linear_stack
+    from gemini_ckpt.toy import linear_stack
 
     layers = max(1, round(mb * world / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
     mesh = init_device_mesh("cpu", (world,))

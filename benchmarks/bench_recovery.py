@@ -133,7 +133,7 @@ def train_loop(config: dict) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     from gemini_ckpt import TrainState
-    from gemini_ckpt.demo.toy import build_training, lm_loss
+    from gemini_ckpt.toy import build_training, lm_loss
     from gemini_ckpt.integrations import ray_train as gray
 
     torch.set_num_threads(1)

@@ -34,7 +34,7 @@ def train_loop_per_worker(config: dict) -> None:
     from torch.distributed.fsdp import fully_shard
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from gemini_ckpt.demo.toy import TinyLM, TokenDataset, lm_loss, warmup_cosine
+    from gemini_ckpt.toy import TinyLM, TokenDataset, lm_loss, warmup_cosine
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()

@@ -19,7 +19,7 @@ import time
 import torch
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 
 
 def run(steps: int, crash_at: int | None, namespace: str, log_every: int) -> tuple[list[float], dict]:

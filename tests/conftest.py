@@ -1,6 +1,6 @@
 """Shared by both tiers: the support modules in ``tests/`` are importable (``helpers``,
-``tier_contract``, ``faulty_fs``, ``rendezvous``, ``dir_tier``, ``ray_helpers``), Ray runs without
-auth or usage stats, and the toy models come from :mod:`gemini_ckpt.demo.toy`.
+``tier_contract``, ``rendezvous``, ``dir_tier``, ``ray_helpers``), Ray runs without
+auth or usage stats, and the toy models come from :mod:`gemini_ckpt.toy`.
 
 - ``tests/unit``: no Ray; each file runs in seconds.
 - ``tests/integration``: one Ray cluster of simulated hosts for the whole session
@@ -31,7 +31,7 @@ def namespace() -> str:
 @pytest.fixture
 def toy_training():
     """The demo's tiny LM training setup (model, AdamW, warmup+cosine, a StatefulDataLoader), seed 0."""
-    from gemini_ckpt.demo.toy import build_training
+    from gemini_ckpt.toy import build_training
 
     return build_training(seed=0, dataset_size=32)
 

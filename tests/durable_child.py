@@ -6,10 +6,10 @@ import warnings
 
 import torch
 
-from faulty_fs import faulty_filesystem
+from gemini_ckpt.chaos import faulty_filesystem
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 
 root, refs = sys.argv[1], sys.argv[2]
 warnings.simplefilter("ignore")

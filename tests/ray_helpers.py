@@ -74,7 +74,7 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
 
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-        from gemini_ckpt.demo.toy import fully_shard_layers, mlp
+        from gemini_ckpt.toy import fully_shard_layers, mlp
 
         self.teardown()
         timeout = __import__("datetime").timedelta(seconds=180)

@@ -35,6 +35,7 @@ from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_mat
 from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario
+from ._storage import FaultyFsHandler, faulty_filesystem
 from ._spec import (
     PHASES,
     At,
@@ -62,6 +63,7 @@ __all__ = [
     "CorruptReplica",
     "DurableUnreachable",
     "DurableWriteOutage",
+    "FaultyFsHandler",
     "Harness",
     "HarnessError",
     "InfraError",
@@ -78,6 +80,7 @@ __all__ = [
     "TinyJob",
     "TrainJob",
     "add_chaos_command",
+    "faulty_filesystem",
     "ci_matrix",
     "full_matrix",
     "plan_scenario",

@@ -74,7 +74,7 @@ class TinyJob:
         from torch.distributed.device_mesh import init_device_mesh
 
         from .. import TrainState
-        from ..demo.toy import fully_shard_layers, mlp
+        from ..toy import fully_shard_layers, mlp
 
         self.rank, self.seed = rank, seed
         mesh = init_device_mesh("cpu", (world_size,))

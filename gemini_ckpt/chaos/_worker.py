@@ -93,9 +93,9 @@ class RankWorker:
             config = CheckpointConfig(**spec["config"])
             durable = None
             if spec.get("chaos_fs"):
-                from ._storage import chaos_filesystem
+                from ._storage import faulty_filesystem
 
-                fs, self._fs_handler = chaos_filesystem()
+                fs, self._fs_handler = faulty_filesystem()
                 self._fs_handler.set_mode(spec.get("storage_mode", "ok"))
                 # Built here, as a user would build it; with storage unreachable this may already fail.
                 durable = DurableTier(filesystem=fs, root=spec["durable_root"], keep=spec["keep_durable"])

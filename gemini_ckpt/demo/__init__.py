@@ -1,3 +1,3 @@
 """``python -m gemini_ckpt demo`` (the optional extra ``gemini_ckpt[demo]``: matplotlib draws
-its timeline) and the small training setup the demo, the examples, tests and benchmarks share
-(:mod:`.toy`). Importing this package imports nothing."""
+its timeline). Its model and data are :mod:`gemini_ckpt.toy`'s, which the examples, the chaos
+harness, tests and benchmarks share. Importing this package imports nothing."""

@@ -1,7 +1,7 @@
 """``python -m gemini_ckpt demo``: a host dies mid-run and training resumes from peer memory.
 
 Starts a local Ray cluster of simulated hosts (one Ray node each), trains the tiny LM of
-:mod:`gemini_ckpt.demo.toy` with Ray Train (one worker per host, gloo, FSDP2), checkpoints every
+:mod:`gemini_ckpt.toy` with Ray Train (one worker per host, gloo, FSDP2), checkpoints every
 step into the host stores' memory (``replicas`` copies) and every 10th step to durable storage
 under ``--out``, kills one host hard at ``--kill-at-step`` (its raylet and every process on it,
 host store included), adds a replacement host, lets Ray Train restart the workers, and prints

@@ -62,7 +62,7 @@ def train_loop(config: dict) -> dict:
 
     from .. import TrainState
     from ..integrations import ray_train as gray
-    from .toy import TokenDataset, build_training, lm_loss
+    from ..toy import TokenDataset, build_training, lm_loss
 
     torch.set_num_threads(1)
     context = ray.train.get_context()

@@ -83,7 +83,7 @@ def test_losing_a_whole_group_restores_the_newest_durable_version(ray_cluster, r
 @pytest.mark.ray
 def test_persisted_versions_are_written_by_the_host_stores_and_load_with_stock_dcp(ranks, reference, tmp_path):
     import torch.distributed.checkpoint as dcp
-    from gemini_ckpt.demo.toy import mlp
+    from gemini_ckpt.toy import mlp
 
     ns = f"persist-{uuid.uuid4().hex[:8]}"
     durable = tmp_path / ns

@@ -87,7 +87,7 @@ class TestRayTrain:
         import torch.distributed.checkpoint as dcp
 
         from gemini_ckpt.demo.cli import digest_state
-        from gemini_ckpt.demo.toy import TinyLM
+        from gemini_ckpt.toy import TinyLM
 
         tmp_path, result = reference
         out = result.return_value

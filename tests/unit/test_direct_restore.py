@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 from gemini_ckpt.save.plan import adoptable, signature
 from gemini_ckpt.save.sources import flatten
 

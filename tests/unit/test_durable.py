@@ -17,12 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from faulty_fs import faulty_filesystem
+from gemini_ckpt.chaos import faulty_filesystem
 from helpers import corrupt_item, local_tier
 from rendezvous import join_group, master_store
 from gemini_ckpt import BackgroundError, CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.demo.toy import TinyLM, build_training, lm_loss
+from gemini_ckpt.toy import TinyLM, build_training, lm_loss
 
 HERE = Path(__file__).resolve().parents[1]  # tests/: the support modules
 

@@ -32,12 +32,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from faulty_fs import faulty_filesystem
+from gemini_ckpt.chaos import faulty_filesystem
 from forge import forge_item, reseal
 from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt import faults
 from gemini_ckpt.checksum import checksum
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.stores.memory import drop_local_store
 

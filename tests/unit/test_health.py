@@ -29,7 +29,7 @@ from gemini_ckpt import (
 from gemini_ckpt.__main__ import main as cli
 from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt.checksum import checksum
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 from gemini_ckpt.health import Finite, NoSpike
 from gemini_ckpt.restore import UnhealthyRestoreWarning
 from gemini_ckpt.retention import KeepNewest

@@ -35,6 +35,8 @@ LAYERS = [
     {"checkpointer"},
     # what users call: the package facade, Ray Train, the command line
     {"__init__", "integrations", "cli"},
+    # the toy training setup the tools, examples, tests and benchmarks share (torch only)
+    {"toy"},
     # tools built on all of it
     {"chaos", "demo", "__main__"},
 ]
@@ -185,3 +187,13 @@ def test_no_private_name_is_imported_from_another_module():
                     if private and f"{base}.{alias.name}" not in modules:
                         found.append(f"{name}: from {base} import {alias.name}")
     assert not found, f"private names imported across modules: {found}"
+
+
+MAX_LINES = 400
+
+
+def test_no_library_module_over_400_lines():
+    # a module past this holds more than one job (split it by concept, not by count)
+    long = sorted(f"{path.relative_to(PACKAGE)}: {n}" for path in PACKAGE.rglob("*.py")
+                  if (n := len(path.read_text().splitlines())) > MAX_LINES)
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

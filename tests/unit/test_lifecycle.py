@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from faulty_fs import faulty_filesystem
+from gemini_ckpt.chaos import faulty_filesystem
 from helpers import corrupt_durable_item, corrupt_item
 from gemini_ckpt import (
     BackgroundError,
@@ -28,7 +28,7 @@ from gemini_ckpt import (
 from gemini_ckpt import faults as _faults
 from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.format.layout import IN_PROGRESS_FILE
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 
 
 def _config(**kw) -> CheckpointConfig:

@@ -31,7 +31,7 @@ from gemini_ckpt.stores.views import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier, drop_local_store
 from gemini_ckpt.errors import ShardFormatError
 from gemini_ckpt.format.shards import ShardPlan, ShardRecord
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 from gemini_ckpt.trust import (
     ENV_KEY,
     VerificationError,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.demo.toy import build_training, lm_loss
+from gemini_ckpt.toy import build_training, lm_loss
 
 
 def _config(ns: str) -> CheckpointConfig:

@@ -20,7 +20,7 @@ from gemini_ckpt import (
 from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt.stores.memory import LocalTier
 from helpers import local_tier
-from gemini_ckpt.demo.toy import TinyLM, build_training, lm_loss
+from gemini_ckpt.toy import TinyLM, build_training, lm_loss
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.demo.toy import TinyLM, build_training, fully_shard_layers, lm_loss
+from gemini_ckpt.toy import TinyLM, build_training, fully_shard_layers, lm_loss
 from dir_tier import DirTier
 from rendezvous import join_group, master_store
 
