@@ -15,6 +15,7 @@ from typing import Optional
 
 from .errors import ConfigError
 from .health import HealthCheck
+from .timeouts import TIMEOUTS
 
 STORES = ("local", "ray")
 PLACEMENTS = ("auto", "group", "ring", "mixed")
@@ -98,7 +99,7 @@ class CheckpointConfig:
     staging: str = "copy"
     host_memory_budget_bytes: Optional[int] = None
     world_size_change: str = "derive"
-    timeout_s: float = 300.0
+    timeout_s: float = TIMEOUTS.version_s
     signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
     replication_bandwidth: Optional[int] = None
     overwrite: bool = False

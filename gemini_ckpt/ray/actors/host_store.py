@@ -52,15 +52,12 @@ from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
 from .serving import ShardServer
+from ...timeouts import TIMEOUTS
 from .state import EpochConfig, StoreState
 from .versions import VersionTable
 
 log = logging.getLogger("gemini_ckpt")
 
-PROGRESS_TIMEOUT_S = 5.0
-"""A data-plane peer that makes no progress this long fails the transfer. A peer that dies is
-noticed at once (its connections reset); this catches one that hangs. Shorter gives false
-alarms on busy hosts: 1 s failed 256 MiB transfers with 4 ranks and their stores on 2 cores."""
 DEFAULT_BUDGET_FRACTION = 0.3
 """Default per-host budget: this fraction of the node's RAM (``host_memory_budget_bytes=None``)."""
 TICK_S = 0.2
@@ -172,7 +169,7 @@ class HostStore:
         old = self.s.listener
         self.s.secret, self.s.bandwidth = secret, bandwidth
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
-                                       config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S,
+                                       config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
                                                         max_send_bytes_per_s=bandwidth))
         self.s.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.s.readers = {}

@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError
 
 from ...errors import ShardFormatError
 from ...format.shards import ShardPlan, ShardRecord, check_record
+from ...timeouts import TIMEOUTS
 from ..commit import ReplicaAck, Send, VersionId
 from ..transport import Endpoint, Header, TransportError
 from .state import StoreState
@@ -246,7 +247,7 @@ class Replicator:
             vid = VersionId(v.epoch, step)
             meta = json.dumps({"epoch": v.epoch, "owner": shard.owner, "rank": rank, "plan_id": shard.plan_id,
                                "world_size": v.world_size, "committed": True}).encode()
-            timeout = self.s.cfg.timeout_s if self.s.cfg is not None else 300.0
+            timeout = self.s.cfg.timeout_s if self.s.cfg is not None else TIMEOUTS.version_s
         try:
             channel = self.copy_channel(target)
             for name, data in ((f"plan/{rank}", plan_bytes), (f"record/{rank}", shard.record_bytes),

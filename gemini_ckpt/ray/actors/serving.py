@@ -10,6 +10,7 @@ import logging
 import posixpath
 
 from ...format.framing import write_tensors
+from ...timeouts import TIMEOUTS
 from ..commit import (
     VersionId,
 )
@@ -70,7 +71,7 @@ class ShardServer:
                 with self.s.lock:
                     self.s.readers[key] = channel
             channel.send(Header(self.s.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes,
-                                put_id=tag), shard.seg.array[offset : offset + length], timeout=600)
+                                put_id=tag), shard.seg.array[offset : offset + length], timeout=TIMEOUTS.serve_s)
         except TransportError as exc:
             with self.s.lock:
                 self.s.readers.pop(key, None)
@@ -103,7 +104,7 @@ class ShardServer:
                                        shard.seg.array[offset : offset + length])
                     for offset, length, tag in ranges]
             for fut in sent:
-                fut.result(timeout=600)
+                fut.result(timeout=TIMEOUTS.serve_s)
         except TransportError as exc:
             with self.s.lock:
                 self.s.readers.pop(key, None)

@@ -1,0 +1,34 @@
+"""Every deadline of the library, in one place: how long each kind of wait may take before it is
+treated as a failure. The user sets one of them (``CheckpointConfig.timeout_s``: a version's
+whole replication and commit); the others are the library's, chosen as each docstring says.
+
+The data plane (:mod:`gemini_ckpt.ray.transport`) keeps its own pre-authentication deadlines:
+it is a self-contained package shipped to the host stores by value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    version_s: float = 300.0
+    """A version's replication and commit, end to end (the default of ``CheckpointConfig.timeout_s``,
+    and what a host store and the registry use before they are told the job's)."""
+    progress_s: float = 5.0
+    """A data-plane peer that makes no progress this long fails the transfer. A peer that dies is
+    noticed at once (its connections reset); this catches one that hangs. Shorter gives false
+    alarms on busy hosts: 1 s failed 256 MiB transfers with 4 ranks and their stores on 2 cores."""
+    serve_s: float = 600.0
+    """A host store pushing a restoring trainer the bytes it asked for (one batch of items)."""
+    handshake_s: float = 5.0
+    """A process attaching to its host store's local channel, from connect to proof."""
+    ping_every_s: float = 1.0
+    """How often the registry checks that each host store answers."""
+    ping_s: float = 5.0
+    """A host store that does not answer the registry's ping (or index call) this long is down."""
+
+
+TIMEOUTS = Timeouts()
+"""The library's deadlines (the dataclass's defaults)."""
