@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from .errors import CheckpointError, DamagedFileError
+from .errors import CheckpointError, DamagedFileError, VerificationError
 from .restore import check_structure
 from .results import RestoreResult
 from .restore.loader import load as dcp_load
@@ -43,7 +43,8 @@ from .state.train_state import MODEL, OPTIM, TrainState
 from .stores.fs import MAX_UNRECORDED_METADATA_BYTES
 from .format.layout import METADATA_FILE, path_parts
 from .stores.files import LocalFiles
-from .trust import VerificationError, item_nbytes, metadata_loads, safe_opaque, torch_load_value
+from .trust.items import item_nbytes, safe_opaque, torch_load_value
+from .trust.metadata import metadata_loads
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -46,7 +46,9 @@ from .stores.base import MemoryTier
 from .stores.durable import DurableTier
 from .format.layout import data_file_name
 from .format.manifest import ItemChecksum, VersionManifest
-from .trust import metadata_loads, resolve_key, sign, value_loads
+from .trust.manifest import resolve_key, sign
+from .trust.metadata import metadata_loads
+from .trust.values import value_loads
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from gemini_ckpt.checksum import checksum
 from gemini_ckpt.format.manifest import ItemChecksum, VersionManifest
-from gemini_ckpt.trust import canonical_bytes
+from gemini_ckpt.trust.manifest import canonical_bytes
 
 MARKER, METADATA = ".gemini_complete", ".metadata"
 

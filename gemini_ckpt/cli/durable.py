@@ -15,7 +15,8 @@ import time
 
 from ..health import UNCHECKED, Health
 from ..stores.durable import DurableTier
-from ..trust import load_metadata, resolve_key
+from ..trust.manifest import resolve_key
+from ..trust.metadata import load_metadata
 
 
 def _problem(exc: BaseException) -> str:

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError, ChecksumError, VerificationError
 from ..save.chunks import local_load_plan
 from ..save.plan import RawLocation
-from ..trust import VerificationError, safe_opaque, torch_load_value
+from ..trust.items import safe_opaque, torch_load_value
 
 
 @dataclass

@@ -22,7 +22,7 @@ from ..errors import (CheckpointError, ChecksumError, ConfigError, StructureMism
 from ..results import RestoreResult
 from ..save.sources import flatten, live_storages
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
-from ..trust import resolve_key
+from ..trust.manifest import resolve_key
 from .direct import direct_load, direct_plan
 from .loader import load as dcp_load
 from .opening import open_views

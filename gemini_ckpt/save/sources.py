@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
 from ..state.train_state import GRADS, TrainState
-from ..trust import is_opaque_key
+from ..trust.items import is_opaque_key
 from .plan import SnapshotPlan
 
 log = logging.getLogger("gemini_ckpt")

@@ -35,17 +35,12 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from ..checksum import checksum
-from ..errors import CheckpointError, DamagedFileError
+from ..errors import CheckpointError, DamagedFileError, VerificationError
 from ..retention import Retention, as_retention
-from ..trust import (
-    VerificationError,
-    check_torch_bytes,
-    item_nbytes,
-    load_metadata,
-    resolve_key,
-    safe_opaque,
-    torch_load_value,
-)
+from ..trust.items import item_nbytes, safe_opaque, torch_load_value
+from ..trust.manifest import resolve_key
+from ..trust.metadata import load_metadata
+from ..trust.values import check_torch_bytes
 from .base import Tier
 from .fs import FsStore
 from ..format.layout import IN_PROGRESS_FILE, LATEST_FILE, MARKER_FILE, read_latest, step_dir_name, write_latest

@@ -28,8 +28,8 @@ from typing import Optional
 
 import pyarrow.fs as pafs
 
-from ..errors import DamagedFileError, VersionNotFoundError
-from ..trust import VerificationError, check_marker, manifest_from_json, manifest_to_json
+from ..errors import DamagedFileError, VerificationError, VersionNotFoundError
+from ..trust.manifest import check_marker, manifest_from_json, manifest_to_json
 from ..format.layout import (MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, resolve_filesystem, step_dir_name)
 from .files import files_for
 from ..format.manifest import VersionManifest

@@ -26,22 +26,17 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
 from ..checksum import checksum
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError, ChecksumError, VerificationError
 from ..format.manifest import as_uint8
 from ..format.shards import ShardPlan, ShardRecord
 from ..health import UNCHECKED_VERDICT, Health, combine
 from ..save.plan import RawLocation
 from ..save.stager import torch_dtype
 from ..signing import canonical
-from ..trust import (
-    VerificationError,
-    canonical_bytes,
-    item_nbytes,
-    metadata_loads,
-    safe_opaque,
-    torch_load_value,
-    value_loads,
-)
+from ..trust.items import item_nbytes, safe_opaque, torch_load_value
+from ..trust.manifest import canonical_bytes
+from ..trust.metadata import metadata_loads
+from ..trust.values import value_loads
 
 log = logging.getLogger("gemini_ckpt")
 

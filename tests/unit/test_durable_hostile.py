@@ -479,7 +479,8 @@ def test_a_crafted_numpy_object_array_is_refused_not_a_crash(tmp_path):
     script.write_text(
         "import pickle, numpy as np\n"
         "from numpy._core.multiarray import _reconstruct\n"
-        "from gemini_ckpt.trust import VerificationError, value_loads\n"
+        "from gemini_ckpt.errors import VerificationError\n"
+        "from gemini_ckpt.trust.values import value_loads\n"
         "class C:\n"
         "    def __reduce__(self):\n"
         "        return (_reconstruct, (np.ndarray, (0,), b'b'), (1, (10**6,), np.dtype('O'), False, []))\n"

@@ -41,7 +41,7 @@ from gemini_ckpt.stores.memory import drop_local_store
 from gemini_ckpt.errors import ShardFormatError
 from gemini_ckpt.signing import canonical
 from gemini_ckpt.format.shards import RECORD_MAGIC, ShardRecord
-from gemini_ckpt.trust import canonical_bytes
+from gemini_ckpt.trust.manifest import canonical_bytes
 
 NAMESPACE = "health-" + uuid.uuid4().hex
 

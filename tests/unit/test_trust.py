@@ -29,15 +29,12 @@ from gemini_ckpt.stores.durable import DurableTier
 from gemini_ckpt.format.layout import parse_step_dir
 from gemini_ckpt.stores.views import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier, drop_local_store
-from gemini_ckpt.errors import ShardFormatError
+from gemini_ckpt.errors import ShardFormatError, VerificationError
 from gemini_ckpt.format.shards import ShardPlan, ShardRecord
 from gemini_ckpt.toy import build_training, lm_loss
-from gemini_ckpt.trust import (
-    ENV_KEY,
-    VerificationError,
-    metadata_loads,
-    value_loads,
-)
+from gemini_ckpt.trust.manifest import ENV_KEY
+from gemini_ckpt.trust.metadata import metadata_loads
+from gemini_ckpt.trust.values import value_loads
 from forge import forge_item as _forge_item
 from forge import reseal as _reseal
 from helpers import local_tier
