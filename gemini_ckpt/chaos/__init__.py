@@ -35,10 +35,7 @@ from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_mat
 from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario
-from ._spec import (
-    PHASES,
-    At,
-    ChaosConfig,
+from ._faults import (
     CorruptDurable,
     CorruptReplica,
     DurableUnreachable,
@@ -47,9 +44,16 @@ from ._spec import (
     KillWorker,
     NanInState,
     RemoveHosts,
-    Scenario,
-    ScenarioError,
     SlowReplication,
+)
+from ._phases import (
+    PHASES,
+    At,
+    ScenarioError,
+)
+from ._spec import (
+    ChaosConfig,
+    Scenario,
 )
 
 __all__ = [
