@@ -36,10 +36,7 @@ from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario
 from ._storage import FaultyFsHandler, faulty_filesystem
-from ._spec import (
-    PHASES,
-    At,
-    ChaosConfig,
+from ._faults import (
     CorruptDurable,
     CorruptReplica,
     DurableUnreachable,
@@ -48,9 +45,16 @@ from ._spec import (
     KillWorker,
     NanInState,
     RemoveHosts,
-    Scenario,
-    ScenarioError,
     SlowReplication,
+)
+from ._phases import (
+    PHASES,
+    At,
+    ScenarioError,
+)
+from ._spec import (
+    ChaosConfig,
+    Scenario,
 )
 
 __all__ = [

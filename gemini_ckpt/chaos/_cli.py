@@ -56,7 +56,8 @@ def load_job(spec: str):
 
 def _main(args: argparse.Namespace) -> int:
     from ._matrix import ci_matrix, full_matrix, run_matrix
-    from ._spec import ChaosConfig, ScenarioError
+    from ._phases import ScenarioError
+    from ._spec import ChaosConfig
 
     try:
         config = ChaosConfig(hosts=args.hosts, replicas=args.replicas, steps=args.steps,

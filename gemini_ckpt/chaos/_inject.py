@@ -14,14 +14,16 @@ from ._results import (
     HarnessError,
     infrastructure,
 )
-from ._spec import (
-    STORE_PHASES,
-    ChaosConfig,
+from ._faults import (
     CorruptDurable,
     CorruptReplica,
     KillStore,
     KillWorker,
     RemoveHosts,
+)
+from ._phases import STORE_PHASES
+from ._spec import (
+    ChaosConfig,
     Scenario,
 )
 

@@ -10,7 +10,8 @@ import uuid
 from typing import Any, Callable, Optional, Protocol
 
 from ._results import HarnessError, InfraError, err, infrastructure
-from ._spec import ChaosConfig, HookRule
+from ._phases import HookRule
+from ._spec import ChaosConfig
 
 
 class Harness(Protocol):

@@ -13,9 +13,7 @@ from ._harness import Harness, as_job
 from ._jobrun import StoreFactory
 from ._results import ScenarioResult
 from ._runner import run_scenario
-from ._spec import (
-    At,
-    ChaosConfig,
+from ._faults import (
     CorruptDurable,
     CorruptReplica,
     DurableUnreachable,
@@ -24,9 +22,15 @@ from ._spec import (
     KillWorker,
     NanInState,
     RemoveHosts,
-    Scenario,
-    ScenarioError,
     SlowReplication,
+)
+from ._phases import (
+    At,
+    ScenarioError,
+)
+from ._spec import (
+    ChaosConfig,
+    Scenario,
 )
 
 SINGLE_PHASES = ("step", "replicate", "commit", "committed", "persist", "persist_commit")

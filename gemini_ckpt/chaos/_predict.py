@@ -22,7 +22,9 @@ from typing import Iterable, Mapping, Optional
 
 import placement
 
-from ._spec import STEP, ChaosConfig, DurableWriteOutage, Scenario
+from ._faults import DurableWriteOutage
+from ._phases import STEP
+from ._spec import ChaosConfig, Scenario
 
 MEMORY, DURABLE, FRESH, ERROR = "memory", "durable", "fresh", "error"
 
@@ -159,7 +161,7 @@ def plan_scenario(s: Scenario, config: ChaosConfig) -> Prediction:
     """The prediction for ``s`` before anything runs, assuming a healthy run up to the fault:
     every step commits and every due step persists (except where a ``DurableWriteOutage``
     says otherwise). :func:`~gemini_ckpt.chaos.run_scenario` predicts from what it observed."""
-    from ._spec import CorruptDurable, CorruptReplica, DurableUnreachable
+    from ._faults import CorruptDurable, CorruptReplica, DurableUnreachable
 
     f = s.at.step
     before = list(range(0, f + 1 if s.at.phase == STEP else f))

@@ -25,17 +25,21 @@ from ._results import (
 )
 from ._checks import check_continuation, check_pre_fault, check_restore, observe
 from ._inject import inject, let_go, store_of, wait_paused, ray_get
-from ._spec import (
+from ._faults import (
+    DurableUnreachable,
+    DurableWriteOutage,
+    NanInState,
+    SlowReplication,
+)
+from ._phases import (
     PERSIST_PHASES,
     STEP,
     STORE_PHASES,
-    ChaosConfig,
-    DurableUnreachable,
-    DurableWriteOutage,
     HookRule,
-    NanInState,
+)
+from ._spec import (
+    ChaosConfig,
     Scenario,
-    SlowReplication,
 )
 
 

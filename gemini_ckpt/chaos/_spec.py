@@ -1,249 +1,31 @@
 """What a chaos scenario is: when the fault strikes (:class:`At`), what it does (faults), the
 conditions around it, and the job it strikes (:class:`ChaosConfig`). Plain frozen
 dataclasses, validated at construction; nothing here starts a process or touches Ray.
+
+This module holds the scenario and the job; the moment and the phases are in
+:mod:`._phases`, the faults and conditions in :mod:`._faults`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Optional
 
-from ..faults import PHASES as LIBRARY_PHASES
-
-STEP = "step"
-STORE_PHASES = ("commit",)
-"""Phases of a host store: ``"commit"``, the host store of rank 0's host holds its yes vote
-(every copy of its ranks' shards acknowledged) before the coordinator decides."""
-PHASES = (STEP,) + LIBRARY_PHASES[:1] + STORE_PHASES + LIBRARY_PHASES[1:]
-"""Where a fault can strike: ``"step"`` (at the step boundary, after the step's version was
-committed, and persisted when due), one of the training process's phases
-(:mod:`gemini_ckpt.faults`) or a host store's (:data:`STORE_PHASES`)."""
-COORDINATOR_PHASES = ("commit", "persist", "persist_commit")
-"""Phases held on rank 0 (its host store, or its persister)."""
-PERSIST_PHASES = ("persist", "persist_commit")
-PLACEMENTS = ("group", "ring", "mixed")
-
-
-class ScenarioError(ValueError):
-    """A scenario that cannot be run as written; the message names the field and the fix."""
-
-
-def _hosts(name: str, value) -> tuple[int, ...]:
-    try:
-        hosts = tuple(value)
-    except TypeError:
-        raise ScenarioError(f"{name} must be a sequence of host indices, got {value!r}") from None
-    if not hosts or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hosts):
-        raise ScenarioError(f"{name} must name at least one host index >= 0, got {value!r}")
-    if len(set(hosts)) != len(hosts):
-        raise ScenarioError(f"{name} names a host twice: {value!r}")
-    return hosts
-
-
-def _nonneg_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ScenarioError(f"{name} must be an int >= 0, got {value!r}")
-    return value
-
-
-# --- when -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class At:
-    """The moment a fault strikes: ``phase`` of version ``step`` on rank ``rank``.
-
-    ``phase="step"``: after the version of ``step`` is committed (and persisted when due), before
-    the next step trains. ``phase="commit"``: the host store of rank ``rank``'s host holds its
-    vote for ``step`` while the faults are injected, then lets it go if it is still alive. Any
-    other phase: rank ``rank`` is held at that phase of saving ``step`` (inside its background
-    thread) while the faults are injected, then let go if it is still alive. ``commit``,
-    ``persist`` and ``persist_commit`` happen only on rank 0.
-    """
-
-    step: int
-    phase: str = STEP
-    rank: int = 0
-
-    def __post_init__(self) -> None:
-        _nonneg_int("At.step", self.step)
-        _nonneg_int("At.rank", self.rank)
-        if self.phase not in PHASES:
-            raise ScenarioError(f"At.phase={self.phase!r} is not a phase; use one of {', '.join(PHASES)}")
-        if self.phase in COORDINATOR_PHASES and self.rank != 0:
-            raise ScenarioError(f"At.phase={self.phase!r} happens only on the coordinator: use rank=0")
-
-    def label(self) -> str:
-        if self.phase == STEP:
-            return f"after step {self.step}"
-        return f"in {self.phase} of step {self.step} on rank {self.rank}"
-
-
-# --- faults: what happens at the trigger ------------------------------------------------------------
-@dataclass(frozen=True)
-class KillWorker:
-    """SIGKILL the training process of each of ``ranks`` (its host and host store survive)."""
-
-    ranks: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", _hosts("KillWorker.ranks", self.ranks))
-
-    def label(self) -> str:
-        return f"kill worker {','.join(map(str, self.ranks))}"
-
-
-@dataclass(frozen=True)
-class KillStore:
-    """``ray.kill`` the host store of each of ``hosts`` (every copy it held is gone)."""
-
-    hosts: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hosts", _hosts("KillStore.hosts", self.hosts))
-
-    def label(self) -> str:
-        return f"kill store {','.join(map(str, self.hosts))}"
-
-
-@dataclass(frozen=True)
-class RemoveHosts:
-    """Remove whole hosts at once (``cluster.remove_node(..., allow_graceful=False)``): their
-    training processes and host stores die with them. ``replace``: add a new node with the same
-    ``host{i}`` resource, so the job restarts at the same world size."""
-
-    hosts: tuple[int, ...] = (1,)
-    replace: bool = True
-    during_rereplication: bool = False
-    """Remove these hosts only once the host stores noticed the scenario's other losses, while
-    the copies those losses cost are being made again (the registry holds that work until this
-    removal is done): a second failure inside the window that re-replication closes."""
-    during_restore: bool = False
-    """Remove these hosts (replacements of the scenario's other losses) again while their ranks
-    restore, after the job restarted: the job restarts once more, on a new replacement."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "hosts", _hosts("RemoveHosts.hosts", self.hosts))
-        for name in ("replace", "during_rereplication", "during_restore"):
-            if not isinstance(getattr(self, name), bool):
-                raise ScenarioError(f"RemoveHosts.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.during_restore and not self.replace:
-            raise ScenarioError("RemoveHosts(during_restore=True) needs replace=True: the job restarts on the "
-                                "same hosts once more")
-
-    @property
-    def at_fault(self) -> bool:
-        """Removed when the scenario strikes (not later)."""
-        return not (self.during_rereplication or self.during_restore)
-
-    def label(self) -> str:
-        text = f"remove host{'s' if len(self.hosts) > 1 else ''} {','.join(map(str, self.hosts))}"
-        return text + (" during re-replication" if self.during_rereplication else "") + (
-            " during its restore" if self.during_restore else "")
-
-
-@dataclass(frozen=True)
-class CorruptReplica:
-    """Flip one byte of ``host``'s in-memory copy of rank ``owner``'s shard of the newest
-    committed version (a bad DIMM, a stray write). The copy must be skipped, never loaded."""
-
-    host: int = 1
-    owner: int = 1
-    nan: bool = False
-    """Write a NaN's bits over the first value of the biggest floating-point item instead of
-    flipping a byte (memory poisoned after commit: the checksum, not the health check, must
-    catch it, since the version was healthy when it was checked)."""
-
-    def __post_init__(self) -> None:
-        _nonneg_int("CorruptReplica.host", self.host)
-        _nonneg_int("CorruptReplica.owner", self.owner)
-        if not isinstance(self.nan, bool):
-            raise ScenarioError(f"CorruptReplica.nan must be True or False, got {self.nan!r}")
-
-    def label(self) -> str:
-        return f"{'NaN in' if self.nan else 'corrupt'} host {self.host}'s copy of shard {self.owner}"
-
-
-@dataclass(frozen=True)
-class CorruptDurable:
-    """Flip one byte of rank ``rank``'s data file of the newest persisted version on disk."""
-
-    rank: int = 0
-
-    def __post_init__(self) -> None:
-        _nonneg_int("CorruptDurable.rank", self.rank)
-
-    def label(self) -> str:
-        return f"corrupt durable file of rank {self.rank}"
-
-
-Fault = Union[KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable]
-FAULT_TYPES = (KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable)
-
-
-# --- conditions: what holds around the fault ----------------------------------------------------------
-@dataclass(frozen=True)
-class SlowReplication:
-    """Rank ``rank`` waits ``seconds`` before handing its shard to its host store (a slow
-    holder: every acknowledgement of its copies comes that much later), for ``steps`` (all
-    steps before the fault when empty)."""
-
-    rank: int = 1
-    seconds: float = 1.0
-    steps: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        _nonneg_int("SlowReplication.rank", self.rank)
-        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) or self.seconds <= 0:
-            raise ScenarioError(f"SlowReplication.seconds must be a positive number, got {self.seconds!r}")
-        object.__setattr__(self, "steps", tuple(_nonneg_int("SlowReplication.steps", s) for s in self.steps))
-
-    def label(self) -> str:
-        return f"slow holder (rank {self.rank} +{self.seconds:g}s)"
-
-
-@dataclass(frozen=True)
-class DurableWriteOutage:
-    """Every write to durable storage fails while the versions of ``steps`` are persisted (a
-    full disk, an unreachable bucket for a while); reads keep working."""
-
-    steps: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        if not self.steps:
-            raise ScenarioError("DurableWriteOutage.steps must name at least one step")
-        object.__setattr__(self, "steps", tuple(_nonneg_int("DurableWriteOutage.steps", s) for s in self.steps))
-
-    def label(self) -> str:
-        return f"durable writes fail while persisting step {','.join(map(str, self.steps))}"
-
-
-@dataclass(frozen=True)
-class DurableUnreachable:
-    """Durable storage refuses every operation (reads included) while the job restarts and
-    restores; it comes back before training continues."""
-
-    def label(self) -> str:
-        return "durable unreachable at restart"
-
-
-@dataclass(frozen=True)
-class NanInState:
-    """The fault step itself goes bad on rank ``rank``: after its optimizer step, a NaN lands in
-    the first value of that rank's optimizer state (a bad step, silent data corruption) before
-    the version is saved. The version commits but is unhealthy: it must never be persisted or
-    restored, nor push a healthy version out of memory or the durable tier. Needs
-    ``At(phase="step")``."""
-
-    rank: int = 1
-
-    def __post_init__(self) -> None:
-        _nonneg_int("NanInState.rank", self.rank)
-
-    def label(self) -> str:
-        return f"NaN in rank {self.rank}'s optimizer state at the fault step"
-
-
-Condition = Union[SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState]
-CONDITION_TYPES = (SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState)
+from ._faults import (
+    CONDITION_TYPES,
+    FAULT_TYPES,
+    Condition,
+    CorruptDurable,
+    CorruptReplica,
+    DurableWriteOutage,
+    Fault,
+    KillStore,
+    KillWorker,
+    NanInState,
+    RemoveHosts,
+    SlowReplication,
+)
+from ._phases import PERSIST_PHASES, PLACEMENTS, STEP, At, ScenarioError, host_indices
 
 
 # --- the scenario -----------------------------------------------------------------------------------
@@ -283,8 +65,8 @@ class Scenario:
         if self.placement not in PLACEMENTS:
             raise ScenarioError(f"Scenario {self.name}: placement={self.placement!r}; use one of {PLACEMENTS}")
         if self.restart_hosts is not None:
-            object.__setattr__(self, "restart_hosts", _hosts(f"Scenario {self.name}: restart_hosts",
-                                                             self.restart_hosts))
+            object.__setattr__(self, "restart_hosts", host_indices(f"Scenario {self.name}: restart_hosts",
+                                                                   self.restart_hosts))
 
     # --- derived facts ---------------------------------------------------------------------
     def removed_hosts(self) -> tuple[int, ...]:
@@ -410,22 +192,3 @@ class ChaosConfig:
         outage = s.condition(DurableWriteOutage)
         if outage is not None and any(x >= self.steps for x in outage.steps):
             raise ScenarioError(f"Scenario {s.name}: {outage!r} names steps beyond {last}")
-
-
-@dataclass(frozen=True)
-class HookRule:
-    """Inside a rank process: at ``phase`` of ``step`` (any step when None), ``pause`` (report
-    and wait to be released), ``hold`` (wait to be released, silently) or ``delay`` (sleep)."""
-
-    phase: str
-    step: Optional[int]
-    action: str
-    seconds: float = 0.0
-    steps: tuple[int, ...] = field(default=())
-
-    def matches(self, phase: str, step: int) -> bool:
-        if phase != self.phase:
-            return False
-        if self.steps:
-            return step in self.steps
-        return self.step is None or step == self.step

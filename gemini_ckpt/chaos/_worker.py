@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from ._spec import HookRule
+from ._phases import HookRule
 
 
 def describe_error(exc: BaseException) -> str:

@@ -1,13 +1,16 @@
 """A Ray Train run's checkpoint settings and host stores, as the driver and Ray Train's
-controller see them (used by :mod:`gemini_ckpt.integrations.ray_train` and its callback)."""
+controller see them (used by :mod:`gemini_ckpt.integrations.ray_train` and its callback): the
+driver's :func:`host_stores` block around ``fit()`` lives here, and users reach it as
+``gemini_ckpt.integrations.ray_train.host_stores``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import posixpath
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError
@@ -77,3 +80,63 @@ def stop_host_stores(namespace: str) -> list[str]:
     killed = shutdown_host_stores(namespace)
     log.info("gemini_ckpt: stopped %d host-store actor(s) of namespace %r", len(killed), namespace)
     return killed
+
+
+# --- driver side ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def host_stores(config: Optional[CheckpointConfig] = None, *, run_name: Optional[str] = None,
+                run_config=None, keep: bool = False) -> Iterator[Optional[str]]:
+    """Around ``trainer.fit()`` on the driver: when the block ends (normally or by an error), the
+    run's host stores and slot registry are stopped, unless ``keep=True``. Yields the namespace
+    (None when it is not known before ``fit()``: see below).
+
+    Example::
+
+        run_config = RunConfig(name="lm-7", storage_path="/mnt/shared/runs")
+        with gray.host_stores(ckpt_config, run_config=run_config):
+            result = TorchTrainer(..., run_config=run_config).fit()
+
+    The namespace the workers use is ``CheckpointConfig.namespace``, else the run's name
+    (:func:`~gemini_ckpt.integrations.ray_train.checkpointer` resolves it the same way): pass
+    ``run_name=`` or the ``run_config=`` given to the trainer (a ``RunConfig`` without a name
+    gets one Ray generates when it is built, and that is the one used). With neither, the block
+    stops the namespaces whose stores first appeared while it ran (the run's, whatever its
+    name): don't run two trainers of the same Ray cluster inside such blocks at once.
+
+    The stores themselves are started by the workers: each rank's first ``save``/``restore``
+    creates the registry and its node's store (with ``host_memory_budget_bytes``) if they do
+    not exist, so a replacement node gets its store from its own worker. Only public Ray APIs
+    are involved.
+    """
+    name = run_name or (getattr(run_config, "name", None) if run_config is not None else None)
+    if (config is not None and getattr(config, "namespace", None)) or name:
+        namespace = resolve_config(config, run_name=name or "")[0].resolved_namespace
+        before = None
+    elif not _connected():
+        raise ConfigError(
+            "host_stores() needs the run's name to know which host stores to stop: pass the trainer's "
+            "RunConfig (host_stores(ckpt_config, run_config=run_config); a RunConfig without a name has "
+            "the one Ray generated), run_name=RunConfig.name, or CheckpointConfig.namespace; or connect "
+            "to Ray (ray.init) before the block, so the stores that appear during it can be told apart")
+    else:
+        namespace, before = None, _namespaces()
+    try:
+        yield namespace
+    finally:
+        if not keep and _connected():
+            for ns in [namespace] if namespace is not None else sorted(_namespaces() - before):
+                stop_host_stores(ns)
+
+
+def _connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
+
+
+def _namespaces() -> set[str]:
+    if not _connected():
+        return set()
+    from ..ray.cluster import named_actors
+
+    return set(named_actors())

@@ -69,20 +69,16 @@ Decisions worth knowing:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import posixpath
-import queue
 import threading
-from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
-from ..collective import rank0s
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError
 from ..results import RestoreResult, SaveHandle
 from ..state.train_state import TrainState
 from ..stores.durable import DurableTier, persist_policy
@@ -90,7 +86,8 @@ from ..retention import LeftToRayTrain
 from ..format.layout import parse_step_dir, resolve_filesystem, step_dir_name
 from ..ray.slots import HOST_LABEL
 from ._ray_train_callback import HostStores
-from ._ray_train_run import DURABLE_DIR, resolve_config, stop_host_stores
+from ._ray_train_report import Reported, Reporter
+from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_stores
 
 __all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores",
            "ranks_on_hosts", "resolve_config",
@@ -121,66 +118,6 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
         raise ValueError(f"ranks_on_hosts(ranks_per_host=...) needs a positive int, got {ranks_per_host!r}")
     return [{HOST_LABEL: str(rank // ranks_per_host)} for rank in range(num_workers)]
-
-
-# --- driver side ---------------------------------------------------------------------------------
-@contextlib.contextmanager
-def host_stores(config: Optional[CheckpointConfig] = None, *, run_name: Optional[str] = None,
-                run_config=None, keep: bool = False) -> Iterator[Optional[str]]:
-    """Around ``trainer.fit()`` on the driver: when the block ends (normally or by an error), the
-    run's host stores and slot registry are stopped, unless ``keep=True``. Yields the namespace
-    (None when it is not known before ``fit()``: see below).
-
-    Example::
-
-        run_config = RunConfig(name="lm-7", storage_path="/mnt/shared/runs")
-        with gray.host_stores(ckpt_config, run_config=run_config):
-            result = TorchTrainer(..., run_config=run_config).fit()
-
-    The namespace the workers use is ``CheckpointConfig.namespace``, else the run's name
-    (:func:`checkpointer` resolves it the same way): pass ``run_name=`` or the ``run_config=``
-    given to the trainer (a ``RunConfig`` without a name gets one Ray generates when it is
-    built, and that is the one used). With neither, the block stops the namespaces whose stores
-    first appeared while it ran (the run's, whatever its name): don't run two trainers of the
-    same Ray cluster inside such blocks at once.
-
-    The stores themselves are started by the workers: each rank's first ``save``/``restore``
-    creates the registry and its node's store (with ``host_memory_budget_bytes``) if they do
-    not exist, so a replacement node gets its store from its own worker. Only public Ray APIs
-    are involved.
-    """
-    name = run_name or (getattr(run_config, "name", None) if run_config is not None else None)
-    if (config is not None and getattr(config, "namespace", None)) or name:
-        namespace = resolve_config(config, run_name=name or "")[0].resolved_namespace
-        before = None
-    elif not _connected():
-        raise ConfigError(
-            "host_stores() needs the run's name to know which host stores to stop: pass the trainer's "
-            "RunConfig (host_stores(ckpt_config, run_config=run_config); a RunConfig without a name has "
-            "the one Ray generated), run_name=RunConfig.name, or CheckpointConfig.namespace; or connect "
-            "to Ray (ray.init) before the block, so the stores that appear during it can be told apart")
-    else:
-        namespace, before = None, _namespaces()
-    try:
-        yield namespace
-    finally:
-        if not keep and _connected():
-            for ns in [namespace] if namespace is not None else sorted(_namespaces() - before):
-                stop_host_stores(ns)
-
-
-def _connected() -> bool:
-    import ray
-
-    return ray.is_initialized()
-
-
-def _namespaces() -> set[str]:
-    if not _connected():
-        return set()
-    from ..ray.cluster import named_actors
-
-    return set(named_actors())
 
 
 # --- worker side ---------------------------------------------------------------------------------
@@ -227,12 +164,6 @@ def _train_context():
                               "training function (train_loop_per_worker)") from exc
 
 
-@dataclass(frozen=True)
-class _Reported:
-    step: int
-    path: Optional[str]  # None: not persisted (failed or skipped); dropped without a report
-
-
 class RayTrainCheckpointer(Checkpointer):
     """A :class:`~gemini_ckpt.Checkpointer` that reports persisted versions to Ray Train.
 
@@ -264,7 +195,7 @@ class RayTrainCheckpointer(Checkpointer):
         self._metrics: dict[int, dict] = {}  # step -> what save() was given (every rank keeps its own)
         self._metrics_lock = threading.Lock()
         self._report_group = None
-        self._reporter: Optional[_Reporter] = None
+        self._reporter: Optional[Reporter] = None
         self.reported_steps: list[int] = []
 
     def start(self) -> "RayTrainCheckpointer":
@@ -273,7 +204,7 @@ class RayTrainCheckpointer(Checkpointer):
                 # Every rank starts at its first save/restore, so the groups are created in one order.
                 self._report_group = dist.new_group(backend="gloo")
             super().start()
-            self._reporter = _Reporter(self)
+            self._reporter = Reporter(self)
             self._reporter.start()
             return self
         super().start()
@@ -328,7 +259,7 @@ class RayTrainCheckpointer(Checkpointer):
             self._reporter.stop()
 
     # --- which versions are reported (rank 0 decides) ------------------------------------------------
-    def _unreported(self) -> list[_Reported]:
+    def _unreported(self) -> list[Reported]:
         """Complete durable versions newer than the last one Ray knows of (rank 0)."""
         import ray.train
 
@@ -339,12 +270,12 @@ class RayTrainCheckpointer(Checkpointer):
             step = parse_step_dir(name)
             if step is not None:
                 last = max(last, step)
-        return [_Reported(s, self._path(s)) for s in self.durable.complete_steps() if s > last]
+        return [Reported(s, self._path(s)) for s in self.durable.complete_steps() if s > last]
 
     def _path(self, step: int) -> str:
         return posixpath.join(self._report_root, step_dir_name(step))
 
-    def _report_one(self, item: _Reported) -> None:
+    def _report_one(self, item: Reported) -> None:
         """Report one version to Ray Train (on the reporter thread of every rank)."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
@@ -360,86 +291,3 @@ class RayTrainCheckpointer(Checkpointer):
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         self.reported_steps.append(item.step)
         log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)
-
-
-_STOP = "stop"
-
-
-class _Reporter:
-    """The thread that reports durable versions to Ray Train (see :class:`RayTrainCheckpointer`).
-
-    Rank 0's thread takes the versions the persist policy chose, in step order, waits until
-    each is durable (or failed: then it is dropped), and hands the decision to the other ranks
-    over the checkpointer's own gloo group; every rank's thread then calls ``ray.train.report``.
-    The group is used by these threads only, so nothing else on it can interleave."""
-
-    def __init__(self, ckpt: RayTrainCheckpointer) -> None:
-        self.ckpt = ckpt
-        self.offered: list[int] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-ray-train-report", daemon=True)
-        self._error: Optional[BaseException] = None
-        self._stopped = False
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def offer(self, step: int, handle: SaveHandle) -> None:
-        """Rank 0: ``step`` will be persisted; report it once it is."""
-        self.offered.append(step)
-        self._queue.put((step, handle))
-
-    def offer_ready(self, item: _Reported) -> None:
-        """Rank 0: a version that is durable already."""
-        self.offered.append(item.step)
-        self._queue.put(item)
-
-    def finish(self, timeout: float) -> None:
-        """Report what was offered, then stop the thread (every rank)."""
-        if self.ckpt.rank == 0:
-            self._queue.put(_STOP)
-        self._thread.join(timeout=timeout + 5)
-        if self._thread.is_alive() and self._error is None:
-            self._error = CheckpointError(
-                f"rank {self.ckpt.rank}: the last reports to Ray Train did not finish within {timeout}s "
-                f"(CheckpointConfig.timeout_s)")
-
-    def stop(self) -> None:
-        """Stop without reporting the rest (abort): the thread ends at its next wait."""
-        self._stopped = True
-        self._queue.put(_STOP)
-
-    def raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                item = self._next() if self.ckpt.rank == 0 else None
-                item = self._agree(item)
-                if item == _STOP:
-                    return
-                self.ckpt._report_one(item)
-        except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next save/close
-            if not self._stopped:
-                log.error("rank %d: reporting to Ray Train failed: %s: %s", self.ckpt.rank, type(exc).__name__, exc)
-                self._error = CheckpointError(f"rank {self.ckpt.rank}: reporting to Ray Train failed: "
-                                              f"{type(exc).__name__}: {exc}")
-
-    def _next(self):
-        got = self._queue.get()
-        if got == _STOP or isinstance(got, _Reported):
-            return got
-        step, handle = got
-        if handle.skipped:
-            return _Reported(step, None)
-        try:
-            location = handle.persisted.result(timeout=self.ckpt.config.timeout_s)
-        except BaseException:  # noqa: BLE001 - a failed persist is not reported (the Checkpointer raises it)
-            return _Reported(step, None)
-        return _Reported(step, self.ckpt._path(step) if location is not None else None)
-
-    def _agree(self, item):
-        return rank0s(item, world_size=self.ckpt.world_size, group=self.ckpt._report_group)

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from gemini_ckpt import CheckpointConfig
-from gemini_ckpt.demo.cli import DemoOptions
+from gemini_ckpt.demo.options import DemoOptions
 from gemini_ckpt.integrations.ray_train import (
     DURABLE_DIR,
     HostStores,
@@ -44,7 +44,7 @@ def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, stagi
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from gemini_ckpt.demo.cli import train_loop
+    from gemini_ckpt.demo.job import train_loop
 
     ckpt_config = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0,
                                    staging=staging)
@@ -86,7 +86,7 @@ class TestRayTrain:
     def test_uninterrupted_run_reports_persisted_versions_that_stock_dcp_loads(self, reference):
         import torch.distributed.checkpoint as dcp
 
-        from gemini_ckpt.demo.cli import digest_state
+        from gemini_ckpt.demo.job import digest_state
         from gemini_ckpt.toy import TinyLM
 
         tmp_path, result = reference
@@ -125,7 +125,7 @@ def test_demo_host_loss_resumes_from_peer_memory_on_a_replacement_host(cluster, 
     die), a replacement joins and is given host 2's copies by the surviving holders, Ray Train
     restarts every worker (rank r on host r) and each restores from its own host's memory;
     the final state equals the uninterrupted run's."""
-    from gemini_ckpt.demo.cli import run_demo
+    from gemini_ckpt.demo.driver import run_demo
 
     options = DemoOptions(hosts=HOSTS, replicas=2, kill_host=2, kill_at_step=8, steps=STEPS,
                           persist_every=PERSIST_EVERY, out=str(tmp_path))

@@ -13,7 +13,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from gemini_ckpt import CheckpointConfig, CheckpointError, ConfigError
-from gemini_ckpt.demo.cli import DemoOptions, DemoReport, add_demo_command
+from gemini_ckpt.demo.cli import add_demo_command
+from gemini_ckpt.demo.options import DemoOptions
+from gemini_ckpt.demo.report import DemoReport
 from gemini_ckpt.demo.timeline import plot_timeline
 from gemini_ckpt.integrations.ray_train import (
     DURABLE_DIR,
@@ -146,7 +148,8 @@ def test_host_stores_names_the_run_from_a_run_config_without_a_name():
 
 
 def test_the_demo_report_never_counts_negative_steps_lost():
-    from gemini_ckpt.demo.cli import DemoOptions, DemoReport
+    from gemini_ckpt.demo.options import DemoOptions
+    from gemini_ckpt.demo.report import DemoReport
 
     # The kill is asynchronous: here step 37 committed after step 36 was seen to finish.
     report = DemoReport(DemoOptions(), run_dir="runs/x", seconds=1.0, failure_step=36, failure_t=36.1, restored_step=37,
@@ -158,7 +161,7 @@ def test_the_demo_report_never_counts_negative_steps_lost():
 
 
 def test_the_demo_report_times_the_step_after_each_persisted_version():
-    from gemini_ckpt.demo.cli import step_times
+    from gemini_ckpt.demo.report import step_times
 
     # Steps 0..5 every 0.1 s except the step after persisted step 2 (0.3 s); then a restart
     # (attempt 1) whose first step has no predecessor in its attempt.

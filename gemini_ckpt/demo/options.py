@@ -1,0 +1,33 @@
+"""What the demo is asked to do (:class:`DemoOptions`, validated at construction): the
+driver, the report and the command line all read it, so it sits below them."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    hosts: int = 4
+    replicas: int = 2
+    kill_host: int = 1
+    kill_at_step: int = 34
+    steps: int = 60
+    persist_every: int = 10
+    failure: bool = True
+    out: str = "runs"
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or not 1 <= self.replicas <= self.hosts:
+            raise ValueError(f"--replicas must be between 1 and --hosts ({self.hosts}), got {self.replicas}")
+        if self.steps < 2:
+            raise ValueError("--steps must be at least 2")
+        if self.failure:
+            if not 0 <= self.kill_host < self.hosts:
+                raise ValueError(f"--kill-host must be between 0 and {self.hosts - 1}, got {self.kill_host}")
+            if not 0 <= self.kill_at_step < self.steps - 1:
+                raise ValueError(f"--kill-at-step must be between 0 and --steps - 2 ({self.steps - 2})")
+            if self.replicas < 2:
+                print("note: with --replicas 1 a dead host's shards have no other copy: the restore "
+                      "falls back to durable storage", file=sys.stderr)
