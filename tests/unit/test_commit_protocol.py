@@ -166,7 +166,7 @@ def test_a_dead_holder_aborts_the_version_everywhere_and_the_next_commits():
     decided_everywhere(sim, report)
     assert report.outcome is False and not report.acknowledged
     assert all(p.state(VersionId(0, 1)) == "aborted" for p in sim.stores.values())
-    assert "301" in sim.coordinator._rounds[VersionId(0, 1)].reason  # the death is named
+    assert "301" in sim.coordinator.reason(VersionId(0, 1))  # the death is named
     report = sim.run_version(2)
     decided_everywhere(sim, report)
     assert report.outcome is True
@@ -222,7 +222,7 @@ def test_a_refused_copy_aborts_everywhere():
     report = sim.run_version(0, replica_failures=[(41, 40)])
     decided_everywhere(sim, report)
     assert report.outcome is False
-    assert "over budget" in sim.stores[40]._rounds[VersionId(0, 0)].reason
+    assert "over budget" in sim.stores[40].reason(VersionId(0, 0))
 
 
 def test_a_host_whose_store_died_but_ranks_live_blocks_the_commit():
@@ -231,7 +231,7 @@ def test_a_host_whose_store_died_but_ranks_live_blocks_the_commit():
     out = []
     for slot in range(4):  # slot 3's store lost its ranks' shards: it stages only 1 of 2
         out += coord.on_message(Vote(v, slot, frozenset(), True, shards=1 if slot == 3 else 2))
-    assert coord.outcome(v) is False and "7 of 8" in coord._rounds[v].reason
+    assert coord.outcome(v) is False and "7 of 8" in coord.reason(v)
 
 
 class _Net:

@@ -122,6 +122,11 @@ class Participant:
             return r.outcome
         return True if version in self._committed or version in self._unhealthy else None
 
+    def reason(self, version: VersionId) -> str:
+        """Why ``version`` was decided as it was here ("" while undecided, unknown or forgotten)."""
+        r = self._rounds.get(version)
+        return r.reason if r is not None else ""
+
     def committed_versions(self) -> tuple:
         """The newest ``keep`` healthy versions committed here, oldest first."""
         return tuple(self._committed)
