@@ -1,0 +1,336 @@
+"""``Checkpointer``: the facade users call (start, save, wait, close, restore) over its collaborators.
+
+``save()`` reads as its steps: admission (:mod:`.inflight`), the snapshot (:mod:`.snapshot`,
+or :mod:`.overlapped` with ``staging="overlap"``), the hand-off to the background thread
+(:mod:`.background`); ``start()`` builds the tiers (:mod:`.tiers`); ``restore()`` is
+:mod:`.restoring`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+import warnings
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..collective import rank0s
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, ConfigError
+from ..health import MetricHistory
+from ..lineage import Lineage, survey
+from ..persister import Persister
+from ..retention import KeepNewest, Retention
+from ..results import CheckpointStats, RestoreResult, SaveHandle
+from ..save.sources import Sources
+from ..save.stager import Stager
+from ..state.train_state import TrainState
+from ..stores.base import MemoryTier
+from ..stores.durable import DurableTier, persist_policy
+from ..trust import no_gc
+from .background import Background, Job
+from .inflight import InFlight
+from .overlapped import OverlapCopier
+from .restoring import restore_version
+from .snapshot import Phases, judge, plan_snapshot, record_save, stage
+from .tiers import job_description, make_store, start_persister, warm_up
+
+log = logging.getLogger("gemini_ckpt")
+
+
+class Checkpointer:
+    """Checkpoint a :class:`TrainState` every step into memory (and every Nth to disk).
+
+    Example::
+
+        ckpt = Checkpointer(state, CheckpointConfig(store="local", keep_in_memory=2))
+        result = ckpt.restore()          # None on a fresh start
+        start = result.step + 1 if result else 0
+        for step in range(start, total_steps):
+            ...                          # forward, backward, optimizer.step()
+            ckpt.save(step)              # returns once staged
+        ckpt.close()
+
+    Nothing is started at construction; the background thread (and, with ``store="ray"``,
+    the connection to the host stores) starts at the first ``save``/``restore``/``start``.
+    Rank and world size come from ``torch.distributed`` when it is initialized.
+    """
+
+    def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
+                 store: Optional[MemoryTier] = None, durable: Optional[DurableTier] = None,
+                 durable_retention: Optional[Retention] = None) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
+        self.state = state
+        self.config = config if config is not None else CheckpointConfig()
+        if not isinstance(self.config, CheckpointConfig):
+            raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
+        if store is not None and not isinstance(store, MemoryTier):
+            raise TypeError(f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
+                            f"got {type(store).__name__}; a durable location goes in CheckpointConfig.durable_uri")
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world_size = dist.get_world_size() if initialized else 1
+        self._store = store
+        self.stats = CheckpointStats()
+        self._flight = InFlight()  # the in-flight slots, the background's errors, the closing flags
+        self._bg_group = None
+        self._closed = False
+        self._policy = persist_policy(self.config.persist_every,
+                                      self.config.durable_uri or (durable.uri if durable else None))
+        self._durable: Optional[DurableTier] = durable
+        # what the durable tier built from ``durable_uri`` lets go of (default: keep_durable newest)
+        self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
+        self._persister: Optional[Persister] = None
+        self._sources = Sources(state, self.rank)
+        self._restored_plan = None  # the restored version's shard plan, until the first save decides on it
+        self._stager = Stager()
+        check = self.config.health_check
+        self._metric_history = MetricHistory(check.metrics) if check is not None else None
+        self._lineage = Lineage(self.config.resolved_namespace, overwrite=self.config.overwrite,
+                                durable_uri=self.config.durable_uri or (durable.uri if durable else None))
+        self._background = Background(self._flight, self._lineage, self.stats, self.config, rank=self.rank)
+        self._run_id = uuid.uuid4().hex
+        self._warm: Optional[threading.Thread] = None
+        # staging="overlap": the copying thread, the copy it is doing, the optimizers' hooks
+        self._overlap = OverlapCopier(state, self._sources, self._stager, self.stats, rank=self.rank,
+                                      timeout_s=self.config.timeout_s)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> "Checkpointer":
+        """Connect to the store and start the background threads (idempotent)."""
+        if self._background.started:
+            return self
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; build a new one")
+        # One-time costs of a new process, paid while the ranks wait for each other below.
+        self._warm = threading.Thread(target=warm_up, name="gemini-ckpt-warm-up", daemon=True)
+        self._warm.start()
+        if self._store is None:
+            self._store = make_store(self.config, rank=self.rank, world_size=self.world_size)
+        if self._durable is None and self.config.durable_uri:
+            self._durable = DurableTier(self.config.durable_uri, keep=self._durable_retention)
+        # Steps the memory and durable tiers hold now (rank 0; every rank gets its answer).
+        existing = survey(self._store, self._durable) if self.rank == 0 else ()
+        if self.world_size > 1:
+            # Background collectives get their own gloo group: sharing the training group from
+            # another thread deadlocks when the two interleave differently on two ranks.
+            self._bg_group = dist.new_group(backend="gloo")
+            # rank 0's run id names this job's persist outcomes in the rendezvous store
+            self._run_id, existing = rank0s((self._run_id, existing), world_size=self.world_size,
+                                            group=self._bg_group)
+        self._lineage.started(existing)
+        if self._durable is not None:
+            self._persister = start_persister(self._durable, self._store, self.config, self.stats, rank=self.rank,
+                                              world_size=self.world_size, run_id=self._run_id,
+                                              on_error=self._persist_failed)
+        self._background.start(self._store, self._durable, self._persister)
+        return self
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran (the first ``save``/``restore`` starts it)."""
+        return self._background.started
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`abort` ran; a closed Checkpointer does not start again."""
+        return self._closed
+
+    @property
+    def durable(self) -> Optional[DurableTier]:
+        """The durable tier, when ``durable_uri`` is set (still readable after ``close``)."""
+        if self._durable is None and not self._closed:
+            self.start()
+        return self._durable
+
+    @property
+    def store(self) -> MemoryTier:
+        """Where versions live in memory (connects on first use; still readable after ``close``)."""
+        if self._store is None:
+            self.start()
+        return self._store
+
+    def __enter__(self) -> "Checkpointer":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop without waiting for in-flight versions and without raising what failed: for a
+        job that is going down anyway (an exception in the training loop, a peer that died).
+        Versions already committed stay in the store; one still in flight never commits."""
+        if not self._closed:
+            self._flight.begin_closing()
+            self._shutdown(raise_errors=False)
+
+    @property
+    def _inflight(self) -> int:
+        return self._flight.count
+
+    # --- save ---------------------------------------------------------------------------------
+    def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
+        """Snapshot the state as version ``step`` and return once the copy is independent of
+        the live tensors. Raises what failed in the background since the last call (with
+        ``HealthCheck(on_unhealthy="raise")``, an :class:`~gemini_ckpt.UnhealthyVersionError`
+        for a version whose state failed its health checks).
+
+        ``metrics``: this step's numbers (e.g. ``{"loss": loss.item()}``) for the health check's
+        metric predicates (:mod:`gemini_ckpt.health`); Ray Train's checkpointer also reports them."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"save(step) needs a non-negative int step, got {step!r}")
+        if metrics is not None and not isinstance(metrics, dict):
+            raise TypeError(f"save(metrics=...) must be a dict of metric name -> number, got {type(metrics).__name__}")
+        self.start()
+        if persist and self._durable is None:
+            raise ConfigError("save(persist=True) needs CheckpointConfig.durable_uri (a path or pyarrow.fs URI)")
+        self._raise_background_errors()
+        self._lineage.admit(step)
+        t0 = time.perf_counter()
+        self._overlap.wait_copy()  # the previous version's overlapped copy (done by now, unless no optimizer step ran)
+        slot, segment, queued = object(), None, False
+        try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
+            if not self._flight.take(slot, step, self.config, self.stats):
+                return SaveHandle(step, skipped=True)
+            self._raise_background_errors()
+            phases = Phases(t0)
+            captured = self._sources.capture()
+            if captured is None:
+                captured = self._plan()
+                phases.mark("plan")
+            tensors, blobs = captured
+            plan = self._sources.plan
+            verdict = judge(self.config.health_check, step, self.state, metrics or {}, self._metric_history)
+            phases.mark("check")
+            segment = self._store.segment(plan.shard)
+            phases.mark("segment")
+            due = self._durable is not None and (persist or self._policy.should_persist(step))
+            handle = SaveHandle(step)
+            behind = self._overlap.behind(tensors) if self.config.staging == "overlap" else []
+            if behind:
+                outcome = self._overlap.stage(self._store, step, plan, segment, tensors, blobs, behind, due, verdict,
+                                              handle, phases, t0)
+                segment = None  # the copying thread's now
+                stall = time.perf_counter() - t0
+            else:
+                outcome, stall = stage(self._store, self._stager, self._sources, step, plan, segment, tensors, blobs,
+                                       due=due, verdict=verdict, handle=handle, phases=phases, t0=t0, rank=self.rank)
+                segment = None  # the tier's now
+            self._background.queue(Job(handle, outcome, t0, due, slot))
+            queued = True
+        except Exception as exc:
+            if self._flight.stopped and slot in self._flight.slots and "aborted" not in str(exc):
+                # abort() from another thread closed the store under this save(): the store's
+                # own error (an executor shut down, a closed channel) says nothing to the caller
+                raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
+                                      f"being staged ({type(exc).__name__}: {exc})") from exc
+            raise
+        finally:
+            if not queued:
+                if segment is not None:
+                    self._store.give_back(segment)
+                self._flight.release(slot)
+        self._lineage.saved(step)
+        record_save(self.stats, self._store, plan, phases, step=step, stall=stall, rank=self.rank)
+        return handle
+
+    def _plan(self):
+        """Plan the state (a collective), or take the restored version's plan over (see
+        :func:`~.snapshot.plan_snapshot`), and bind the sources to it."""
+        state_dict = self._sources.live_state()
+        restored, self._restored_plan = self._restored_plan, None
+        return plan_snapshot(state_dict, restored, self._sources, self.state, self.config, self.stats,
+                             rank=self.rank, world_size=self.world_size, group=self._bg_group, run_id=self._run_id,
+                             job=job_description(self.config, world_size=self.world_size))
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        """Block until every version in flight is committed (or failed); raise what failed."""
+        self._flight.wait(self.config.timeout_s if timeout is None else timeout)
+        self._raise_background_errors()
+
+    def close(self) -> None:
+        """Wait for in-flight work, stop the background thread, raise what failed."""
+        if self._closed:
+            return
+        self._flight.begin_closing()  # saves from other threads are refused from here on
+        try:
+            if self._background.started:
+                self.wait()
+                if self._persister is not None and self.config.persist_on_close and self.config.persist_every > 0:
+                    self._persister.persist_on_close(self._background.newest_healthy)
+                self.wait_persisted()
+        finally:
+            self._shutdown(raise_errors=True)
+            if self.stats.persist_failed:
+                warnings.warn(f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
+                              f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
+
+    def wait_persisted(self, timeout: Optional[float] = None) -> None:
+        """Block until every version saved so far is committed and its persist, if it is due
+        one, is done (succeeded or failed)."""
+        if self._background.started:
+            self.wait(timeout)  # a persist is queued when its version commits
+        if self._persister is not None:
+            self._persister.wait(self.config.timeout_s if timeout is None else timeout)
+        self._raise_background_errors()
+
+    def _shutdown(self, *, raise_errors: bool) -> None:
+        self._background.stop(self.config.timeout_s)
+        self._overlap.stop()
+        self._background.fail_unfinished()
+        if self._persister is not None:
+            self._persister.stop(self.config.timeout_s)
+        self._closed = True
+        if self._store is not None:
+            self._store.close()
+        if raise_errors:
+            self._raise_background_errors()
+
+    def _raise_background_errors(self) -> None:
+        self._flight.raise_errors()
+
+    def _persist_failed(self, err: BaseException) -> None:
+        if self.config.persist_errors == "raise":  # else counted in stats and logged only
+            self._flight.add_error(err)
+
+    # --- restore ------------------------------------------------------------------------------
+    def restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
+        """Load the newest healthy committed version into the live objects; ``None`` if there is none.
+
+        The next ``save`` must be a later step; versions newer than the restored one (which
+        could not be read, or are unhealthy) are discarded before it is written.
+
+        A version whose bytes fail their checksums, or whose state failed its health checks, is
+        skipped (with a warning; :attr:`RestoreResult.skipped_reasons` says why) in favour of the
+        next older one; a version whose structure does not match raises
+        :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
+
+        ``step``: load exactly that version (every rank must name the same one), even an
+        unhealthy one (with a warning: for debugging); :class:`~gemini_ckpt.VersionNotFoundError`
+        when no tier holds it, and no fallback to another version.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ValueError(f"restore(step=...) needs a non-negative int step or None, got {step!r}")
+        with no_gc():
+            return self._restore(step)
+
+    def _restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
+        marks = [("called", time.time())]
+        self.start()
+        self.wait()
+        if self._warm is not None:
+            self._warm.join(timeout=self.config.timeout_s)
+        marks.append(("connected", time.time()))
+        result, restored_plan = restore_version(self.state, self._store, self._durable, self.config, self._lineage,
+                                                rank=self.rank, world_size=self.world_size, group=self._bg_group,
+                                                marks=marks, step=step)
+        if result is not None:
+            self._restored_plan = restored_plan  # the first save may take it over
+        return result

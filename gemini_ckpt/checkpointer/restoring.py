@@ -1,0 +1,50 @@
+"""``Checkpointer.restore()``'s orchestration around :func:`gemini_ckpt.restore.restore_newest`.
+
+The tiers are tried in order (memory, then durable); a fresh job with ``init_from`` seeds
+from a stock checkpoint instead; the restored version becomes the lineage's newest (versions
+newer than it are discarded before the next save) and its shard plan is offered to the first
+save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from ..config import CheckpointConfig
+from ..lineage import Lineage
+from ..restore import restore_newest
+from ..results import RestoreResult
+from ..state.train_state import TrainState
+from ..stores.base import MemoryTier
+from ..stores.durable import DurableTier
+
+log = logging.getLogger("gemini_ckpt")
+
+
+def restore_version(state: TrainState, store: MemoryTier, durable: Optional[DurableTier], config: CheckpointConfig,
+                    lineage: Lineage, *, rank: int, world_size: int, group, marks: list,
+                    step: Optional[int]) -> tuple[Optional[RestoreResult], object]:
+    """Load the newest healthy version (or ``step``) into ``state``: (the result or None, the
+    restored version's shard plan, which the first save may take over)."""
+    tiers = [store]
+    if durable is not None:
+        tiers.append(durable)
+    plans: dict = {}
+    result = restore_newest(state, tiers, rank=rank, world_size=world_size,
+                            group=group, config=config, marks=marks, step=step, plans=plans)
+    if result is None and config.init_from and step is None:
+        from ..init_from import init_from
+
+        result = init_from(state, config.init_from, rank=rank, world_size=world_size,
+                           group=group)
+    if result is not None and store.recovery:
+        result = dataclasses.replace(result, recovery=store.recovery)
+    if result is not None:
+        log.info("rank %d: %s", rank, result.summary())
+        # Continue from here: versions newer than this one (damaged, or abandoned) are
+        # discarded before the next save is written, and never restored later.
+        existing = plans.get("held", ())  # what the tiers held (the survey every rank walked)
+        lineage.restored_to(result.step, existing)
+    return result, plans.get("restored")

@@ -1,0 +1,74 @@
+"""What ``Checkpointer.start()`` builds: the memory tier, the durable tier's persister, the warm-up.
+
+The memory tier is a process-local store (``store="local"``) or the connection to the host
+stores (``store="ray"``; Ray is imported only then). With a durable tier, rank 0 cleans up what
+an earlier run left incomplete, and the :class:`~gemini_ckpt.persister.Persister` starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..config import CheckpointConfig
+from ..errors import ConfigError
+from ..persister import Persister
+from ..results import CheckpointStats
+from ..retention import KeepNewest
+from ..stores.base import MemoryTier
+from ..stores.durable import DurableTier
+from ..stores.memory import local_store
+
+log = logging.getLogger("gemini_ckpt")
+
+
+def warm_up() -> None:
+    """The one-time costs of a new process (a thread's target; failures only logged)."""
+    from ..trust import warm_up as warm_up_trust
+
+    try:
+        warm_up_trust()
+    except Exception as exc:  # noqa: BLE001 - only an optimization
+        log.debug("warm-up failed: %s: %s", type(exc).__name__, exc)
+
+
+def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> MemoryTier:
+    if config.store == "local":
+        if world_size > 1:
+            raise ConfigError(
+                f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
+                f"{world_size} ranks; use store='ray' (host stores) for multi-process jobs"
+            )
+        return local_store(config.resolved_namespace).attach(keep=KeepNewest(config.keep_in_memory))
+    from ..ray.client import connect  # Ray is imported only when it is used
+
+    return connect(config, rank=rank, world_size=world_size)
+
+
+def job_description(config: CheckpointConfig, *, world_size: int) -> dict:
+    from .._version import __version__
+
+    return {"namespace": config.resolved_namespace, "world_size": world_size,
+            "replicas": config.replicas,
+            "placement": config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
+
+
+def start_persister(durable: DurableTier, store: MemoryTier, config: CheckpointConfig, stats: CheckpointStats, *,
+                    rank: int, world_size: int, run_id: str,
+                    on_error: Callable[[BaseException], None]) -> Persister:
+    """Clean up incomplete versions (rank 0) and start the durable tier's writer."""
+    if rank == 0:
+        try:
+            durable.cleanup_incomplete()
+        except OSError as exc:
+            # Memory may hold everything needed; persists will report the outage.
+            log.warning("durable tier %s is not reachable at start (%s: %s); incomplete "
+                        "versions are cleaned up next time", durable.uri, type(exc).__name__, exc)
+    persister = Persister(
+        durable, store, rank=rank, world_size=world_size,
+        timeout_s=config.timeout_s, signing_key=config.signing_key, run_id=run_id,
+        job=job_description(config, world_size=world_size), stats=stats, on_error=on_error)
+    persister.start()
+    return persister
