@@ -30,7 +30,7 @@ from ..save.stager import Stager
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier
 from ..stores.durable import DurableTier, persist_policy
-from ..trust import no_gc
+from ..unpickle import no_gc
 from .background import Background, Job
 from .inflight import InFlight
 from .overlapped import OverlapCopier

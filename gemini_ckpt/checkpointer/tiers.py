@@ -26,7 +26,7 @@ log = logging.getLogger("gemini_ckpt")
 
 def warm_up() -> None:
     """The one-time costs of a new process (a thread's target; failures only logged)."""
-    from ..trust import warm_up as warm_up_trust
+    from ..trust.metadata import warm_up as warm_up_trust
 
     try:
         warm_up_trust()
