@@ -8,6 +8,7 @@ around" it.
 Phases in the training process (``ctx`` always has ``step`` and ``rank``; the host store's
 own phase, its vote held before the decision, is :meth:`HostStore.hold_vote`):
 
+- ``"admitted"``: ``save()`` took an in-flight slot for the version; nothing is captured yet.
 - ``"replicate"``: a rank is about to hand its staged shard to its host store (which replicates
   it to the other holders).
 - ``"copy_behind"``: with ``staging="overlap"``, the copying thread is about to copy the
@@ -16,7 +17,8 @@ own phase, its vote held before the decision, is :meth:`HostStore.hold_vote`):
 - ``"persist"``: the coordinator is about to write a committed version to the durable tier.
 - ``"persist_commit"``: the durable data files are written; the DCP metadata and marker are next.
 
-And one of a restore (not in :data:`PHASES`, which are the phases of saving a version):
+``admitted`` is not in :data:`PHASES` (the chaos harness's phases: a failure there loses no
+more than one before ``replicate``). And one of a restore (not in :data:`PHASES` either):
 ``"restore"``: every rank agreed on the versions to try, none is loaded yet (``step``: the
 newest candidate, or None).
 """

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..collective import rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
+from ..faults import fire
 from ..health import MetricHistory
 from ..lineage import Lineage, survey
 from ..persister import Persister
@@ -172,7 +173,8 @@ class Checkpointer:
             self._shutdown(raise_errors=False)
 
     @property
-    def _inflight(self) -> int:
+    def inflight(self) -> int:
+        """Versions saved and not yet committed or failed (at most ``max_inflight``)."""
         return self._flight.count
 
     # --- save ---------------------------------------------------------------------------------
@@ -199,12 +201,14 @@ class Checkpointer:
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
             if not self._flight.take(slot, step, self.config, self.stats):
                 return SaveHandle(step, skipped=True)
+            fire("admitted", step=step, rank=self.rank)
             self._raise_background_errors()
             phases = Phases(t0)
             captured = self._sources.capture()
             if captured is None:
                 captured = self._plan()
                 phases.mark("plan")
+            self.stats.state_dicts = self._sources.rebuilt
             tensors, blobs = captured
             plan = self._sources.plan
             verdict = judge(self.config.health_check, step, self.state, metrics or {}, self._metric_history)

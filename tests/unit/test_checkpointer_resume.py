@@ -215,17 +215,17 @@ def test_the_plan_is_built_once_and_again_only_when_the_structure_changes():
         for step in range(4):
             _train(t, state, batches, [step], ckpt=ckpt, save_at=step)
             ckpt.wait()
-        assert ckpt._sources.rebuilt == 1  # planned at the first version, cached since
+        assert ckpt.stats.state_dicts == 1  # planned at the first version, cached since
 
         t.model.register_buffer("ema", torch.arange(3, dtype=torch.float32))  # a new tensor item
         extra = t.model.ema
         _train(t, state, batches, [4], ckpt=ckpt, save_at=4)
         ckpt.wait()
-        replanned = ckpt._sources.rebuilt
+        replanned = ckpt.stats.state_dicts
         assert replanned > 1  # a new tensor: the cached plan no longer fits, planned again
         _train(t, state, batches, [5], ckpt=ckpt, save_at=5)
         ckpt.wait()
-        assert ckpt._sources.rebuilt == replanned  # and cached again
+        assert ckpt.stats.state_dicts == replanned  # and cached again
 
         extra.zero_()
         assert ckpt.restore().step == 5

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer, TrainState
+from gemini_ckpt import faults
 
 DEADLINE_S = 60
 
@@ -74,20 +75,18 @@ def test_close_from_another_thread_refuses_later_saves_and_every_handle_resolves
 def test_an_interrupt_right_after_the_slot_is_taken_gives_it_back():
     ckpt = _checkpointer(keep_in_memory=2, max_inflight=1)
     ckpt.save(0).committed.result(timeout=DEADLINE_S)
-    real = ckpt._raise_background_errors
-    calls = {"n": 0}
 
-    def interrupt_second_call():
-        calls["n"] += 1
-        if calls["n"] == 2:  # the first is before the slot is taken, the second right after
+    def interrupt(phase, **ctx):
+        if phase == "admitted" and ctx["step"] == 1:  # right after the slot is taken
             raise KeyboardInterrupt
-        real()
 
-    ckpt._raise_background_errors = interrupt_second_call
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(1)
-    ckpt._raise_background_errors = real
-    assert ckpt._inflight == 0
+    faults.set_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(1)
+    finally:
+        faults.set_hook(None)
+    assert ckpt.inflight == 0
     ckpt.save(2).committed.result(timeout=DEADLINE_S)  # would wait timeout_s for the leaked slot, then fail
     ckpt.close()
     assert ckpt.store.committed_steps()[-1] == 2
@@ -106,7 +105,6 @@ def test_abort_while_a_save_is_handing_off_refuses_that_save_with_a_checkpoint_e
     """The race the loop above hits now and then, pinned: abort() closes the store while another
     thread's save() is between staging and the hand-off. That save() gets a CheckpointError
     naming the abort, not the store's own "cannot schedule new futures after shutdown"."""
-    from gemini_ckpt import faults
 
     ckpt = _checkpointer(keep_in_memory=2)
     ckpt.save(0).committed.result(timeout=DEADLINE_S)
@@ -138,4 +136,4 @@ def test_abort_while_a_save_is_handing_off_refuses_that_save_with_a_checkpoint_e
     assert not thread.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError), outcome
     assert "aborted" in str(outcome[0])
-    assert ckpt._inflight == 0
+    assert ckpt.inflight == 0
