@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..stores.durable import EveryNSteps
+
 from ._faults import (
     CONDITION_TYPES,
     FAULT_TYPES,
@@ -146,7 +148,7 @@ class ChaosConfig:
             raise ScenarioError(f"ChaosConfig.timeout_s must be a positive number, got {self.timeout_s!r}")
 
     def persisted_by_policy(self, step: int) -> bool:
-        return (step + 1) % self.persist_every == 0
+        return EveryNSteps(self.persist_every).should_persist(step)  # the library's own rule
 
     def check(self, s: Scenario) -> None:
         """Raise :class:`ScenarioError` if ``s`` cannot run on this job."""
