@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..stores.durable import EveryNSteps
-
 from ._faults import (
     CONDITION_TYPES,
     FAULT_TYPES,
