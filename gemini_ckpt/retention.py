@@ -22,6 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, TypeVar
 
+__all__ = ["KeepNewest", "LeftToRayTrain", "Retention"]  # the extension points; the rest is internal
+
+
 S = TypeVar("S")  # a step, or anything ordered like one (the commit protocol's version ids)
 
 

@@ -39,6 +39,9 @@ from ..format.segments import Segment
 from ..format.shards import ShardPlan
 
 
+__all__ = ["Capabilities", "MemoryTier", "Outcome", "Tier"]  # the extension points; the rest is internal
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a memory tier does beyond the protocol.

@@ -49,6 +49,9 @@ from ..format.manifest import VersionManifest
 log = logging.getLogger("gemini_ckpt")
 
 
+__all__ = ["DurableTier", "EveryNSteps", "NeverPersist", "PersistPolicy"]  # the extension points; the rest is internal
+
+
 class PersistPolicy(Protocol):
     """Decides which committed versions also go to the durable tier."""
 
