@@ -137,7 +137,7 @@ class RayTier(MemoryTier):
                  registry, secret: bytes, attach: AttachClient, dead: set[int]) -> None:
         self.config, self.rank, self.world_size, self.node_id = config, rank, world_size, node_id
         self.table, self.epoch, self.slot = table, table.epoch, table.slot_of(node_id)
-        self._attach = attach
+        self._secret, self._attach = secret, attach
         self._lock = threading.Lock()
         self.hosts = HostStores(config, rank=rank, table=table, registry=registry, dead=dead)
         self.reads = TierReads(config, rank=rank, slot=self.slot, node_id=node_id, secret=secret, attach=attach,
