@@ -6,7 +6,7 @@ shard's items in offset order, so transfers overlap its checksums and copies).
 :class:`LocalCopy` and :class:`PeerCopy` are the ``fetch`` of a
 :class:`~gemini_ckpt.stores.views.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
 ranges. A :class:`LocalCopy` talks to this node's store through the reader's attach channel; a
-:class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.ray.client.RayTier`) as
+:class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.ray.reads.TierReads`) as
 one :class:`PeerReads`.
 """
 
@@ -46,7 +46,7 @@ class PeerReads:
 
 class LocalCopy:
     """A shard held by this node's store, mapped read-only through the attach channel
-    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach.AttachClient`)."""
+    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach_client.AttachClient`)."""
 
     def __init__(self, attach, step: int, rank: int) -> None:
         self.attach, self.step, self.rank = attach, step, rank

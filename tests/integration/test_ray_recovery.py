@@ -1,6 +1,6 @@
 """After a host is lost, the survivors bring every in-memory version back to ``replicas``
 copies, and a replacement host's store is given the lost host's copies as soon as it joins,
-so the restarted job restores locally (``Registry._rereplicate``, ``HostStore.send_copy``).
+so the restarted job restores locally (``Recovery.rereplicate``, ``HostStore.send_copy``).
 
 Rank ``i`` runs on host ``i`` (slot ``i``); group placement with 4 hosts and ``replicas=2``
 pairs slots {0, 1} and {2, 3}.

@@ -99,8 +99,8 @@ def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(
         expected = np.asarray(local.copies[0][0].fetch(0, size)).copy()
         local.close()
         # The same copy read as a peer's is (pushed over the data plane), in blocks of 1 kB.
-        slot = tier._where[5].copies[0][0]
-        peer = PeerCopy(tier.peer_reads, slot, tier._live()[slot], 5, 0, size, block_bytes=1024)
+        slot = tier.reads.where(5).copies[0][0]
+        peer = PeerCopy(tier.peer_reads, slot, tier.hosts.live()[slot], 5, 0, size, block_bytes=1024)
         ranges = [(0, 100), (100, 900), (1000, 48), (2000, 3000), (size - 7, 7), (10, 20), (0, size), (size, 0)]
         for offset, length in ranges:
             got = np.asarray(peer.fetch(offset, length))
@@ -268,7 +268,7 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
 @pytest.mark.ray
 def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
     from gemini_ckpt.errors import AttachError
-    from gemini_ckpt.ray.attach import AttachClient
+    from gemini_ckpt.ray.attach_client import AttachClient
     from gemini_ckpt.ray.client import connect
     from gemini_ckpt.ray.transport import AuthenticationError, Header, PeerLostError, TcpTransport
     from tier_contract import save_filled

@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from gemini_ckpt.errors import AttachError
-from gemini_ckpt.ray.attach import AttachClient, AttachServer
+from gemini_ckpt.ray.attach_client import AttachClient
+from gemini_ckpt.ray.attach_server import AttachServer
 from gemini_ckpt.format.segments import Segment
 
 SECRET = os.urandom(32)

@@ -16,9 +16,10 @@ import time
 
 import pytest
 
-from gemini_ckpt.ray import attach
+from gemini_ckpt.ray import attach_server
 from gemini_ckpt.errors import AttachError
-from gemini_ckpt.ray.attach import AttachClient, AttachServer
+from gemini_ckpt.ray.attach_client import AttachClient
+from gemini_ckpt.ray.attach_server import AttachServer
 
 SECRET = os.urandom(32)
 _HEAD = struct.Struct("<IQ")
@@ -87,7 +88,7 @@ def _eof_within(fd: int, seconds: float) -> bool:
 
 
 def test_a_silent_client_is_closed_at_the_handshake_deadline(monkeypatch):
-    monkeypatch.setattr(attach, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
+    monkeypatch.setattr(attach_server, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
     store = _Store()  # a server reads the deadline when it starts
     try:
         with _dial(store.server.address) as sock:
@@ -132,7 +133,7 @@ def _message(header: dict) -> bytes:
 
 @pytest.mark.parametrize("case", ["bad proof", "oversized", "stalled"])
 def test_fds_passed_before_the_proof_are_closed(monkeypatch, case):
-    monkeypatch.setattr(attach, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
+    monkeypatch.setattr(attach_server, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
     store = _Store()
     r, w = os.pipe()
     try:
@@ -160,11 +161,11 @@ def test_fds_passed_before_the_proof_are_closed(monkeypatch, case):
 def test_peer_credentials_and_the_uid_rule():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
-        peer = attach.peer_credentials(a)
+        peer = attach_server.peer_credentials(a)
     assert (peer.pid, peer.uid, peer.gid) == (os.getpid(), os.getuid(), os.getgid())
-    assert attach.peer_refusal(peer, os.getuid()) is None
-    stranger = attach.PeerCredentials(pid=4242, uid=os.getuid() + 1, gid=0)
-    reason = attach.peer_refusal(stranger, os.getuid())
+    assert attach_server.peer_refusal(peer, os.getuid()) is None
+    stranger = attach_server.PeerCredentials(pid=4242, uid=os.getuid() + 1, gid=0)
+    reason = attach_server.peer_refusal(stranger, os.getuid())
     assert reason is not None and f"uid {os.getuid() + 1}" in reason and "pid 4242" in reason
 
 

@@ -44,7 +44,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...retention import KeepNewest
-from ..attach import AttachServer
+from ..attach_server import AttachServer
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
 from ..transport import Endpoint, TcpConfig, TcpTransport

@@ -1,0 +1,204 @@
+"""After a host is lost: a live node of the same kind takes the dead host's slot over (its
+store is started and given the dead host's copies), and every committed version is brought
+back to ``replicas`` copies (see :mod:`.registry`); the timeline of each loss, for
+``RestoreResult.recovery``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Optional
+
+import ray
+
+from ..names import alive_node_ids
+from ..resolve import resolve
+from ..slots import HOST_LABEL, holders_for
+from .host_store import get_or_create_store
+from .registry_state import PING_TIMEOUT_S, RegistryState
+
+log = logging.getLogger("gemini_ckpt")
+
+
+def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
+    """Whether a node ``candidate`` can stand in for the ``dead`` one (both as ``ray.nodes()``
+    describes a node): the same resource names, apart from the ones Ray names after the node
+    itself, and, when the dead node carried the host label (:data:`~gemini_ckpt.ray.slots.HOST_LABEL`),
+    the same host label (the ranks pinned to that host will be placed on it)."""
+    if dead is None or candidate is None:
+        return False
+
+    def names(node: dict) -> set:
+        return {k for k in node.get("Resources", {})
+                if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+    label = (dead.get("Labels") or {}).get(HOST_LABEL)
+    if label is not None and (candidate.get("Labels") or {}).get(HOST_LABEL) != label:
+        return False
+    return names(dead) == names(candidate)
+
+
+def _node_info(node: dict) -> dict:
+    return {"Resources": dict(node.get("Resources") or {}), "Labels": dict(node.get("Labels") or {})}
+
+
+class Recovery:
+    """Replacements and re-replication for the registry (``s``: its shared state). Held by the
+    chaos harness while it lands a second failure (:meth:`hold`)."""
+
+    def __init__(self, s: RegistryState) -> None:
+        self.s = s
+
+    def note_nodes(self) -> None:
+        for n in ray.nodes():
+            if n.get("Alive"):
+                self.s.node_info[n["NodeID"]] = _node_info(n)
+
+    def note_deaths(self) -> None:
+        """When Ray declared each lost host's node dead (the recovery timeline)."""
+        alive = None
+        for event in self.s.recovery:
+            if "node_dead" not in event:
+                alive = set(alive_node_ids()) if alive is None else alive
+                if event["node_id"] not in alive:
+                    event["node_dead"] = time.time()
+
+    async def adopt_replacements(self) -> None:
+        """A node that joined the cluster while a slot is dead takes that slot over now (as it
+        would at the job's next rendezvous): its host store is started and given the dead host's
+        copies, before the job's new workers reach ``restore()``, which then reads them locally.
+        A replacement is a live node without a slot whose resources have the same names as the
+        dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
+        carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
+        if not self.s.job:
+            return
+        dead = sorted(s for s in self.s.dead if self.s.nodes[s] not in self._alive_now())
+        if not dead:
+            return
+        taken = set(self.s.nodes)
+        for n in ray.nodes():
+            if not dead:
+                break
+            node = n["NodeID"]
+            if not n.get("Alive") or node in taken:
+                continue
+            slot = next((s for s in dead if _same_kind(self.s.node_info.get(self.s.nodes[s]), n)), None)
+            if slot is None:
+                continue
+            dead.remove(slot)
+            old = self.s.nodes[slot]
+            store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"))
+            info = self._epoch_info(slot)
+            try:
+                await asyncio.wait_for(store.attach.remote(self.s.epoch, info), timeout=self.s.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
+                log.warning("registry %s: the replacement node %s for slot %d could not start its store: %s",
+                            self.s.namespace, node[:12], slot, exc)
+                continue
+            self.s.nodes[slot] = node
+            self.s.node_info[node] = _node_info(n)
+            self.s.handles.pop(slot, None)
+            self.s.dead.discard(slot)
+            self.s.event(f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
+                         f"dead host's copies now)")
+            for event in self.s.recovery:
+                if event["slot"] == slot and "replacement" not in event:
+                    event.update(replacement=node, replacement_joined=time.time())
+            self.s.rerep_pending = True
+
+    def _alive_now(self) -> set[str]:
+        return set(alive_node_ids())
+
+    def _epoch_info(self, slot: int) -> dict:
+        """What a store adopted outside a rendezvous is told (as ranks tell theirs in ``attach``):
+        it holds copies only, this epoch."""
+        committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
+        idle = sorted(set(self.s.idle) | {slot})
+        return {"slot": slot, "nodes": list(self.s.nodes), "world_size": self.s.coordinator.world_size
+                if self.s.coordinator is not None else 0, "ranks_here": [],
+                "replicas": int(self.s.job.get("replicas", 2)), "strategy": self.s.job.get("strategy", "auto"),
+                "keep": self.s.keep, "dead": sorted(self.s.dead - {slot}), "idle": idle,
+                "committed": [[v.epoch, v.step] for v in committed], "secret": self.s.secret,
+                "key": self.s.job.get("key"), "timeout_s": self.s.timeout_s, "bandwidth": self.s.job.get("bandwidth")}
+
+    async def rereplicate(self) -> None:
+        """Bring every committed version back to ``replicas`` copies, where the placement puts
+        them with the live hosts of now (:func:`~gemini_ckpt.ray.slots.holders_for`), each copy
+        sent by a store that holds one. A copy becomes visible only once its new holder checked
+        it, so a version is never half-copied to a reader. Runs until nothing is missing (or
+        nothing missing can be fixed: no live copy)."""
+        if not self.s.job or not self.s.nodes:
+            self.s.rerep_pending = False
+            return
+        live = {s: self.s.store(s) for s in range(len(self.s.nodes)) if s not in self.s.dead}
+        live = {s: h for s, h in live.items() if h is not None}
+        indexes = {}
+        for slot, handle in live.items():
+            try:
+                indexes[slot] = await asyncio.wait_for(handle.index.remote(), timeout=PING_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - busy or dead: the liveness check decides, next round
+                return
+        found = resolve(indexes)
+        # The versions a restore may choose: committed and not unhealthy (one kept for inspection
+        # is never made again).
+        committed = sorted((s for s, r in found.items() if r.committed and r.health != "unhealthy"),
+                           reverse=True)[: max(1, self.s.keep)]
+        replicas, strategy = int(self.s.job.get("replicas", 2)), self.s.job.get("strategy", "auto")
+        sends = []
+        for step in committed:
+            where = found[step]
+            owners = {int(r): e["shards"][r]["owner"] for ix in indexes.values() if step in ix
+                      for e in [ix[step]] for r in e["shards"] if e["epoch"] == where.epoch}
+            for rank, slots in where.copies.items():
+                owner = owners.get(rank)
+                if owner is None:
+                    continue
+                try:
+                    want = holders_for(owner, hosts=len(self.s.nodes), replicas=replicas, strategy=strategy,
+                                       dead=self.s.dead)
+                except Exception:  # noqa: BLE001 - too few live hosts for the copies asked: nothing to do
+                    continue
+                for target in [h for h in want if h not in slots and h in live]:
+                    source = slots[len(sends) % len(slots)]  # spread the sending over the holders
+                    sends.append((step, rank, source, target))
+        if not sends:
+            self.s.rerep_pending = False
+            self._rereplicated()
+            return
+        endpoints = {}
+        for _, _, _, target in sends:
+            if target not in endpoints:
+                endpoints[target] = await asyncio.wait_for(live[target].endpoint.remote(), timeout=PING_TIMEOUT_S)
+        t0 = time.time()
+        results = await asyncio.gather(*[asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]),
+                                                          timeout=self.s.timeout_s)
+                                         for step, rank, source, target in sends], return_exceptions=True)
+        failed = [(send, r) for send, r in zip(sends, results) if isinstance(r, BaseException)]
+        moved = sum(r for r in results if isinstance(r, int))
+        self.s.event(f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
+                     f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else ""))
+        # Another round checks what is still missing (a source that died meanwhile, a new loss).
+
+    def _rereplicated(self) -> None:
+        now = time.time()
+        for event in self.s.recovery:
+            event.setdefault("rereplicated", now)
+            if "replacement" in event:
+                event.setdefault("replacement_seeded", now)
+
+    def hold(self) -> None:
+        """Fault injection (the chaos harness): make no copies and adopt no replacement until
+        :meth:`release`, so a second failure can land inside that window."""
+        self.s.rerep_held = True
+
+    def release(self) -> None:
+        self.s.rerep_held = False
+
+    def timeline(self) -> list[dict]:
+        """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,
+        ``node_dead`` as Ray declared it, ``rereplicated`` (every committed version back to
+        ``replicas`` copies), ``replacement_joined`` and ``replacement_seeded`` (its store holds
+        the dead host's copies), and the ``slot``, ``node_id`` and ``replacement`` node."""
+        return [dict(e) for e in self.s.recovery]

@@ -1,0 +1,149 @@
+"""The registry's rendezvous: every rank of a job joins, and once all have, the host slots are
+assigned (a new node takes a dead node's slot) and a new *epoch* opens, with its dead and idle
+slots fixed and a fresh commit coordinator (see :mod:`.registry`). The ranks must agree on the
+signing key, or none of them goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ...errors import ConfigError
+from ..commit import Coordinator
+from ..names import alive_node_ids, find_store
+from .recovery import Recovery
+from .registry_state import RegistryState
+
+
+@dataclass
+class _Round:
+    pending: dict[int, str] = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    table: Optional[dict] = None
+    keys: dict = field(default_factory=dict)  # rank -> its signing key's fingerprint ("" for none)
+    error: str = ""  # why the round was refused (every rank raises it)
+
+
+def key_fingerprint(key_hex: Optional[str]) -> str:
+    """A short name of a signing key that says nothing of the key ("" for none)."""
+    if not key_hex:
+        return ""
+    return hashlib.sha256(b"gemini_ckpt key fingerprint\x00" + bytes.fromhex(key_hex)).hexdigest()[:12]
+
+
+def _key_mismatch(keys: dict[int, str]) -> str:
+    """Why the ranks of one rendezvous cannot go on together ("" when they agree): every rank
+    signs and checks with the same key, or none does; otherwise the versions one rank writes
+    are refused by another only at restore, when it is too late."""
+    groups: dict[str, list[int]] = {}
+    for rank, fp in sorted(keys.items()):
+        groups.setdefault(fp, []).append(rank)
+    if len(groups) <= 1:
+        return ""
+    parts = [f"ranks {ranks} " + (f"the key {fp}" if fp else "no key") for fp, ranks in sorted(groups.items())]
+    return ("the ranks of this job do not share one signing key (" + "; ".join(parts) + "): set "
+            "CheckpointConfig.signing_key (or $GEMINI_CKPT_SIGNING_KEY) to the same secret on every rank, "
+            "or on none")
+
+
+
+class Rendezvous:
+    """Joins the ranks of one round and opens the epoch (``s``: the registry's shared state;
+    ``recovery`` notes the nodes' resources, for finding replacements later)."""
+
+    def __init__(self, s: RegistryState, recovery: Recovery) -> None:
+        self.s, self.recovery = s, recovery
+        self._round: Optional[_Round] = None
+
+    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
+                   job: Optional[dict] = None) -> dict:
+        """Rendezvous of all ranks; returns the slot table every rank of this round shares:
+        ``nodes``, ``epoch``, ``ranks`` (rank -> node), ``dead`` and ``idle`` slots, the versions
+        committed so far, and the namespace's ``secret``. ``job``: the settings the registry
+        needs to bring versions back to ``replicas`` copies after a host is lost (``replicas``,
+        ``strategy``, the stores' ``budget``, the signing ``key``, ``bandwidth``)."""
+        if self._round is None:
+            self._round = _Round()
+        rnd = self._round
+        rnd.pending[rank] = node_id
+        rnd.keys[rank] = key_fingerprint((job or {}).get("key"))
+        rnd.params = {"keep": keep, "timeout_s": timeout_s}
+        if job:
+            self.s.job = dict(job)
+        for stale in [r for r in rnd.pending if r >= world_size]:
+            del rnd.pending[stale]
+            rnd.keys.pop(stale, None)
+        if all(r in rnd.pending for r in range(world_size)):
+            rnd.error = _key_mismatch(rnd.keys)
+            if not rnd.error:
+                rnd.table = await self._open_epoch(rnd.pending, rnd.params)
+            self._round = None
+            rnd.done.set()
+        else:
+            try:
+                await asyncio.wait_for(rnd.done.wait(), timeout=timeout_s)
+            except asyncio.TimeoutError:
+                missing = sorted(set(range(world_size)) - set(rnd.pending))
+                raise TimeoutError(
+                    f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
+                    f"namespace {self.s.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
+                    f"rank must build its Checkpointer and save/restore") from None
+        if rnd.error:
+            raise ConfigError(rnd.error)
+        return rnd.table
+
+    async def _open_epoch(self, pending: dict[int, str], params: dict) -> dict:
+        self._assign(pending)
+        self.s.epoch += 1
+        hosting = set(pending.values())
+        self.recovery.note_nodes()
+        alive = set(alive_node_ids())
+        dead = set()
+        for slot, node in enumerate(self.s.nodes):
+            if node not in alive or (node not in hosting and not await self._store_exists(node)):
+                dead.add(slot)
+        idle = frozenset(s for s, n in enumerate(self.s.nodes) if n not in hosting and s not in dead)
+        committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
+        since = [dict(e) for e in self.s.recovery if e["noticed"] >= self.s.epoch_opened]
+        self.s.epoch_opened = time.time()
+        keep = int(params.get("keep", 2))
+        self.s.coordinator = Coordinator(hosts=len(self.s.nodes), keep=keep, dead=dead, idle=idle,
+                                         committed=committed, world_size=len(pending))
+        self.s.dead, self.s.idle, self.s.handles, self.s.started = set(dead), idle, {}, {}
+        self.s.timeout_s = float(params.get("timeout_s", 300.0))
+        self.s.keep = keep
+        self.s.rerep_pending = bool(dead)
+        return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": dict(pending), "secret": self.s.secret,
+                "dead": sorted(dead), "idle": sorted(idle),
+                "committed": [[v.epoch, v.step] for v in committed], "recovery": since}
+
+    async def _store_exists(self, node: str) -> bool:
+        return find_store(self.s.namespace, node) is not None
+
+    def _assign(self, pending: dict[int, str]) -> None:
+        first_rank: dict[str, int] = {}
+        for rank, node in sorted(pending.items()):
+            first_rank.setdefault(node, rank)
+        new = [n for n in sorted(first_rank, key=first_rank.get) if n not in self.s.nodes]
+        if new:
+            alive = set(alive_node_ids())
+            free = [i for i, n in enumerate(self.s.nodes) if n not in alive]
+            for node in new:
+                if free:
+                    slot = free.pop(0)
+                    self.s.event(f"node {node[:12]} took over slot {slot} of dead node {self.s.nodes[slot][:12]}")
+                    self.s.nodes[slot] = node
+                else:
+                    self.s.nodes.append(node)
+                    self.s.event(f"node {node[:12]} got slot {len(self.s.nodes) - 1}")
+
+    def table(self) -> Optional[dict]:
+        if not self.s.nodes:
+            return None
+        return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": {}, "dead": sorted(self.s.dead),
+                "idle": sorted(self.s.idle)}

@@ -1,0 +1,181 @@
+"""The tier's read side (restore, persist, holders): which steps the live host stores hold
+committed and where each shard's copies are (every store's ``index``, resolved by
+:mod:`gemini_ckpt.ray.resolve`), a version opened for reading, and this reader's data-plane
+listener, where peers push the ranges :mod:`gemini_ckpt.ray.readahead` asks for
+(:attr:`TierReads.peer_reads`). A shard held on this node is mapped (no transfer); one held only
+by peers is pushed by a peer into a buffer here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..config import CheckpointConfig
+from ..errors import ShardFormatError, VersionNotFoundError
+from ..format.shards import ShardPlan, ShardRecord
+from ..stores.views import MemoryVersion, ShardCopy
+from .attach_client import AttachClient
+from .hosts import HostStores
+from .readahead import LocalCopy, PeerCopy, PeerReads, ReadSink
+from .resolve import Resolved, resolve
+from .transport import Endpoint, TcpConfig, TcpTransport
+
+log = logging.getLogger("gemini_ckpt")
+
+PROGRESS_TIMEOUT_S = 5.0  # as the host store's (gemini_ckpt.ray.actors.host_store.PROGRESS_TIMEOUT_S)
+
+
+class TierReads:
+    """One rank's reads of its namespace's host stores (see the module docstring): ``hosts``
+    says which stores are live, ``attach`` maps this node's copies, ``secret`` opens the data
+    plane."""
+
+    def __init__(self, config: CheckpointConfig, *, rank: int, slot: int, node_id: str, secret: bytes,
+                 attach: AttachClient, hosts: HostStores) -> None:
+        self.config, self.rank, self.slot, self.node_id = config, rank, slot, node_id
+        self._secret, self._attach, self._hosts = secret, attach, hosts
+        self._lock = threading.Lock()
+        self._where: dict[int, Resolved] = {}
+        self._surveyed_infos: dict[int, dict] = {}  # step -> slot -> {rank: (plan, record)}, from the survey
+        self._transport: Optional[TcpTransport] = None
+        self._read_sink = ReadSink()
+        self._read_listener = None
+        self.peer_reads = PeerReads(sink=self._read_sink, endpoint=self._reader_endpoint, lost=hosts.mark_dead,
+                                    describe=hosts.describe, timeout_s=config.timeout_s)
+
+    def where(self, step: int) -> Optional[Resolved]:
+        """Where ``step``'s copies are, as the last survey found (None: not seen)."""
+        with self._lock:
+            return self._where.get(step)
+
+    def committed_steps(self) -> list[int]:
+        found = resolve(self._hosts.gather("index"), local_slot=self.slot)
+        with self._lock:
+            self._where = found
+        return sorted(s for s, r in found.items() if r.committed)
+
+    def survey_state(self) -> dict:
+        with self._lock:
+            where = dict(self._where)
+        newest = max((s for s, r in where.items() if r.committed), default=None)
+        # Restore opens the newest version, and skips it if its records say it is unhealthy: then
+        # the newest one the stores call healthy is opened too.
+        healthy = max((s for s, r in where.items() if r.committed and r.health != "unhealthy"), default=None)
+        wanted = {s for s in (newest, healthy) if s is not None}
+        return {"where": where, "infos": {s: self._shard_infos(s, where[s]) for s in wanted}}
+
+    def use_survey_state(self, state: dict) -> None:
+        if not state:
+            return
+        # The surveying rank put its own node's copies first; this rank reads its own node's first.
+        where = {step: dataclasses.replace(r, copies={rank: tuple(sorted(slots, key=lambda s: s != self.slot))
+                                                      for rank, slots in r.copies.items()})
+                 for step, r in state["where"].items()}
+        with self._lock:
+            self._where = where
+            self._surveyed_infos = dict(state["infos"])
+
+    def open(self, step: int, *, key: Optional[bytes] = None) -> MemoryVersion:
+        with self._lock:
+            where = self._where.get(step)
+        if where is None or not where.committed:
+            self.committed_steps()
+            with self._lock:
+                where = self._where.get(step)
+        if where is None or not where.committed:
+            raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
+                                       f"{self.config.resolved_namespace!r}")
+        plans, records, copies, problems = {}, {}, {}, []
+        with self._lock:
+            held = self._surveyed_infos.pop(step, None)  # rank 0 asked for them at the survey
+        if held is None:
+            held = self._shard_infos(step, where)  # one call per store, all in parallel
+        for rank in range(where.world_size):
+            for slot in where.copies[rank]:
+                got = held.get(slot, {}).get(rank)
+                if got is None:
+                    continue
+                try:
+                    plans[rank], records[rank] = ShardPlan.decode(got[0], key), ShardRecord.decode(got[1], key)
+                    break
+                except ShardFormatError as exc:
+                    problems.append(f"{self._hosts.describe(slot)}: rank {rank}: {exc}")
+                    log.warning("rank %d: the plan or record of rank %d held by %s is damaged: %s", self.rank, rank,
+                                self._hosts.describe(slot), exc)
+            if rank not in plans:
+                raise ShardFormatError(f"step {step}: no live store has an intact plan and record of rank {rank}'s "
+                                       f"shard" + (f" ({'; '.join(problems)})" if problems else ""))
+            copies[rank] = [self._copy(step, rank, slot, plans[rank].region_bytes) for slot in where.copies[rank]]
+        return MemoryVersion(step, plans, records, copies, on_close=lambda: self._release_maps(copies))
+
+    def _shard_infos(self, step: int, where: Resolved) -> dict[int, dict]:
+        """slot -> {rank: (plan bytes, record bytes)} from every live store holding a copy."""
+        wanted: dict[int, list[int]] = {}
+        for rank, slots in where.copies.items():
+            for slot in slots:
+                wanted.setdefault(slot, []).append(rank)
+        live = self._hosts.live()
+        calls = {slot: live[slot].shard_info.remote(step, ranks) for slot, ranks in wanted.items() if slot in live}
+        out = {}
+        for slot, ref in calls.items():
+            try:
+                out[slot] = ray.get(ref, timeout=self.config.timeout_s)
+            except RayActorError:
+                self._hosts.mark_dead(slot, "died")
+            except (RayTaskError, GetTimeoutError) as exc:
+                log.warning("rank %d: %s did not say what it holds of step %d: %s", self.rank, self._hosts.describe(slot),
+                            step, type(exc).__name__)
+        return out
+
+    def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
+        if slot == self.slot:
+            local = LocalCopy(self._attach, step, rank)
+            return ShardCopy("local", local.fetch, "this node")
+        handle = self._hosts.live().get(slot)
+        peer = PeerCopy(self.peer_reads, slot, handle, step, rank, nbytes)
+        return ShardCopy("peer", peer.fetch, self._hosts.describe(slot), receive_into=peer.receive_into)
+
+    def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
+        for rank_copies in copies.values():
+            for copy in rank_copies:
+                owner = getattr(copy.fetch, "__self__", None)
+                if isinstance(owner, LocalCopy):
+                    owner.release()
+
+    def _reader_endpoint(self) -> Endpoint:
+        """This reader's data-plane listener (started on first use), where peers push ranges."""
+        with self._lock:
+            listener = self._read_listener
+        if listener is None:
+            listener = self._data_plane().listen(ray.util.get_node_ip_address(), self._read_sink)
+            with self._lock:
+                if self._read_listener is None:
+                    self._read_listener = listener
+                else:
+                    listener.close()
+                    listener = self._read_listener
+        return listener.endpoint
+
+    def _data_plane(self) -> TcpTransport:
+        with self._lock:
+            if self._transport is None:
+                self._transport = TcpTransport(self._secret, self.config.resolved_namespace, host_name=self.node_id,
+                                               config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S))
+            return self._transport
+
+
+    def close(self) -> None:
+        """Close this reader's listener and data plane."""
+        with self._lock:
+            transport, self._transport = self._transport, None
+            listener, self._read_listener = self._read_listener, None
+        if listener is not None:
+            listener.close()
+        if transport is not None:
+            transport.close()
