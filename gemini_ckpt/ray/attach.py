@@ -16,7 +16,7 @@ trainer knows the namespace's secret: the store sends a nonce, the trainer answe
 The socket is abstract, so any process of the node can connect. Until its proof checks, a
 connection is a stranger's and gets little: a process of another uid is refused at accept
 (``SO_PEERCRED``), the whole handshake has
-:data:`~gemini_ckpt.ray.attach_server.HANDSHAKE_DEADLINE_S`, at most
+:attr:`~gemini_ckpt.timeouts.Timeouts.handshake_s`, at most
 :data:`MAX_HELLO` bytes are read (a message declaring more is refused unread), and file
 descriptors passed with the hello are closed whatever it proves. Refusals are logged at most
 once per ten seconds, with a count.

@@ -18,15 +18,12 @@ import uuid
 from typing import Callable, NamedTuple, Optional
 
 from ..errors import AttachError
+from ..timeouts import TIMEOUTS
 from .attach import MAX_HELLO, Connection, close_all, proof
 from .transport._tcp import LogThrottle
 
 log = logging.getLogger("gemini_ckpt")
 
-HANDSHAKE_DEADLINE_S = 5.0
-"""Seconds from accept to a verified proof (the store's greeting, the trainer's hello); past it
-the connection is closed. A trainer answers at once; a module constant for now (an
-``AttachServer`` argument once a deployment needs to tune it)."""
 
 _LOG_EVERY_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -74,7 +71,7 @@ class AttachServer:
         :func:`peer_refusal`)."""
         self.secret, self._epoch, self._handler, self._closed = secret, epoch, handler, closed
         self._uid = os.getuid() if uid is None else uid
-        self._deadline_s = HANDSHAKE_DEADLINE_S
+        self._deadline_s = TIMEOUTS.handshake_s  # from accept to a verified proof; past it, closed
         self._refusals = LogThrottle(_LOG_EVERY_S)
         self.address = f"\0gemini-ckpt-{uuid.uuid4().hex}"
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -44,7 +44,7 @@ from ..stores.views import MemoryVersion
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
-from ..trust import resolve_key
+from ..trust.manifest import resolve_key
 from .attach_client import AttachClient
 from .cluster import (
     current_node_id,

@@ -20,6 +20,7 @@ from ..config import CheckpointConfig
 from ..errors import ShardFormatError, VersionNotFoundError
 from ..format.shards import ShardPlan, ShardRecord
 from ..stores.views import MemoryVersion, ShardCopy
+from ..timeouts import TIMEOUTS
 from .attach_client import AttachClient
 from .hosts import HostStores
 from .readahead import LocalCopy, PeerCopy, PeerReads, ReadSink
@@ -27,8 +28,6 @@ from .resolve import Resolved, resolve
 from .transport import Endpoint, TcpConfig, TcpTransport
 
 log = logging.getLogger("gemini_ckpt")
-
-PROGRESS_TIMEOUT_S = 5.0  # as the host store's (gemini_ckpt.ray.actors.host_store.PROGRESS_TIMEOUT_S)
 
 
 class TierReads:
@@ -166,7 +165,7 @@ class TierReads:
         with self._lock:
             if self._transport is None:
                 self._transport = TcpTransport(self._secret, self.config.resolved_namespace, host_name=self.node_id,
-                                               config=TcpConfig(progress_timeout_s=PROGRESS_TIMEOUT_S))
+                                               config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s))
             return self._transport
 
 

@@ -22,12 +22,6 @@ Bytes from the durable tier or from a host store are hostile until verified:
 
 from __future__ import annotations
 
-from ..unpickle import no_gc
-from .manifest import resolve_key
-from .metadata import warm_up
-
 # The modules by concept: ``manifest`` (keys, signatures, the marker as JSON), ``metadata`` (the
 # DCP ``.metadata`` allow-list), ``values`` (our values and torch.save archives), ``items`` (one
-# DCP item), with ``common`` and ``viewfile`` under them. Import from those; the names below are
-# the ones gemini_ckpt.checkpointer and gemini_ckpt.ray.client read from the package itself.
-__all__ = ["no_gc", "resolve_key", "warm_up"]
+# DCP item), with ``common`` and ``viewfile`` under them. Import from those.

@@ -6,6 +6,7 @@ accept."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from gemini_ckpt.ray import attach_server
 from gemini_ckpt.errors import AttachError
 from gemini_ckpt.ray.attach_client import AttachClient
 from gemini_ckpt.ray.attach_server import AttachServer
+from gemini_ckpt.timeouts import TIMEOUTS
 
 SECRET = os.urandom(32)
 _HEAD = struct.Struct("<IQ")
@@ -88,7 +90,7 @@ def _eof_within(fd: int, seconds: float) -> bool:
 
 
 def test_a_silent_client_is_closed_at_the_handshake_deadline(monkeypatch):
-    monkeypatch.setattr(attach_server, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
+    monkeypatch.setattr(attach_server, "TIMEOUTS", dataclasses.replace(TIMEOUTS, handshake_s=1.0))
     store = _Store()  # a server reads the deadline when it starts
     try:
         with _dial(store.server.address) as sock:
@@ -133,7 +135,7 @@ def _message(header: dict) -> bytes:
 
 @pytest.mark.parametrize("case", ["bad proof", "oversized", "stalled"])
 def test_fds_passed_before_the_proof_are_closed(monkeypatch, case):
-    monkeypatch.setattr(attach_server, "HANDSHAKE_DEADLINE_S", 1.0, raising=False)
+    monkeypatch.setattr(attach_server, "TIMEOUTS", dataclasses.replace(TIMEOUTS, handshake_s=1.0))
     store = _Store()
     r, w = os.pipe()
     try:

@@ -17,7 +17,8 @@ from ..names import alive_node_ids
 from ..resolve import resolve
 from ..slots import HOST_LABEL, holders_for
 from .host_store import get_or_create_store
-from .registry_state import PING_TIMEOUT_S, RegistryState
+from ...timeouts import TIMEOUTS
+from .registry_state import RegistryState
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -137,7 +138,7 @@ class Recovery:
         indexes = {}
         for slot, handle in live.items():
             try:
-                indexes[slot] = await asyncio.wait_for(handle.index.remote(), timeout=PING_TIMEOUT_S)
+                indexes[slot] = await asyncio.wait_for(handle.index.remote(), timeout=TIMEOUTS.ping_s)
             except Exception:  # noqa: BLE001 - busy or dead: the liveness check decides, next round
                 return
         found = resolve(indexes)
@@ -170,7 +171,7 @@ class Recovery:
         endpoints = {}
         for _, _, _, target in sends:
             if target not in endpoints:
-                endpoints[target] = await asyncio.wait_for(live[target].endpoint.remote(), timeout=PING_TIMEOUT_S)
+                endpoints[target] = await asyncio.wait_for(live[target].endpoint.remote(), timeout=TIMEOUTS.ping_s)
         t0 = time.time()
         results = await asyncio.gather(*[asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]),
                                                           timeout=self.s.timeout_s)

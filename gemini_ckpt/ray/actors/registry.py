@@ -34,7 +34,8 @@ from ..commit import COORDINATOR, Send
 from ..names import ACTOR_ENV, RAY_NAMESPACE, registry_name
 from .host_store import configure_logging
 from .recovery import Recovery
-from .registry_state import MAX_REPORTS, PING_EVERY_S, PING_TIMEOUT_S, RegistryState
+from ...timeouts import TIMEOUTS
+from .registry_state import MAX_REPORTS, RegistryState
 from .rendezvous import Rendezvous
 
 log = logging.getLogger("gemini_ckpt")
@@ -115,7 +116,7 @@ class Registry:
         if handle is None:
             return False
         try:
-            await asyncio.wait_for(handle.ping.remote(), timeout=PING_TIMEOUT_S)
+            await asyncio.wait_for(handle.ping.remote(), timeout=TIMEOUTS.ping_s)
             return True
         except RayActorError:
             return False
@@ -142,7 +143,7 @@ class Registry:
 
     async def _watch_stores(self) -> None:
         while True:
-            await asyncio.sleep(PING_EVERY_S if not self.s.rerep_pending else PING_EVERY_S / 4)
+            await asyncio.sleep(TIMEOUTS.ping_every_s if not self.s.rerep_pending else TIMEOUTS.ping_every_s / 4)
             try:
                 for slot in range(len(self.s.nodes)):
                     if slot not in self.s.dead and not await self._alive(slot):

@@ -10,14 +10,13 @@ import os
 import time
 from typing import Any, Optional
 
+from ...timeouts import TIMEOUTS
 from ..commit import Coordinator
 from ..names import find_store
 
 log = logging.getLogger("gemini_ckpt")
 
 MAX_REPORTS = 50  # failure reports and events kept for status
-PING_EVERY_S = 1.0
-PING_TIMEOUT_S = 5.0
 
 
 class RegistryState:
@@ -32,7 +31,7 @@ class RegistryState:
         self.secret = os.urandom(32).hex()
         self.coordinator: Optional[Coordinator] = None
         self.started: dict[Any, float] = {}  # version -> when the coordinator first heard of it
-        self.timeout_s = 300.0
+        self.timeout_s = TIMEOUTS.version_s
         self.dead: set[int] = set()
         self.idle: frozenset = frozenset()
         self.handles: dict[int, Any] = {}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...errors import ConfigError
+from ...timeouts import TIMEOUTS
 from ..commit import Coordinator
 from ..names import alive_node_ids, find_store
 from .recovery import Recovery
@@ -115,7 +116,7 @@ class Rendezvous:
         self.s.coordinator = Coordinator(hosts=len(self.s.nodes), keep=keep, dead=dead, idle=idle,
                                          committed=committed, world_size=len(pending))
         self.s.dead, self.s.idle, self.s.handles, self.s.started = set(dead), idle, {}, {}
-        self.s.timeout_s = float(params.get("timeout_s", 300.0))
+        self.s.timeout_s = float(params.get("timeout_s", TIMEOUTS.version_s))
         self.s.keep = keep
         self.s.rerep_pending = bool(dead)
         return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": dict(pending), "secret": self.s.secret,
