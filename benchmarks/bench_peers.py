@@ -782,7 +782,7 @@ def summarize(peer: dict, ours: dict, args) -> dict:
             notes.append(f"gemini_ckpt, {sc['scenario']}: restored the flipped byte silently. A host store "
                          "checks its copies when the job goes down here (a rank detaches) and marks them "
                          "verified; a local reader then maps and copies a verified copy without checking it "
-                         "again (gemini_ckpt/save/direct.py, 'verified'), so a flip after that check and "
+                         "again (gemini_ckpt/restore/direct.py, 'verified'), so a flip after that check and "
                          "before the read is not caught.")
 
     notes += [

@@ -135,7 +135,7 @@ class ShardServer:
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
             # Created exclusively and never through a link planted in the version's directory
-            # (stores/layout.py): a writer of the durable root cannot aim this write elsewhere.
+            # (stores/files.py): a writer of the durable root cannot aim this write elsewhere.
             with files_for(fs, root).create(posixpath.join(directory, name)) as out:
                 out.write(section)
                 placed = write_tensors(out, shard.seg.array,
