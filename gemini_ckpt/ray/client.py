@@ -45,6 +45,7 @@ from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
 from ..trust.manifest import resolve_key
+from .actors.state import EpochConfig
 from .attach_client import AttachClient
 from .cluster import (
     current_node_id,
@@ -93,14 +94,15 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         raise ConfigError(
             f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
             f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts")
-    info = {"slot": table.slot_of(node_id), "nodes": list(table.nodes), "world_size": world_size,
-            "ranks_here": [int(r) for r, n in joined["ranks"].items() if n == node_id],
-            "replicas": config.replicas, "strategy": config.placement, "keep": config.keep_in_memory,
-            "dead": joined["dead"], "idle": joined["idle"], "committed": joined["committed"],
-            "secret": joined["secret"], "key": key.hex() if key else None, "timeout_s": config.timeout_s,
-            "bandwidth": config.replication_bandwidth}
+    epoch = EpochConfig(
+        epoch=table.epoch, slot=table.slot_of(node_id), nodes=tuple(table.nodes),
+        ranks_here=tuple(sorted(int(r) for r, n in joined["ranks"].items() if n == node_id)), world_size=world_size,
+        replicas=config.replicas, strategy=config.placement, keep=config.keep_in_memory,
+        dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
+        committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
+        key=key.hex() if key else None, bandwidth=config.replication_bandwidth)
     try:
-        attached = ray.get(store.attach.remote(table.epoch, info), timeout=config.timeout_s)
+        attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:
         raise cause(exc, f"rank {rank}: ") from None
     secret = bytes.fromhex(joined["secret"])

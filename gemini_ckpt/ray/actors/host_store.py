@@ -111,7 +111,7 @@ class HostStore:
         with self.s.lock:
             self.s.table.pool.budget_bytes = int(budget_bytes)
 
-    def attach(self, epoch: int, info: dict) -> dict:
+    def attach(self, epoch: int, cfg: EpochConfig) -> dict:
         """A rank of rendezvous ``epoch`` on this node: the first one sets the epoch up
         (fencing older ones: their versions in flight abort, their writes are refused).
         Returns where the rank's attach socket and this store's data plane are."""
@@ -121,16 +121,13 @@ class HostStore:
                     f"host store on node {self.node_id[:12]} (namespace {self.namespace!r}) refused epoch {epoch}: "
                     f"a newer Checkpointer (epoch {self.s.epoch}) took over this namespace")
             if epoch > self.s.epoch:
-                self._new_epoch(epoch, info)
+                if not isinstance(cfg, EpochConfig) or cfg.epoch != epoch:
+                    raise TypeError(f"attach(epoch={epoch}) needs that epoch's EpochConfig, got {cfg!r}")
+                self._new_epoch(epoch, cfg)
             return {"attach": self.s.attach.address, "endpoint": self.s.listener.endpoint, "slot": self.s.cfg.slot}
 
-    def _new_epoch(self, epoch: int, info: dict) -> None:
-        cfg = EpochConfig(epoch=epoch, slot=int(info["slot"]), nodes=tuple(info["nodes"]),
-                          ranks_here=tuple(sorted(info["ranks_here"])), world_size=int(info["world_size"]),
-                          replicas=int(info["replicas"]), strategy=str(info["strategy"]), keep=int(info["keep"]),
-                          dead=frozenset(info["dead"]), idle=frozenset(info["idle"]),
-                          timeout_s=float(info["timeout_s"]))
-        committed = {tuple(v) for v in info.get("committed", ())}
+    def _new_epoch(self, epoch: int, cfg: EpochConfig) -> None:
+        committed = {tuple(v) for v in cfg.committed}
         for v in list(self.s.table.versions.values()):
             if v.state in ("pending", "prepared"):
                 # The coordinator of the earlier epoch decided it (or never will).
@@ -143,9 +140,9 @@ class HostStore:
         self.s.waiters = {}
         self.s.table.new_epoch(cfg.ranks_here)
         self.s.epoch, self.s.cfg = epoch, cfg
-        self.s.key = bytes.fromhex(info["key"]) if info.get("key") else None
-        secret = bytes.fromhex(info["secret"])
-        bandwidth = info.get("bandwidth")
+        self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
+        secret = bytes.fromhex(cfg.secret)
+        bandwidth = cfg.bandwidth
         if secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth:
             self._start_data_plane(secret, bandwidth)
         if self.s.attach is None:

@@ -19,6 +19,7 @@ from ..slots import HOST_LABEL, holders_for
 from .host_store import get_or_create_store
 from ...timeouts import TIMEOUTS
 from .registry_state import RegistryState
+from .state import EpochConfig
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -91,9 +92,9 @@ class Recovery:
             dead.remove(slot)
             old = self.s.nodes[slot]
             store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"))
-            info = self._epoch_info(slot)
+            cfg = self._epoch_config(slot)
             try:
-                await asyncio.wait_for(store.attach.remote(self.s.epoch, info), timeout=self.s.timeout_s)
+                await asyncio.wait_for(store.attach.remote(self.s.epoch, cfg), timeout=self.s.timeout_s)
             except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
                 log.warning("registry %s: the replacement node %s for slot %d could not start its store: %s",
                             self.s.namespace, node[:12], slot, exc)
@@ -112,17 +113,17 @@ class Recovery:
     def _alive_now(self) -> set[str]:
         return set(alive_node_ids())
 
-    def _epoch_info(self, slot: int) -> dict:
+    def _epoch_config(self, slot: int) -> EpochConfig:
         """What a store adopted outside a rendezvous is told (as ranks tell theirs in ``attach``):
         it holds copies only, this epoch."""
         committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
-        idle = sorted(set(self.s.idle) | {slot})
-        return {"slot": slot, "nodes": list(self.s.nodes), "world_size": self.s.coordinator.world_size
-                if self.s.coordinator is not None else 0, "ranks_here": [],
-                "replicas": int(self.s.job.get("replicas", 2)), "strategy": self.s.job.get("strategy", "auto"),
-                "keep": self.s.keep, "dead": sorted(self.s.dead - {slot}), "idle": idle,
-                "committed": [[v.epoch, v.step] for v in committed], "secret": self.s.secret,
-                "key": self.s.job.get("key"), "timeout_s": self.s.timeout_s, "bandwidth": self.s.job.get("bandwidth")}
+        return EpochConfig(
+            epoch=self.s.epoch, slot=slot, nodes=tuple(self.s.nodes),
+            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0, ranks_here=(),
+            replicas=int(self.s.job.get("replicas", 2)), strategy=self.s.job.get("strategy", "auto"),
+            keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
+            timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
+            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"))
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..commit import HostCommit
@@ -15,7 +15,9 @@ from .versions import VersionTable
 
 @dataclass(frozen=True)
 class EpochConfig:
-    """What the ranks of one rendezvous tell their host store (see :meth:`HostStore.attach`)."""
+    """What the ranks of one rendezvous tell their host store (see :meth:`HostStore.attach`),
+    sent as this type over Ray (the control plane, trusted), or by the registry to a store it
+    adopts outside a rendezvous (``ranks_here`` empty, its slot idle)."""
 
     epoch: int
     slot: int
@@ -28,6 +30,10 @@ class EpochConfig:
     dead: frozenset
     idle: frozenset
     timeout_s: float
+    committed: tuple = ()  # (epoch, step) of the versions committed before this epoch
+    secret: str = field(default="", repr=False)  # the data plane's shared secret (hex)
+    key: Optional[str] = field(default=None, repr=False)  # the signing key (hex), if any
+    bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
 
     @property
     def hosts(self) -> int:
