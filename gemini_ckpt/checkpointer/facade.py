@@ -80,8 +80,9 @@ class Checkpointer:
         self._flight = InFlight()  # the in-flight slots, the background's errors, the closing flags
         self._bg_group = None
         self._closed = False
-        self._policy = persist_policy(self.config.persist_every,
-                                      self.config.durable_uri or (durable.uri if durable else None))
+        # which committed versions also go to the durable tier: built once, read by whoever needs it
+        self.persist_policy = persist_policy(self.config.persist_every,
+                                             self.config.durable_uri or (durable.uri if durable else None))
         self._durable: Optional[DurableTier] = durable
         # what the durable tier built from ``durable_uri`` lets go of (default: keep_durable newest)
         self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
@@ -215,7 +216,7 @@ class Checkpointer:
             phases.mark("check")
             segment = self._store.segment(plan.shard)
             phases.mark("segment")
-            due = self._durable is not None and (persist or self._policy.should_persist(step))
+            due = self._durable is not None and (persist or self.persist_policy.should_persist(step))
             handle = SaveHandle(step)
             behind = self._overlap.behind(tensors) if self.config.staging == "overlap" else []
             if behind:

@@ -81,7 +81,7 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointError
 from ..results import RestoreResult, SaveHandle
 from ..state.train_state import TrainState
-from ..stores.durable import DurableTier, persist_policy
+from ..stores.durable import DurableTier
 from ..retention import LeftToRayTrain
 from ..format.layout import parse_step_dir, resolve_filesystem, step_dir_name
 from ..ray.slots import HOST_LABEL
@@ -187,7 +187,6 @@ class RayTrainCheckpointer(Checkpointer):
         self._reporting = bool(report and storage is not None and config.persist_every > 0
                                and (config.durable_uri or durable is not None))
         uri = config.durable_uri or (durable.uri if durable is not None else None)
-        self._report_policy = persist_policy(config.persist_every, uri)
         # Where versions are, as a path on Ray's storage filesystem (inside the run directory).
         self._report_root: Optional[str] = None
         if self._reporting:
@@ -215,7 +214,7 @@ class RayTrainCheckpointer(Checkpointer):
         check). ``metrics`` (plain Python numbers, no tensors) go to Ray with the version if it is
         persisted; an unhealthy version is never persisted, so never reported."""
         handle = super().save(step, persist=persist, metrics=metrics)
-        if self._reporting and (persist or self._report_policy.should_persist(step)):
+        if self._reporting and (persist or self.persist_policy.should_persist(step)):
             with self._metrics_lock:
                 self._metrics[step] = dict(metrics or {})
             if self.rank == 0:
