@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
@@ -42,6 +41,7 @@ from .results import CheckpointStats, SaveHandle
 from .format.framing import FileItem, value_section, write_tensors
 from .save.plan import DCP_VERSION
 from .save.templates import torch_save_bytes
+from .state.torch_private import default_store
 from .stores.base import MemoryTier
 from .stores.durable import DurableTier
 from .format.layout import data_file_name
@@ -311,9 +311,4 @@ def _whole_region(view, rank: int, nbytes: int):
 
 def rendezvous_store():
     """The key-value store every rank of the default process group shares, if any."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store() if dist.is_available() and dist.is_initialized() else None
-    except Exception:  # noqa: BLE001 - a private API: without it ranks fall back to the timeout
-        return None
+    return default_store()

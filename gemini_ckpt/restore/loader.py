@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -29,6 +27,7 @@ from torch.futures import Future
 from ..errors import CheckpointError, ChecksumError, VerificationError
 from ..save.chunks import local_load_plan
 from ..save.plan import RawLocation
+from ..state.torch_private import narrow_to_chunk, set_in_state_dict
 from ..trust.items import safe_opaque, torch_load_value
 
 
@@ -76,7 +75,7 @@ class VersionReader(StorageReader):
             if not isinstance(value, torch.Tensor):
                 raise VerificationError(f"step {self.views[0].step} {req.storage_index.fqn}: not a tensor")
             try:
-                tensor = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
+                tensor = narrow_to_chunk(value, req.storage_offsets, req.lengths)
             except (RuntimeError, IndexError, ValueError) as exc:
                 raise VerificationError(f"step {self.views[0].step} {req.storage_index.fqn}: the saved tensor does "
                                         f"not match its metadata ({exc})") from None
@@ -136,7 +135,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_value(self, read_item, value: Any) -> None:
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], value)
+            set_in_state_dict(self.original_state_dict, self.mappings[fqn], value)
         else:
             self.state_dict[fqn] = value
 
