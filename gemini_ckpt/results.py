@@ -152,6 +152,7 @@ class CheckpointStats:
     staging_bytes: int = 0  # bytes of the newest version's shard (this rank)
     staging_allocations: int = 0  # segments the memory tier created for this rank (not reused ones)
     plans: int = 0  # snapshot plans made (the first version, and every change of structure)
+    footprint: dict = field(default_factory=dict)  # host -> bytes the plan will take there (computed at plan time)
     state_dicts: int = 0  # full state dicts built (the first version; then only when the cached items may not fit)
     last_commit_s: float = 0.0  # save() start -> committed, of the newest committed version
     unhealthy: int = 0  # committed versions whose state failed the health checks

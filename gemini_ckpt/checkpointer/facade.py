@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..collective import rank0s
+from ..collective import everyones, rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 from ..faults import fire
@@ -251,9 +251,14 @@ class Checkpointer:
         :func:`~.snapshot.plan_snapshot`), and bind the sources to it."""
         state_dict = self._sources.live_state()
         restored, self._restored_plan = self._restored_plan, None
-        return plan_snapshot(state_dict, restored, self._sources, self.state, self.config, self.stats,
-                             rank=self.rank, world_size=self.world_size, group=self._bg_group, run_id=self._run_id,
-                             job=job_description(self.config, world_size=self.world_size))
+        captured = plan_snapshot(state_dict, restored, self._sources, self.state, self.config, self.stats,
+                                 rank=self.rank, world_size=self.world_size, group=self._bg_group,
+                                 run_id=self._run_id, job=job_description(self.config, world_size=self.world_size))
+        # DESIGN's invariant: the footprint is known (and over budget refused) before anything is staged
+        sizes = everyones(self._sources.plan.shard.region_bytes, world_size=self.world_size, group=self._bg_group)
+        self.stats.footprint = self._store.footprint(dict(enumerate(sizes)),
+                                                     self.config.keep_in_memory + self.config.max_inflight)
+        return captured
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""

@@ -39,6 +39,7 @@ class HostStatus:
     reserved_bytes: int = 0  # memory the store holds against its budget (incl. buffers kept for reuse)
     budget_bytes: int = 0
     error: Optional[str] = None
+    footprint_bytes: int = 0  # what the job's plan will take here, computed before its first save (0: not yet)
     memory: dict = field(default_factory=dict)  # where the reserved bytes are (VersionTable.memory)
 
 
@@ -171,7 +172,7 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
         own = sum(1 for sh in shards if sh["owner"] == slot)
         hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
                                 own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"],
-                                memory=d.get("memory", {})))
+                                memory=d.get("memory", {}), footprint_bytes=d.get("footprint_bytes", 0)))
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
     return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
                            table["epoch"] if table is not None else 0, tuple(failures), tuple(events))
@@ -213,12 +214,12 @@ def _format_namespace(ns: NamespaceStatus) -> str:
     lines = [f"namespace {ns.namespace!r}: {sum(h.slot is not None for h in ns.hosts)} slot(s), "
              f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"
              + (f" (UNHEALTHY, kept for inspection: {ns.unhealthy_steps})" if ns.unhealthy_steps else "")]
-    rows = [["slot", "node", "node", "store", "versions", "own", "replica", "held", "reserved", "budget", "note"]]
+    rows = [["slot", "node", "node", "store", "versions", "own", "replica", "held", "reserved", "footprint", "budget", "note"]]
     for h in ns.hosts:
         rows.append(["-" if h.slot is None else str(h.slot), h.node_id[:12], "alive" if h.node_alive else "DEAD",
                      "alive" if h.store_alive else "DEAD", ",".join(map(str, h.versions)) or "-",
                      str(h.own_shards), str(h.replica_shards), _size(h.held_bytes), _size(h.reserved_bytes),
-                     _size(h.budget_bytes) if h.budget_bytes else "-",
+                     _size(h.footprint_bytes) if h.footprint_bytes else "-", _size(h.budget_bytes) if h.budget_bytes else "-",
                      h.error or ("spare (no ranks)" if h.slot is None else "")])
     lines.append(_table(rows))
     if ns.versions:

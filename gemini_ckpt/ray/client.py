@@ -56,7 +56,7 @@ from .cluster import (
 from .hosts import HostStores, cause
 from .persist import persist_files
 from .reads import TierReads
-from .slots import SlotTable
+from .slots import SlotTable, holders_for
 
 
 def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier":
@@ -149,6 +149,35 @@ class RayTier(MemoryTier):
         self._plans: set[str] = set()
         self._ahead: dict[str, concurrent.futures.Future] = {}  # plan id -> a segment asked for ahead
         self.recovery_events: tuple[dict, ...] = ()  # the registry's, at the rendezvous
+
+    def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
+        """Per host: ``versions`` versions of the shards it will hold (its own ranks' and the
+        copies placement sends it, :func:`~gemini_ckpt.ray.slots.holders_for`), checked against
+        its store's budget and told to the store (``gemini_ckpt status`` shows it)."""
+        dead = self.hosts.dead()
+        shards: dict[int, int] = {}
+        for rank, node in self.table.ranks.items():
+            slot = self.table.slot_of(node)
+            shards[slot] = shards.get(slot, 0) + int(sizes.get(int(rank), 0))
+        need = {s: 0 for s in range(self.table.hosts) if s not in dead}
+        for slot, nbytes in shards.items():
+            for holder in holders_for(slot, hosts=self.table.hosts, replicas=self.config.replicas,
+                                      strategy=self.config.placement, dead=dead):
+                if holder in need:
+                    need[holder] += versions * nbytes
+        budgets = self.hosts.gather("budget")
+        over = [f"{self.hosts.describe(s)}: {need[s]:,} bytes, budget {budgets[s]:,}"
+                for s in sorted(need) if s in budgets and need[s] > budgets[s]]
+        if over:
+            raise MemoryBudgetError(
+                f"rank {self.rank}: {versions} versions (keep_in_memory + max_inflight) of the shards each host "
+                "will hold do not fit its host store's budget: " + "; ".join(over) + ". Raise "
+                "CheckpointConfig.host_memory_budget_bytes, lower keep_in_memory, max_inflight or replicas, "
+                "or spread the job over more hosts")
+        if self.rank == 0:
+            for slot, handle in self.hosts.live().items():
+                handle.expect.remote(need.get(slot, 0))  # for status; nothing waits on it
+        return {f"slot {s}": n for s, n in sorted(need.items())}
 
     # --- write: this node's store does the work ----------------------------------------------
     def segment(self, plan: ShardPlan) -> Segment:

@@ -43,6 +43,10 @@ class HostStores:
         self._dead: dict[int, str] = {s: "gone at the rendezvous" for s in dead}
         self._dead.update({s: "no host store" for s, h in self._handles.items() if h is None})
 
+    def dead(self) -> set[int]:
+        with self._lock:
+            return set(self._dead)
+
     def live(self) -> dict[int, Any]:
         with self._lock:
             return {s: h for s, h in self._handles.items() if s not in self._dead and h is not None}

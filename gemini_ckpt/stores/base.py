@@ -133,6 +133,13 @@ class MemoryTier(Tier):
         """Segments created for this process's shards (reused ones are not counted)."""
         return 0
 
+    def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
+        """The memory ``versions`` versions of every rank's shard (``sizes``: rank -> bytes) will
+        take, per host (``{host: bytes}``), checked against the tier's budget before the first
+        save stages anything: ``MemoryBudgetError`` naming the host, the bytes and the fix when
+        it cannot fit. A tier that cannot tell returns ``{}``."""
+        return {}
+
     @property
     def recovery(self) -> tuple[dict, ...]:
         """What the tier did about host losses since the job last started (host stores: when the

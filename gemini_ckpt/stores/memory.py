@@ -75,6 +75,10 @@ class LocalStore:
                 raise MemoryBudgetError(f"namespace {self.namespace!r}: {exc}") from None
 
     @property
+    def budget_bytes(self) -> int:
+        return self._pool.budget_bytes
+
+    @property
     def allocations(self) -> int:
         """Segments created (not reused) over the store's life."""
         return self._pool.created
@@ -166,6 +170,16 @@ class LocalTier(MemoryTier):
 
     def segment(self, plan: ShardPlan) -> Segment:
         return self.store._segment(self.epoch, plan)
+
+    def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
+        need = versions * sum(sizes.values())
+        budget = self.store.budget_bytes
+        if need > budget:
+            raise MemoryBudgetError(
+                f"namespace {self.store.namespace!r}: {versions} versions (keep_in_memory + max_inflight) of a "
+                f"{sum(sizes.values()):,}-byte shard need {need:,} bytes, over this process's store budget of "
+                f"{budget:,} bytes; lower CheckpointConfig.keep_in_memory or max_inflight")
+        return {"this process": need}
 
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
                  persist: bool = False, verdict: Optional[Health] = None) -> "Future[Outcome]":

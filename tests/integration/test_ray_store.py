@@ -127,6 +127,36 @@ def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray
 
 
 @pytest.mark.ray
+def test_the_footprint_is_known_before_the_first_save_and_over_budget_is_refused(ray_cluster):
+    import dataclasses
+
+    import torch
+
+    from gemini_ckpt import Checkpointer, TrainState
+
+    state = TrainState(model=torch.nn.Linear(64, 64))  # a shard of ~16.7 kB
+    config = CheckpointConfig(namespace="footprint", replicas=1, keep_in_memory=2, max_inflight=1,
+                              host_memory_budget_bytes=40_000, timeout_s=120)
+    ckpt = Checkpointer(state, config)
+    try:  # 3 versions (keep_in_memory + max_inflight) need ~50 kB: refused before a byte is staged
+        with pytest.raises(MemoryBudgetError, match="host_memory_budget_bytes") as info:
+            ckpt.save(0)
+        assert "budget 40,000" in str(info.value) and ckpt.inflight == 0
+        assert ckpt.store.committed_steps() == []
+    finally:
+        ckpt.close()
+    ok = dataclasses.replace(config, namespace="footprint-ok", host_memory_budget_bytes=1 << 20)
+    ckpt = Checkpointer(state, ok)
+    try:
+        ckpt.save(0).committed.result(timeout=120)
+        (need,) = ckpt.stats.footprint.values()
+        assert need == 3 * ckpt.stats.staging_bytes  # what the DESIGN says: K x m x shard + staging
+    finally:
+        ckpt.close()
+    assert [h.footprint_bytes for h in status("footprint-ok").hosts if h.footprint_bytes] == [need]
+
+
+@pytest.mark.ray
 def test_start_and_shutdown_host_stores(ray_cluster):
     from gemini_ckpt.ray.cluster import alive_node_ids, named_actors, shutdown_host_stores, start_host_stores
 

@@ -191,3 +191,13 @@ def test_the_process_local_tier_keeps_the_memory_tier_contract():
     from tier_contract import check_tier_contract
 
     check_tier_contract(local_tier(keep=2), keep=2)
+
+
+def test_the_footprint_is_computed_when_the_state_is_planned():
+    _, state = _setup()
+    config = CheckpointConfig(store="local", namespace=f"footprint-{uuid.uuid4().hex}", keep_in_memory=3, max_inflight=2)
+    with Checkpointer(state, config) as ckpt:
+        assert ckpt.stats.footprint == {}  # nothing planned yet
+        ckpt.save(0)
+        ckpt.wait()
+        assert ckpt.stats.footprint == {"this process": 5 * ckpt.stats.staging_bytes} and ckpt.stats.staging_bytes > 0

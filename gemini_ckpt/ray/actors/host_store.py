@@ -111,6 +111,15 @@ class HostStore:
         with self.s.lock:
             self.s.table.pool.budget_bytes = int(budget_bytes)
 
+    def budget(self) -> int:
+        with self.s.lock:
+            return self.s.table.pool.budget_bytes
+
+    def expect(self, footprint_bytes: int) -> None:
+        """The memory the job's plan will take here (computed by the trainer before its first save)."""
+        with self.s.lock:
+            self.s.footprint_bytes = int(footprint_bytes)
+
     def attach(self, epoch: int, cfg: EpochConfig) -> dict:
         """A rank of rendezvous ``epoch`` on this node: the first one sets the epoch up
         (fencing older ones: their versions in flight abort, their writes are refused).
@@ -255,6 +264,7 @@ class HostStore:
             pool = self.s.table.pool
             return {
                 "namespace": self.namespace, "node_id": self.node_id, "budget_bytes": pool.budget_bytes,
+                "footprint_bytes": self.s.footprint_bytes,
                 "held_bytes": self.s.table.held_bytes(), "reserved_bytes": pool.held + pool.pooled,
                 "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
                          "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self.s.table.lent.values())},

@@ -49,6 +49,7 @@ class StoreState:
         self.lock = threading.RLock()
         self.table = table
         self.epoch = 0
+        self.footprint_bytes = 0  # what the job's plan will take here (HostStore.expect)
         self.cfg: Optional[EpochConfig] = None
         self.commit: Optional[HostCommit] = None  # None: this store holds copies only this epoch
         self.secret = b""
