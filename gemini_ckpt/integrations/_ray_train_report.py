@@ -9,9 +9,8 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
-from ..checkpointer import Checkpointer
 from ..collective import rank0s
 from ..errors import CheckpointError
 from ..results import SaveHandle
@@ -29,16 +28,20 @@ _STOP = "stop"
 
 
 class Reporter:
-    """The thread that reports durable versions to Ray Train (see
-    :class:`~gemini_ckpt.integrations.ray_train.RayTrainCheckpointer`, the ``ckpt`` it reports for).
+    """The thread that reports durable versions to Ray Train (for
+    :class:`~gemini_ckpt.integrations.ray_train.RayTrainCheckpointer`, which hands it ``report``:
+    report one version on this rank, ``path_of``: where a step's durable version is, and its
+    gloo ``group``).
 
     Rank 0's thread takes the versions the persist policy chose, in step order, waits until
     each is durable (or failed: then it is dropped), and hands the decision to the other ranks
     over the checkpointer's own gloo group; every rank's thread then calls ``ray.train.report``.
     The group is used by these threads only, so nothing else on it can interleave."""
 
-    def __init__(self, ckpt: Checkpointer) -> None:
-        self.ckpt = ckpt
+    def __init__(self, *, rank: int, world_size: int, group: Any, timeout_s: float,
+                 report: Callable[[Reported], None], path_of: Callable[[int], str]) -> None:
+        self.rank, self.world_size, self.group, self.timeout_s = rank, world_size, group, timeout_s
+        self._report, self._path_of = report, path_of
         self.offered: list[int] = []
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="gemini-ckpt-ray-train-report", daemon=True)
@@ -60,12 +63,12 @@ class Reporter:
 
     def finish(self, timeout: float) -> None:
         """Report what was offered, then stop the thread (every rank)."""
-        if self.ckpt.rank == 0:
+        if self.rank == 0:
             self._queue.put(_STOP)
         self._thread.join(timeout=timeout + 5)
         if self._thread.is_alive() and self._error is None:
             self._error = CheckpointError(
-                f"rank {self.ckpt.rank}: the last reports to Ray Train did not finish within {timeout}s "
+                f"rank {self.rank}: the last reports to Ray Train did not finish within {timeout}s "
                 f"(CheckpointConfig.timeout_s)")
 
     def stop(self) -> None:
@@ -81,15 +84,15 @@ class Reporter:
     def _run(self) -> None:
         try:
             while not self._stopped:
-                item = self._next() if self.ckpt.rank == 0 else None
+                item = self._next() if self.rank == 0 else None
                 item = self._agree(item)
                 if item == _STOP:
                     return
-                self.ckpt._report_one(item)
+                self._report(item)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next save/close
             if not self._stopped:
-                log.error("rank %d: reporting to Ray Train failed: %s: %s", self.ckpt.rank, type(exc).__name__, exc)
-                self._error = CheckpointError(f"rank {self.ckpt.rank}: reporting to Ray Train failed: "
+                log.error("rank %d: reporting to Ray Train failed: %s: %s", self.rank, type(exc).__name__, exc)
+                self._error = CheckpointError(f"rank {self.rank}: reporting to Ray Train failed: "
                                               f"{type(exc).__name__}: {exc}")
 
     def _next(self):
@@ -100,10 +103,10 @@ class Reporter:
         if handle.skipped:
             return Reported(step, None)
         try:
-            location = handle.persisted.result(timeout=self.ckpt.config.timeout_s)
+            location = handle.persisted.result(timeout=self.timeout_s)
         except BaseException:  # noqa: BLE001 - a failed persist is not reported (the Checkpointer raises it)
             return Reported(step, None)
-        return Reported(step, self.ckpt._path(step) if location is not None else None)
+        return Reported(step, self._path_of(step) if location is not None else None)
 
     def _agree(self, item):
-        return rank0s(item, world_size=self.ckpt.world_size, group=self.ckpt._report_group)
+        return rank0s(item, world_size=self.world_size, group=self.group)

@@ -203,7 +203,8 @@ class RayTrainCheckpointer(Checkpointer):
                 # Every rank starts at its first save/restore, so the groups are created in one order.
                 self._report_group = dist.new_group(backend="gloo")
             super().start()
-            self._reporter = Reporter(self)
+            self._reporter = Reporter(rank=self.rank, world_size=self.world_size, group=self._report_group,
+                                      timeout_s=self.config.timeout_s, report=self._report_one, path_of=self._path)
             self._reporter.start()
             return self
         super().start()
