@@ -41,12 +41,6 @@ class FaultyFsHandler(pafs.FileSystemHandler):
         self.writes = 0  # writes let through
         self.refused = 0  # operations refused by a switch
 
-    @property
-    def mode(self) -> str:
-        if self.unreachable.is_set():
-            return "unreachable"
-        return "fail_writes" if self.failing.is_set() else "ok"
-
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"storage mode {mode!r}; use one of {MODES}")

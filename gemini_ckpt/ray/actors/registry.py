@@ -55,11 +55,7 @@ class Registry:
     # --- the rendezvous ----------------------------------------------------------------------------
     async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
                    job: Optional[dict] = None) -> dict:
-        """Rendezvous of all ranks; returns the slot table every rank of this round shares:
-        ``nodes``, ``epoch``, ``ranks`` (rank -> node), ``dead`` and ``idle`` slots, the versions
-        committed so far, and the namespace's ``secret``. ``job``: the settings the registry
-        needs to bring versions back to ``replicas`` copies after a host is lost (``replicas``,
-        ``strategy``, the stores' ``budget``, the signing ``key``, ``bandwidth``)."""
+        """See :meth:`Rendezvous.join`; the first one starts watching the stores."""
         table = await self.rendezvous.join(rank, world_size, node_id, timeout_s, keep, job)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_event_loop().create_task(self._watch_stores())
