@@ -105,6 +105,11 @@ class CommitProtocolError(CheckpointError, RuntimeError):
     its driver."""
 
 
+class NetworkUnavailable(CheckpointError, OSError):
+    """Simulated hosts with their own network (``LocalCluster(network="netns")``) can't be made
+    here: the message says why (no CAP_NET_ADMIN, no ``ip``/``tc``) or which command failed."""
+
+
 class UnreadableCandidate(CheckpointError):
     """Inside restore (:mod:`gemini_ckpt.restore`): this candidate version cannot be read on some
     rank (corrupt bytes, a failed check); the walk moves to an older one. Users meet what the

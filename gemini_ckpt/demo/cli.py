@@ -40,6 +40,9 @@ def add_demo_command(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--persist-every", type=int, default=d.persist_every, help="durable version every N steps")
     p.add_argument("--no-failure", action="store_true", help="run without killing a host")
     p.add_argument("--out", default=d.out, help="directory for durable versions, the report and the timeline")
+    p.add_argument("--network", choices=("loopback", "netns"), default=d.network,
+                   help="netns: each host in its own network namespace with its own address (needs root)")
+    p.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
     p.set_defaults(func=_run_cli)
 
 
@@ -61,7 +64,7 @@ def _run_cli(args: argparse.Namespace) -> int:
     try:
         options = DemoOptions(hosts=args.hosts, replicas=args.replicas, kill_host=args.kill_host,
                               kill_at_step=args.kill_at_step, steps=args.steps, persist_every=args.persist_every,
-                              failure=not args.no_failure, out=args.out)
+                              failure=not args.no_failure, out=args.out, network=args.network, link=args.link)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -22,13 +22,15 @@ OBJECT_STORE_BYTES = 96 << 20
 
 
 # --- the cluster ---------------------------------------------------------------------------------
-def start_cluster(hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES):
+def start_cluster(hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES, network: str = "loopback",
+                  link: str | None = None):
     """A head node (no CPUs: it runs Ray Train's controller and the registry, never a worker)
     plus ``hosts`` simulated hosts with one CPU each (:class:`~gemini_ckpt.ray.local.LocalCluster`),
     this process connected."""
     from ..ray.local import LocalCluster
 
-    return LocalCluster(hosts, head_cpus=0, object_store_bytes=object_store_bytes).start()
+    return LocalCluster(hosts, head_cpus=0, object_store_bytes=object_store_bytes, network=network,
+                        link=link).start()
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -43,8 +45,10 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
     own_cluster = cluster is None
     with expected_deaths_hidden():
         if own_cluster:
-            echo(f"starting a local Ray cluster: head + {options.hosts} hosts ...")
-            cluster = start_cluster(options.hosts)
+            where = "" if options.network == "loopback" else \
+                f", each in its own network namespace{f' on a {options.link} link' if options.link else ''}"
+            echo(f"starting a local Ray cluster: head + {options.hosts} hosts{where} ...")
+            cluster = start_cluster(options.hosts, network=options.network, link=options.link)
         try:
             events, t0, result = _train(options, run_name, cluster, echo)
         finally:

@@ -17,8 +17,14 @@ class DemoOptions:
     persist_every: int = 10
     failure: bool = True
     out: str = "runs"
+    network: str = "loopback"
+    link: str | None = None
 
     def __post_init__(self) -> None:
+        if self.network not in ("loopback", "netns"):
+            raise ValueError(f"--network must be loopback or netns, got {self.network!r}")
+        if self.link is not None and self.network != "netns":
+            raise ValueError("--link shapes each host's own link: it needs --network netns")
         if self.hosts < 1 or not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"--replicas must be between 1 and --hosts ({self.hosts}), got {self.replicas}")
         if self.steps < 2:

@@ -34,6 +34,9 @@ import threading
 import time
 from typing import Iterator, Optional
 
+from ..errors import ConfigError
+from .netns import Network, parse_rate
+from .netns_node import NetnsNode
 from .slots import HOST_LABEL
 
 log = logging.getLogger("gemini_ckpt")
@@ -52,6 +55,9 @@ was reported dead after 2.8-3.0 s, and raylets stopped (SIGSTOP) for 3 s and 5 s
 declared dead. The settings before (0.3 s period, 0.3 s timeout, 3 misses) declared a raylet
 stopped for 3 s dead after 1.5 s, and a busy test suite lost healthy hosts."""
 DEFAULT_OBJECT_STORE_BYTES = 120 << 20
+NETWORKS = ("loopback", "netns")
+"""``loopback``: every host on this machine's one interface (the default). ``netns``: each host in
+its own network namespace with its own address and link (:mod:`gemini_ckpt.ray.netns`)."""
 
 
 class LocalCluster:
@@ -59,9 +65,18 @@ class LocalCluster:
     training workers off the head (it runs Ray Train's controller and the registries)."""
 
     def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
-                 namespace: Optional[str] = None, cpus_per_host: int = 1) -> None:
+                 namespace: Optional[str] = None, cpus_per_host: int = 1, network: str = "loopback",
+                 link: str | int | None = None) -> None:
+        if network not in NETWORKS:
+            raise ConfigError(f"LocalCluster(network={network!r}): choose one of {', '.join(NETWORKS)}")
+        if link is not None and network != "netns":
+            raise ConfigError(f"LocalCluster(link={link!r}) shapes the hosts' own links: it needs network='netns'")
+        if link is not None:
+            parse_rate(link)
         self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
+        self.network, self.link = network, link
+        self.net = None  # a gemini_ckpt.ray.netns.Network with network="netns"
         self.cluster = None
         self._nodes: dict[int, object] = {}
         self._thread = threading.get_ident()
@@ -80,16 +95,20 @@ class LocalCluster:
             raise RuntimeError("this process is already connected to Ray; a LocalCluster starts its own: "
                                "call ray.shutdown() first (or pass the running LocalCluster along)")
         self._thread = threading.get_ident()
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": self.head_cpus, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
-            "_system_config": HEALTH_CHECKS})
+        head = {"num_cpus": self.head_cpus, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
+                "_system_config": HEALTH_CHECKS}
+        if self.network == "netns":
+            self.net = Network.create(link=self.link)
+            head["node_ip_address"] = self.net.head_address
         try:
-            for i in range(self.hosts):
-                self.add_host(i)
+            self.cluster = Cluster(initialize_head=True, head_node_args=head)
+            # connected before the hosts start: a netns host is known alive through the driver
             ray.init(address=self.cluster.address, log_to_driver=log_to_driver, include_dashboard=False,
                      namespace=self.namespace)
+            for i in range(self.hosts):
+                self.add_host(i)
         except BaseException:
-            self.cluster.shutdown()
+            self._stop()
             raise
         return self
 
@@ -100,10 +119,23 @@ class LocalCluster:
     def add_host(self, i: int):
         """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
         self._main_thread_only("add_host")
-        node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
-                                     labels={HOST_LABEL: str(i)}, object_store_memory=self.object_store_bytes)
+        labels = {HOST_LABEL: str(i)}
+        if self.net is not None:
+            node = NetnsNode.start(self.net, i, address=self.cluster.address, cpus=self.cpus_per_host,
+                                   resources={f"host{i}": 1}, labels=labels,
+                                   object_store_bytes=self.object_store_bytes)
+        else:
+            node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
+                                         labels=labels, object_store_memory=self.object_store_bytes)
         self._nodes[i] = node
         return node
+
+    def _remove(self, i: int) -> None:
+        node = self._nodes.pop(i)
+        if isinstance(node, NetnsNode):
+            node.kill()
+        else:
+            self.cluster.remove_node(node, allow_graceful=False)
 
     def remove_hosts(self, hosts: tuple[int, ...], *, wait: bool = True, timeout: float = 60.0) -> None:
         """Hard-remove hosts at once (no graceful drain); with ``wait``, until Ray knows they are dead."""
@@ -112,7 +144,7 @@ class LocalCluster:
         self._main_thread_only("remove_hosts")
         ids = {self.node_id(i) for i in hosts} if wait else set()
         for i in hosts:
-            self.cluster.remove_node(self._nodes.pop(i), allow_graceful=False)
+            self._remove(i)
         deadline = time.monotonic() + timeout
         while ids and any(n["Alive"] for n in ray.nodes() if n["NodeID"] in ids):
             if time.monotonic() > deadline:
@@ -147,15 +179,17 @@ class LocalCluster:
         dead = self.unasked_deaths()
         for i in dead:
             try:
-                self.cluster.remove_node(self._nodes.pop(i), allow_graceful=False)
+                self._remove(i)
             except Exception:  # noqa: BLE001 - its processes may be gone already
-                pass
+                self._nodes.pop(i, None)
             self.add_host(i)
         return dead
 
     def raylet_pid(self, i: int) -> int:
         """The process id of host ``i``'s raylet."""
         node = self._nodes[i]
+        if isinstance(node, NetnsNode):
+            return node.raylet_pid()
         return node.all_processes["raylet"][0].process.pid
 
     @contextlib.contextmanager
@@ -232,12 +266,48 @@ class LocalCluster:
         return left
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             self.sweep()
         finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        import ray
+
+        try:
             ray.shutdown()
+            for node in self._nodes.values():
+                if isinstance(node, NetnsNode):
+                    node.kill()
+            self._nodes.clear()
             if self.cluster is not None:
                 self.cluster.shutdown()
                 self.cluster = None
+        finally:
+            if self.net is not None:
+                self.net.destroy()
+                self.net = None
+
+    # -- the network (network="netns") ------------------------------------------------------------
+    def _netns(self, what: str):
+        if self.net is None:
+            raise ConfigError(f"LocalCluster.{what} needs the hosts' own links: start it with network='netns'")
+        return self.net
+
+    def host_address(self, i: int) -> str:
+        """Host ``i``'s own address (network='netns')."""
+        return self._netns("host_address").address(i)
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Host ``i``'s link up or down: cut off from every other host (and the head), but alive."""
+        self._netns("set_link").set_link(i, up)
+
+    @contextlib.contextmanager
+    def partitioned(self, i: int) -> Iterator[None]:
+        """Host ``i`` cut off inside the block (a switch failure), its link back up after it."""
+        with self._netns("partitioned").partitioned(i):
+            yield
+
+    def shape(self, i: int, rate: str | int) -> None:
+        """Host ``i``'s link at ``rate`` from now on, both ways (``"10mbit"``: a slow link)."""
+        self._netns("shape").shape(i, rate)
