@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .slots import HOST_LABEL
 
@@ -59,8 +59,10 @@ class LocalCluster:
     training workers off the head (it runs Ray Train's controller and the registries)."""
 
     def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
-                 namespace: Optional[str] = None, cpus_per_host: int = 1) -> None:
+                 namespace: Optional[str] = None, cpus_per_host: int = 1,
+                 labels: Optional[Callable[[int], dict[str, str]]] = None) -> None:
         self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
+        self.labels = labels  # host i -> extra Ray node labels, e.g. lambda i: {"rack": str(i // 2)}
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
         self.cluster = None
         self._nodes: dict[int, object] = {}
@@ -101,7 +103,8 @@ class LocalCluster:
         """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
         self._main_thread_only("add_host")
         node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
-                                     labels={HOST_LABEL: str(i)}, object_store_memory=self.object_store_bytes)
+                                     labels={**(self.labels(i) if self.labels else {}), HOST_LABEL: str(i)},
+                                     object_store_memory=self.object_store_bytes)
         self._nodes[i] = node
         return node
 
