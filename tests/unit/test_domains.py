@@ -174,3 +174,23 @@ def test_kill_rack_must_be_the_whole_domain():
     with pytest.raises(ScenarioError, match="one non-empty label per host"):
         ChaosConfig(domains=("0", "1"))
     assert cfg.host_labels(3) == {"rack": "1"} and ChaosConfig().host_labels(3) == {}
+
+
+# --- the commit protocol with the same rule --------------------------------------------------------------
+def test_the_commit_simulator_with_domains_commits_across_racks_after_a_store_dies():
+    from gemini_ckpt.ray.commit.sim import Simulator
+
+    plans = []
+
+    def rule(slot, dead):  # the placement rule the stores use, as the simulator is given it
+        plans.append(held := holders_for(slot, hosts=4, replicas=2, strategy="group", dead=dead, domains=RACKS))
+        return held
+
+    sim = Simulator(hosts=4, replicas=2, holders=rule, seed=3)
+    assert sim.run_version(0).outcome is True
+    assert sorted(plans) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    plans.clear()
+    sim.kill(2)
+    report = sim.run_version(1)
+    assert report.outcome is True and report.acknowledged
+    assert sorted(plans) == [(0, 3), (1, 3), (3, 1)]  # host 0's copy stays in rack 1
