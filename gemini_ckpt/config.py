@@ -82,6 +82,11 @@ class CheckpointConfig:
             default every parameter and optimizer-state tensor finite); ``None`` turns the
             checks off. Only healthy versions are restored, persisted, reported to Ray Train
             and counted by ``keep_in_memory``/``keep_durable`` (see :mod:`gemini_ckpt.health`).
+        failure_domain: the name of a Ray node label that says which failure domain (rack,
+            power feed, zone) each host is in, e.g. ``"rack"`` for nodes started with ``ray start
+            --labels rack=r1``. Placement then keeps each shard's copies in different domains
+            where the hosts allow it (a warning when they do not); a node without the label is
+            its own domain. None: copies follow slot order (see ``docs/placement.md``).
     """
 
     store: str = "ray"
@@ -105,6 +110,7 @@ class CheckpointConfig:
     overwrite: bool = False
     init_from: Optional[str] = None
     health_check: Optional[HealthCheck] = dataclasses.field(default_factory=HealthCheck)
+    failure_domain: Optional[str] = None
 
     def __post_init__(self) -> None:
         _choice(self, "store", STORES)
@@ -148,6 +154,11 @@ class CheckpointConfig:
         if self.health_check is not None and not isinstance(self.health_check, HealthCheck):
             raise ConfigError(f"CheckpointConfig.health_check must be a gemini_ckpt.HealthCheck (e.g. HealthCheck() "
                               f"for the default checks) or None to turn the checks off, got {self.health_check!r}")
+        if self.failure_domain is not None and (not isinstance(self.failure_domain, str)
+                                                or not self.failure_domain.strip()):
+            raise ConfigError(f"CheckpointConfig.failure_domain must be the name of a Ray node label (e.g. 'rack' "
+                              f"for nodes started with `ray start --labels rack=r1`) or None, "
+                              f"got {self.failure_domain!r}")
 
     @property
     def resolved_namespace(self) -> str:

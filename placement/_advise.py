@@ -262,8 +262,8 @@ def _advise(model: FailureModel, costs: Costs, cap_s: float, replicas: tuple[int
         if any(c.p_memory_domain == 0 for c in candidates if c.setting.replicas > 1):
             notes.append(
                 "with contiguous slots a whole-domain failure takes every copy of some host: "
-                "it falls back to the durable tier (domain_layout='spread' shows what spreading "
-                "copies over domains would save; CheckpointConfig cannot spread them yet)"
+                "it falls back to the durable tier; CheckpointConfig(failure_domain='rack') spreads "
+                "the copies over the nodes' rack labels (domain_layout='spread' shows what that saves)"
             )
     return Advice(
         failures=model, costs=costs, max_persist_h=cap_s / HOUR, durable_only=durable_only,

@@ -62,8 +62,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--domain-mtbf", type=_number, metavar="H",
                    help="hours between failures of one whole domain")
     p.add_argument("--domain-layout", choices=DOMAIN_LAYOUTS,
-                   help="contiguous: slots in rank order, a domain's hosts adjacent (what the "
-                   "library does; default); spread: copies kept in different domains")
+                   help="contiguous: slots in rank order, a domain's hosts adjacent (the library "
+                   "without failure_domain; default); spread: copies kept in different domains "
+                   "(CheckpointConfig(failure_domain=...))")
     costs = p.add_argument_group("costs, in seconds (--from-bench reads measured ones)")
     costs.add_argument("--stall", type=_number_or_zero, metavar="S",
                        help=f"training stall of one save() (default {d_cost.stall_s:g})")

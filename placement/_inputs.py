@@ -21,8 +21,9 @@ HOUR = 3600.0
 DAY = 86400.0
 
 #: Domain layouts: how slots sit in failure domains.  ``contiguous`` is what the library
-#: does today (slots follow rank order, so a rack's hosts are neighbours); ``spread`` is
-#: ``placement.make(..., domains=...)``, which keeps a host's copies in different domains.
+#: does without ``CheckpointConfig.failure_domain`` (slots follow rank order, so a rack's hosts
+#: are neighbours); ``spread`` is ``placement.make(..., domains=...)``, which keeps a host's
+#: copies in different domains: what the library does with ``failure_domain`` set.
 DOMAIN_LAYOUTS = ("contiguous", "spread")
 
 #: keep_in_memory recommended: the model needs only the newest committed version (the

@@ -46,6 +46,7 @@ from ._faults import (
     NanInState,
     RemoveHosts,
     SlowReplication,
+    kill_rack,
 )
 from ._phases import (
     PHASES,
@@ -87,6 +88,7 @@ __all__ = [
     "faulty_filesystem",
     "ci_matrix",
     "full_matrix",
+    "kill_rack",
     "plan_scenario",
     "predict",
     "run_matrix",

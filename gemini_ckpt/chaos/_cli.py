@@ -31,6 +31,9 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=2, help="copies in memory (default 2)")
     p.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     p.add_argument("--persist-every", type=int, default=2, help="persist every Nth version (default 2)")
+    p.add_argument("--domains", metavar="D,D,...",
+                   help="one failure-domain (rack) label per host, e.g. 0,0,1,1: hosts get the node label "
+                        "rack=D, the job CheckpointConfig(failure_domain='rack'), and kill-rack-D scenarios run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="CheckpointConfig.timeout_s of the job")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the table")
@@ -61,7 +64,8 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         config = ChaosConfig(hosts=args.hosts, replicas=args.replicas, steps=args.steps,
-                             persist_every=args.persist_every, seed=args.seed, timeout_s=args.timeout)
+                             persist_every=args.persist_every, seed=args.seed, timeout_s=args.timeout,
+                             domains=tuple(args.domains.split(",")) if args.domains else None)
         scenarios = (ci_matrix if args.matrix == "ci" else full_matrix)(config)
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)

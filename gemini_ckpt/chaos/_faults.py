@@ -7,7 +7,7 @@ process or touches Ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from ._phases import ScenarioError, host_indices, nonneg_int
 
@@ -54,9 +54,14 @@ class RemoveHosts:
     during_restore: bool = False
     """Remove these hosts (replacements of the scenario's other losses) again while their ranks
     restore, after the job restarted: the job restarts once more, on a new replacement."""
+    domain: Optional[str] = None
+    """These hosts are every host of this failure domain (a rack lost at once: :func:`kill_rack`;
+    ``ChaosConfig.check`` holds it to ``ChaosConfig.domains``)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hosts", host_indices("RemoveHosts.hosts", self.hosts))
+        if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
+            raise ScenarioError(f"RemoveHosts.domain must be a failure-domain label or None, got {self.domain!r}")
         for name in ("replace", "during_rereplication", "during_restore"):
             if not isinstance(getattr(self, name), bool):
                 raise ScenarioError(f"RemoveHosts.{name} must be True or False, got {getattr(self, name)!r}")
@@ -71,6 +76,8 @@ class RemoveHosts:
 
     def label(self) -> str:
         text = f"remove host{'s' if len(self.hosts) > 1 else ''} {','.join(map(str, self.hosts))}"
+        if self.domain is not None:
+            text = f"kill rack {self.domain} ({text})"
         return text + (" during re-replication" if self.during_rereplication else "") + (
             " during its restore" if self.during_restore else "")
 
@@ -108,6 +115,15 @@ class CorruptDurable:
 
     def label(self) -> str:
         return f"corrupt durable file of rank {self.rank}"
+
+
+def kill_rack(domains: tuple[str, ...], domain: str, *, replace: bool = True) -> RemoveHosts:
+    """Every host of failure domain ``domain`` at once (``domains``: each host's, as
+    ``ChaosConfig.domains`` gives them to the cluster's node labels)."""
+    hosts = tuple(h for h, d in enumerate(domains) if d == domain)
+    if not hosts:
+        raise ScenarioError(f"kill_rack: no host is in domain {domain!r} (domains: {domains})")
+    return RemoveHosts(hosts, replace=replace, domain=domain)
 
 
 Fault = Union[KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable]

@@ -82,7 +82,7 @@ class Harness:
             self.sim.ensure_hosts()
         else:
             self.sim = LocalCluster(self.config.hosts, head_cpus=1, object_store_bytes=self.config.object_store_bytes,
-                                    namespace=RAY_NAMESPACE).start()
+                                    namespace=RAY_NAMESPACE, labels=self.config.host_labels).start()
         self.pool = RankPool(self.sim)
         self.pool.ensure(tuple(range(self.config.hosts)))
         self.log(f"cluster up: head + {self.config.hosts} hosts, {self.config.hosts} ranks "

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from ._results import HarnessError, InfraError, err, infrastructure
 from ._phases import HookRule
-from ._spec import ChaosConfig
+from ._spec import DOMAIN_LABEL, ChaosConfig
 
 
 class Harness(Protocol):
@@ -49,6 +49,8 @@ class JobRun:
         out = {"store": "ray", "namespace": self.namespace, "replicas": cfg.replicas, "placement": self.placement,
                "keep_in_memory": cfg.keep_in_memory, "timeout_s": float(cfg.timeout_s),
                "host_memory_budget_bytes": cfg.host_memory_budget_bytes}
+        if cfg.domains is not None:
+            out["failure_domain"] = DOMAIN_LABEL
         if self.persist:
             out.update(persist_every=cfg.persist_every, keep_durable=cfg.keep_durable)
             if not self.chaos_fs:

@@ -23,6 +23,7 @@ from ._faults import (
     NanInState,
     RemoveHosts,
     SlowReplication,
+    kill_rack,
 )
 from ._phases import (
     At,
@@ -48,7 +49,8 @@ CI_SCENARIOS = (
     "nan-in-optimizer-state",
     "resize-after-loss",
 )
-"""The reduced matrix CI runs: one scenario per kind of fault."""
+"""The reduced matrix CI runs: one scenario per kind of fault (and, with ``ChaosConfig.domains``,
+every ``kill-rack-*``)."""
 
 
 def fault_steps(config: ChaosConfig) -> tuple[int, int]:
@@ -154,13 +156,19 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     keep = tuple(x for x in range(cfg.hosts) if x not in lost)[: cfg.hosts // 2]
     out.append(Scenario(name="resize-after-loss", at=At(step=boundary), faults=(RemoveHosts(lost, replace=False),),
                         restart_hosts=keep, note="hosts lost for good; the job goes on with the survivors"))
+
+    # A whole failure domain lost at once (hosts with domains: copies spread over them).
+    for domain in dict.fromkeys(cfg.domains or ()):
+        out.append(Scenario(name=f"kill-rack-{domain}", at=At(step=boundary), faults=(kill_rack(cfg.domains, domain),),
+                            note="every host of one rack at once: with copies in other racks, memory holds every shard"))
     return out
 
 
 def ci_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     """The representative subset of :func:`full_matrix` that CI runs (:data:`CI_SCENARIOS`)."""
-    by_name = {s.name: s for s in full_matrix(config)}
-    return [by_name[n] for n in CI_SCENARIOS if n in by_name]
+    every = full_matrix(config)
+    by_name = {s.name: s for s in every}
+    return [by_name[n] for n in CI_SCENARIOS if n in by_name] + [s for s in every if s.name.startswith("kill-rack-")]
 
 
 # --- the report -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Iterable, Mapping, Optional
 
 import placement
 
+from ..ray.slots import placement_for
 from ._faults import DurableWriteOutage
 from ._phases import STEP
 from ._spec import ChaosConfig, Scenario
@@ -74,8 +75,11 @@ def outcome_label(outcome: Optional[str], step: Optional[int]) -> str:
     return outcome or "?"
 
 
-def make_placement(strategy: str, hosts: int, replicas: int) -> placement.Placement:
-    return placement.make(strategy, hosts=hosts, replicas=replicas)
+def make_placement(strategy: str, hosts: int, replicas: int,
+                   domains: Optional[tuple[str, ...]] = None) -> placement.Placement:
+    """Where the job's copies are: the library's own rule (``ChaosConfig.domains``: each host's
+    failure domain, as the job reads it from the node labels)."""
+    return placement_for(hosts=hosts, replicas=replicas, strategy=strategy, domains=domains)
 
 
 def versions_after(s: Scenario, config: ChaosConfig, *, committed: Iterable[int], persisted: Iterable[int],
@@ -169,7 +173,7 @@ def plan_scenario(s: Scenario, config: ChaosConfig) -> Prediction:
     persisted = [x for x in before if config.persisted_by_policy(x) and not (outage and x in outage.steps)
                  and x not in s.unhealthy_steps()]
     hosts = tuple(range(config.hosts))
-    p = make_placement(s.placement, config.hosts, config.replicas)
+    p = make_placement(s.placement, config.hosts, config.replicas, config.domains)
     corrupt_memory: dict[int, dict[int, set]] = {}
     corrupt_durable: set[int] = set()
     for fault in s.faults:

@@ -163,7 +163,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
     ref = h.reference(train_job)
     hosts = tuple(range(cfg.hosts))
     f = s.at.step
-    p = make_placement(s.placement, cfg.hosts, cfg.replicas)
+    p = make_placement(s.placement, cfg.hosts, cfg.replicas, cfg.domains)
     outage = s.condition(DurableWriteOutage)
     unreachable = s.condition(DurableUnreachable) is not None
     job = JobRun(h, s.name, job=train_job, placement=s.placement, store_factory=store_factory,

@@ -28,6 +28,9 @@ from ._faults import (
 )
 from ._phases import PERSIST_PHASES, PLACEMENTS, STEP, At, ScenarioError, host_indices
 
+DOMAIN_LABEL = "rack"
+"""The Ray node label of a host's failure domain in the chaos job (``ChaosConfig.domains``)."""
+
 
 # --- the scenario -----------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +122,9 @@ class ChaosConfig:
     (steps ``persist_every - 1``, ``2 * persist_every - 1``, ...) and ``keep_durable`` kept.
 
     ``workdir``: where durable tiers live (default: a temporary directory, removed at the end).
+    ``domains``: one failure-domain label per host (e.g. ``("0", "0", "1", "1")``): each host's
+    node gets the label ``rack=<label>`` and the job runs with ``CheckpointConfig(failure_domain=
+    "rack")``, so copies are spread over racks, and ``kill-rack-*`` scenarios join the matrix.
     """
 
     hosts: int = 4
@@ -132,6 +138,7 @@ class ChaosConfig:
     workdir: Optional[str] = None
     object_store_bytes: int = 80 << 20
     host_memory_budget_bytes: int = 256 << 20
+    domains: Optional[tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("hosts", "replicas", "steps", "persist_every", "keep_in_memory", "keep_durable"):
@@ -145,6 +152,20 @@ class ChaosConfig:
             raise ScenarioError("ChaosConfig.steps must be at least 3 (train, fault, continue)")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ScenarioError(f"ChaosConfig.timeout_s must be a positive number, got {self.timeout_s!r}")
+        if self.domains is not None:
+            domains = tuple(self.domains) if not isinstance(self.domains, str) else ()
+            if len(domains) != self.hosts or not all(isinstance(d, str) and d for d in domains):
+                raise ScenarioError(f"ChaosConfig.domains must give one non-empty label per host ({self.hosts}), "
+                                    f"e.g. {tuple(str(i // 2) for i in range(self.hosts))}; got {self.domains!r}")
+            object.__setattr__(self, "domains", domains)
+
+    def host_labels(self, host: int) -> dict[str, str]:
+        """The extra Ray node labels of simulated host ``host`` (its failure domain, if any)."""
+        return {} if self.domains is None else {DOMAIN_LABEL: self.domains[host]}
+
+    def domain_hosts(self, domain: str) -> tuple[int, ...]:
+        """The hosts of failure domain ``domain``."""
+        return tuple(h for h, d in enumerate(self.domains or ()) if d == domain)
 
     def persisted_by_policy(self, step: int) -> bool:
         return EveryNSteps(self.persist_every).should_persist(step)  # the library's own rule
@@ -165,6 +186,9 @@ class ChaosConfig:
             raise ScenarioError(f"Scenario {s.name}: group placement needs replicas ({self.replicas}) to divide "
                                 f"hosts ({self.hosts}); use mixed")
         for f in s.faults:
+            if isinstance(f, RemoveHosts) and f.domain is not None and f.hosts != self.domain_hosts(f.domain):
+                raise ScenarioError(f"Scenario {s.name}: {f!r} is not every host of domain {f.domain!r} "
+                                    f"(ChaosConfig.domains: {self.domain_hosts(f.domain) or 'no such domain'})")
             for h in getattr(f, "hosts", ()) + tuple(getattr(f, "ranks", ())):
                 if h >= self.hosts:
                     raise ScenarioError(f"Scenario {s.name}: {f!r} names host/rank {h}; the job has {self.hosts}")

@@ -23,6 +23,7 @@ fixes the host slots and opens the epoch, which fences an earlier attempt's writ
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from typing import Optional
@@ -56,7 +57,9 @@ from .cluster import (
 from .hosts import HostStores, cause
 from .persist import persist_files
 from .reads import TierReads
-from .slots import SlotTable, holders_for
+from .slots import SlotTable, holders_for, placement_for, unlabelled
+
+log = logging.getLogger("gemini_ckpt")
 
 
 def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier":
@@ -80,7 +83,8 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
     key = resolve_key(config.signing_key)
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
     job = {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
-           "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth}
+           "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth,
+           "domain": config.failure_domain}
     try:
         joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
                          timeout=config.timeout_s + 10)
@@ -94,13 +98,19 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         raise ConfigError(
             f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
             f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts")
+    if rank == 0:
+        warning = unlabelled(table.nodes, table.domains, config.failure_domain)
+        if warning:
+            log.warning(warning)
+        placement_for(hosts=table.hosts, replicas=config.replicas, strategy=config.placement,
+                      domains=table.domains)  # warns here, once, when the domains cannot be honoured
     epoch = EpochConfig(
         epoch=table.epoch, slot=table.slot_of(node_id), nodes=tuple(table.nodes),
         ranks_here=tuple(sorted(int(r) for r, n in joined["ranks"].items() if n == node_id)), world_size=world_size,
         replicas=config.replicas, strategy=config.placement, keep=config.keep_in_memory,
         dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
         committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
-        key=key.hex() if key else None, bandwidth=config.replication_bandwidth)
+        key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains)
     try:
         attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:
@@ -162,7 +172,7 @@ class RayTier(MemoryTier):
         need = {s: 0 for s in range(self.table.hosts) if s not in dead}
         for slot, nbytes in shards.items():
             for holder in holders_for(slot, hosts=self.table.hosts, replicas=self.config.replicas,
-                                      strategy=self.config.placement, dead=dead):
+                                      strategy=self.config.placement, dead=dead, domains=self.table.domains):
                 if holder in need:
                     need[holder] += versions * nbytes
         budgets = self.hosts.gather("budget")

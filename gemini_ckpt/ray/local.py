@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ..errors import ConfigError
 from .netns import Network, parse_rate
@@ -66,7 +66,7 @@ class LocalCluster:
 
     def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
                  namespace: Optional[str] = None, cpus_per_host: int = 1, network: str = "loopback",
-                 link: str | int | None = None) -> None:
+                 link: str | int | None = None, labels: Optional[Callable[[int], dict[str, str]]] = None) -> None:
         if network not in NETWORKS:
             raise ConfigError(f"LocalCluster(network={network!r}): choose one of {', '.join(NETWORKS)}")
         if link is not None and network != "netns":
@@ -74,6 +74,7 @@ class LocalCluster:
         if link is not None:
             parse_rate(link)
         self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
+        self.labels = labels  # host i -> extra Ray node labels, e.g. lambda i: {"rack": str(i // 2)}
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
         self.network, self.link = network, link
         self.net = None  # a gemini_ckpt.ray.netns.Network with network="netns"
@@ -119,7 +120,7 @@ class LocalCluster:
     def add_host(self, i: int):
         """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
         self._main_thread_only("add_host")
-        labels = {HOST_LABEL: str(i)}
+        labels = {**(self.labels(i) if self.labels else {}), HOST_LABEL: str(i)}
         if self.net is not None:
             node = NetnsNode.start(self.net, i, address=self.cluster.address, cpus=self.cpus_per_host,
                                    resources={f"host{i}": 1}, labels=labels,

@@ -17,6 +17,16 @@ not exist when the rank connected). A store that dies while its node lives is no
 during a run: the ranks of that host create a fresh one when they connect again (a job
 restart), as does :func:`start_host_stores`.
 
+**Failure domains.** With ``CheckpointConfig(failure_domain="rack")`` the registry reads each
+slotted node's ``rack`` label at the rendezvous (:func:`node_domains`) and publishes one domain
+per slot with the table (:attr:`SlotTable.domains`; a node without the label is its own
+domain, with a warning). :func:`placement_for` is then ``placement.make(..., domains=...)``: each
+host's copies in different domains wherever the hosts allow it (``python -m placement show
+--domains ...`` draws the same placement), and a dead holder is replaced by the next live slot
+after the owner in a domain the other copies do not use yet. When there are fewer (live)
+domains than ``replicas``, a warning, once, and the rule without domains. With no domains, or
+every slot in its own domain, the placement is exactly the one without domains.
+
 **The host label.** A node started with the label :data:`HOST_LABEL` (``ray start --labels
 gemini-ckpt.io/host=3``; :class:`~gemini_ckpt.ray.local.LocalCluster` sets it on every simulated
 host) names the host it is. Ray Train can then place rank ``r`` on the same host after every
@@ -27,8 +37,11 @@ before the new workers start, so the rank placed there restores from local memor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import logging
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import placement
 
@@ -36,6 +49,9 @@ from ..errors import ConfigError
 
 HOST_LABEL = "gemini-ckpt.io/host"
 """The Ray node label that names a host (a machine of the job): ``"0"``, ``"1"``, ..."""
+
+log = logging.getLogger("gemini_ckpt")
+_warned: set = set()  # the domain warnings given in this process (each once)
 
 
 @dataclass(frozen=True)
@@ -46,10 +62,13 @@ class SlotTable:
     nodes: tuple[str, ...]
     epoch: int = 0
     ranks: dict[int, str] = field(default_factory=dict)  # rank -> node id, at the last rendezvous
+    domains: Optional[tuple[Optional[str], ...]] = None  # slot -> failure domain (None: no failure_domain)
 
     @classmethod
     def from_registry(cls, namespace: str, data: dict) -> "SlotTable":
-        return cls(namespace, tuple(data["nodes"]), data["epoch"], dict(data.get("ranks", {})))
+        domains = data.get("domains")  # absent from a registry of before failure domains
+        return cls(namespace, tuple(data["nodes"]), data["epoch"], dict(data.get("ranks", {})),
+                   None if domains is None else tuple(domains))
 
     @property
     def hosts(self) -> int:
@@ -62,13 +81,49 @@ class SlotTable:
             raise LookupError(f"node {node_id[:12]} has no slot in namespace {self.namespace!r}") from None
 
 
+def node_domains(nodes: Sequence[str], labels: Mapping[str, Mapping[str, str]], label: Optional[str]
+                 ) -> Optional[tuple[Optional[str], ...]]:
+    """Each slot's failure domain: the value of node label ``label`` of the slot's node
+    (``labels``: node id -> its Ray labels), None where the node has no such label (it is its
+    own domain: :func:`unlabelled` says so). None when ``label`` is None (no failure domains)."""
+    if label is None:
+        return None
+    return tuple((labels.get(node) or {}).get(label) for node in nodes)
+
+
+def unlabelled(nodes: Sequence[str], domains: Optional[Sequence[Optional[str]]], label: Optional[str]) -> str:
+    """The warning for slots whose node has no ``label`` label ("" when every one has)."""
+    if label is None or domains is None:
+        return ""
+    missing = [f"slot {s} (node {nodes[s][:12]})" for s, d in enumerate(domains) if d is None]
+    if not missing:
+        return ""
+    return (f"CheckpointConfig.failure_domain={label!r}: {', '.join(missing)} has no {label!r} node label, so "
+            f"each is a failure domain of its own; start such nodes with `ray start --labels {label}=...`")
+
+
+def placement_for(*, hosts: int, replicas: int, strategy: str = "auto",
+                  domains: Optional[Sequence[Optional[str]]] = None) -> placement.Placement:
+    """The placement of a job's slots (no host dead): ``placement.make(strategy, ..., domains=...)``
+    over the slots' failure domains (a slot with domain None is a domain of its own), or without
+    domains when there are none, every slot is its own, or there are fewer than ``replicas``
+    (then a warning, once). The chaos predictor and ``placement report --domains`` use the same.
+
+    >>> placement_for(hosts=4, replicas=2, strategy="group", domains=["a", "a", "b", "b"]).holders(0)
+    (0, 2)
+    """
+    return _placement(hosts, replicas, strategy, _labels(domains, hosts, replicas))
+
+
 def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
-                dead: Iterable[int] = ()) -> tuple[int, ...]:
+                dead: Iterable[int] = (), domains: Optional[Sequence[Optional[str]]] = None) -> tuple[int, ...]:
     """The slots that keep ``slot``'s shards of the next version (see the module docstring).
 
     >>> holders_for(2, hosts=4, replicas=2, strategy="group")
     (2, 3)
     >>> holders_for(2, hosts=4, replicas=2, strategy="group", dead={3})
+    (2, 0)
+    >>> holders_for(2, hosts=4, replicas=2, strategy="group", domains=["a", "a", "b", "b"])
     (2, 0)
     """
     dead = frozenset(dead)
@@ -76,12 +131,28 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
         raise ConfigError(
             f"CheckpointConfig.replicas={replicas} needs {replicas} hosts but the job spans {hosts}; "
             f"lower replicas to at most {hosts} or run on more hosts")
-    base = placement.make(strategy, hosts=hosts, replicas=replicas).holders(slot)
+    labels = _labels(domains, hosts, replicas)
+    base = _placement(hosts, replicas, strategy, labels).holders(slot)
     chosen = [h for h in base if h not in dead]
-    for k in range(1, hosts):
+    ring = [(slot + k) % hosts for k in range(1, hosts)]
+    if labels is not None and len(chosen) < replicas:
+        # First the next live slots in domains none of the copies uses yet.
+        used = {labels[h] for h in chosen}
+        for candidate in ring:
+            if len(chosen) >= replicas:
+                break
+            if candidate not in dead and candidate not in chosen and labels[candidate] not in used:
+                chosen.append(candidate)
+                used.add(labels[candidate])
+        if len(chosen) < replicas:
+            live = sorted({str(_shown(labels[h])) for h in range(hosts) if h not in dead})
+            _warn_once(("few-live", labels, replicas, tuple(live)),
+                       f"failure domains: only {len(live)} domain(s) with live hosts ({', '.join(live)}) for "
+                       f"CheckpointConfig.replicas={replicas}: some copies share a domain until the dead hosts "
+                       f"are replaced; add hosts in other domains or lower replicas")
+    for candidate in ring:
         if len(chosen) >= replicas:
             break
-        candidate = (slot + k) % hosts
         if candidate not in dead and candidate not in chosen:
             chosen.append(candidate)
     if len(chosen) < replicas:
@@ -90,3 +161,48 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
             f"only {live} of {hosts} host stores are alive but CheckpointConfig.replicas={replicas}; "
             f"restart the dead hosts' stores (start_host_stores) or lower replicas")
     return tuple(chosen)
+
+
+def _labels(domains: Optional[Sequence[Optional[str]]], hosts: int, replicas: int) -> Optional[tuple[Hashable, ...]]:
+    """The domains as placement labels (a slot without one gets a label of its own), or None
+    where they change nothing (none given, every slot its own) or cannot be honoured (fewer
+    domains than replicas: a warning, once)."""
+    if domains is None:
+        return None
+    if len(domains) != hosts:
+        raise ConfigError(f"failure domains: got {len(domains)} for {hosts} slots; give one per slot")
+    labels = tuple(("no label", s) if d is None else d for s, d in enumerate(domains))
+    distinct = len(set(labels))
+    if distinct == hosts:
+        return None
+    if distinct < replicas:
+        shown = sorted({str(_shown(d)) for d in labels})
+        _warn_once(("few", labels, replicas),
+                   f"failure domains: {replicas} copies of each shard (CheckpointConfig.replicas) but the job's "
+                   f"{hosts} hosts are in only {distinct} domain(s) ({', '.join(shown)}): copies cannot all be in "
+                   f"different domains, so they follow slot order as without failure_domain; run on hosts in at "
+                   f"least {replicas} domains or lower replicas")
+        return None
+    return labels
+
+
+@functools.lru_cache(maxsize=64)
+def _placement(hosts: int, replicas: int, strategy: str, labels: Optional[tuple]) -> placement.Placement:
+    p = placement.make(strategy, hosts=hosts, replicas=replicas, domains=labels)
+    clashes = placement.domain_violations(p)
+    if clashes:
+        _warn_once(("clash", labels, replicas, strategy),
+                   f"failure domains: no {p.strategy} placement of {replicas} copies over these hosts' domains keeps "
+                   f"the copies of slot(s) {list(clashes)} in different domains (a domain holds too many of the "
+                   f"job's hosts); `python -m placement show --domains ...` draws it; spread the hosts more evenly")
+    return p
+
+
+def _shown(label: Hashable) -> Hashable:
+    return f"slot {label[1]} (no label)" if isinstance(label, tuple) else label
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)

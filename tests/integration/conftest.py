@@ -1,5 +1,6 @@
 """The one Ray cluster of the integration tier: a head node (no CPUs) plus ``HOSTS`` simulated
-hosts (:class:`gemini_ckpt.ray.local.LocalCluster`), started once per session.
+hosts (:class:`gemini_ckpt.ray.local.LocalCluster`, each labelled ``rack=i // 2``), started once per
+session.
 
 Every test module gets the cluster whole (hosts a previous module removed are added back) and
 leaves no gemini_ckpt actor behind (``sweep`` after each module). Tests add and remove hosts
@@ -28,7 +29,8 @@ def ray_cluster():
     import watch
     from gemini_ckpt.ray.local import LocalCluster
 
-    cluster = LocalCluster(HOSTS, head_cpus=0, namespace="gemini_tests").start()
+    # Hosts 0, 1 in rack "0", hosts 2, 3 in rack "1" (only jobs with failure_domain="rack" look).
+    cluster = LocalCluster(HOSTS, head_cpus=0, namespace="gemini_tests", labels=lambda i: {"rack": str(i // 2)}).start()
     # Rank actors cannot import tests/ (not on their path): ship the support module by value.
     ray.cloudpickle.register_pickle_by_value(ray_helpers)
     watch.describe = cluster.describe

@@ -117,7 +117,7 @@ class RankPort:
                 holders: tuple = ()
                 if self.s.commit is not None:
                     holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
-                                          dead=self.s.commit.dead)
+                                          dead=self.s.commit.dead, domains=cfg.domains)
                     actions = self.s.commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
                 else:
                     actions = []

@@ -123,7 +123,8 @@ class Recovery:
             replicas=int(self.s.job.get("replicas", 2)), strategy=self.s.job.get("strategy", "auto"),
             keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
             timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
-            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"))
+            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"),
+            domains=self.s.domains)
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
@@ -159,7 +160,7 @@ class Recovery:
                     continue
                 try:
                     want = holders_for(owner, hosts=len(self.s.nodes), replicas=replicas, strategy=strategy,
-                                       dead=self.s.dead)
+                                       dead=self.s.dead, domains=self.s.domains)
                 except Exception:  # noqa: BLE001 - too few live hosts for the copies asked: nothing to do
                     continue
                 for target in [h for h in want if h not in slots and h in live]:

@@ -25,6 +25,7 @@ class RegistryState:
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.nodes: list[str] = []
+        self.domains: Optional[tuple] = None  # slot -> failure domain, read at each rendezvous
         self.epoch = 0
         self.failures: list[dict] = []
         self.events: list[dict] = []

@@ -16,6 +16,7 @@ from ...errors import ConfigError
 from ...timeouts import TIMEOUTS
 from ..commit import Coordinator
 from ..names import alive_node_ids, find_store
+from ..slots import node_domains, unlabelled
 from .recovery import Recovery
 from .registry_state import RegistryState
 
@@ -103,6 +104,14 @@ class Rendezvous:
         self.s.epoch += 1
         hosting = set(pending.values())
         self.recovery.note_nodes()
+        # The slots' failure domains, fixed for the epoch like dead and idle (a replacement
+        # adopted meanwhile is placed by its slot's domain until the next rendezvous reads it).
+        label = self.s.job.get("domain")
+        labels = {node: info.get("Labels") or {} for node, info in self.s.node_info.items()}
+        self.s.domains = node_domains(self.s.nodes, labels, label)
+        warning = unlabelled(self.s.nodes, self.s.domains, label)
+        if warning:
+            self.s.event(warning)
         alive = set(alive_node_ids())
         dead = set()
         for slot, node in enumerate(self.s.nodes):
@@ -121,7 +130,8 @@ class Rendezvous:
         self.s.rerep_pending = bool(dead)
         return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": dict(pending), "secret": self.s.secret,
                 "dead": sorted(dead), "idle": sorted(idle),
-                "committed": [[v.epoch, v.step] for v in committed], "recovery": since}
+                "committed": [[v.epoch, v.step] for v in committed], "recovery": since,
+                "domains": None if self.s.domains is None else list(self.s.domains)}
 
     async def _store_exists(self, node: str) -> bool:
         return find_store(self.s.namespace, node) is not None
@@ -147,4 +157,4 @@ class Rendezvous:
         if not self.s.nodes:
             return None
         return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": {}, "dead": sorted(self.s.dead),
-                "idle": sorted(self.s.idle)}
+                "idle": sorted(self.s.idle), "domains": None if self.s.domains is None else list(self.s.domains)}

@@ -34,6 +34,7 @@ class EpochConfig:
     secret: str = field(default="", repr=False)  # the data plane's shared secret (hex)
     key: Optional[str] = field(default=None, repr=False)  # the signing key (hex), if any
     bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
+    domains: Optional[tuple] = None  # slot -> failure domain (CheckpointConfig.failure_domain), fixed per epoch
 
     @property
     def hosts(self) -> int:
