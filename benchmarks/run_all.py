@@ -42,6 +42,7 @@ BENCHES = [
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("soak", "bench_soak.py", "soak.json", 600, 3600),
     ("peers", "bench_peers.py", "peers.json", 600, 3600),  # needs the [peers] extra; says so and exits 0 without it
+    ("interference", "bench_interference.py", "interference.json", 400, 3600),  # needs root (netns); says so without
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 
@@ -205,6 +206,24 @@ def summary_rows(res: dict) -> list[list[str]]:
                          _f(d["restart_to_first_step_with_library_s"]),
                          f"no checkpointing {_f(d['restart_to_first_step_without_checkpointing_s'])}",
                          f"{d['library_adds_to_the_restart_s']:+.1f} s", "-", "-"])
+    d = res.get("interference")
+    if d and "skipped" in d:
+        rows.append(["shaped links (netns)", "skipped", d["skipped"], "-", "-", "-"])
+    elif d:
+        s = d["safe"]
+        rows.append([f"time to safe on {d['link']} links ({s['shard_bytes'] / 2**20:.0f} MiB per host, replicas=2)",
+                     _f(s["save_to_committed_s"]), f"link floor {_f(s['link_floor_s'])}, raw TCP {_f(s['raw_tcp_s'])}",
+                     f"{s['vs_floor']:.2f}x floor", "<= 1.5x floor", _met(s["vs_floor"] <= 1.5)])
+        for kind in dict.fromkeys(r["kind"] for r in d["interference"]):
+            by = {r["config"]: r for r in d["interference"] if r["kind"] == kind}
+            unc = by.get("every step, uncapped")
+            inter = by.get("every step, interleaved")
+            if unc and inter:
+                met = inter["p50_overhead"] <= 0.03 and inter["p95_overhead"] <= 0.10 and unc["p50_overhead"] >= 0.15
+                rows.append([f"{kind} step time cost of every-step checkpointing on {d['link']}: interleaved / uncapped",
+                             f"p50 {inter['p50_overhead']:+.1%}, p95 {inter['p95_overhead']:+.1%}",
+                             f"uncapped p50 {unc['p50_overhead']:+.1%}", "-",
+                             "<= 3% p50, <= 10% p95 (uncapped >= 15%)", _met(met)])
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:

@@ -1,0 +1,337 @@
+"""Replication on real (virtual) links: time to safe against the link floor, and what
+every-step checkpointing costs training whose collectives cross the same links.
+
+Setup: ``LocalCluster(4, network="netns", link=--link)``: each simulated host's Ray node in its
+own network namespace, its link shaped to ``--link`` in both directions (``tc tbf``), one rank
+per host, gloo over the links. Needs CAP_NET_ADMIN (root); elsewhere it writes a result that
+says why it was skipped and exits 0.
+
+1. **Time to safe, no training** (``--safe-mb`` per rank, FSDP2 linear stack, replicas=2):
+   ``save()`` -> committed, median of ``--saves`` (slowest rank), against
+   - the *link floor*: shard bytes x (replicas - 1) / link rate (each host sends its shard to
+     one peer over its own link while receiving one, so the floor is one shard's time on a link);
+   - a raw TCP stream of the same bytes between the same hosts at the same time.
+2. **Interference** (DDP and FSDP2 training of a ``--layers`` x ``--dim`` linear stack, batch
+   ``--batch``, AdamW): step time p50/p95 (slowest rank; ``--steps`` after a warm-up) without
+   checkpointing, and with a save every step (replicas=2) uncapped, capped
+   (``replication_bandwidth`` = ``--cap`` of the link), and interleaved with training's
+   collectives (``CheckpointConfig(interleave=True)`` plus the library's DDP/FSDP2 hooks), with
+   the median time to safe of the versions.
+
+Usage::
+
+    python benchmarks/bench_interference.py              # 1 Gbit/s, 128 MiB time-to-safe, 30 steps
+    python benchmarks/bench_interference.py --quick      # small sizes, a few steps
+
+Writes ``benchmarks/results/interference.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from _common import write_report  # noqa: E402
+
+HOSTS = 4
+MIB = 1 << 20
+
+
+class NetRank:
+    """One rank of the job, inside its host's namespace."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+
+    def address(self) -> tuple[str, int]:
+        """This host's address and a port free in its namespace (rank 0 serves the rendezvous)."""
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
+        self.rank, self.world_size = rank, world_size
+
+    def build(self, kind: str, layers: int, dim: int, batch: int) -> int:
+        """The model to train (``ddp``, ``fsdp2``) or to save (``stack``: FSDP2, no optimizer);
+        returns the bytes this rank's checkpoint holds."""
+        import torch
+        from torch import nn
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from gemini_ckpt.toy import fully_shard_layers, linear_stack
+
+        mesh = init_device_mesh("cpu", (self.world_size,))
+        self.kind, self.opt = kind, None
+        if kind == "stack":
+            self.model = linear_stack(layers, dim, mesh, seed=self.rank)
+            return sum(p.to_local().nbytes for p in self.model.parameters())
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+        if kind == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            fully_shard_layers(model, mesh)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.batch = torch.rand(batch, dim, generator=torch.Generator().manual_seed(self.rank))
+        self._step()  # the optimizer's state exists from here on
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        return sum(t.nbytes for t in local) * 3 // (1 if kind == "fsdp2" else self.world_size)
+
+    def _step(self) -> None:
+        loss = self.model(self.batch).square().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _checkpointer(self, namespace: str, cap: int | None, interleave: bool, replicas: int = 2):
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        fields = CheckpointConfig.__dataclass_fields__
+        extra = {"interleave": interleave} if "interleave" in fields else {}
+        ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt), CheckpointConfig(
+            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
+            replication_bandwidth=cap, **extra))
+        if interleave:
+            import gemini_ckpt
+
+            if hasattr(gemini_ckpt, "interleave"):
+                gemini_ckpt.interleave(self.model, ckpt)
+        return ckpt
+
+    def safe(self, namespace: str, saves: int) -> list[float]:
+        """Seconds from ``save()`` to committed, ``saves`` times after one warm-up save."""
+        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+        ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
+            store="ray", namespace=namespace, replicas=2, keep_in_memory=1, timeout_s=600))
+        out = []
+        try:
+            for step in range(saves + 1):
+                t0 = time.perf_counter()
+                ckpt.save(step).committed.result(timeout=600)
+                if step:
+                    out.append(time.perf_counter() - t0)
+        finally:
+            ckpt.close()
+        return out
+
+    def train(self, steps: int, warmup: int, namespace: str | None, cap: int | None,
+              interleave: bool, replicas: int = 2) -> dict:
+        """Step times (training + save) and each version's save -> committed seconds."""
+        ckpt = self._checkpointer(namespace, cap, interleave, replicas) if namespace else None
+        times, safe, lock = [], [], threading.Lock()
+
+        def committed_at(t0: float):
+            def record(_future) -> None:
+                with lock:
+                    safe.append(time.perf_counter() - t0)
+            return record
+
+        try:
+            for step in range(warmup + steps):
+                t0 = time.perf_counter()
+                self._step()
+                if ckpt is not None:
+                    handle = ckpt.save(step)
+                    if step >= warmup:
+                        handle.committed.add_done_callback(committed_at(t0))
+                if step >= warmup:
+                    times.append(time.perf_counter() - t0)
+            if ckpt is not None:
+                ckpt.wait(timeout=600)
+        finally:
+            if ckpt is not None:
+                ckpt.close()
+        return {"step_s": times, "safe_s": safe}
+
+    # --- the floor: raw TCP between the same hosts over the same links ---------------------------
+    def raw_listen(self, nbytes: int) -> tuple[str, int]:
+        server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        buf = np.empty(nbytes, np.uint8)
+
+        def serve():
+            conn, _ = server.accept()
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:], min(nbytes - got, 4 * MIB))
+                if not n:
+                    break
+                got += n
+            conn.sendall(b"k")
+            conn.close()
+            server.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return server.getsockname()
+
+    def raw_send(self, target: tuple[str, int], nbytes: int) -> float:
+        data = np.ones(nbytes, np.uint8)
+        t0 = time.perf_counter()
+        with socket.create_connection(tuple(target)) as sock:
+            sock.sendall(memoryview(data))
+            sock.recv(1)
+        return time.perf_counter() - t0
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    return [max(r[i] for r in per_rank) for i in range(min(len(r) for r in per_rank))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--link", default="1gbit", help="each host's link rate, tc units (default 1gbit)")
+    ap.add_argument("--safe-mb", type=int, default=128, help="shard per rank for time to safe (MiB, default 128)")
+    ap.add_argument("--saves", type=int, default=3, help="timed saves for time to safe")
+    ap.add_argument("--kinds", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
+    ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps")
+    ap.add_argument("--out", default=os.path.join(
+        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        "interference.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.safe_mb, args.saves, args.layers, args.steps, args.warmup = 16, 1, 2, 8, 2
+
+    from gemini_ckpt.ray import netns
+    from gemini_ckpt.ray.cluster import shutdown_host_stores
+    from gemini_ckpt.ray.local import LocalCluster
+
+    machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        result = {"question": "replication on shaped links", "skipped": reason, "machine": machine}
+        return write_report(args.out, result, f"skipped: {reason}")
+    link_bits = netns.parse_rate(args.link)
+    link_bytes = link_bits / 8
+    plasma = 256 * MIB
+    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network="netns", link=args.link).start()
+    namespaces = []
+    try:
+        ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
+                 for i in range(HOSTS)]
+        master = ray.get(ranks[0].address.remote())
+        ray.get([r.setup.remote(i, HOSTS, master) for i, r in enumerate(ranks)], timeout=300)
+
+        # 1. time to safe without training
+        layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
+        shard = ray.get([r.build.remote("stack", layers, 1024, 0) for r in ranks])[0]
+        namespaces.append("bench-net-safe")
+        safe = _slowest(ray.get([r.safe.remote("bench-net-safe", args.saves) for r in ranks], timeout=1800))
+        shutdown_host_stores("bench-net-safe")
+        addrs = ray.get([r.raw_listen.remote(shard) for r in ranks])
+        raw = max(ray.get([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)]))
+        floor = shard / link_bytes
+        safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
+                    "save_to_committed_s": statistics.median(safe), "raw": safe,
+                    "vs_floor": statistics.median(safe) / floor, "raw_vs_floor": raw / floor}
+        print(f"time to safe: {safe_row['save_to_committed_s']:.3f}s for {shard / MIB:.0f} MiB per host, "
+              f"link floor {floor:.3f}s ({safe_row['vs_floor']:.2f}x), raw TCP {raw:.3f}s", flush=True)
+
+        # 2. interference
+        cap = int(args.cap * link_bytes)
+        # (label, namespace tag, cap, interleave, replicas); replicas=1 saves every step without
+        # sending a byte: the CPU cost of checkpointing on these shared cores, apart from the links
+        configs = [("no checkpoint", None, None, False, 2), ("every step, no copies (replicas=1)", "l", None, False, 1),
+                   ("every step, uncapped", "u", None, False, 2),
+                   (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
+                   ("every step, interleaved", "i", None, True, 2)]
+        rows = []
+        for kind in args.kinds:
+            state = ray.get([r.build.remote(kind, args.layers, args.dim, args.batch) for r in ranks])
+            base = None
+            for label, tag, limit, inter, replicas in configs:
+                ns = None if tag is None else f"bench-net-{kind}-{tag}"
+                if ns:
+                    namespaces.append(ns)
+                out = ray.get([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas) for r in ranks],
+                              timeout=1800)
+                steps = _slowest([o["step_s"] for o in out])
+                safe_s = [s for o in out for s in o["safe_s"]]
+                row = {"kind": kind, "config": label, "state_bytes_per_rank": max(state),
+                       "p50_s": statistics.median(steps), "p95_s": _pct(steps, 0.95), "raw": steps,
+                       "safe_p50_s": statistics.median(safe_s) if safe_s else None}
+                if base is None:
+                    base = row
+                row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
+                row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
+                if safe_s and replicas > 1:
+                    row["safe_vs_floor"] = row["safe_p50_s"] / (max(state) / link_bytes)
+                rows.append(row)
+                print(f"{kind} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
+                      f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})", flush=True)
+                if ns:
+                    shutdown_host_stores(ns)
+        ray.get([r.teardown.remote() for r in ranks])
+    finally:
+        for ns in namespaces:
+            try:
+                shutdown_host_stores(ns)
+            except Exception:  # noqa: BLE001 - best-effort cleanup
+                pass
+        cluster.shutdown()
+
+    result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
+              "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
+              "dim": args.dim, "batch": args.batch, "steps": args.steps, "cap_fraction": args.cap,
+              "machine": machine, "safe": safe_row, "interference": rows}
+    return write_report(args.out, result, _markdown(result))
+
+
+def _markdown(result: dict) -> str:
+    s = result["safe"]
+    lines = [f"{result['hosts']} hosts, each in its own network namespace on a {result['link']} link "
+             f"(tc tbf, both ways), {result['machine']['cpus']} cores shared", "",
+             "| time to safe | seconds | vs link floor |", "|---|---|---|",
+             f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",
+             f"| raw TCP, same hosts, same time | {s['raw_tcp_s']:.3f} | {s['raw_vs_floor']:.2f}x |",
+             f"| gemini_ckpt save -> committed | {s['save_to_committed_s']:.3f} | {s['vs_floor']:.2f}x |", "",
+             f"Training ({result['layers']} x {result['dim']}^2 linears, batch {result['batch']}, AdamW), "
+             f"{result['steps']} steps, slowest rank:", "",
+             "| model | checkpointing | state per rank (MiB) | step p50 (ms) | p50 cost | step p95 (ms) | p95 cost "
+             "| time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["interference"]:
+        safe = f"{r['safe_p50_s']:.3f}" if r.get("safe_p50_s") is not None else "-"
+        lines.append(f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
+                     f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {safe} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
