@@ -55,7 +55,13 @@ class BenchRank:
         torch.set_num_threads(1)
         self.ckpt = None
 
-    def setup(self, rank: int, world_size: int, port: int, mb: int) -> int:
+    def address(self) -> tuple[str, int]:
+        """This host's address and a port free on it (rank 0 serves the process group's rendezvous)."""
+        with socket.socket() as s:
+            s.bind((ray.util.get_node_ip_address(), 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int], mb: int) -> int:
         import datetime
 
         import torch.distributed as dist
@@ -63,8 +69,8 @@ class BenchRank:
 
         from gemini_ckpt.toy import linear_stack
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
         self.rank, self.world_size = rank, world_size
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
@@ -100,7 +106,7 @@ class BenchRank:
         one-byte ack when all arrived); returns this node's address and the port."""
         import threading
 
-        server = socket.create_server(("0.0.0.0", 0))
+        server = socket.create_server((ray.util.get_node_ip_address(), 0))
         bufs = [np.empty(nbytes, np.uint8) for _ in range(expect)]
 
         def serve(conn, buf):
@@ -206,12 +212,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _summary(per_rank: list[list[dict]], key: str) -> float:
     """Median over steps of the slowest rank (a version is committed when the last rank is)."""
     return statistics.median(max(r[i][key] for r in per_rank) for i in range(len(per_rank[0])))
@@ -224,6 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed saves per configuration")
     ap.add_argument("--quick", action="store_true", help="16 MB shards, one timed save")
     ap.add_argument("--cap-mb", type=int, default=200, help="replication_bandwidth for the step-time comparison")
+    ap.add_argument("--network", choices=("loopback", "netns"), default="loopback",
+                    help="netns: each host in its own network namespace (needs root; see bench_interference.py)")
+    ap.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "replicate.json"))
@@ -235,15 +238,16 @@ def main(argv=None) -> int:
     from gemini_ckpt.ray.local import LocalCluster
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
-    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma).start()
+    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network=args.network,
+                           link=args.link).start()
     workdir = tempfile.mkdtemp(prefix="gemini_bench_dcp_", dir=os.environ.get("BENCH_DISK_DIR"))
     namespaces = [f"bench-replicate-m{m}" for m in args.replicas] + ["bench-replicate-cap-none",
                                                                        "bench-replicate-cap"]
     try:
         ranks = [ray.remote(BenchRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
                  for i in range(HOSTS)]
-        port = _free_port()
-        shard = ray.get([r.setup.remote(i, HOSTS, port, args.mb) for i, r in enumerate(ranks)])
+        master = ray.get(ranks[0].address.remote())
+        shard = ray.get([r.setup.remote(i, HOSTS, master, args.mb) for i, r in enumerate(ranks)])
         shard_bytes = int(statistics.mean(shard))
         copy_gbps = memcpy_gbps(shard_bytes)
         rows = []
@@ -282,7 +286,7 @@ def main(argv=None) -> int:
 
     result = {
         "question": "save() -> committed in peer memory, replication throughput, vs memcpy and DCP async_save",
-        "hosts": HOSTS, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "steps": args.steps,
+        "hosts": HOSTS, "network": args.network, "link": args.link, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "steps": args.steps,
         "memcpy_gbps_single_thread": copy_gbps,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
         "rows": rows, "cap": cap_rows,

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from gemini_ckpt.errors import ConfigError, NetworkUnavailable
+from gemini_ckpt.errors import ConfigError
 from gemini_ckpt.ray import netns
 from gemini_ckpt.ray.local import LocalCluster
 
