@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -165,6 +166,15 @@ class CommState:
             self.fd = None
 
 
+@contextlib.contextmanager
+def _unmapped_ok():
+    # a collective that completes after the checkpointer closed (the page unmapped): nobody reads it
+    try:
+        yield
+    except ValueError:
+        pass
+
+
 class Marker:
     """One rank's slot: :meth:`enter` when a collective starts, :meth:`exit` when it completes
     (from any thread; nested and overlapping collectives count). A context manager too."""
@@ -176,7 +186,7 @@ class Marker:
 
     def enter(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self._lock, _unmapped_ok():
             depth, entered, count, mean_s, busy_s, _ = SLOT.unpack_from(self._state._mm, self._at)
             if depth <= 0:
                 depth, entered = 0, now
@@ -185,7 +195,7 @@ class Marker:
 
     def exit(self) -> None:
         now = time.monotonic()
-        with self._lock:
+        with self._lock, _unmapped_ok():
             depth, entered, count, mean_s, busy_s, _ = SLOT.unpack_from(self._state._mm, self._at)
             took = now - self._started.pop(0) if self._started else 0.0
             mean_s = took if count == 0 else (1 - MEAN_WEIGHT) * mean_s + MEAN_WEIGHT * took

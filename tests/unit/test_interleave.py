@@ -201,3 +201,138 @@ def test_interleave_is_on_by_default_and_validated():
     assert CheckpointConfig(interleave=False).interleave is False
     with pytest.raises(ConfigError, match="interleave"):
         CheckpointConfig(interleave="yes")
+
+
+# --- the hooks (one process, world size 1: DDP and FSDP2 still run their collectives) ------------
+class MarkingTier:
+    """The local tier with the comm state a host store would lend it (slot 0): what the hooks see
+    of a Ray tier, without a Ray cluster (tests/integration/test_ray_store.py has the real one)."""
+
+    @staticmethod
+    def make(namespace: str):
+        from gemini_ckpt.retention import KeepNewest
+        from gemini_ckpt.stores.memory import LocalTier, local_store
+
+        class Tier(LocalTier):
+            comm = CommState.create(slots=1)
+
+            def comm_marker(self):
+                return self.comm.marker(0)
+
+        base = local_store(namespace).attach(keep=KeepNewest(1))
+        tier = Tier.__new__(Tier)
+        tier.__dict__.update(base.__dict__)
+        return tier
+
+
+@pytest.fixture
+def gloo():
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(29500 + os.getpid() % 1000)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def _checkpointer(model, namespace):
+    import torch
+
+    from gemini_ckpt import Checkpointer, TrainState
+
+    tier = MarkingTier.make(namespace)
+    ckpt = Checkpointer(TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+                        CheckpointConfig(store="local", namespace=namespace), store=tier)
+    return ckpt, tier.comm
+
+
+def _watch_busy(comm, stop):
+    import threading
+
+    seen = []
+    thread = threading.Thread(target=lambda: [seen.append(comm.busy(stale_s=30)) or time.sleep(0.0002)
+                                              for _ in iter(lambda: stop.is_set(), True)], daemon=True)
+    thread.start()
+    return seen, thread
+
+
+def test_the_ddp_hook_marks_each_allreduce_until_it_completes(gloo):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gemini_ckpt
+
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)), bucket_cap_mb=0.001)
+    ckpt, comm = _checkpointer(model, "interleave-ddp")
+    assert gemini_ckpt.interleave(model, ckpt) is model
+    model(torch.randn(8, 64)).sum().backward()
+    assert comm.read(0)[2] == 0  # not started: nothing marked
+    ckpt.start()
+    for _ in range(3):
+        model(torch.randn(8, 64)).sum().backward()
+    depth, _entered, count, mean_s, busy_s, _ = comm.read(0)
+    assert depth == 0 and count >= 3 and mean_s > 0 and busy_s > 0  # one per bucket and step, all done
+    with ckpt.communicating():
+        assert comm.busy(stale_s=30)
+    assert not comm.busy(stale_s=30)
+    with pytest.raises(ValueError, match="comm hook"):
+        gemini_ckpt.interleave(model, ckpt)
+    ckpt.close()
+    assert ckpt.comm_marker() is None
+
+
+FSDP2_WORKER = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+sys.path[:0] = [os.path.dirname(sys.argv[1]), os.path.dirname(os.path.dirname(sys.argv[1]))]
+from test_interleave import _checkpointer
+import gemini_ckpt
+
+def main(rank):
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ckpt, comm = _checkpointer(model, f"interleave-fsdp-{rank}")
+    gemini_ckpt.interleave(model, ckpt)
+    ckpt.start()
+    model(torch.randn(4, 16)).sum().backward()
+    depth, _entered, count, mean_s, _busy, _ = comm.read(0)
+    print(f"rank {rank}: depth {depth} count {count}", flush=True)
+    assert depth == 0 and count >= 4 and mean_s > 0  # all-gathers and reduce-scatters, all completed
+    ckpt.close()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(main, nprocs=2)
+"""
+
+
+def test_the_fsdp2_hooks_mark_all_gathers_and_reduce_scatters(tmp_path):
+    import socket
+
+    script = tmp_path / "fsdp2_worker.py"
+    script.write_text(FSDP2_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, str(script), __file__, str(port)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("depth 0") == 2
+
+
+def test_interleave_refuses_a_model_it_cannot_hook():
+    import torch
+
+    import gemini_ckpt
+
+    ckpt, _ = _checkpointer(torch.nn.Linear(2, 2), "interleave-plain")
+    with pytest.raises(TypeError, match="communicating"):
+        gemini_ckpt.interleave(torch.nn.Linear(2, 2), ckpt)

@@ -123,7 +123,8 @@ class Recovery:
             replicas=int(self.s.job.get("replicas", 2)), strategy=self.s.job.get("strategy", "auto"),
             keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
             timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
-            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"))
+            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"),
+            interleave=bool(self.s.job.get("interleave", True)))
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
