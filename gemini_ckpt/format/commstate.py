@@ -142,7 +142,7 @@ class CommState:
     def stats(self) -> dict:
         rows = [self.read(s) for s in range(self.slots)]
         return {"collectives": sum(r[2] for r in rows), "busy_s": round(sum(r[4] for r in rows), 6),
-                "collective_s": self.collective_s()}
+                "collective_s": self.collective_s(), "marked_now": sum(1 for r in rows if r[0] > 0)}
 
     # --- the trainer's side --------------------------------------------------------------------
     def marker(self, slot: int) -> "Marker":
