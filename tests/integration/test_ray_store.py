@@ -404,6 +404,7 @@ def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collectiv
     results = ranks.train(range(2))
     assert all(r["committed"] for per_rank in results for r in per_rank), results
     stats = ray.get(find_store("interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
+    assert status("interleave").host(0).interleave["collectives"] >= stats["collectives"]  # status --json has them
     # FSDP2's all-gathers and reduce-scatters, marked through the page the store lent over the attach socket
     assert stats["enabled"] and stats["engaged"] and stats["collectives"] >= 8 and stats["collective_s"] > 0
     assert stats["marked_now"] == 0
