@@ -108,10 +108,11 @@ class CommState:
             return slot
 
     def clear(self, rank: int) -> None:
-        """Forget whatever ``rank`` marked (its process detached or died, maybe mid-collective);
-        its measured durations stay."""
+        """Forget whatever ``rank`` marked (its process detached or died, maybe mid-collective)
+        and free its slot for the next rank that attaches; the measured durations stay (they
+        are this host's collectives)."""
         with self._lock:
-            slot = self._assigned.get(rank)
+            slot = self._assigned.pop(rank, None)
         if slot is not None:
             _DEPTH.pack_into(self._mm, self._at(slot), 0)
 
@@ -137,7 +138,7 @@ class CommState:
 
     def active(self) -> bool:
         """Whether any rank ever marked a collective here (else replication does not wait at all)."""
-        return any(self.read(s)[2] > 0 or self.read(s)[0] > 0 for s in range(self.slots))
+        return any(row[2] > 0 or row[0] > 0 for row in (self.read(s) for s in range(self.slots)))
 
     def stats(self) -> dict:
         rows = [self.read(s) for s in range(self.slots)]

@@ -23,6 +23,7 @@ fixes the host slots and opens the epoch, which fences an earlier attempt's writ
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,8 @@ from .hosts import HostStores, cause
 from .persist import persist_files
 from .reads import TierReads
 from .slots import SlotTable, holders_for
+
+log = logging.getLogger("gemini_ckpt")
 
 
 def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier":
@@ -154,6 +157,7 @@ class RayTier(MemoryTier):
         self.recovery_events: tuple[dict, ...] = ()  # the registry's, at the rendezvous
         self._comm: Optional[CommState] = None
         self._marker: Optional[Marker] = None
+        self._no_marker = False  # asking for the comm state failed: never again
 
     def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
         """Per host: ``versions`` versions of the shards it will hold (its own ranks' and the
@@ -309,14 +313,20 @@ class RayTier(MemoryTier):
         if not self.config.interleave:
             return None
         with self._lock:
-            if self._marker is None:
-                reply, fds = self._attach.request({"type": "comm"})
-                if not fds:
-                    raise AttachError(f"rank {self.rank}: the host store sent no comm-state segment")
-                for fd in fds[1:]:
-                    os.close(fd)
-                self._comm = CommState.open(fds[0], int(reply["nbytes"]))
-                self._marker = self._comm.marker(int(reply["slot"]))
+            if self._marker is None and not self._no_marker:
+                try:
+                    reply, fds = self._attach.request({"type": "comm"})
+                    for fd in fds[1:]:
+                        os.close(fd)
+                    if not fds:
+                        raise AttachError("the host store sent no comm-state segment")
+                    self._comm = CommState.open(fds[0], int(reply["nbytes"]))
+                    self._marker = self._comm.marker(int(reply["slot"]))
+                except (AttachError, LookupError, ValueError, OSError) as exc:
+                    # an optimization, never a reason to stop training: say so once, mark nothing
+                    self._no_marker = True
+                    log.warning("rank %d: replication will not yield to training's collectives (no comm state "
+                                "from the host store: %s: %s)", self.rank, type(exc).__name__, exc)
             return self._marker
 
     def close(self) -> None:

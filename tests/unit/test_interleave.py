@@ -58,6 +58,8 @@ def test_a_stale_mark_is_ignored_and_a_detached_ranks_marks_are_cleared():
     assert state.slot_for(rank=0) == 0 and state.slot_for(rank=5) == 1
     with pytest.raises(LookupError):
         state.slot_for(rank=6)
+    state.clear(5)  # a detached rank's slot goes to the next one (a restart with other ranks here)
+    assert state.slot_for(rank=6) == 1
     state.close()
 
 

@@ -93,10 +93,14 @@ class IdleGate:
         self.pieces = 0
         self.forced = 0  # pieces sent after patience_s although training was busy
         self.gated_bytes = 0
+        self._engaged = False
 
     def engaged(self) -> bool:
-        """Whether pieces go through the gate (a rank of this host has marked a collective)."""
-        return self.signal.active()
+        """Whether pieces go through the gate (a rank of this host has marked a collective; once
+        it has, for good)."""
+        if not self._engaged:
+            self._engaged = self.signal.active()
+        return self._engaged
 
     def piece(self) -> int:
         return choose_chunk(self.rate, self.signal.collective_s(), fraction=self.fraction, lo=self.lo, hi=self.hi)
