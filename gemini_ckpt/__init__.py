@@ -45,6 +45,7 @@ _EXPORTS = {
     "UnhealthyVersionError": ".errors",
     "VersionNotFoundError": ".errors",
     "cluster_status": ".cli.status",
+    "interleave": ".integrations.interleave",
 }
 _MODULES = {"ray_train": ".integrations.ray_train"}  # ``from gemini_ckpt import ray_train as gray``
 
@@ -69,6 +70,7 @@ __all__ = [  # a literal, so that tools see what the lazy names are
     "UnhealthyVersionError",
     "VersionNotFoundError",
     "cluster_status",
+    "interleave",
     "ray_train",
     "__version__",
 ]
@@ -111,5 +113,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from .health import HealthCheck
     from .integrations import ray_train
+    from .integrations.interleave import interleave
     from .results import CheckpointStats, RestoreResult, SaveHandle
     from .state import TrainState

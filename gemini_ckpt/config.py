@@ -72,6 +72,12 @@ class CheckpointConfig:
         replication_bandwidth: cap on the bytes per second each host store sends to the other
             holders over the data plane (None: unlimited), so replication stays out of the way
             of training's own traffic.
+        interleave: replication yields to training's own collectives: a host store sends only
+            while its ranks are not inside one (DDP and FSDP2 marked by
+            ``gemini_ckpt.interleave(model, checkpointer)``, anything else by
+            ``checkpointer.communicating()``), in pieces that delay a collective by at most 5%
+            of its measured time (docs/interleave.md). With nothing marked it changes nothing;
+            ``replication_bandwidth`` still caps. False: send regardless.
         overwrite: a job that starts without restoring, while the store or the durable tier
             already holds versions at or after its first step (an earlier run's), is refused;
             ``overwrite=True`` discards those versions instead (memory and durable).
@@ -107,6 +113,7 @@ class CheckpointConfig:
     timeout_s: float = TIMEOUTS.version_s
     signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
     replication_bandwidth: Optional[int] = None
+    interleave: bool = True
     overwrite: bool = False
     init_from: Optional[str] = None
     health_check: Optional[HealthCheck] = dataclasses.field(default_factory=HealthCheck)
@@ -143,6 +150,9 @@ class CheckpointConfig:
         if self.replication_bandwidth is not None:
             _int_at_least(self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; "
                           "None for unlimited")
+        if not isinstance(self.interleave, bool):
+            raise ConfigError(f"CheckpointConfig.interleave must be True (replication yields to training's "
+                              f"collectives) or False (it does not), got {self.interleave!r}")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):

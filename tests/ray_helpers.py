@@ -177,6 +177,17 @@ class RankWorker:
                 "read_local": read.get("local", 0), "read_peer": read.get("peer", 0),
                 "read_durable": read.get("durable", 0), "slot": getattr(store, "slot", None)}
 
+    def interleave(self) -> None:
+        """Hook the model's collectives (FSDP2) for this rank's Checkpointer (docs/interleave.md)."""
+        import gemini_ckpt
+
+        self.ckpt.start()
+        gemini_ckpt.interleave(self.model, self.ckpt)
+
+    def mark(self) -> None:
+        """Enter a collective and never leave it (as a rank that dies inside one)."""
+        self.ckpt.comm_marker().enter()
+
     def store_call(self, method: str, *args) -> Any:
         """Call the Checkpointer's memory tier directly (on this rank)."""
         return getattr(self.ckpt.store, method)(*args)

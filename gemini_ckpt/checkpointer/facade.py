@@ -8,6 +8,7 @@ or :mod:`.overlapped` with ``staging="overlap"``), the hand-off to the backgroun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from ..collective import everyones, rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 from ..faults import fire
+from ..format.commstate import Marker
 from ..health import MetricHistory
 from ..lineage import Lineage, survey
 from ..persister import Persister
@@ -172,6 +174,32 @@ class Checkpointer:
         if not self._closed:
             self._flight.begin_closing()
             self._shutdown(raise_errors=False)
+
+    # --- interleaving (docs/interleave.md) ----------------------------------------------------
+    def communicating(self):
+        """A context manager around training communication the library does not hook (DDP's
+        and FSDP2's collectives are hooked by :func:`gemini_ckpt.interleave`): while any rank of
+        a host is inside one, its host store sends no replication bytes.
+
+        Example::
+
+            with ckpt.communicating():
+                dist.all_reduce(loss_sum)
+
+        Free of messages and of collectives; a no-op until the Checkpointer started (the first
+        ``save``/``restore``), after ``close``, with ``interleave=False`` or ``store="local"``.
+        """
+        marker = self.comm_marker()
+        return marker if marker is not None else contextlib.nullcontext()
+
+    def comm_marker(self) -> Optional[Marker]:
+        """This rank's marker, for a hook whose collective completes later: ``enter()`` when it
+        is issued, ``exit()`` when it completes (from any thread). None when nothing is marked
+        (see :meth:`communicating`)."""
+        store = self._store
+        if self._closed or store is None or not self._background.started:
+            return None
+        return store.comm_marker()
 
     @property
     def inflight(self) -> int:

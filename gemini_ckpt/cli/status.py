@@ -41,6 +41,7 @@ class HostStatus:
     error: Optional[str] = None
     footprint_bytes: int = 0  # what the job's plan will take here, computed before its first save (0: not yet)
     memory: dict = field(default_factory=dict)  # where the reserved bytes are (VersionTable.memory)
+    interleave: dict = field(default_factory=dict)  # the interleaving gate's counters (docs/interleave.md)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
         own = sum(1 for sh in shards if sh["owner"] == slot)
         hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
                                 own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"],
-                                memory=d.get("memory", {}), footprint_bytes=d.get("footprint_bytes", 0)))
+                                memory=d.get("memory", {}), footprint_bytes=d.get("footprint_bytes", 0),
+                                interleave=d.get("interleave", {})))
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
     return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
                            table["epoch"] if table is not None else 0, tuple(failures), tuple(events))

@@ -29,6 +29,8 @@ Messages (trainer -> store, each with an ``id`` the reply carries):
 - ``staged`` ``{step, seg, persist, lengths}``, payload = the value blobs: the shard is the
   store's now; no reply, but later an ``outcome`` ``{step, committed, reason}`` (id 0);
 - ``give_back`` ``{seg}``: a segment not staged after all;
+- ``comm``: the page this rank marks its collectives in (:mod:`gemini_ckpt.format.commstate`);
+  reply ``{slot, nbytes}`` + memfd (the store clears the slot when the connection closes);
 - ``map`` ``{step, rank}``: read access to a shard this store holds; reply ``{nbytes}`` + memfd
   (the shard is pinned until ``unmap`` ``{step, rank}`` or the connection closes).
 

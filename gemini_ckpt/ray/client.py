@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Optional
@@ -43,6 +44,7 @@ from ..errors import (
 from ..health import Health
 from ..stores.views import MemoryVersion
 from ..stores.base import Capabilities, MemoryTier, Outcome
+from ..format.commstate import CommState, Marker
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
 from ..trust.manifest import resolve_key
@@ -84,7 +86,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
     job = {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
            "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth,
-           "domain": config.failure_domain}
+           "domain": config.failure_domain, "interleave": config.interleave}
     try:
         joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
                          timeout=config.timeout_s + 10)
@@ -110,7 +112,8 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         replicas=config.replicas, strategy=config.placement, keep=config.keep_in_memory,
         dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
         committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
-        key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains)
+        key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains,
+        interleave=config.interleave)
     try:
         attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:
@@ -159,6 +162,9 @@ class RayTier(MemoryTier):
         self._plans: set[str] = set()
         self._ahead: dict[str, concurrent.futures.Future] = {}  # plan id -> a segment asked for ahead
         self.recovery_events: tuple[dict, ...] = ()  # the registry's, at the rendezvous
+        self._comm: Optional[CommState] = None
+        self._marker: Optional[Marker] = None
+        self._no_marker = False  # asking for the comm state failed: never again
 
     def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
         """Per host: ``versions`` versions of the shards it will hold (its own ranks' and the
@@ -308,11 +314,36 @@ class RayTier(MemoryTier):
         slot = slot if slot is not None else where.copies[rank][0]
         return self.hosts.live()[slot]
 
+    def comm_marker(self) -> Optional[Marker]:
+        """This rank's slot in its host store's comm state (asked for once; None with
+        ``interleave=False``): marks in it hold the store's sends back (docs/interleave.md)."""
+        if not self.config.interleave:
+            return None
+        with self._lock:
+            if self._marker is None and not self._no_marker:
+                try:
+                    reply, fds = self._attach.request({"type": "comm"})
+                    for fd in fds[1:]:
+                        os.close(fd)
+                    if not fds:
+                        raise AttachError("the host store sent no comm-state segment")
+                    self._comm = CommState.open(fds[0], int(reply["nbytes"]))
+                    self._marker = self._comm.marker(int(reply["slot"]))
+                except (AttachError, LookupError, ValueError, OSError) as exc:
+                    # an optimization, never a reason to stop training: say so once, mark nothing
+                    self._no_marker = True
+                    log.warning("rank %d: replication will not yield to training's collectives (no comm state "
+                                "from the host store: %s: %s)", self.rank, type(exc).__name__, exc)
+            return self._marker
+
     def close(self) -> None:
         """Close this client's channels (the host stores keep every version)."""
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
+            comm, self._comm = self._comm, None
         self.reads.close()
         self._attach.close()
         for seg in segments:
             seg.close()
+        if comm is not None:
+            comm.close()

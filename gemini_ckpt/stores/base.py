@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 from ..health import Health
+from ..format.commstate import Marker
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
 
@@ -122,6 +123,12 @@ class MemoryTier(Tier):
     @abc.abstractmethod
     def unpin(self, step: int) -> None:
         """The persist of ``step`` is over: retention may release it."""
+
+    def comm_marker(self) -> Optional[Marker]:
+        """Where this rank marks its collectives so that replication yields to them
+        (:mod:`gemini_ckpt.format.commstate`; docs/interleave.md), or None: this tier moves no
+        bytes between hosts behind training's back (the default)."""
+        return None
 
     @abc.abstractmethod
     def discard(self, step: int) -> None:

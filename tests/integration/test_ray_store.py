@@ -395,3 +395,35 @@ def test_a_holder_that_dies_mid_transfer_fails_the_version_in_about_a_second(ray
     # at once, not at timeout_s (120 s).
     assert outcome["error"] is not None and ("slot 1" in outcome["error"] or "store died" in outcome["error"])
     assert outcome["done"] - killed < 3.0, outcome
+
+
+@pytest.mark.ray
+def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collective_holds_nothing(ranks):
+    ranks.restart("interleave")
+    ranks.call("interleave")
+    results = ranks.train(range(2))
+    assert all(r["committed"] for per_rank in results for r in per_rank), results
+    stats = ray.get(find_store("interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
+    assert status("interleave").host(0).interleave["collectives"] >= stats["collectives"]  # status --json has them
+    # FSDP2's all-gathers and reduce-scatters, marked through the page the store lent over the attach socket
+    assert stats["enabled"] and stats["engaged"] and stats["collectives"] >= 8 and stats["collective_s"] > 0
+    assert stats["marked_now"] == 0
+    ray.get(ranks.workers[1].mark.remote(), timeout=60)  # rank 1 stays "inside a collective"
+    host1 = find_store("interleave", node_id_of_host(1))
+    assert ray.get(host1.describe.remote(), timeout=60)["interleave"]["marked_now"] == 1
+    results = ranks.train([2])  # its host's copies still go (a piece per patience), the version commits
+    assert all(r["committed"] for per_rank in results for r in per_rank), results
+    held = ray.get(host1.describe.remote(), timeout=60)["interleave"]
+    assert held["forced"] >= 1 and held["waited_s"] >= 0.9  # it did wait for the collective to end
+    ranks.teardown()  # its attach socket closes: the store forgets the mark
+    wait_for(lambda: ray.get(host1.describe.remote(), timeout=60)["interleave"]["marked_now"] == 0,
+             what="the detached rank's mark to be cleared")
+
+
+@pytest.mark.ray
+def test_interleave_off_sends_regardless(ranks):
+    ranks.restart("no-interleave", interleave=False)
+    results = ranks.train(range(2))
+    assert all(r["committed"] for per_rank in results for r in per_rank), results
+    stats = ray.get(find_store("no-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
+    assert not stats["enabled"] and "pieces" not in stats

@@ -47,7 +47,8 @@ from ...retention import KeepNewest
 from ..attach_server import AttachServer
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
-from ..transport import Endpoint, TcpConfig, TcpTransport
+from ...format.commstate import CommState
+from ..transport import Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
@@ -151,9 +152,10 @@ class HostStore:
         self.s.epoch, self.s.cfg = epoch, cfg
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
-        bandwidth = cfg.bandwidth
-        if secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth:
-            self._start_data_plane(secret, bandwidth)
+        bandwidth, interleave = cfg.bandwidth, cfg.interleave
+        if (secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth
+                or interleave != self.s.interleave):
+            self._start_data_plane(secret, bandwidth, interleave)
         if self.s.attach is None:
             self.s.attach = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
         else:
@@ -169,14 +171,19 @@ class HostStore:
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
 
-    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None) -> None:
+    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: bool = False) -> None:
         """The listener for copies, and the transport this store sends with: its bandwidth cap
-        (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends."""
+        (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends, and
+        so is its gate (``CheckpointConfig.interleave``): sends wait while this node's ranks are
+        inside a collective (docs/interleave.md)."""
         old = self.s.listener
-        self.s.secret, self.s.bandwidth = secret, bandwidth
+        self.s.secret, self.s.bandwidth, self.s.interleave = secret, bandwidth, interleave
+        if self.s.comm is None:
+            self.s.comm = CommState.create()
+        self.s.gate = IdleGate(self.s.comm) if interleave else None
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
-                                                        max_send_bytes_per_s=bandwidth))
+                                                        max_send_bytes_per_s=bandwidth), gate=self.s.gate)
         self.s.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.s.readers = {}
         if old is not None:
@@ -269,7 +276,7 @@ class HostStore:
                 "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
                          "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self.s.table.lent.values())},
                 "memory": self.s.table.memory(),
-                "started_unix": self.s.started_unix, "epoch": self.s.epoch,
+                "started_unix": self.s.started_unix, "epoch": self.s.epoch, "interleave": self._interleave_stats(),
                 "slot": self.s.cfg.slot if self.s.cfg else None,
                 "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],
                                     "unhealthy": e["unhealthy"],
@@ -277,6 +284,18 @@ class HostStore:
                                                    "nbytes": s["nbytes"]} for r, s in sorted(e["shards"].items())}}
                              for step, e in sorted(index.items())},
             }
+
+    def _interleave_stats(self) -> dict:
+        """For benchmarks: whether sends yield to training (``enabled``), and then the gate's
+        counters (seconds waited for idle, pieces, pieces forced after patience, the piece size
+        it would choose now, the measured link rate) and the ranks' collectives (count, busy
+        seconds, the running mean duration the piece size comes from)."""
+        out = {"enabled": self.s.gate is not None}
+        if self.s.gate is not None:
+            out.update(self.s.gate.stats())
+        if self.s.comm is not None:
+            out.update(self.s.comm.stats())
+        return out
 
     def timeline(self, step: int) -> dict[str, float]:
         """When each phase of ``step`` happened here (unix seconds): staged, recorded,

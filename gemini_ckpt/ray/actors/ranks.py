@@ -57,6 +57,12 @@ class RankPort:
         if kind == "staged":
             self.staged(conn, rank, header, payload)
             return None
+        if kind == "comm":  # the page this rank marks its collectives in (docs/interleave.md)
+            with self.s.lock:
+                comm = self.s.comm
+            if comm is None:
+                raise LookupError("this host store has no comm state yet (its data plane is not started)")
+            return {"slot": comm.slot_for(rank), "nbytes": comm.nbytes}, b"", (comm.fd,)
         if kind == "map":
             with self.s.lock:
                 shard = self.s.complete_shard(int(header["step"]), int(header["rank"]))
@@ -80,6 +86,8 @@ class RankPort:
             for shard in self.s.maps.pop(conn, []):
                 self.s.table.done_with(shard)
             self.s.sent_fds.pop(conn, None)
+            if self.s.comm is not None:  # it may have died inside a collective: never wait for it
+                self.s.comm.clear(rank)
             if self.s.commit is None or self.s.cfg is None:
                 return
             for vid in self.s.commit.pending():

@@ -29,12 +29,13 @@ from ._errors import (
     TransferRejectedError,
     TransportError,
 )
+from ._interleave import IdleGate, choose_chunk
 from ._ratelimit import TokenBucket
 from ._tcp import TcpConfig
 from ._tcp_transport import TcpTransport
 
 __all__ = [
     "AuthenticationError", "Channel", "ChannelClosedError", "ChecksumMismatchError", "Endpoint", "Header",
-    "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
-    "TokenBucket", "TransferRejectedError", "Transport", "TransportError",
+    "IdleGate", "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
+    "TokenBucket", "TransferRejectedError", "Transport", "TransportError", "choose_chunk",
 ]

@@ -85,10 +85,13 @@ class Handshake:
 @dataclass(frozen=True)
 class Parts:
     """What a transport's listeners and channels share: its namespace and host name, settings,
-    bandwidth cap (``limiter``, a :class:`~._ratelimit.TokenBucket` or None) and handshake."""
+    bandwidth cap (``limiter``, a :class:`~._ratelimit.TokenBucket` or None), handshake, and the
+    gate that holds sends back while training communicates (``gate``, an
+    :class:`~._interleave.IdleGate` or None)."""
 
     namespace: str
     host_name: str
     config: TcpConfig
     limiter: Any
     handshake: Handshake
+    gate: Any = None

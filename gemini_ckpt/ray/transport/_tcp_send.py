@@ -10,7 +10,8 @@ Progress (when is the peer stalled?): the receiver reports, on each stream, how 
 has read from that stream (every ~50 ms while bytes arrive, and once more when the stream goes
 quiet). A stream with bytes written but not reported, or a transfer fully written whose DONE
 has not come, that hears nothing from the peer for ``progress_timeout_s``, fails the channel.
-Our own waits (the bandwidth cap, an empty queue) never count: only bytes the peer owes us.
+Our own waits (the bandwidth cap, an empty queue, training's collectives: the interleaving gate,
+:mod:`._interleave`) never count: only bytes the peer owes us.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class TcpChannel(Channel):
     def __init__(self, parts: Parts, endpoint: Endpoint) -> None:
         self._config = config = parts.config
         self._limiter = parts.limiter
+        self._gate = parts.gate
         self._endpoint = endpoint
         self._label = endpoint.label()
         self._timeout = config.progress_timeout_s
@@ -208,33 +210,48 @@ class TcpChannel(Channel):
             if outgoing.future.done() or self._error is not None:
                 continue
             head = wire.CHUNK_HEAD.pack(outgoing.tid, offset, chunk) + outgoing.header_bytes
-            self._write(stream, memoryview(wire.frame(wire.CHUNK, head, n)), throttle=False)
+            self._write(stream, memoryview(wire.frame(wire.CHUNK, head, n)), payload=False)
             if n:
-                self._write(stream, outgoing.view[offset:offset + n], throttle=self._limiter is not None)
+                self._write(stream, outgoing.view[offset:offset + n], payload=True)
             with self._lock:
                 outgoing.chunks_left -= 1
                 if not outgoing.chunks_left:
                     outgoing.written_at = time.monotonic()
 
-    def _write(self, stream: _StreamState, view: memoryview, throttle: bool) -> None:
-        sock = stream.sock
+    def _write(self, stream: _StreamState, view: memoryview, payload: bool) -> None:
+        """Write all of ``view``; a payload under the bandwidth cap (``limiter.piece`` bytes at a
+        time) and, once this host's training marks its collectives, through the gate (a piece
+        at a time, only while they are idle)."""
+        limiter = self._limiter if payload else None
+        gate = self._gate if payload else None
         n = len(view)
         pos = 0
         while pos < n:
+            if gate is not None and gate.engaged():
+                end = pos + min(gate.piece(), n - pos)
+                if limiter is not None:
+                    limiter.acquire(end - pos)
+                gate.send(stream.sock, view[pos:end], lambda part: self._send_some(stream, part), self._check_stall,
+                          patience_s=min(gate.patience_s, self._timeout / 3))
+                pos = end
+                continue
             end = n
-            if throttle:
-                end = pos + min(self._limiter.piece, n - pos)
-                self._limiter.acquire(end - pos)
+            if limiter is not None:
+                end = pos + min(limiter.piece, n - pos)
+                limiter.acquire(end - pos)
             while pos < end:
-                if stream.sent == stream.acked:
-                    stream.unacked_at = time.monotonic()
-                try:
-                    k = sock.send(view[pos:end])
-                except socket.timeout:
-                    self._check_stall()
-                    continue
-                pos += k
-                stream.sent += k
+                pos += self._send_some(stream, view[pos:end])
+
+    def _send_some(self, stream: _StreamState, view: memoryview) -> int:
+        if stream.sent == stream.acked:
+            stream.unacked_at = time.monotonic()
+        try:
+            k = stream.sock.send(view)
+        except socket.timeout:
+            self._check_stall()
+            return 0
+        stream.sent += k
+        return k
 
     def _read_loop(self, stream: _StreamState) -> None:
         sock = stream.sock

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ._base import Endpoint, Sink, Transport
 from ._handshake import Handshake, Parts
+from ._interleave import IdleGate
 from ._ratelimit import TokenBucket
 from ._tcp import MAX_NAME_BYTES, TcpConfig
 from ._tcp_recv import TcpListener
@@ -27,7 +28,9 @@ class TcpTransport(Transport):
     ``secret`` (at least 16 bytes) is the namespace's; ``host_name`` names this host in the
     peer's errors (a Ray node id). All channels share one bandwidth cap (``limiter``, or one
     built from ``config.max_send_bytes_per_s``); pass the same :class:`TokenBucket` to several
-    transports to cap a host that serves several namespaces.
+    transports to cap a host that serves several namespaces. ``gate`` (an
+    :class:`~._interleave.IdleGate`): sends yield to this host's training collectives
+    (docs/interleave.md); the cap still applies.
 
     Example::
 
@@ -40,7 +43,8 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, secret: bytes, namespace: str, *, host_name: str = "",
-                 config: Optional[TcpConfig] = None, limiter: Optional[TokenBucket] = None) -> None:
+                 config: Optional[TcpConfig] = None, limiter: Optional[TokenBucket] = None,
+                 gate: Optional[IdleGate] = None) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ValueError("TcpTransport secret must be at least 16 bytes (the namespace's secret)")
         if not namespace or len(namespace.encode()) > MAX_NAME_BYTES:
@@ -53,6 +57,7 @@ class TcpTransport(Transport):
         self.limiter = limiter if limiter is not None else (
             TokenBucket(self.config.max_send_bytes_per_s) if self.config.max_send_bytes_per_s else None)
         self.handshake = Handshake(secret, namespace, host_name)
+        self.gate = gate
         self._lock = threading.Lock()
         self._opened: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
@@ -81,7 +86,7 @@ class TcpTransport(Transport):
 
     def parts(self) -> Parts:
         """What this transport's listeners and channels share (the cap and settings as of now)."""
-        return Parts(self.namespace, self.host_name, self.config, self.limiter, self.handshake)
+        return Parts(self.namespace, self.host_name, self.config, self.limiter, self.handshake, self.gate)
 
     def close(self) -> None:
         with self._lock:
