@@ -200,6 +200,18 @@ class NetRank:
             dist.destroy_process_group()
 
 
+def _gate_counters(namespace: str) -> dict:
+    """Each host store's interleaving counters (pieces, waits, chunk size, measured rate)."""
+    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
+
+    out = {}
+    for node in alive_node_ids():
+        handle = find_store(namespace, node)
+        if handle is not None:
+            out[node[:12]] = ray.get(handle.describe.remote(), timeout=60).get("interleave", {})
+    return out
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -291,6 +303,8 @@ def main(argv=None) -> int:
                     base = row
                 row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
                 row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
+                if ns and inter:
+                    row["gate"] = _gate_counters(ns)
                 if safe_s and replicas > 1:
                     row["safe_vs_floor"] = row["safe_p50_s"] / (max(state) / link_bytes)
                 rows.append(row)
