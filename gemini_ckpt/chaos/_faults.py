@@ -136,10 +136,11 @@ def _positive(name: str, value) -> float:
 @dataclass(frozen=True)
 class PartitionHost:
     """Host ``host``'s link down (a switch failure: the host and its processes live on, cut off
-    from every other host and the head) until Ray declares it dead and the job has restarted
-    and restored without it, and for at least ``seconds``; then up again. Its host store and
-    rank process come back into a job that has a newer epoch: they must be fenced (Ray refuses
-    the dead node; no write of theirs is accepted, nothing of theirs is mixed in)."""
+    from every other host and the head). Once Ray declares it dead, a new machine replaces it
+    (in a namespace of its own, with the host's label and resource), the job restarts and
+    restores; then, no sooner than ``seconds`` after the cut, the old machine's link comes back.
+    Its raylet, rank process and host store come back into a job with a newer epoch: they must
+    be fenced (Ray keeps the node dead; none of them rejoins, nothing of theirs is mixed in)."""
 
     host: int = 1
     seconds: float = 20.0
@@ -153,7 +154,7 @@ class PartitionHost:
         return (self.host,)
 
     def label(self) -> str:
-        return f"partition host {self.host} (until declared dead, >= {self.seconds:g}s)"
+        return f"partition host {self.host} (>= {self.seconds:g}s; replaced once declared dead)"
 
 
 Fault = Union[KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable, PartitionHost]

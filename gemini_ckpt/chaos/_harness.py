@@ -179,15 +179,20 @@ class Harness:
                      f"({ref.seconds:.1f}s)")
         return self._references[id(job)][1]
 
-    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None) -> dict:
+    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None,
+                          hosts: Optional[tuple[int, ...]] = None) -> dict:
         """The reference continuation at another world size: a job of ``world_size`` ranks loads
-        the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on."""
+        the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on.
+        ``hosts``: where it runs (default ``0..world_size-1``; a scenario passes the hosts its job
+        restarted on, so a host it left out, e.g. one partitioned, is not brought back for it)."""
         job = self.job if job is None else job
         key = (id(job), world_size, -1 if from_step is None else from_step)
         if key not in self._resized:
             ref = self.reference(job)
             cfg = self.config
-            hosts = tuple(range(world_size))
+            hosts = tuple(range(world_size)) if hosts is None else tuple(hosts)
+            if len(hosts) != world_size:
+                raise ValueError(f"resized_reference: {len(hosts)} hosts {list(hosts)} for world size {world_size}")
             run = JobRun(self, f"reference-ws{world_size}-from{key[2]}", job=job, persist=False)
             ok = False
             try:

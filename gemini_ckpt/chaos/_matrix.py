@@ -177,18 +177,15 @@ def network_scenarios(cfg: ChaosConfig) -> list[Scenario]:
     flapping one."""
     boundary, ph = fault_steps(cfg)
     cut = 1 if cfg.hosts > 1 else 0
-    # The job restarts without the partitioned host (it is not replaced until its link is back),
-    # on every other host: a live host store left without ranks would still be at the old epoch.
-    keep = tuple(x for x in range(cfg.hosts) if x != cut)
     slow = 0 if cfg.hosts > 1 else cut
     flap = min(2, cfg.hosts - 1)
     return [
         Scenario(name="partition-host", at=At(step=boundary), faults=(PartitionHost(cut, seconds=20.0),),
-                 restart_hosts=keep,
-                 note=f"host {cut} is cut off, alive, until Ray declares it dead; the job restarts without it, then "
-                      f"its link comes back: its old raylet, rank process and host store must be fenced"),
+                 note=f"host {cut} is cut off, alive, until Ray declares it dead; the job restarts without it (on a "
+                      f"replacement), then its link comes back: its old raylet, rank process and host store must be "
+                      f"fenced"),
         Scenario(name="partition-during-persist", at=At(step=ph, phase="persist"),
-                 faults=(PartitionHost(cut, seconds=20.0),), restart_hosts=keep,
+                 faults=(PartitionHost(cut, seconds=20.0),),
                  note=f"host {cut} is cut off while step {ph} is persisted: the durable version is whole or absent"),
         Scenario(name="slow-link", at=At(step=boundary), conditions=(SlowLink(slow, "10mbit"),),
                  faults=(RemoveHosts((cut,)),),

@@ -1,13 +1,13 @@
 """The network faults of a scenario (``ChaosConfig.network="netns"``): a link shaped or flapping
 while the job trains, a host cut off until Ray declares it dead and let back once the job has
-restarted without it, and the checks of what the network did (no false death; the partitioned
-host fenced when it comes back).
+been replaced (a new machine in its own namespace takes its place), and the checks of what the
+network did (no false death; the partitioned host fenced when it comes back).
 
 :class:`Links` is used by the runner in this order: :meth:`Links.start` (before training),
 :meth:`Links.settle` (before the fault), :meth:`Links.partition` (the fault),
 :meth:`Links.reconnect` (after the restarted job restored), :meth:`Links.check_fenced` (after it
-trained on), and :meth:`Links.restore` (always, last: every link up and at its rate, a host Ray
-declared dead replaced).
+trained on), and :meth:`Links.restore` (always, last: every link up and at its rate, the old
+machine of a partitioned host removed).
 """
 
 from __future__ import annotations
@@ -121,9 +121,14 @@ class Links:
                 raise HarnessError(f"hosts {sorted(waiting)} were cut off {DECLARED_DEAD_TIMEOUT_S:.0f}s ago and Ray "
                                    f"still lists them alive")
             time.sleep(0.2)
-        for host in hosts:
-            self.cut[host]["pids"] = sim.net.pids(host)  # the cut-off host's processes live on
-            self.h.pool.forget(host)  # Ray has given its rank process up; the job restarts without it
+        with infrastructure(f"adding replacements of partitioned hosts {list(hosts)}"):
+            for host in hosts:
+                old = self.cut[host]["netns"] = sim.netns_index(host)
+                self.cut[host]["pids"] = sim.net.pids(old)  # the cut-off host's processes live on
+                self.h.pool.forget(host)  # Ray has given its rank process up
+                # A new machine takes the host's place (and slot) while the old one is still cut off.
+                sim.add_host(host, beside=True)
+            self.h.pool.respawn(hosts)
 
     def reconnect(self) -> None:
         """Bring the partitioned links back (no sooner than each fault's ``seconds`` after the cut)."""
@@ -132,7 +137,7 @@ class Links:
                 wait = self.cut[f.host]["cut"] + f.seconds - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
-                self.h.sim.set_link(f.host, True)
+                self.h.sim.net.set_link(self.cut[f.host]["netns"], True)
                 self.cut[f.host]["up"] = time.monotonic()
 
     def check_fenced(self) -> list[Check]:
@@ -144,10 +149,10 @@ class Links:
                 continue
             sim = self.h.sim
             deadline = c["up"] + EXIT_AFTER_RECONNECT_S
-            left = sim.net.pids(host)
+            left = sim.net.pids(c["netns"])
             while left and time.monotonic() < deadline:
                 time.sleep(0.5)
-                left = sim.net.pids(host)
+                left = sim.net.pids(c["netns"])
             still_dead = c["node"] not in _alive_nodes()
             exited = not left
             c["exited_s"] = round(time.monotonic() - c["up"], 1) if exited else None
@@ -169,14 +174,15 @@ class Links:
         if self._flapper is not None:
             self._flapper.join(60)
         with infrastructure("restoring the scenario's links"):
-            for host in set(self.cut) | ({self.flap.host} if self.flap else set()):
-                if host in sim.net.hosts():
-                    sim.set_link(host, True)
-            if self.slow is not None and self.slow.host in sim.net.hosts():
+            if self.flap is not None and self.flap.host in sim.present():
+                sim.set_link(self.flap.host, True)
+            if self.slow is not None and self.slow.host in sim.present():
                 sim.shape(self.slow.host, self.h.config.link or UNSHAPED)
-        if self.cut:
-            with infrastructure(f"replacing partitioned hosts {sorted(self.cut)}"):
-                sim.heal()
+            for host, c in self.cut.items():
+                if "netns" in c and c["netns"] != sim.netns_index(host):
+                    sim.net.remove_host(c["netns"])  # the old machine, and whatever it still runs
+                elif host in sim.present():
+                    sim.set_link(host, True)  # cut, never declared dead: back as it was
 
 
 def _names(pids: list[int]) -> str:
