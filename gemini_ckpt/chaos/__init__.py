@@ -4,7 +4,8 @@ A deterministic training job runs on a local Ray cluster of simulated hosts (one
 host, gloo). Each :class:`Scenario` strikes it at a chosen step and phase — killed training
 processes, killed host stores, hosts removed (and replaced), faults inside the replicate /
 commit / persist phases, durable storage that fails or is unreachable, a slow holder,
-corrupt bytes in memory or on disk, a step that leaves NaN in the state, a restart at a smaller world size — then restarts the
+corrupt bytes in memory or on disk, a step that leaves NaN in the state, a restart at a smaller world size,
+and (with ``ChaosConfig(network="netns")``) a host partitioned, a slow or flapping link — then restarts the
 job, restores, trains to the end and checks:
 
 - the restored step and tier equal what ``placement.plan_recovery`` predicts from the
@@ -41,10 +42,13 @@ from ._faults import (
     CorruptReplica,
     DurableUnreachable,
     DurableWriteOutage,
+    FlappingLink,
     KillStore,
     KillWorker,
     NanInState,
+    PartitionHost,
     RemoveHosts,
+    SlowLink,
     SlowReplication,
     kill_rack,
 )
@@ -69,6 +73,7 @@ __all__ = [
     "DurableUnreachable",
     "DurableWriteOutage",
     "FaultyFsHandler",
+    "FlappingLink",
     "Harness",
     "HarnessError",
     "InfraError",
@@ -76,11 +81,13 @@ __all__ = [
     "KillWorker",
     "MatrixReport",
     "NanInState",
+    "PartitionHost",
     "Prediction",
     "RemoveHosts",
     "Scenario",
     "ScenarioError",
     "ScenarioResult",
+    "SlowLink",
     "SlowReplication",
     "TinyJob",
     "TrainJob",

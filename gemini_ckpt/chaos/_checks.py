@@ -86,7 +86,7 @@ def check_continuation(checks: list[Check], h: Harness, train_job: Any, ref: Ref
     if len(hosts) == ref.world_size:
         want = ref.trace
     else:
-        want = h.resized_reference(len(hosts), step0, train_job)["trace"]
+        want = h.resized_reference(len(hosts), step0, train_job, hosts=hosts)["trace"]
     done = all(len(recs) == len(rest) and all(rec.get("committed") for rec in recs) for recs in records.values())
     finished = done and len(records) == len(hosts) and not errors and not close_errors
     checks.append(Check("finished", finished, f"steps {rest[0] if rest else '-'}..{rest[-1] if rest else '-'} "

@@ -34,6 +34,11 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--domains", metavar="D,D,...",
                    help="one failure-domain (rack) label per host, e.g. 0,0,1,1: hosts get the node label "
                         "rack=D, the job CheckpointConfig(failure_domain='rack'), and kill-rack-D scenarios run")
+    p.add_argument("--network", choices=("loopback", "netns"), default="loopback",
+                   help="netns: each host's Ray node in its own network namespace with its own address and "
+                        "link (needs root), and the network scenarios (partition-host, slow-link, "
+                        "flapping-link, partition-during-persist) run (default: loopback)")
+    p.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="CheckpointConfig.timeout_s of the job")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the table")
@@ -65,7 +70,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         config = ChaosConfig(hosts=args.hosts, replicas=args.replicas, steps=args.steps,
                              persist_every=args.persist_every, seed=args.seed, timeout_s=args.timeout,
-                             domains=tuple(args.domains.split(",")) if args.domains else None)
+                             domains=tuple(args.domains.split(",")) if args.domains else None,
+                             network=args.network, link=args.link)
         scenarios = (ci_matrix if args.matrix == "ci" else full_matrix)(config)
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)

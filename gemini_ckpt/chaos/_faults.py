@@ -126,8 +126,39 @@ def kill_rack(domains: tuple[str, ...], domain: str, *, replace: bool = True) ->
     return RemoveHosts(hosts, replace=replace, domain=domain)
 
 
-Fault = Union[KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable]
-FAULT_TYPES = (KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable)
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ScenarioError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+# --- the network (ChaosConfig.network="netns"): a host cut off or slowed, but alive ------------------
+@dataclass(frozen=True)
+class PartitionHost:
+    """Host ``host``'s link down (a switch failure: the host and its processes live on, cut off
+    from every other host and the head). Once Ray declares it dead, a new machine replaces it
+    (in a namespace of its own, with the host's label and resource), the job restarts and
+    restores; then, no sooner than ``seconds`` after the cut, the old machine's link comes back.
+    Its raylet, rank process and host store come back into a job with a newer epoch: they must
+    be fenced (Ray keeps the node dead; none of them rejoins, nothing of theirs is mixed in)."""
+
+    host: int = 1
+    seconds: float = 20.0
+
+    def __post_init__(self) -> None:
+        nonneg_int("PartitionHost.host", self.host)
+        object.__setattr__(self, "seconds", _positive("PartitionHost.seconds", self.seconds))
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return (self.host,)
+
+    def label(self) -> str:
+        return f"partition host {self.host} (>= {self.seconds:g}s; replaced once declared dead)"
+
+
+Fault = Union[KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable, PartitionHost]
+FAULT_TYPES = (KillWorker, KillStore, RemoveHosts, CorruptReplica, CorruptDurable, PartitionHost)
 
 
 # --- conditions: what holds around the fault ----------------------------------------------------------
@@ -193,5 +224,58 @@ class NanInState:
         return f"NaN in rank {self.rank}'s optimizer state at the fault step"
 
 
-Condition = Union[SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState]
-CONDITION_TYPES = (SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState)
+@dataclass(frozen=True)
+class SlowLink:
+    """Host ``host``'s link shaped to ``rate`` (both ways) for the whole run, training before the
+    fault, restart and continuation (a degraded NIC or an oversubscribed uplink). Versions must
+    commit or fail cleanly, and nothing may wait past its timeout."""
+
+    host: int = 0
+    rate: str = "10mbit"
+
+    def __post_init__(self) -> None:
+        from ..ray.netns import parse_rate
+
+        nonneg_int("SlowLink.host", self.host)
+        try:
+            parse_rate(self.rate)
+        except ValueError as exc:
+            raise ScenarioError(f"SlowLink.rate: {exc}") from None
+
+    def label(self) -> str:
+        return f"host {self.host}'s link at {self.rate}"
+
+
+@dataclass(frozen=True)
+class FlappingLink:
+    """Host ``host``'s link down for ``down_s``, up for ``up_s``, ``outages`` times, while the job
+    trains up to the fault. Each outage is shorter than Ray's dead-node threshold (~15 s,
+    :data:`gemini_ckpt.ray.local.HEALTH_CHECKS`): the host must not be declared dead, versions
+    commit (late) or fail cleanly, and training goes on."""
+
+    host: int = 2
+    outages: int = 3
+    down_s: float = 2.0
+    up_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        nonneg_int("FlappingLink.host", self.host)
+        if isinstance(self.outages, bool) or not isinstance(self.outages, int) or self.outages < 1:
+            raise ScenarioError(f"FlappingLink.outages must be an int >= 1, got {self.outages!r}")
+        object.__setattr__(self, "down_s", _positive("FlappingLink.down_s", self.down_s))
+        object.__setattr__(self, "up_s", _positive("FlappingLink.up_s", self.up_s))
+        if self.down_s >= DEAD_AFTER_S:
+            raise ScenarioError(f"FlappingLink.down_s={self.down_s:g} is not a short outage: Ray declares a silent "
+                                f"host dead after ~{DEAD_AFTER_S:g}s; use PartitionHost for that")
+
+    def label(self) -> str:
+        return f"host {self.host}'s link flapping ({self.outages} x {self.down_s:g}s down, {self.up_s:g}s up)"
+
+
+DEAD_AFTER_S = 15.0
+"""About how long a silent host lives before Ray declares it dead (``LocalCluster``'s health checks)."""
+
+Condition = Union[SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState, SlowLink, FlappingLink]
+CONDITION_TYPES = (SlowReplication, DurableWriteOutage, DurableUnreachable, NanInState, SlowLink, FlappingLink)
+NETWORK_TYPES = (PartitionHost, SlowLink, FlappingLink)
+"""Faults and conditions that need hosts with their own links (``ChaosConfig.network="netns"``)."""

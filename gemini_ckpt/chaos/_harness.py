@@ -78,14 +78,20 @@ class Harness:
             if self._cluster.hosts != self.config.hosts:
                 raise ValueError(f"Harness(cluster=...) has {self._cluster.hosts} hosts but ChaosConfig.hosts is "
                                  f"{self.config.hosts}; pass a cluster of that size or no cluster")
+            if self._cluster.network != self.config.network:
+                raise ValueError(f"Harness(cluster=...) runs network={self._cluster.network!r} but ChaosConfig.network "
+                                 f"is {self.config.network!r}; pass a matching cluster or no cluster")
             self.sim = self._cluster
             self.sim.ensure_hosts()
         else:
             self.sim = LocalCluster(self.config.hosts, head_cpus=1, object_store_bytes=self.config.object_store_bytes,
-                                    namespace=RAY_NAMESPACE, labels=self.config.host_labels).start()
+                                    namespace=RAY_NAMESPACE, labels=self.config.host_labels,
+                                    network=self.config.network, link=self.config.link).start()
         self.pool = RankPool(self.sim)
         self.pool.ensure(tuple(range(self.config.hosts)))
-        self.log(f"cluster up: head + {self.config.hosts} hosts, {self.config.hosts} ranks "
+        where = "" if self.sim.net is None else \
+            f", each in its own network namespace{f' ({self.config.link} links)' if self.config.link else ''}"
+        self.log(f"cluster up: head + {self.config.hosts} hosts{where}, {self.config.hosts} ranks "
                  f"({time.perf_counter() - t0:.1f}s)")
         return self
 
@@ -102,6 +108,13 @@ class Harness:
             self.sim = self.pool = None
             if self._own_workdir and self.workdir:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+
+    @property
+    def rendezvous_host(self) -> str:
+        """The address ranks reach the driver at: the head's bridge address when every host has
+        its own network namespace, loopback otherwise."""
+        net = self.sim.net if self.sim is not None else None
+        return net.head_address if net is not None else "127.0.0.1"
 
     def __enter__(self) -> "Harness":
         return self.start()
@@ -166,15 +179,20 @@ class Harness:
                      f"({ref.seconds:.1f}s)")
         return self._references[id(job)][1]
 
-    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None) -> dict:
+    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None,
+                          hosts: Optional[tuple[int, ...]] = None) -> dict:
         """The reference continuation at another world size: a job of ``world_size`` ranks loads
-        the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on."""
+        the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on.
+        ``hosts``: where it runs (default ``0..world_size-1``; a scenario passes the hosts its job
+        restarted on, so a host it left out, e.g. one partitioned, is not brought back for it)."""
         job = self.job if job is None else job
         key = (id(job), world_size, -1 if from_step is None else from_step)
         if key not in self._resized:
             ref = self.reference(job)
             cfg = self.config
-            hosts = tuple(range(world_size))
+            hosts = tuple(range(world_size)) if hosts is None else tuple(hosts)
+            if len(hosts) != world_size:
+                raise ValueError(f"resized_reference: {len(hosts)} hosts {list(hosts)} for world size {world_size}")
             run = JobRun(self, f"reference-ws{world_size}-from{key[2]}", job=job, persist=False)
             ok = False
             try:

@@ -20,6 +20,7 @@ class Harness(Protocol):
     workdir: str
     pool: Any  # the rank pool (:class:`~gemini_ckpt.chaos._sim.RankPool`)
     config: ChaosConfig
+    rendezvous_host: str  # where the ranks reach the driver (the head's address)
 
 StoreFactory = Callable[[Any, int, int], Any]
 """``store_factory(config, rank, world_size) -> Store``, called in each rank process; the store
@@ -70,7 +71,7 @@ class JobRun:
         os.makedirs(self.durable_root, exist_ok=True)
         self.close_rendezvous()
         with infrastructure("starting the rendezvous store"):
-            self.rendezvous = Rendezvous(len(hosts), cfg.timeout_s)
+            self.rendezvous = Rendezvous(len(hosts), cfg.timeout_s, host=self.h.rendezvous_host)
         self.world_size = len(hosts)
         refs = {}
         with infrastructure("starting the job on the rank processes"):
@@ -166,22 +167,26 @@ class Rendezvous:
 
     (A port found free and released again before the process group binds it can be taken in
     between by any process on the machine: EADDRINUSE. Nothing here picks a port in advance.)
+
+    ``host``: the address it binds and advertises; on hosts with their own network namespaces
+    (``ChaosConfig.network="netns"``) the head's bridge address, the one the ranks can reach.
     """
 
     HOST = "127.0.0.1"
 
-    def __init__(self, world_size: int, timeout_s: float) -> None:
+    def __init__(self, world_size: int, timeout_s: float, *, host: str = HOST) -> None:
         import datetime
 
         import torch.distributed as dist
 
-        self._store = dist.TCPStore(self.HOST, 0, world_size, is_master=True, wait_for_workers=False,
+        self.host = host
+        self._store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self.port: int = self._store.port
 
     @property
     def address(self) -> tuple[str, int]:
-        return (self.HOST, self.port)
+        return (self.host, self.port)
 
     @property
     def closed(self) -> bool:

@@ -18,10 +18,13 @@ from ._faults import (
     CorruptReplica,
     DurableUnreachable,
     DurableWriteOutage,
+    FlappingLink,
     KillStore,
     KillWorker,
     NanInState,
+    PartitionHost,
     RemoveHosts,
+    SlowLink,
     SlowReplication,
     kill_rack,
 )
@@ -50,7 +53,9 @@ CI_SCENARIOS = (
     "resize-after-loss",
 )
 """The reduced matrix CI runs: one scenario per kind of fault (and, with ``ChaosConfig.domains``,
-every ``kill-rack-*``)."""
+every ``kill-rack-*``; with ``ChaosConfig.network="netns"``, :data:`CI_NETWORK_SCENARIOS`)."""
+CI_NETWORK_SCENARIOS = ("partition-host",)
+"""The network scenarios of the CI matrix, only with ``--network netns`` (CI may not be root)."""
 
 
 def fault_steps(config: ChaosConfig) -> tuple[int, int]:
@@ -161,14 +166,42 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     for domain in dict.fromkeys(cfg.domains or ()):
         out.append(Scenario(name=f"kill-rack-{domain}", at=At(step=boundary), faults=(kill_rack(cfg.domains, domain),),
                             note="every host of one rack at once: with copies in other racks, memory holds every shard"))
+    if cfg.network == "netns":
+        out += network_scenarios(cfg)
     return out
+
+
+def network_scenarios(cfg: ChaosConfig) -> list[Scenario]:
+    """Hosts cut off or slowed but alive (``ChaosConfig.network="netns"`` only): a partition that
+    Ray turns into a lost host, a partition in the middle of a persist, a slow link and a
+    flapping one."""
+    boundary, ph = fault_steps(cfg)
+    cut = 1 if cfg.hosts > 1 else 0
+    slow = 0 if cfg.hosts > 1 else cut
+    flap = min(2, cfg.hosts - 1)
+    return [
+        Scenario(name="partition-host", at=At(step=boundary), faults=(PartitionHost(cut, seconds=20.0),),
+                 note=f"host {cut} is cut off, alive, until Ray declares it dead; the job restarts without it (on a "
+                      f"replacement), then its link comes back: its old raylet, rank process and host store must be "
+                      f"fenced"),
+        Scenario(name="partition-during-persist", at=At(step=ph, phase="persist"),
+                 faults=(PartitionHost(cut, seconds=20.0),),
+                 note=f"host {cut} is cut off while step {ph} is persisted: the durable version is whole or absent"),
+        Scenario(name="slow-link", at=At(step=boundary), conditions=(SlowLink(slow, "10mbit"),),
+                 faults=(RemoveHosts((cut,)),),
+                 note=f"host {slow}'s link at 10 Mbit/s throughout; host {cut}'s replacement reads its copies "
+                      f"from there: versions commit or fail within the timeouts"),
+        Scenario(name="flapping-link", at=At(step=boundary), conditions=(FlappingLink(flap, 3, 2.0, 2.0),),
+                 note=f"host {flap}'s link down 3 x 2 s while the job trains: no false death, every version commits"),
+    ]
 
 
 def ci_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     """The representative subset of :func:`full_matrix` that CI runs (:data:`CI_SCENARIOS`)."""
     every = full_matrix(config)
     by_name = {s.name: s for s in every}
-    return [by_name[n] for n in CI_SCENARIOS if n in by_name] + [s for s in every if s.name.startswith("kill-rack-")]
+    return ([by_name[n] for n in CI_SCENARIOS if n in by_name] + [s for s in every if s.name.startswith("kill-rack-")]
+            + [by_name[n] for n in CI_NETWORK_SCENARIOS if n in by_name])
 
 
 # --- the report -------------------------------------------------------------------------------------

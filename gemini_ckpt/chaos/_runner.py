@@ -25,6 +25,7 @@ from ._results import (
 )
 from ._checks import check_continuation, check_pre_fault, check_restore, observe
 from ._inject import inject, let_go, store_of, wait_paused, ray_get
+from ._network import Links
 from ._faults import (
     DurableUnreachable,
     DurableWriteOutage,
@@ -172,6 +173,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
     restart_hosts = s.restart_hosts if s.restart_hosts is not None else hosts
     checks = result.checks
     trace = Trace()
+    links = Links(s, h)
     ok = False
     try:
         h.ensure(hosts)
@@ -180,7 +182,9 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         if any(r["step"] is not None for r in fresh.values()):
             raise HarnessError(f"a fresh namespace restored a version: {fresh}")
 
-        # 1. train up to the fault
+        # 1. train up to the fault (a slow or flapping link meanwhile)
+        links.start()
+        t_train = time.perf_counter()
         before = list(range(0, f + 1 if s.at.phase == STEP else f))
         nan = s.condition(NanInState)
         poison = {"poison_steps": s.unhealthy_steps()} if nan is not None else {}
@@ -193,6 +197,8 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         else:
             records = job.expect_all(job.run(hosts, before, outage_steps=outage_steps), "training before the fault")
         trace.add(records)
+        result.timings["train_before_s"] = round(time.perf_counter() - t_train, 2)
+        checks.extend(links.settle())
         committed = _committed_on_all(records)
         missing = sorted(set(before) - set(committed))
         if missing:
@@ -209,6 +215,8 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
             wait_paused(h, hosts[s.at.rank], s, in_flight, cfg.timeout_s + 30, job.namespace)
         t_fault = time.perf_counter()
         corrupt_memory, corrupt_durable = inject(s, h, job, hosts, committed, persisted)
+        links.partition()
+        result.timings.update({f"declared_dead_{x}_s": c["dead_s"] for x, c in links.cut.items()})
         replace_s = time.perf_counter() - t_fault
         if in_flight:
             late = let_go(s, h, cfg, hosts, in_flight, job.namespace)
@@ -250,6 +258,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
             restored = job.call(restart_hosts, "restore", timeout=cfg.timeout_s + 60)
             timings["restore_s"] = time.perf_counter() - t
             errors = {r: err(v) for r, v in restored.items() if err(v)}
+        links.reconnect()  # the partitioned host comes back into a job that restarted without it
         for k in timings:
             timings[k] = round(timings[k], 2)
         # Detection, replacement hosts, restart and restore; not the harness's own waiting for
@@ -279,6 +288,7 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         if errors:
             for name in ("agreed", "exact_restore", "committed_only", "continued", "final_state", "finished"):
                 checks.append(Check(name, None, "restore failed"))
+            checks.extend(links.check_fenced())
             ok = True
             return
         check_restore(checks, restored, versions, ref, cfg.hosts)
@@ -286,12 +296,19 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         # 6. continue to the end and compare with the reference
         step0 = observed["step"]
         rest = list(range((step0 if step0 is not None else -1) + 1, cfg.steps))
+        t = time.perf_counter()
         after = job.run(restart_hosts, rest)
+        result.timings["continue_s"] = round(time.perf_counter() - t, 2)
         closed = job.call(restart_hosts, "close", timeout=cfg.timeout_s + 60)
+        # Before the comparison: a resized reference run replaces hosts Ray declared dead.
+        checks.extend(links.check_fenced())
         check_continuation(checks, h, train_job, ref, after, closed, restart_hosts, step0, rest)
         ok = True
     finally:
         result.notes.extend(job.notes)
         # After a failure the ranks may be anywhere (held at a phase, inside a collective):
         # their processes are killed rather than asked to leave.
-        job.cleanup(hosts + tuple(x for x in restart_hosts if x not in hosts), kill=not ok)
+        try:
+            job.cleanup(hosts + tuple(x for x in restart_hosts if x not in hosts), kill=not ok)
+        finally:
+            links.restore()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..ray.netns import parse_rate
 from ..stores.durable import EveryNSteps
 from ._faults import (
     CONDITION_TYPES,
@@ -19,15 +20,20 @@ from ._faults import (
     CorruptDurable,
     CorruptReplica,
     DurableWriteOutage,
+    FlappingLink,
     Fault,
     KillStore,
     KillWorker,
+    NETWORK_TYPES,
     NanInState,
+    PartitionHost,
     RemoveHosts,
+    SlowLink,
     SlowReplication,
 )
 from ._phases import PERSIST_PHASES, PLACEMENTS, STEP, At, ScenarioError, host_indices
 
+NETWORKS = ("loopback", "netns")
 DOMAIN_LABEL = "rack"
 """The Ray node label of a host's failure domain in the chaos job (``ChaosConfig.domains``)."""
 
@@ -84,6 +90,14 @@ class Scenario:
         """Hosts removed again while their ranks restore (:attr:`RemoveHosts.during_restore`)."""
         return tuple(h for f in self.faults if isinstance(f, RemoveHosts) and f.during_restore for h in f.hosts)
 
+    def partitioned_hosts(self) -> tuple[int, ...]:
+        """Hosts cut off by a :class:`PartitionHost` (alive, but lost to the job: replaced)."""
+        return tuple(dict.fromkeys(f.host for f in self.faults if isinstance(f, PartitionHost)))
+
+    def needs_network(self) -> bool:
+        """Whether a fault or condition needs hosts with their own links (``network="netns"``)."""
+        return any(isinstance(x, NETWORK_TYPES) for x in self.faults + self.conditions)
+
     def unhealthy_steps(self) -> tuple[int, ...]:
         """Versions the scenario poisons before they are saved (:class:`NanInState`)."""
         return (self.at.step,) if self.condition(NanInState) is not None else ()
@@ -91,16 +105,16 @@ class Scenario:
     def failed_slots(self) -> frozenset[int]:
         """Hosts whose host store (and so every copy it held) is gone."""
         killed = {h for f in self.faults if isinstance(f, KillStore) for h in f.hosts}
-        return frozenset(killed | set(self.removed_hosts()))
+        return frozenset(killed | set(self.removed_hosts()) | set(self.partitioned_hosts()))
 
     def dead_ranks(self, hosts: tuple[int, ...]) -> frozenset[int]:
         """Ranks (of a job on ``hosts``) whose training process the faults kill."""
         killed = {r for f in self.faults if isinstance(f, KillWorker) for r in f.ranks}
-        removed = set(self.removed_hosts())
+        removed = set(self.removed_hosts()) | set(self.partitioned_hosts())
         return frozenset(killed | {r for r, h in enumerate(hosts) if h in removed})
 
     def destructive(self) -> bool:
-        return any(isinstance(f, (KillWorker, KillStore, RemoveHosts)) for f in self.faults)
+        return any(isinstance(f, (KillWorker, KillStore, RemoveHosts, PartitionHost)) for f in self.faults)
 
     def condition(self, kind: type):
         return next((c for c in self.conditions if isinstance(c, kind)), None)
@@ -125,6 +139,10 @@ class ChaosConfig:
     ``domains``: one failure-domain label per host (e.g. ``("0", "0", "1", "1")``): each host's
     node gets the label ``rack=<label>`` and the job runs with ``CheckpointConfig(failure_domain=
     "rack")``, so copies are spread over racks, and ``kill-rack-*`` scenarios join the matrix.
+    ``network``: ``"loopback"`` (every host on this machine's one interface) or ``"netns"`` (each
+    host's Ray node in its own network namespace, :mod:`gemini_ckpt.ray.netns`; needs root), where
+    the network scenarios (``partition-host``, ``slow-link``, ...) join the matrix; ``link``: each
+    host's link rate with ``"netns"`` (``"1gbit"``; None: unshaped).
     """
 
     hosts: int = 4
@@ -139,6 +157,8 @@ class ChaosConfig:
     object_store_bytes: int = 80 << 20
     host_memory_budget_bytes: int = 256 << 20
     domains: Optional[tuple[str, ...]] = None
+    network: str = "loopback"
+    link: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("hosts", "replicas", "steps", "persist_every", "keep_in_memory", "keep_durable"):
@@ -158,6 +178,16 @@ class ChaosConfig:
                 raise ScenarioError(f"ChaosConfig.domains must give one non-empty label per host ({self.hosts}), "
                                     f"e.g. {tuple(str(i // 2) for i in range(self.hosts))}; got {self.domains!r}")
             object.__setattr__(self, "domains", domains)
+        if self.network not in NETWORKS:
+            raise ScenarioError(f"ChaosConfig.network={self.network!r}: choose one of {', '.join(NETWORKS)}")
+        if self.link is not None:
+            if self.network != "netns":
+                raise ScenarioError(f"ChaosConfig.link={self.link!r} shapes the hosts' own links: it needs "
+                                    f"network='netns'")
+            try:
+                parse_rate(self.link)
+            except ValueError as exc:
+                raise ScenarioError(f"ChaosConfig.link: {exc}") from None
 
     def host_labels(self, host: int) -> dict[str, str]:
         """The extra Ray node labels of simulated host ``host`` (its failure domain, if any)."""
@@ -202,6 +232,12 @@ class ChaosConfig:
         if set(hosts_after) & gone:
             raise ScenarioError(f"Scenario {s.name}: restart_hosts {hosts_after} includes removed hosts "
                                 f"{sorted(gone)} that are not replaced; set RemoveHosts(replace=True) or pick others")
+        if s.needs_network() and self.network != "netns":
+            raise ScenarioError(f"Scenario {s.name} cuts or shapes a host's link: it needs ChaosConfig.network="
+                                f"'netns' (--network netns)")
+        for c in s.conditions:
+            if isinstance(c, (SlowLink, FlappingLink)) and c.host >= self.hosts:
+                raise ScenarioError(f"Scenario {s.name}: {c!r} is outside {self.hosts} hosts")
         if any(h >= self.hosts for h in hosts_after):
             raise ScenarioError(f"Scenario {s.name}: restart_hosts {hosts_after} is outside {self.hosts} hosts")
         slow = s.condition(SlowReplication)

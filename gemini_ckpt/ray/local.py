@@ -80,6 +80,7 @@ class LocalCluster:
         self.net = None  # a gemini_ckpt.ray.netns.Network with network="netns"
         self.cluster = None
         self._nodes: dict[int, object] = {}
+        self._netns_of: dict[int, int] = {}  # host -> the namespace its node runs in (network="netns")
         self._thread = threading.get_ident()
 
     @property
@@ -117,14 +118,22 @@ class LocalCluster:
         if threading.get_ident() != self._thread:
             raise RuntimeError(f"LocalCluster.{what} must run on the thread that started the cluster")
 
-    def add_host(self, i: int):
-        """Add simulated host ``i`` (a replacement for a removed one, or a new one)."""
+    def add_host(self, i: int, *, beside: bool = False):
+        """Add simulated host ``i`` (a replacement for a removed one, or a new one). ``beside``
+        (network='netns'): in a namespace of its own, leaving host ``i``'s old one (and whatever
+        still runs there, e.g. a partitioned node Ray declared dead) alone; returns the node, and
+        :meth:`netns_index` says where it runs."""
         self._main_thread_only("add_host")
         labels = {**(self.labels(i) if self.labels else {}), HOST_LABEL: str(i)}
         if self.net is not None:
-            node = NetnsNode.start(self.net, i, address=self.cluster.address, cpus=self.cpus_per_host,
+            where = i
+            if beside:
+                taken = set(self.net.hosts()) | set(self._netns_of.values()) | set(range(self.hosts))
+                where = next(k for k in range(self.hosts, 10**6) if k not in taken)
+            node = NetnsNode.start(self.net, where, address=self.cluster.address, cpus=self.cpus_per_host,
                                    resources={f"host{i}": 1}, labels=labels,
                                    object_store_bytes=self.object_store_bytes)
+            self._netns_of[i] = where
         else:
             node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
                                          labels=labels, object_store_memory=self.object_store_bytes)
@@ -295,20 +304,26 @@ class LocalCluster:
             raise ConfigError(f"LocalCluster.{what} needs the hosts' own links: start it with network='netns'")
         return self.net
 
+    def netns_index(self, i: int) -> int:
+        """The namespace (``Network`` host index) host ``i``'s node runs in: ``i`` unless it was
+        added ``beside`` its old one."""
+        self._netns("netns_index")
+        return self._netns_of.get(i, i)
+
     def host_address(self, i: int) -> str:
         """Host ``i``'s own address (network='netns')."""
-        return self._netns("host_address").address(i)
+        return self._netns("host_address").address(self.netns_index(i))
 
     def set_link(self, i: int, up: bool) -> None:
         """Host ``i``'s link up or down: cut off from every other host (and the head), but alive."""
-        self._netns("set_link").set_link(i, up)
+        self._netns("set_link").set_link(self.netns_index(i), up)
 
     @contextlib.contextmanager
     def partitioned(self, i: int) -> Iterator[None]:
         """Host ``i`` cut off inside the block (a switch failure), its link back up after it."""
-        with self._netns("partitioned").partitioned(i):
+        with self._netns("partitioned").partitioned(self.netns_index(i)):
             yield
 
     def shape(self, i: int, rate: str | int) -> None:
         """Host ``i``'s link at ``rate`` from now on, both ways (``"10mbit"``: a slow link)."""
-        self._netns("shape").shape(i, rate)
+        self._netns("shape").shape(self.netns_index(i), rate)

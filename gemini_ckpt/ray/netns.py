@@ -172,6 +172,10 @@ class Network:
         base = int(RANGE.network_address) + 256 * self.index
         return str(ipaddress.ip_address(base + (1 if host is None else 10 + host)))
 
+    def mac(self, host: int) -> str:
+        """Host ``host``'s MAC address: locally administered, derived from its IPv4 address."""
+        return "02:00:" + ":".join(f"{b:02x}" for b in ipaddress.ip_address(self.address(host)).packed)
+
     @property
     def head_address(self) -> str:
         return self.address(None)
@@ -230,7 +234,10 @@ class Network:
         self._record["links"].append(veth)
         self._save()
         _ip("netns", "add", ns)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        # The inside end's MAC follows from the address: a replacement host (same address, new
+        # namespace) answers at the MAC its peers' neighbour tables already hold; with a random
+        # one they keep sending to the old MAC until the entry expires (45 s measured here).
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "address", self.mac(host), "netns", ns)
         _ip("link", "set", veth, "master", self.bridge, "up")
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")

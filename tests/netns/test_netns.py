@@ -160,6 +160,27 @@ def test_hosts_get_their_own_addresses_and_shaped_links_and_everything_goes_on_d
     assert not net.state_file.exists()
 
 
+@needs_netns
+def test_a_replacement_host_is_reachable_at_once_at_the_same_address():
+    """Its MAC follows from its address, so its peers' neighbour entries for the old machine
+    still hold (with a random MAC they pointed at the dead one for ~45 s)."""
+    net = netns.Network.create(link="1gbit")
+    try:
+        for h in (0, 1):
+            net.add_host(h)
+        mac = subprocess.run(["ip", "-n", net.namespace(0), "-o", "link", "show", "eth0"], capture_output=True,
+                             text=True).stdout
+        assert net.mac(0) in mac and net.mac(0) != net.mac(1)
+        assert _stream(net, 1, 0, 1 << 20) > 0  # host 1 knows host 0's MAC now
+        net.remove_host(0)
+        net.add_host(0)
+        t0 = time.monotonic()
+        assert _stream(net, 1, 0, 1 << 20, timeout=5.0) > 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        net.destroy()
+
+
 _CRASHING_OWNER = textwrap.dedent("""
     import os, sys
     from gemini_ckpt.ray import netns

@@ -18,14 +18,17 @@ from gemini_ckpt.chaos import (
     CorruptReplica,
     DurableUnreachable,
     DurableWriteOutage,
+    FlappingLink,
     KillStore,
     KillWorker,
     MatrixReport,
     NanInState,
+    PartitionHost,
     RemoveHosts,
     Scenario,
     ScenarioError,
     ScenarioResult,
+    SlowLink,
     add_chaos_command,
     ci_matrix,
     full_matrix,
@@ -34,6 +37,7 @@ from gemini_ckpt.chaos import (
 )
 from helpers import listening
 from gemini_ckpt.chaos._jobrun import Rendezvous
+from gemini_ckpt.chaos._matrix import CI_NETWORK_SCENARIOS
 
 CONFIG = ChaosConfig()  # 4 hosts, replicas 2, steps 0..5, persisted 1, 3, 5
 
@@ -196,3 +200,79 @@ def test_the_rendezvous_port_is_bound_by_its_store_from_the_start():
     assert rendezvous.closed and not listening(port)
 
 
+
+
+# --- the network scenarios (ChaosConfig.network="netns") -----------------------------------------------
+NETNS = ChaosConfig(network="netns", link="1gbit")
+NETWORK = ("partition-host", "partition-during-persist", "slow-link", "flapping-link")
+
+
+def test_network_scenarios_join_the_matrix_only_with_their_own_links():
+    assert not [s for s in full_matrix(CONFIG) if s.needs_network()]
+    assert [s.name for s in ci_matrix(CONFIG)] == list(CI_SCENARIOS)  # CI needs no root
+    scenarios = {s.name: s for s in full_matrix(NETNS)}
+    assert [n for n in scenarios if scenarios[n].needs_network()] == list(NETWORK)
+    assert [s.name for s in ci_matrix(NETNS)] == list(CI_SCENARIOS) + list(CI_NETWORK_SCENARIOS)
+    for name in NETWORK:
+        NETNS.check(scenarios[name])
+        with pytest.raises(ScenarioError, match="needs ChaosConfig.network='netns'"):
+            CONFIG.check(scenarios[name])
+
+
+def test_network_settings_and_faults_are_validated_with_the_field_and_the_fix():
+    with pytest.raises(ScenarioError, match="network='wifi'.*loopback, netns"):
+        ChaosConfig(network="wifi")
+    with pytest.raises(ScenarioError, match="needs network='netns'"):
+        ChaosConfig(link="1gbit")
+    with pytest.raises(ScenarioError, match="ChaosConfig.link.*as tc does"):
+        ChaosConfig(network="netns", link="fast")
+    with pytest.raises(ScenarioError, match="SlowLink.rate"):
+        SlowLink(rate="slow")
+    with pytest.raises(ScenarioError, match="positive number of seconds"):
+        PartitionHost(1, seconds=0)
+    with pytest.raises(ScenarioError, match="not a short outage.*PartitionHost"):
+        FlappingLink(down_s=20.0)
+    with pytest.raises(ScenarioError, match="outside 4 hosts"):
+        NETNS.check(Scenario(name="x", at=At(step=2), conditions=(SlowLink(host=4),)))
+
+
+def test_a_partitioned_host_is_planned_as_a_lost_one():
+    scenarios = {s.name: s for s in full_matrix(NETNS)}
+    cut = scenarios["partition-host"]
+    assert cut.partitioned_hosts() == (1,) and cut.failed_slots() == {1} and cut.dead_ranks((0, 1, 2, 3)) == {1}
+    assert cut.restart_hosts is None and cut.destructive()  # on a replacement
+    preds = {name: plan_scenario(scenarios[name], NETNS) for name in NETWORK}
+    # Group placement: host 1's copies live on host 0 too, so memory holds every shard.
+    assert {k: v.label() for k, v in preds.items()} == {
+        "partition-host": "memory@2", "partition-during-persist": "memory@3", "slow-link": "memory@2",
+        "flapping-link": "memory@2"}
+    assert preds["partition-host"].tier == "memory" and preds["partition-host"].failed_slots == (1,)
+    # Cut off while step 3 is persisted: rank 0 lives and every shard keeps a live copy, so the
+    # durable version is expected whole; with host 1's whole group cut off it is expected absent.
+    p = placement.make("group", hosts=4, replicas=2)
+    v = versions_after(scenarios["partition-during-persist"], NETNS, committed=[0, 1, 2], persisted=[1], p=p,
+                       hosts=(0, 1, 2, 3))
+    assert (v.committed, v.persisted) == ((2, 3), (1, 3))
+    both = Scenario(name="x", at=At(step=3, phase="persist"), faults=(PartitionHost(2), PartitionHost(3)),
+                    restart_hosts=(0, 1))
+    v = versions_after(both, NETNS, committed=[0, 1, 2], persisted=[1], p=p, hosts=(0, 1, 2, 3))
+    assert v.persisted == (1,) and plan_scenario(both, NETNS).label() == "durable@1"
+
+
+def test_cli_takes_the_network_and_lists_its_scenarios(capsys):
+    parser = argparse.ArgumentParser()
+    add_chaos_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["chaos", "--network", "netns", "--link", "1gbit", "--list", "-k", "*link*"])
+    assert args.func(args) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["slow-link", "flapping-link"]
+    args = parser.parse_args(["chaos", "--link", "1gbit", "--list"])
+    assert args.func(args) == 2  # a link rate without namespaces: a clear error
+    assert "needs network='netns'" in capsys.readouterr().err
+
+
+def test_the_rendezvous_binds_and_advertises_the_address_it_is_given():
+    rendezvous = Rendezvous(world_size=1, timeout_s=10, host="127.0.0.1")
+    try:
+        assert rendezvous.address[0] == "127.0.0.1" and listening(rendezvous.address[1])
+    finally:
+        rendezvous.close()
