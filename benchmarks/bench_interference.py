@@ -140,7 +140,7 @@ class NetRank:
               interleave: bool, replicas: int = 2) -> dict:
         """Step times (training + save) and each version's save -> committed seconds."""
         ckpt = self._checkpointer(namespace, cap, interleave, replicas) if namespace else None
-        times, safe, lock = [], [], threading.Lock()
+        times, stalls, safe, lock = [], [], [], threading.Lock()
 
         def committed_at(t0: float):
             def record(_future) -> None:
@@ -153,8 +153,10 @@ class NetRank:
                 t0 = time.perf_counter()
                 self._step()
                 if ckpt is not None:
+                    t1 = time.perf_counter()
                     handle = ckpt.save(step)
                     if step >= warmup:
+                        stalls.append(time.perf_counter() - t1)
                         handle.committed.add_done_callback(committed_at(t0))
                 if step >= warmup:
                     times.append(time.perf_counter() - t0)
@@ -163,7 +165,7 @@ class NetRank:
         finally:
             if ckpt is not None:
                 ckpt.close()
-        return {"step_s": times, "safe_s": safe}
+        return {"step_s": times, "safe_s": safe, "save_s": stalls}
 
     # --- the floor: raw TCP between the same hosts over the same links ---------------------------
     def raw_listen(self, nbytes: int) -> tuple[str, int]:
@@ -225,7 +227,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--link", default="1gbit", help="each host's link rate, tc units (default 1gbit)")
     ap.add_argument("--safe-mb", type=int, default=128, help="shard per rank for time to safe (MiB, default 128)")
-    ap.add_argument("--saves", type=int, default=3, help="timed saves for time to safe")
+    ap.add_argument("--saves", type=int, default=3, help="timed saves for time to safe (0: skip that part)")
     ap.add_argument("--kinds", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=1024)
@@ -298,7 +300,9 @@ def main(argv=None) -> int:
                 safe_s = [s for o in out for s in o["safe_s"]]
                 row = {"kind": kind, "config": label, "state_bytes_per_rank": max(state),
                        "p50_s": statistics.median(steps), "p95_s": _pct(steps, 0.95), "raw": steps,
-                       "safe_p50_s": statistics.median(safe_s) if safe_s else None}
+                       "safe_p50_s": statistics.median(safe_s) if safe_s else None,
+                       # save(): the copy, plus any wait for the previous version (back-pressure)
+                       "save_p50_s": statistics.median(_slowest([o["save_s"] for o in out])) if ns else None}
                 if base is None:
                     base = row
                 row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
@@ -339,11 +343,12 @@ def _markdown(result: dict) -> str:
              f"Training ({result['layers']} x {result['dim']}^2 linears, batch {result['batch']}, AdamW), "
              f"{result['steps']} steps, slowest rank:", "",
              "| model | checkpointing | state per rank (MiB) | step p50 (ms) | p50 cost | step p95 (ms) | p95 cost "
-             "| time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|"]
+             "| save() p50 (ms) | time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["interference"]:
         safe = f"{r['safe_p50_s']:.3f}" if r.get("safe_p50_s") is not None else "-"
+        save = f"{r['save_p50_s'] * 1e3:.0f}" if r.get("save_p50_s") is not None else "-"
         lines.append(f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
-                     f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {safe} |")
+                     f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {save} | {safe} |")
     return "\n".join(lines)
 
 
