@@ -161,6 +161,11 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
     keep = tuple(x for x in range(cfg.hosts) if x not in lost)[: cfg.hosts // 2]
     out.append(Scenario(name="resize-after-loss", at=At(step=boundary), faults=(RemoveHosts(lost, replace=False),),
                         restart_hosts=keep, note="hosts lost for good; the job goes on with the survivors"))
+    if cfg.hosts >= 4:
+        out.append(Scenario(name="resize-leaves-idle-store", at=At(step=boundary),
+                            faults=(RemoveHosts((1,), replace=False),), restart_hosts=(0, 2),
+                            note="host 3 lives on without ranks: the registry moves its store to the new "
+                                 "epoch, where it still holds copies"))
 
     # A whole failure domain lost at once (hosts with domains: copies spread over them).
     for domain in dict.fromkeys(cfg.domains or ()):

@@ -92,7 +92,7 @@ class Recovery:
             dead.remove(slot)
             old = self.s.nodes[slot]
             store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"))
-            cfg = self._epoch_config(slot)
+            cfg = self.epoch_config(slot)
             try:
                 await asyncio.wait_for(store.attach.remote(self.s.epoch, cfg), timeout=self.s.timeout_s)
             except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
@@ -113,9 +113,10 @@ class Recovery:
     def _alive_now(self) -> set[str]:
         return set(alive_node_ids())
 
-    def _epoch_config(self, slot: int) -> EpochConfig:
-        """What a store adopted outside a rendezvous is told (as ranks tell theirs in ``attach``):
-        it holds copies only, this epoch."""
+    def epoch_config(self, slot: int) -> EpochConfig:
+        """What a store without ranks this epoch is told (as ranks tell theirs in ``attach``): a
+        replacement adopted outside a rendezvous, or a live store whose ranks went elsewhere at
+        one. It holds copies only, this epoch."""
         committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
         return EpochConfig(
             epoch=self.s.epoch, slot=slot, nodes=tuple(self.s.nodes),

@@ -128,10 +128,26 @@ class Rendezvous:
         self.s.timeout_s = float(params.get("timeout_s", TIMEOUTS.version_s))
         self.s.keep = keep
         self.s.rerep_pending = bool(dead)
+        await self._move_idle_stores(idle)
         return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": dict(pending), "secret": self.s.secret,
                 "dead": sorted(dead), "idle": sorted(idle),
                 "committed": [[v.epoch, v.step] for v in committed], "recovery": since,
                 "domains": None if self.s.domains is None else list(self.s.domains)}
+
+    async def _move_idle_stores(self, idle) -> None:
+        """A live store whose ranks went elsewhere still holds copies this epoch (the placement
+        counts it), but no rank of the new epoch attaches to it: the registry moves it to the
+        epoch, or it would refuse the new epoch's copies as from the future."""
+        for slot in sorted(idle):
+            store = find_store(self.s.namespace, self.s.nodes[slot])
+            if store is None:
+                continue
+            try:
+                await asyncio.wait_for(store.attach.remote(self.s.epoch, self.recovery.epoch_config(slot)),
+                                       timeout=TIMEOUTS.progress_s)
+            except Exception as exc:  # noqa: BLE001 - its copies fail and are reported where they fail
+                self.s.event(f"slot {slot}'s store (no ranks this epoch) could not be moved to epoch "
+                             f"{self.s.epoch}: {type(exc).__name__}: {exc}")
 
     async def _store_exists(self, node: str) -> bool:
         return find_store(self.s.namespace, node) is not None
