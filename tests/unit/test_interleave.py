@@ -305,9 +305,18 @@ def main(rank):
     gemini_ckpt.interleave(model, ckpt)
     ckpt.start()
     model(torch.randn(4, 16)).sum().backward()
-    depth, _entered, count, mean_s, _busy, _ = comm.read(0)
+    # A mark ends when its work's completion is seen, which may run a moment after backward()
+    # returns on a loaded machine: wait (bounded) for every mark to have ended.
+    import time
+    deadline = time.monotonic() + 30
+    while True:
+        depth, _entered, count, mean_s, _busy, _ = comm.read(0)
+        if (depth == 0 and count >= 4) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     print(f"rank {rank}: depth {depth} count {count}", flush=True)
     assert depth == 0 and count >= 4 and mean_s > 0  # all-gathers and reduce-scatters, all completed
+    dist.barrier()
     ckpt.close()
     dist.destroy_process_group()
 
@@ -326,7 +335,9 @@ def test_the_fsdp2_hooks_mark_all_gathers_and_reduce_scatters(tmp_path):
         port = s.getsockname()[1]
     done = subprocess.run([sys.executable, str(script), __file__, str(port)], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    noise = ("rendezvous/registry.py", "lm_resiliency")  # an unrelated installed plugin's warnings
+    errors = "\n".join(line for line in done.stderr.splitlines() if not any(n in line for n in noise))
+    assert done.returncode == 0, done.stdout[-1500:] + errors[-3000:]
     assert done.stdout.count("depth 0") == 2
 
 
