@@ -16,11 +16,13 @@ says why it was skipped and exits 0.
    checkpointing, and with a save every step (replicas=2) uncapped, capped
    (``replication_bandwidth`` = ``--cap`` of the link), and interleaved with training's
    collectives (``CheckpointConfig(interleave=True)`` plus the library's DDP/FSDP2 hooks), with
-   the median time to safe of the versions.
+   the median time to safe of the versions. Each workload of ``--device-ms``: 0 computes on the
+   shared CPU cores; MS > 0 emulates an accelerator (a step's forward+backward take MS of wall
+   time with the CPU released, collectives issued ahead as on a GPU).
 
 Usage::
 
-    python benchmarks/bench_interference.py              # 1 Gbit/s, 128 MiB time-to-safe, 30 steps
+    python benchmarks/bench_interference.py              # 1 Gbit/s, 128 MiB time-to-safe, 30 steps, CPU + 300 ms accelerator
     python benchmarks/bench_interference.py --quick      # small sizes, a few steps
 
 Writes ``benchmarks/results/interference.json`` and prints a markdown table.
@@ -42,10 +44,39 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
+import torch  # noqa: E402
 from _common import write_report  # noqa: E402
+from _raybench import stop_cluster  # noqa: E402
 
 HOSTS = 4
 MIB = 1 << 20
+
+
+class _Busy(torch.autograd.Function):
+    """An emulated accelerator kernel: forward and backward take ``fwd_s`` / ``bwd_s`` of wall
+    time with the CPU released, as a GPU host's CPU waits on its device."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_s: float, bwd_s: float):
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class DeviceTime(torch.nn.Module):
+    """Passes its input through after ``fwd_s`` (its backward after ``bwd_s``)."""
+
+    def __init__(self, fwd_s: float, bwd_s: float) -> None:
+        super().__init__()
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+
+    def forward(self, x):
+        return _Busy.apply(x, self.fwd_s, self.bwd_s)
 
 
 class NetRank:
@@ -71,9 +102,12 @@ class NetRank:
                                 world_size=world_size, timeout=datetime.timedelta(seconds=600))
         self.rank, self.world_size = rank, world_size
 
-    def build(self, kind: str, layers: int, dim: int, batch: int) -> int:
+    def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0) -> int:
         """The model to train (``ddp``, ``fsdp2``) or to save (``stack``: FSDP2, no optimizer);
-        returns the bytes this rank's checkpoint holds."""
+        returns the bytes this rank's checkpoint holds. With ``device_ms``, each layer is followed
+        by an emulated accelerator: a step's forward and backward take ``device_ms`` (1:2) with the
+        CPU released, and the collectives are issued ahead as on a GPU (DDP: one bucket per layer;
+        FSDP2: the next layer's all-gather prefetched in forward and backward)."""
         import torch
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
@@ -86,11 +120,22 @@ class NetRank:
             self.model = linear_stack(layers, dim, mesh, seed=self.rank)
             return sum(p.to_local().nbytes for p in self.model.parameters())
         torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
-        if kind == "ddp":
-            model = nn.parallel.DistributedDataParallel(model)
+        if device_ms > 0:
+            fwd, bwd = device_ms / 3e3 / layers, 2 * device_ms / 3e3 / layers
+            blocks = [nn.Sequential(nn.Linear(dim, dim, bias=False), DeviceTime(fwd, bwd)) for _ in range(layers)]
         else:
-            fully_shard_layers(model, mesh)
+            blocks = [nn.Linear(dim, dim, bias=False) for _ in range(layers)]
+        model = nn.Sequential(*blocks)
+        if kind == "ddp":
+            per_layer_mb = dim * dim * 4 / MIB
+            model = nn.parallel.DistributedDataParallel(
+                model, **({"bucket_cap_mb": per_layer_mb} if device_ms > 0 else {}))
+        else:
+            fully_shard_layers(model, mesh, layers=blocks)
+            if device_ms > 0:
+                for i, block in enumerate(blocks):
+                    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+                    block.set_modules_to_backward_prefetch(blocks[max(0, i - 1):i])
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.batch = torch.rand(batch, dim, generator=torch.Generator().manual_seed(self.rank))
@@ -141,6 +186,7 @@ class NetRank:
         """Step times (training + save) and each version's save -> committed seconds."""
         ckpt = self._checkpointer(namespace, cap, interleave, replicas) if namespace else None
         times, stalls, safe, lock = [], [], [], threading.Lock()
+        begun = time.perf_counter()
 
         def committed_at(t0: float):
             def record(_future) -> None:
@@ -157,7 +203,7 @@ class NetRank:
                     handle = ckpt.save(step)
                     if step >= warmup:
                         stalls.append(time.perf_counter() - t1)
-                        handle.committed.add_done_callback(committed_at(t0))
+                        handle.committed.add_done_callback(committed_at(t1))
                 if step >= warmup:
                     times.append(time.perf_counter() - t0)
             if ckpt is not None:
@@ -165,7 +211,7 @@ class NetRank:
         finally:
             if ckpt is not None:
                 ckpt.close()
-        return {"step_s": times, "safe_s": safe, "save_s": stalls}
+        return {"step_s": times, "safe_s": safe, "save_s": stalls, "wall_s": time.perf_counter() - begun}
 
     # --- the floor: raw TCP between the same hosts over the same links ---------------------------
     def raw_listen(self, nbytes: int) -> tuple[str, int]:
@@ -231,7 +277,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="default 64 computed on the CPU, 8 with --device-ms")
+    ap.add_argument("--device-ms", type=float, nargs="+", default=[0.0, 300.0],
+                    help="workloads to run: 0 computes on the shared CPU cores; MS > 0 emulates an accelerator, "
+                         "a step's forward+backward taking MS with the CPU released and the collectives issued "
+                         "ahead (default: 0 300)")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
@@ -241,7 +291,7 @@ def main(argv=None) -> int:
         "interference.json"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.safe_mb, args.saves, args.layers, args.steps, args.warmup = 16, 1, 2, 8, 2
+        args.safe_mb, args.saves, args.layers, args.steps, args.warmup, args.device_ms = 16, 1, 2, 8, 2, [300.0]
 
     from gemini_ckpt.ray import netns
     from gemini_ckpt.ray.cluster import shutdown_host_stores
@@ -264,19 +314,21 @@ def main(argv=None) -> int:
         ray.get([r.setup.remote(i, HOSTS, master) for i, r in enumerate(ranks)], timeout=300)
 
         # 1. time to safe without training
-        layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
-        shard = ray.get([r.build.remote("stack", layers, 1024, 0) for r in ranks])[0]
-        namespaces.append("bench-net-safe")
-        safe = _slowest(ray.get([r.safe.remote("bench-net-safe", args.saves) for r in ranks], timeout=1800))
-        shutdown_host_stores("bench-net-safe")
-        addrs = ray.get([r.raw_listen.remote(shard) for r in ranks])
-        raw = max(ray.get([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)]))
-        floor = shard / link_bytes
-        safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
-                    "save_to_committed_s": statistics.median(safe), "raw": safe,
-                    "vs_floor": statistics.median(safe) / floor, "raw_vs_floor": raw / floor}
-        print(f"time to safe: {safe_row['save_to_committed_s']:.3f}s for {shard / MIB:.0f} MiB per host, "
-              f"link floor {floor:.3f}s ({safe_row['vs_floor']:.2f}x), raw TCP {raw:.3f}s", flush=True)
+        safe_row = None
+        if args.saves > 0:
+            layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
+            shard = ray.get([r.build.remote("stack", layers, 1024, 0) for r in ranks])[0]
+            namespaces.append("bench-net-safe")
+            safe = _slowest(ray.get([r.safe.remote("bench-net-safe", args.saves) for r in ranks], timeout=1800))
+            shutdown_host_stores("bench-net-safe")
+            addrs = ray.get([r.raw_listen.remote(shard) for r in ranks])
+            raw = max(ray.get([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)]))
+            floor = shard / link_bytes
+            safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
+                        "save_to_committed_s": statistics.median(safe), "raw": safe,
+                        "vs_floor": statistics.median(safe) / floor, "raw_vs_floor": raw / floor}
+            print(f"time to safe: {safe_row['save_to_committed_s']:.3f}s for {shard / MIB:.0f} MiB per host, "
+                  f"link floor {floor:.3f}s ({safe_row['vs_floor']:.2f}x), raw TCP {raw:.3f}s", flush=True)
 
         # 2. interference
         cap = int(args.cap * link_bytes)
@@ -287,18 +339,20 @@ def main(argv=None) -> int:
                    (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
                    ("every step, interleaved", "i", None, True, 2)]
         rows = []
-        for kind in args.kinds:
-            state = ray.get([r.build.remote(kind, args.layers, args.dim, args.batch) for r in ranks])
+        for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
+            batch = args.batch or (8 if device_ms else 64)
+            state = ray.get([r.build.remote(kind, args.layers, args.dim, batch, device_ms) for r in ranks])
             base = None
             for label, tag, limit, inter, replicas in configs:
-                ns = None if tag is None else f"bench-net-{kind}-{tag}"
+                ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
                 if ns:
                     namespaces.append(ns)
                 out = ray.get([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas) for r in ranks],
                               timeout=1800)
                 steps = _slowest([o["step_s"] for o in out])
                 safe_s = [s for o in out for s in o["safe_s"]]
-                row = {"kind": kind, "config": label, "state_bytes_per_rank": max(state),
+                row = {"kind": kind, "device_ms": device_ms, "batch": batch, "config": label,
+                       "state_bytes_per_rank": max(state),
                        "p50_s": statistics.median(steps), "p95_s": _pct(steps, 0.95), "raw": steps,
                        "safe_p50_s": statistics.median(safe_s) if safe_s else None,
                        # save(): the copy, plus any wait for the previous version (back-pressure)
@@ -309,25 +363,24 @@ def main(argv=None) -> int:
                 row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
                 if ns and inter:
                     row["gate"] = _gate_counters(ns)
+                    # the share of the training's wall time its collectives were in flight (marked)
+                    wall = min(o["wall_s"] for o in out)
+                    busy = [g.get("busy_s", 0.0) / wall for g in row["gate"].values() if wall > 0]
+                    row["collectives_busy_fraction"] = statistics.mean(busy) if busy else None
                 if safe_s and replicas > 1:
                     row["safe_vs_floor"] = row["safe_p50_s"] / (max(state) / link_bytes)
                 rows.append(row)
-                print(f"{kind} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
+                print(f"{kind} device_ms={device_ms:.0f} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
                       f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})", flush=True)
                 if ns:
                     shutdown_host_stores(ns)
         ray.get([r.teardown.remote() for r in ranks])
     finally:
-        for ns in namespaces:
-            try:
-                shutdown_host_stores(ns)
-            except Exception:  # noqa: BLE001 - best-effort cleanup
-                pass
-        cluster.shutdown()
+        stop_cluster(cluster, namespaces)
 
     result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
               "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
-              "dim": args.dim, "batch": args.batch, "steps": args.steps, "cap_fraction": args.cap,
+              "dim": args.dim, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
               "machine": machine, "safe": safe_row, "interference": rows}
     return write_report(args.out, result, _markdown(result))
 
@@ -335,20 +388,34 @@ def main(argv=None) -> int:
 def _markdown(result: dict) -> str:
     s = result["safe"]
     lines = [f"{result['hosts']} hosts, each in its own network namespace on a {result['link']} link "
-             f"(tc tbf, both ways), {result['machine']['cpus']} cores shared", "",
-             "| time to safe | seconds | vs link floor |", "|---|---|---|",
-             f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",
-             f"| raw TCP, same hosts, same time | {s['raw_tcp_s']:.3f} | {s['raw_vs_floor']:.2f}x |",
-             f"| gemini_ckpt save -> committed | {s['save_to_committed_s']:.3f} | {s['vs_floor']:.2f}x |", "",
-             f"Training ({result['layers']} x {result['dim']}^2 linears, batch {result['batch']}, AdamW), "
-             f"{result['steps']} steps, slowest rank:", "",
-             "| model | checkpointing | state per rank (MiB) | step p50 (ms) | p50 cost | step p95 (ms) | p95 cost "
-             "| save() p50 (ms) | time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["interference"]:
-        safe = f"{r['safe_p50_s']:.3f}" if r.get("safe_p50_s") is not None else "-"
-        save = f"{r['save_p50_s'] * 1e3:.0f}" if r.get("save_p50_s") is not None else "-"
-        lines.append(f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
-                     f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {save} | {safe} |")
+             f"(tc tbf, both ways), {result['machine']['cpus']} cores shared", ""]
+    if s:
+        lines += ["| time to safe | seconds | vs link floor |", "|---|---|---|",
+                  f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",
+                  f"| raw TCP, same hosts, same time | {s['raw_tcp_s']:.3f} | {s['raw_vs_floor']:.2f}x |",
+                  f"| gemini_ckpt save -> committed | {s['save_to_committed_s']:.3f} | {s['vs_floor']:.2f}x |", ""]
+    for device_ms in dict.fromkeys(r.get("device_ms", 0) for r in result["interference"]):
+        rows = [r for r in result["interference"] if r.get("device_ms", 0) == device_ms]
+        lines += [
+            f"Training ({result['layers']} x {result['dim']}^2 linears, batch {rows[0].get('batch')}, AdamW"
+            + (f", an emulated accelerator: {device_ms:.0f} ms forward+backward per step with the CPU released"
+               if device_ms else ", computed on the shared CPU cores")
+            + f"), {result['steps']} steps, slowest rank:", "",
+            "| model | checkpointing | state per rank (MiB) | step p50 (ms) | p50 cost | step p95 (ms) | p95 cost "
+            "| save() p50 (ms) | time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            safe = f"{r['safe_p50_s']:.3f}" if r.get("safe_p50_s") is not None else "-"
+            if r.get("safe_vs_floor") is not None:
+                safe += f" ({r['safe_vs_floor']:.2f}x floor)"
+            save = f"{r['save_p50_s'] * 1e3:.0f}" if r.get("save_p50_s") is not None else "-"
+            lines.append(f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
+                         f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {save} "
+                         f"| {safe} |")
+        busy = [r for r in rows if r.get("collectives_busy_fraction") is not None]
+        if busy:
+            lines += ["", "collectives in flight (interleaved runs): " + ", ".join(
+                f"{r['kind']} {r['collectives_busy_fraction']:.0%} of the time" for r in busy)]
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -41,6 +41,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from _common import write_report  # noqa: E402
+from _raybench import stop_cluster  # noqa: E402
 
 HOSTS = 4
 LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
@@ -276,12 +277,7 @@ def main(argv=None) -> int:
         shutdown_host_stores("bench-replicate-cap")
         ray.get([r.teardown.remote() for r in ranks])
     finally:
-        for ns in namespaces:
-            try:
-                shutdown_host_stores(ns)
-            except Exception:  # noqa: BLE001 - best-effort cleanup
-                pass
-        cluster.shutdown()
+        stop_cluster(cluster, namespaces)
         shutil.rmtree(workdir, ignore_errors=True)
 
     result = {

@@ -214,16 +214,24 @@ def summary_rows(res: dict) -> list[list[str]]:
         rows.append([f"time to safe on {d['link']} links ({s['shard_bytes'] / 2**20:.0f} MiB per host, replicas=2)",
                      _f(s["save_to_committed_s"]), f"link floor {_f(s['link_floor_s'])}, raw TCP {_f(s['raw_tcp_s'])}",
                      f"{s['vs_floor']:.2f}x floor", "<= 1.5x floor", _met(s["vs_floor"] <= 1.5)])
-        for kind in dict.fromkeys(r["kind"] for r in d["interference"]):
-            by = {r["config"]: r for r in d["interference"] if r["kind"] == kind}
+        for kind, device_ms in dict.fromkeys((r["kind"], r.get("device_ms", 0)) for r in d["interference"]):
+            by = {r["config"]: r for r in d["interference"] if (r["kind"], r.get("device_ms", 0)) == (kind, device_ms)}
             unc = by.get("every step, uncapped")
             inter = by.get("every step, interleaved")
             if unc and inter:
-                met = inter["p50_overhead"] <= 0.03 and inter["p95_overhead"] <= 0.10 and unc["p50_overhead"] >= 0.15
-                rows.append([f"{kind} step time cost of every-step checkpointing on {d['link']}: interleaved / uncapped",
+                # the target applies where uncapped replication visibly slows training (>= 15%)
+                vs_floor = inter.get("safe_vs_floor")
+                met = (None if unc["p50_overhead"] < 0.15 else
+                       inter["p50_overhead"] <= 0.03 and inter["p95_overhead"] <= 0.10
+                       and vs_floor is not None and vs_floor <= 1.5)
+                workload = f"emulated accelerator {device_ms:.0f} ms" if device_ms else "CPU-computed"
+                rows.append([f"{kind} ({workload}) step time cost of every-step checkpointing on {d['link']}: "
+                             f"interleaved / uncapped",
                              f"p50 {inter['p50_overhead']:+.1%}, p95 {inter['p95_overhead']:+.1%}",
-                             f"uncapped p50 {unc['p50_overhead']:+.1%}", "-",
-                             "<= 3% p50, <= 10% p95 (uncapped >= 15%)", _met(met)])
+                             f"uncapped p50 {unc['p50_overhead']:+.1%}",
+                             "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor",
+                             "<= 3% p50, <= 10% p95, <= 1.5x floor (where uncapped >= 15%)",
+                             "n/a (uncapped < 15%)" if met is None else _met(met)])
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:

@@ -276,7 +276,9 @@ class Network:
         """Shape host ``host``'s link to ``rate`` in both directions (tbf; replaces a former rate)."""
         bits = parse_rate(rate)
         byte_rate = bits // 8
-        burst = max(64 << 10, byte_rate // 100)  # >= one GSO packet; ~10 ms at the rate
+        # a real port never sends faster than its rate: a bucket of 1 ms at the rate, but at least
+        # one GSO packet (tbf drops a packet larger than its bucket)
+        burst = max(64 << 10, byte_rate // 1000)
         args = ["root", "tbf", "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]
         verb = "change" if self._hosts.get(host) is not None else "add"
         _tc(None, "qdisc", verb, "dev", self.link(host), *args)

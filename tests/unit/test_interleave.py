@@ -86,6 +86,19 @@ def test_the_piece_delays_a_collective_by_at_most_five_percent_within_bounds():
     assert T.choose_chunk(1e9, 0.01, fraction=0.1) == 1_000_000
 
 
+def test_two_pieces_queued_together_stay_within_five_percent_of_a_collective():
+    state = CommState.create(slots=1)
+    try:
+        marker = state.marker(state.slot_for(rank=0))
+        marker.enter(); time.sleep(0.05); marker.exit()
+        gate = T.IdleGate(state)
+        gate.rate = 125e6
+        one = T.choose_chunk(125e6, state.collective_s())  # one piece: 5% of the collective
+        assert abs(gate.piece() - one / 2) <= 1 and one > 2 * gate.lo
+    finally:
+        state.close()
+
+
 # --- the sender ------------------------------------------------------------------------------------
 class Sink:
     def __init__(self, nbytes: int) -> None:

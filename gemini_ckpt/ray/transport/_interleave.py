@@ -4,10 +4,11 @@ An :class:`IdleGate` sits beside the bandwidth cap (one per sending host, shared
 of every channel). Before each piece of a transfer, a stream takes the gate's turn (one piece in
 flight per host), waits until the host's training collectives are idle (the
 :class:`CommSignal`: the comm state its ranks mark, :mod:`gemini_ckpt.format.commstate`), writes
-the piece, and waits until the kernel has it on the wire (its send queue nearly empty), which
-also measures the rate the link takes bytes at. The piece is sized by :func:`choose_chunk` so that
-one in flight delays a collective by at most ``fraction`` (5%) of the collective's measured
-duration.
+the piece, and waits until no more than that piece is left in the kernel (the one before it is on
+the wire and acknowledged), which also measures the rate the link takes bytes at. So the link
+stays busy from piece to piece, and what a collective can find queued ahead of its own bytes is at
+most two pieces, each sized by :func:`choose_chunk` for half of ``fraction``: together they delay
+the collective by at most ``fraction`` (5%) of its measured duration.
 
 Never stuck: a mark older than ``stale_s`` is ignored (a rank died or hung mid-collective; the
 store also clears a detached rank's marks), and after ``patience_s`` of waiting one piece goes
@@ -36,6 +37,7 @@ MIN_CHUNK = 16 << 10
 MAX_CHUNK = 4 << 20
 FRACTION = 0.05
 _POLL_S = 0.0005
+_IDLE_POLL_MAX_S = 0.002  # how late, at most, the gate notices that training went idle
 
 
 def choose_chunk(rate: Optional[float], collective_s: Optional[float], *, fraction: float = FRACTION,
@@ -103,30 +105,38 @@ class IdleGate:
         return self._engaged
 
     def piece(self) -> int:
-        return choose_chunk(self.rate, self.signal.collective_s(), fraction=self.fraction, lo=self.lo, hi=self.hi)
+        """Bytes of the next piece: two of them queued delay a collective by at most ``fraction``."""
+        return choose_chunk(self.rate, self.signal.collective_s(), fraction=self.fraction / 2, lo=self.lo,
+                            hi=self.hi)
 
     def send(self, sock, view: memoryview, send: Callable[[memoryview], int], check: Callable[[], None], *,
              patience_s: Optional[float] = None) -> None:
         """Write ``view`` (one piece, at most :meth:`piece` bytes) through ``send`` once training is
         idle (or after ``patience_s``, default :attr:`patience_s`), then wait for the kernel to pass
-        it on; ``check`` runs every poll (it raises when the channel failed or the peer stalled)."""
+        it on until at most this piece is left in the kernel; ``check`` runs every poll (it raises
+        when the channel failed or the peer stalled)."""
         with self._turn:
             waited = self._wait_idle(check, self.patience_s if patience_s is None else patience_s)
-            start = time.monotonic()
             pos = 0
             while pos < len(view):
                 pos += send(view[pos:])
             n = len(view)
-            while unsent_bytes(sock) > n // 8:
+            start = time.monotonic()
+            before = left = unsent_bytes(sock)
+            while left > n:
                 check()
                 time.sleep(_POLL_S)
+                left = unsent_bytes(sock)
             took = time.monotonic() - start
             with self._lock:
                 self.waited_s += waited
                 self.pieces += 1
                 self.gated_bytes += n
-                if took > 0 and n >= self.lo:
-                    sample = n / took
+                drained = before - left
+                # the rate from what left the queue while we watched it: a link's, not a burst's
+                # into an empty socket buffer (a piece written after idle is not measured)
+                if took > 0 and drained >= self.lo:
+                    sample = drained / took
                     self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
 
     def _wait_idle(self, check: Callable[[], None], patience_s: float) -> float:
@@ -139,7 +149,7 @@ class IdleGate:
                     self.forced += 1
                 break
             time.sleep(pause)
-            pause = min(2 * pause, 0.005)
+            pause = min(2 * pause, _IDLE_POLL_MAX_S)
         return time.monotonic() - start
 
     def stats(self) -> dict:
