@@ -44,6 +44,7 @@ class RecoveryPlan:
     version; ``sources`` then only says which memory copies survived) or ``"none"``
     when durable storage is unreachable too.
 
+    >>> from placement import make
     >>> plan = plan_recovery(make("group", hosts=4, replicas=2), failed={1})
     >>> plan.tier, plan.source(1)
     ('memory', 0)
@@ -68,6 +69,7 @@ class RecoveryPlan:
 def survives(p: Placement, failed: Iterable[int]) -> bool:
     """Whether every host's shards still have a live holder after ``failed`` fail.
 
+    >>> from placement import make
     >>> p = make("group", hosts=16, replicas=2)
     >>> survives(p, failed={2, 3}), survives(p, failed={3, 4})
     (False, True)
@@ -84,6 +86,7 @@ def plan_recovery(
     The choice is deterministic (owner first, then holders order) so every rank
     computes the same plan without talking to the others.
 
+    >>> from placement import make
     >>> plan = plan_recovery(make("group", hosts=16, replicas=2), failed={2, 3})
     >>> plan.tier, plan.lost_hosts
     ('durable', (2, 3))
@@ -116,6 +119,7 @@ def recovery_probability(p: Placement, k: int) -> Fraction:
     All ``C(hosts, k)`` failure sets are taken as equally likely.  Computed by
     counting (see ``docs/placement.md``), so ``hosts=4096`` answers in milliseconds.
 
+    >>> from placement import make
     >>> recovery_probability(make("group", hosts=16, replicas=2), k=2)
     Fraction(14, 15)
     """
@@ -126,6 +130,7 @@ def recovery_probability(p: Placement, k: int) -> Fraction:
 def fatal_count(p: Placement, k: int) -> int:
     """How many of the ``C(hosts, k)`` failure sets lose some host's every copy.
 
+    >>> from placement import make
     >>> fatal_count(make("group", hosts=16, replicas=2), k=2)
     8
     """
@@ -138,6 +143,7 @@ def minimal_fatal_sets(p: Placement) -> tuple[tuple[int, ...], ...]:
 
     A failure set is fatal exactly when it contains one of these.
 
+    >>> from placement import make
     >>> minimal_fatal_sets(make("group", hosts=6, replicas=2))
     ((0, 1), (2, 3), (4, 5))
     """
@@ -155,6 +161,7 @@ def fatal_sets(
     prefixes that can still become fatal, so the first sets of a huge space
     (``hosts=4096``) come back at once.
 
+    >>> from placement import make
     >>> fatal_sets(make("ring", hosts=5, replicas=2), k=2)
     ((0, 1), (0, 4), (1, 2), (2, 3), (3, 4))
     """
@@ -175,6 +182,7 @@ def expected_steps_lost(p: Placement, k: int, persist_every: int) -> Fraction:
     behind, ``(persist_every - 1) / 2`` on average.  Hence
     ``(1 - recovery_probability(p, k)) * (persist_every - 1) / 2``.
 
+    >>> from placement import make
     >>> expected_steps_lost(make("group", hosts=16, replicas=2), k=2, persist_every=11)
     Fraction(1, 3)
     """

@@ -42,6 +42,7 @@ class HostStatus:
     footprint_bytes: int = 0  # what the job's plan will take here, computed before its first save (0: not yet)
     memory: dict = field(default_factory=dict)  # where the reserved bytes are (VersionTable.memory)
     interleave: dict = field(default_factory=dict)  # the interleaving gate's counters (docs/interleave.md)
+    domain: Optional[str] = None  # the slot's failure domain at the last rendezvous (failure_domain)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
         except Exception:  # noqa: BLE001 - status reports what it can reach
             table = None
     slots = list(table["nodes"]) if table is not None else []
+    domains = (table or {}).get("domains") or [None] * len(slots)
     nodes = slots + sorted(n for n in found.get("stores", []) if n not in slots)
     alive_nodes = set(_cluster.alive_node_ids())
     handles = {n: _cluster.find_store(namespace, n) for n in nodes}
@@ -164,17 +166,18 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
     hosts = []
     for node in nodes:
         slot = slots.index(node) if node in slots else None
+        domain = domains[slot] if slot is not None and slot < len(domains) else None
         d = described.get(node)
         if d is None:
             why = errors.get(node) or "no host store"
-            hosts.append(HostStatus(slot, node, node in alive_nodes, False, error=why))
+            hosts.append(HostStatus(slot, node, node in alive_nodes, False, error=why, domain=domain))
             continue
         shards = [sh for v in d["versions"].values() for sh in v["shards"].values()]
         own = sum(1 for sh in shards if sh["owner"] == slot)
         hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
                                 own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"],
                                 memory=d.get("memory", {}), footprint_bytes=d.get("footprint_bytes", 0),
-                                interleave=d.get("interleave", {})))
+                                interleave=d.get("interleave", {}), domain=domain))
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
     return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
                            table["epoch"] if table is not None else 0, tuple(failures), tuple(events))
@@ -216,9 +219,12 @@ def _format_namespace(ns: NamespaceStatus) -> str:
     lines = [f"namespace {ns.namespace!r}: {sum(h.slot is not None for h in ns.hosts)} slot(s), "
              f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"
              + (f" (UNHEALTHY, kept for inspection: {ns.unhealthy_steps})" if ns.unhealthy_steps else "")]
-    rows = [["slot", "node", "node", "store", "versions", "own", "replica", "held", "reserved", "footprint", "budget", "note"]]
+    domains = any(h.domain is not None for h in ns.hosts)  # a column only with failure domains
+    rows = [["slot"] + (["domain"] if domains else []) + ["node", "node", "store", "versions", "own", "replica", "held",
+                                                          "reserved", "footprint", "budget", "note"]]
     for h in ns.hosts:
-        rows.append(["-" if h.slot is None else str(h.slot), h.node_id[:12], "alive" if h.node_alive else "DEAD",
+        rows.append(["-" if h.slot is None else str(h.slot)] + ([h.domain or "-"] if domains else [])
+                    + [h.node_id[:12], "alive" if h.node_alive else "DEAD",
                      "alive" if h.store_alive else "DEAD", ",".join(map(str, h.versions)) or "-",
                      str(h.own_shards), str(h.replica_shards), _size(h.held_bytes), _size(h.reserved_bytes),
                      _size(h.footprint_bytes) if h.footprint_bytes else "-", _size(h.budget_bytes) if h.budget_bytes else "-",

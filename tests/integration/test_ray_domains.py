@@ -39,6 +39,10 @@ def test_copies_land_in_the_other_rack_and_losing_a_rack_restores_from_memory(ra
     assert spread == {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
     for step in copies:  # rank i runs on host i (slot i): one copy in each rack
         assert copies[step] == spread, (step, copies[step])
+    seen = status(ns)
+    assert [h.domain for h in sorted(seen.hosts, key=lambda h: h.slot)] == list(RACKS)
+    header = seen.format().splitlines()[1].split()
+    assert header[:2] == ["slot", "domain"]
 
     ray_cluster.remove_hosts((2, 3))  # rack "1", both hosts at once
     ray_cluster.add_host(2)
