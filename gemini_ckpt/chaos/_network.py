@@ -150,9 +150,14 @@ class Links:
             sim = self.h.sim
             deadline = c["up"] + EXIT_AFTER_RECONNECT_S
             left = sim.net.pids(c["netns"])
+            names = {pid: _names([pid]) for pid in left}
+            last = None  # the process that took longest to exit, and when it did
             while left and time.monotonic() < deadline:
                 time.sleep(0.5)
-                left = sim.net.pids(c["netns"])
+                now = sim.net.pids(c["netns"])
+                for pid in set(left) - set(now):
+                    last = (names.get(pid) or str(pid), round(time.monotonic() - c["up"], 1))
+                left = now
             still_dead = c["node"] not in _alive_nodes()
             exited = not left
             c["exited_s"] = round(time.monotonic() - c["up"], 1) if exited else None
@@ -160,6 +165,7 @@ class Links:
                       f"{c['up'] - c['cut']:.0f}s after the cut; Ray {'still lists' if still_dead else 'LISTS'} "
                       f"node {c['node'][:12]} {'dead' if still_dead else 'ALIVE again'}; ")
             detail += (f"its {len(c.get('pids', []))} old processes exited {c['exited_s']}s after the link came back"
+                       + (f" (the last: {last[0]})" if last else "")
                        if exited else f"{len(left)} old process(es) still running "
                        f"{EXIT_AFTER_RECONNECT_S:.0f}s after the link came back: {_names(left)}")
             checks.append(Check("fenced", still_dead and exited, detail))
