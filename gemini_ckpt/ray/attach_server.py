@@ -143,12 +143,15 @@ class AttachServer:
 
     def _serve(self, conn: Connection) -> None:
         rank = -1
+        with self._lock:  # known before the handshake, so a close() during it closes this one too
+            if self._stop:
+                conn.close()
+                return
+            self._conns.add(conn)
         try:
             rank = self._handshake(conn)
             if rank < 0:
                 return
-            with self._lock:
-                self._conns.add(conn)
             while True:
                 header, payload, fds = conn.recv()
                 rid = header.get("id", 0)
@@ -169,12 +172,12 @@ class AttachServer:
                 self._closed(conn, rank)
 
     def close(self) -> None:
-        self._stop = True
+        with self._lock:
+            self._stop = True
+            conns, self._conns = list(self._conns), set()
         try:
             self._sock.close()
         except OSError:
             pass
-        with self._lock:
-            conns, self._conns = list(self._conns), set()
         for conn in conns:
             conn.close()

@@ -5,7 +5,9 @@ outcome can arrive before it is asked for; a closed store fails what waits on it
 from __future__ import annotations
 
 import os
+import socket
 import threading
+import time
 
 import pytest
 
@@ -13,6 +15,8 @@ from gemini_ckpt.errors import AttachError
 from gemini_ckpt.ray.attach_client import AttachClient
 from gemini_ckpt.ray.attach_server import AttachServer
 from gemini_ckpt.format.segments import Segment
+from gemini_ckpt.ray.attach import Connection
+from gemini_ckpt.timeouts import TIMEOUTS
 
 SECRET = os.urandom(32)
 
@@ -79,3 +83,24 @@ def test_a_store_that_goes_away_fails_every_waiting_outcome_and_request():
     with pytest.raises(AttachError):
         client.request({"type": "segment"})
     client.close()
+
+
+def test_closing_the_store_closes_a_connection_still_in_its_handshake():
+    """A connection is the server's to close from the moment it is accepted: one that closed
+    between its verdict and its registration used to stay open, and its trainer's outcomes
+    waited forever (seen once in CI on a loaded machine)."""
+    store = _Store()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(store.server.address)
+    conn = Connection(sock)
+    greeting, _, _ = conn.recv(max_header=4096, max_payload=0)  # the server now waits for our hello
+    assert "nonce" in greeting
+    started = time.monotonic()
+    store.server.close()
+    with pytest.raises(EOFError):
+        conn.recv()
+    # at once, not at the handshake's deadline
+    assert time.monotonic() - started < TIMEOUTS.handshake_s / 2
+    conn.close()
+    assert store.calls == [] and not store.closed.is_set()
