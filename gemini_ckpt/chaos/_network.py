@@ -22,8 +22,17 @@ from ._spec import Scenario
 
 DECLARED_DEAD_TIMEOUT_S = DEAD_AFTER_S * 4
 """How long a cut-off host may stay alive in Ray's eyes before the scenario gives up."""
-EXIT_AFTER_RECONNECT_S = 30.0
-"""How long a partitioned host's old processes get to exit once its link is back."""
+OURS_EXIT_S = 10.0
+"""How long a partitioned host's old host store and rank process get to exit once its link is
+back. They hold shards and train, and they fence themselves (:mod:`gemini_ckpt.ray.fence`):
+the lease ends them while the link is still down, the raylet's exit at once."""
+RAY_EXIT_S = 60.0
+"""How long the rest of its old processes (the raylet and Ray's agents: Ray's own) get. They end
+when the raylet hears from the GCS that its node is dead, and a TCP connection that lost packets
+through a ~22 s outage retransmits next ~51 s after the cut: measured 1.2-29.8 s after the link
+came back in 14 partitions (2026-12-04)."""
+OURS = ("ray::HostStore", "ray::RankWorker")
+"""The process titles of our processes on a host (a Ray actor's title is ``ray::<class>``)."""
 UNSHAPED = "100gbit"
 """The rate a slowed link goes back to when the cluster's links are not shaped."""
 
@@ -125,6 +134,7 @@ class Links:
             for host in hosts:
                 old = self.cut[host]["netns"] = sim.netns_index(host)
                 self.cut[host]["pids"] = sim.net.pids(old)  # the cut-off host's processes live on
+                self._watch_exits(host)
                 self.h.pool.forget(host)  # Ray has given its rank process up
                 # A new machine takes the host's place (and slot) while the old one is still cut off.
                 sim.add_host(host, beside=True)
@@ -140,35 +150,69 @@ class Links:
                 self.h.sim.net.set_link(self.cut[f.host]["netns"], True)
                 self.cut[f.host]["up"] = time.monotonic()
 
+    def _watch_exits(self, host: int) -> None:
+        """Note when each of the cut-off machine's processes exits (a thread, polling every 0.5 s
+        until all have or :data:`RAY_EXIT_S` after the link came back)."""
+        c, net = self.cut[host], self.h.sim.net
+        c["names"] = {pid: _names([pid]) for pid in c["pids"]}
+        c["exits"], c["lock"] = {}, threading.Lock()
+
+        def watch() -> None:
+            left = set(c["pids"])
+            while left:
+                now = set(net.pids(c["netns"]))
+                t = time.monotonic()
+                with c["lock"]:
+                    c["exits"].update((pid, t) for pid in left - now)
+                left &= now
+                if "up" in c and t > c["up"] + RAY_EXIT_S:
+                    return
+                time.sleep(0.5)
+
+        c["watcher"] = threading.Thread(target=watch, name=f"chaos-fence-watch-{host}", daemon=True)
+        c["watcher"].start()
+
     def check_fenced(self) -> list[Check]:
-        """After the link came back: Ray keeps the node dead, and its old processes (raylet, rank
-        process, host store) exit instead of rejoining; none of them may be counted in the job."""
+        """After the link came back: Ray keeps the node dead, and its old processes exit instead of
+        rejoining (ours within :data:`OURS_EXIT_S`, Ray's own within :data:`RAY_EXIT_S`); none of
+        them may be counted in the job."""
         checks = []
         for host, c in sorted(self.cut.items()):
             if "up" not in c:
                 continue
-            sim = self.h.sim
-            deadline = c["up"] + EXIT_AFTER_RECONNECT_S
-            left = sim.net.pids(c["netns"])
-            names = {pid: _names([pid]) for pid in left}
-            last = None  # the process that took longest to exit, and when it did
-            while left and time.monotonic() < deadline:
-                time.sleep(0.5)
-                now = sim.net.pids(c["netns"])
-                for pid in set(left) - set(now):
-                    last = (names.get(pid) or str(pid), round(time.monotonic() - c["up"], 1))
-                left = now
+            watcher, names = c["watcher"], c["names"]
+            ours = {pid for pid, name in names.items() if any(title in name for title in OURS)}
+
+            def exits() -> dict[int, float]:
+                with c["lock"]:
+                    return dict(c["exits"])
+
+            while watcher.is_alive() and ours - exits().keys() and time.monotonic() < c["up"] + OURS_EXIT_S:
+                time.sleep(0.2)
+            if not ours - exits().keys():  # ours are gone: wait for Ray's own
+                watcher.join(max(0.0, c["up"] + RAY_EXIT_S + 2 - time.monotonic()))
+            after = {pid: round(t - c["up"], 1) for pid, t in exits().items()}  # < 0: before the link came back
+            ours_left = sorted(p for p in ours if p not in after or after[p] > OURS_EXIT_S)
+            left = sorted(p for p in names if p not in after)
             still_dead = c["node"] not in _alive_nodes()
-            exited = not left
-            c["exited_s"] = round(time.monotonic() - c["up"], 1) if exited else None
+            c["ours_exited_s"] = max((after[p] for p in ours if p in after), default=None)
+            c["exited_s"] = max(after.values(), default=None) if not left else None
             detail = (f"host {host}: declared dead {c.get('dead_s')}s after the cut; link up "
                       f"{c['up'] - c['cut']:.0f}s after the cut; Ray {'still lists' if still_dead else 'LISTS'} "
                       f"node {c['node'][:12]} {'dead' if still_dead else 'ALIVE again'}; ")
-            detail += (f"its {len(c.get('pids', []))} old processes exited {c['exited_s']}s after the link came back"
-                       + (f" (the last: {last[0]})" if last else "")
-                       if exited else f"{len(left)} old process(es) still running "
-                       f"{EXIT_AFTER_RECONNECT_S:.0f}s after the link came back: {_names(left)}")
-            checks.append(Check("fenced", still_dead and exited, detail))
+            if ours_left:
+                detail += (f"its host store / rank process ran on past {OURS_EXIT_S:.0f}s after the link came back: "
+                           + "; ".join(f"{names[p]} ({'still running' if p not in after else f'{after[p]}s'})"
+                                       for p in ours_left))
+            elif left:
+                detail += (f"ours exited {c['ours_exited_s']}s after the link came back (< 0: before); "
+                           f"{len(left)} of Ray's own process(es) still running {RAY_EXIT_S:.0f}s after it: "
+                           + "; ".join(names[p] for p in left))
+            else:
+                last = max(after, key=after.get) if after else None
+                detail += (f"its {len(names)} old processes exited: ours {c['ours_exited_s']}s after the link came "
+                           f"back (< 0: before), the last {c['exited_s']}s" + (f" ({names[last]})" if last else ""))
+            checks.append(Check("fenced", still_dead and not left and not ours_left, detail))
         return checks
 
     # --- always, last -------------------------------------------------------------------------------

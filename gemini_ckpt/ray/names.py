@@ -11,10 +11,7 @@ training ranks all find the same actors); the job is told apart by
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-import time
 from typing import Optional
 
 import ray
@@ -54,37 +51,6 @@ def ensure_ray(address: Optional[str] = None) -> None:
 
 def current_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
-
-
-FENCE_CHECK_S = 3.0
-
-
-def exit_when_node_declared_dead(what: str, *, period_s: float = FENCE_CHECK_S) -> threading.Thread:
-    """End this process once the GCS says its own node is dead (a daemon thread asking every
-    ``period_s``): a machine cut off from the cluster, declared dead and replaced, whose link
-    comes back. Ray itself ends a dead node's workers when their raylet exits, but that check
-    (the raylet's pid, every second) let two of them run on for more than 30 s once in three
-    chaos runs (issue 24); a process that keeps shards or trains must not outlive its node. While
-    the GCS cannot be reached, nothing happens; a GCS never brings a dead node back."""
-    node_id = current_node_id()
-    log = logging.getLogger("gemini_ckpt")
-
-    def watch() -> None:
-        while True:
-            time.sleep(period_s)
-            try:
-                dead = any(n["NodeID"] == node_id and not n.get("Alive") for n in ray.nodes())
-            except Exception:  # noqa: BLE001 - unreachable GCS (a partition): ask again later
-                continue
-            if dead:
-                log.error("%s on node %s: the cluster declared this node dead; exiting (fenced)", what,
-                          node_id[:12])
-                logging.shutdown()
-                os._exit(1)
-
-    thread = threading.Thread(target=watch, name="gemini-fence", daemon=True)
-    thread.start()
-    return thread
 
 
 def alive_node_ids() -> list[str]:

@@ -45,7 +45,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ...retention import KeepNewest
 from ..attach_server import AttachServer
-from ..names import ACTOR_ENV, RAY_NAMESPACE, exit_when_node_declared_dead, store_name
+from ..fence import fence_when_node_lost
+from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
 from ...format.commstate import CommState
 from ..transport import Endpoint, IdleGate, TcpConfig, TcpTransport
@@ -103,7 +104,7 @@ class HostStore:
         self.ranks = RankPort(self.s, self.driver, self.replicator)
         self.server = ShardServer(self.s)
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()
-        exit_when_node_declared_dead(f"host store of namespace {namespace!r}")
+        fence_when_node_lost(f"host store of namespace {namespace!r}")
 
     # --- liveness and configuration -----------------------------------------------------------
     def ping(self) -> str:
