@@ -116,8 +116,11 @@ class Links:
             return
         sim = self._net()
         for host in hosts:
-            self.cut[host] = {"node": sim.node_id(host), "cut": time.monotonic()}
+            self.cut[host] = {"node": sim.node_id(host), "netns": sim.netns_index(host)}
+            self.cut[host]["pids"] = sim.net.pids(self.cut[host]["netns"])  # the machine's processes live on
+            self.cut[host]["cut"] = time.monotonic()
             sim.set_link(host, False)
+            self._watch_exits(host)
         deadline = time.monotonic() + DECLARED_DEAD_TIMEOUT_S
         waiting = set(hosts)
         while waiting:
@@ -132,9 +135,6 @@ class Links:
             time.sleep(0.2)
         with infrastructure(f"adding replacements of partitioned hosts {list(hosts)}"):
             for host in hosts:
-                old = self.cut[host]["netns"] = sim.netns_index(host)
-                self.cut[host]["pids"] = sim.net.pids(old)  # the cut-off host's processes live on
-                self._watch_exits(host)
                 self.h.pool.forget(host)  # Ray has given its rank process up
                 # A new machine takes the host's place (and slot) while the old one is still cut off.
                 sim.add_host(host, beside=True)
@@ -151,20 +151,30 @@ class Links:
                 self.cut[f.host]["up"] = time.monotonic()
 
     def _watch_exits(self, host: int) -> None:
-        """Note when each of the cut-off machine's processes exits (a thread, polling every 0.5 s
-        until all have or :data:`RAY_EXIT_S` after the link came back)."""
-        c, net = self.cut[host], self.h.sim.net
+        """Note when each of the cut-off machine's processes exits (a thread, every 0.5 s, until
+        all have or :data:`RAY_EXIT_S` after the link came back). A process has exited when its
+        pid runs no more, is a zombie, or is another process now (its start time)."""
+        from gemini_ckpt.ray.fence import process_identity
+
+        c = self.cut[host]
         c["names"] = {pid: _names([pid]) for pid in c["pids"]}
         c["exits"], c["lock"] = {}, threading.Lock()
+        first = {pid: process_identity(pid) for pid in c["pids"]}
 
         def watch() -> None:
-            left = set(c["pids"])
+            left = {pid for pid, ident in first.items() if ident is not None}
+            with c["lock"]:
+                c["exits"].update((pid, c["cut"]) for pid in set(first) - left)
             while left:
-                now = set(net.pids(c["netns"]))
                 t = time.monotonic()
+                try:
+                    gone = {pid for pid in left if process_identity(pid) != first[pid]}
+                except OSError as exc:  # cannot tell now: ask again
+                    c["watch_error"] = f"{type(exc).__name__}: {exc}"
+                    gone = set()
                 with c["lock"]:
-                    c["exits"].update((pid, t) for pid in left - now)
-                left &= now
+                    c["exits"].update((pid, t) for pid in gone)
+                left -= gone
                 if "up" in c and t > c["up"] + RAY_EXIT_S:
                     return
                 time.sleep(0.5)
@@ -182,6 +192,7 @@ class Links:
                 continue
             watcher, names = c["watcher"], c["names"]
             ours = {pid for pid, name in names.items() if any(title in name for title in OURS)}
+            missing = [title for title in OURS if not any(title in names[p] for p in ours)]
 
             def exits() -> dict[int, float]:
                 with c["lock"]:
@@ -200,7 +211,10 @@ class Links:
             detail = (f"host {host}: declared dead {c.get('dead_s')}s after the cut; link up "
                       f"{c['up'] - c['cut']:.0f}s after the cut; Ray {'still lists' if still_dead else 'LISTS'} "
                       f"node {c['node'][:12]} {'dead' if still_dead else 'ALIVE again'}; ")
-            if ours_left:
+            if missing:
+                detail += (f"{' and '.join(missing)} not found among its {len(names)} processes at the cut, so "
+                           f"their fencing was not checked: {'; '.join(names.values())}")
+            elif ours_left:
                 detail += (f"its host store / rank process ran on past {OURS_EXIT_S:.0f}s after the link came back: "
                            + "; ".join(f"{names[p]} ({'still running' if p not in after else f'{after[p]}s'})"
                                        for p in ours_left))
@@ -212,7 +226,9 @@ class Links:
                 last = max(after, key=after.get) if after else None
                 detail += (f"its {len(names)} old processes exited: ours {c['ours_exited_s']}s after the link came "
                            f"back (< 0: before), the last {c['exited_s']}s" + (f" ({names[last]})" if last else ""))
-            checks.append(Check("fenced", still_dead and not left and not ours_left, detail))
+            if c.get("watch_error"):
+                detail += f" (/proc could not be read once: {c['watch_error']})"
+            checks.append(Check("fenced", still_dead and not left and not ours_left and not missing, detail))
         return checks
 
     # --- always, last -------------------------------------------------------------------------------

@@ -176,8 +176,9 @@ class AttachServer:
             self._stop = True
             conns, self._conns = list(self._conns), set()
         try:
-            self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() that close() alone would not
         except OSError:
             pass
+        self._sock.close()
         for conn in conns:
             conn.close()

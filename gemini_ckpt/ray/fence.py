@@ -23,9 +23,9 @@ on the first of:
    dead (:func:`lease_s`, from Ray's own health-check settings). A live GCS has given the node up
    by then, so the process would only be fenced later. Only time this process was running
    counts: a process that was stopped or starved for a minute does not wake up to a spent lease.
-   With Ray's default settings the lease (75 s) is longer than Ray's own limit on a worker that
+   With Ray's default settings the lease (77 s) is longer than Ray's own limit on a worker that
    cannot reach the GCS (60 s), so it changes nothing there; it matters where the cluster
-   declares deaths fast (``LocalCluster``: 15 s, lease 20 s). Under GCS fault tolerance a GCS
+   declares deaths fast (``LocalCluster``: 15 s, lease 22 s). Under GCS fault tolerance a GCS
    restart that takes longer than the lease ends the stores: raise the health-check settings
    (which is what makes a node's death slow to declare) rather than ignore the GCS.
 """
@@ -47,8 +47,11 @@ TICK_S = 1.0
 ASK_EVERY_S = 3.0
 """How often it asks the GCS whether this node is still alive (the whole node table, ~1 KB per
 node: fine at tens of hosts; at thousands a subscription to node changes would be the way)."""
-LEASE_MARGIN_S = 5.0
-"""Added to the GCS's time to declare a node dead: the checks' own jitter and a slow answer."""
+LEASE_SLACK_S = 3.0
+"""Slack on top of the lease's margin (a slow answer, the GCS's own jitter)."""
+LEASE_MARGIN_S = ASK_EVERY_S + TICK_S + LEASE_SLACK_S
+"""Added to the GCS's time to declare a node dead. The GCS counts from its last health check,
+the fence from its last answer, which may be a question, a tick and a slow answer older."""
 
 
 def lease_s() -> float:
@@ -63,12 +66,13 @@ def lease_s() -> float:
     return declared + LEASE_MARGIN_S
 
 
-def _process_identity(pid: int) -> Optional[str]:
-    """The start time of ``pid`` while it runs (not a zombie), else None."""
+def process_identity(pid: int) -> Optional[str]:
+    """The start time of ``pid`` while it runs, None once it has exited (no such process, or a
+    zombie). Raises OSError when that cannot be told (out of file descriptors, say)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read().decode(errors="replace")
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
     if not fields or fields[0] in ("Z", "X"):
@@ -85,25 +89,49 @@ class Fence:
                  exit: Callable[[str], None]) -> None:
         self.what, self.ask, self.lease, self._exit = what, ask, lease, exit
         self.raylet_pid = raylet_pid
-        self.raylet_identity = _process_identity(raylet_pid) if raylet_pid else None
+        self.raylet_identity: Optional[str] = None
+        self.child_of_raylet = False  # this process's parent is the raylet (as a Ray worker's is)
+        if raylet_pid:
+            try:
+                self.raylet_identity = process_identity(raylet_pid)
+            except OSError as exc:
+                log.warning("%s: the raylet (pid %d) cannot be looked at (%s); fenced by the GCS only", what,
+                            raylet_pid, exc)
+            if self.raylet_identity is None:
+                log.warning("%s: the raylet (pid %d) is not running; fenced by the GCS only", what, raylet_pid)
+            self.child_of_raylet = os.getppid() == raylet_pid
         self.silent_s = 0.0  # running time since the GCS last answered
         self._asked_at: Optional[float] = None
         self._answer = threading.Event()  # set by the asking thread on each answer
         self._dead = False
         self._asking = False
+        self._errors = 0
 
     def raylet_gone(self) -> bool:
-        return self.raylet_identity is not None and _process_identity(self.raylet_pid) != self.raylet_identity
+        if self.raylet_identity is None:
+            return False
+        if self.child_of_raylet and os.getppid() != self.raylet_pid:
+            return True  # orphaned: the raylet exited (whatever now runs under its pid)
+        try:
+            return process_identity(self.raylet_pid) != self.raylet_identity
+        except OSError:
+            return False  # cannot tell (out of fds?): not a reason to end a store
 
     def _ask_once(self) -> None:
+        dead = None
         try:
             dead = self.ask()
         except Exception:  # noqa: BLE001 - an unreachable GCS: the lease runs on
-            dead = None
-        if dead is not None:
-            self._dead = dead
-            self._answer.set()
-        self._asking = False
+            pass
+        finally:
+            if dead is not None:
+                self._dead = dead
+                self._answer.set()
+            self._asking = False
+
+    def idle(self) -> bool:
+        """No question in flight (tests wait for it)."""
+        return not self._asking
 
     def step(self, now: float, elapsed: float) -> Optional[str]:
         """Why this process must end now, or None. ``elapsed``: running time since the last step."""
@@ -120,7 +148,11 @@ class Fence:
                 return f"no answer from the GCS for {self.silent_s:.0f}s (the lease: {self.lease:.0f}s)"
         if not self._asking and (self._asked_at is None or now - self._asked_at >= ASK_EVERY_S):
             self._asking, self._asked_at = True, now  # an unanswered call may hang: it gets its own thread
-            threading.Thread(target=self._ask_once, name="gemini-fence-ask", daemon=True).start()
+            try:
+                threading.Thread(target=self._ask_once, name="gemini-fence-ask", daemon=True).start()
+            except BaseException:
+                self._asking = False
+                raise
         return None
 
     def run(self) -> None:
@@ -128,7 +160,14 @@ class Fence:
         while True:
             time.sleep(TICK_S)
             now = time.monotonic()
-            why = self.step(now, now - last)
+            try:
+                why = self.step(now, now - last)
+            except Exception as exc:  # noqa: BLE001 - no thread to spare, say: the fence goes on
+                why = None
+                self._errors += 1
+                if self._errors in (1, 10, 100) or self._errors % 1000 == 0:
+                    log.warning("%s: the fence's check failed (%s: %s; %d times)", self.what, type(exc).__name__,
+                                exc, self._errors)
             last = now
             if why is not None:
                 self._exit(why)
@@ -138,9 +177,15 @@ class Fence:
 def _exit(what: str, node_id: str) -> Callable[[str], None]:
     def end(why: str) -> None:
         log.error("%s on node %s: %s; exiting (fenced)", what, node_id[:12], why)
-        logging.shutdown()
-        os._exit(1)
+        os._exit(1)  # no logging.shutdown(): a handler's lock held by a stuck thread must not keep us
     return end
+
+
+def declared_dead(nodes: list[dict], node_id: str) -> bool:
+    """Whether ``nodes`` (``ray.nodes()``) says ``node_id`` is dead: listed dead, or no longer
+    listed at all (dropped from the GCS's table of dead nodes) while others are."""
+    mine = [n for n in nodes if n["NodeID"] == node_id]
+    return bool(nodes) and (not mine or not all(n["Alive"] for n in mine))
 
 
 def fence_when_node_lost(what: str) -> threading.Thread:
@@ -149,10 +194,7 @@ def fence_when_node_lost(what: str) -> threading.Thread:
     node_id = ray.get_runtime_context().get_node_id()
     pid = os.environ.get("RAY_RAYLET_PID", "")
 
-    def ask() -> bool:
-        return any(n["NodeID"] == node_id and not n.get("Alive") for n in ray.nodes())
-
-    fence = Fence(what, ask, raylet_pid=int(pid) if pid.isdigit() else None, lease=lease_s(),
+    fence = Fence(what, lambda: declared_dead(ray.nodes(), node_id), raylet_pid=int(pid) if pid.isdigit() else None, lease=lease_s(),
                   exit=_exit(what, node_id))
     thread = threading.Thread(target=fence.run, name="gemini-fence", daemon=True)
     thread.start()

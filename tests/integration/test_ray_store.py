@@ -23,6 +23,7 @@ import ray
 
 from gemini_ckpt import CheckpointConfig, ConfigError, MemoryBudgetError
 from gemini_ckpt.ray.cluster import find_store
+from gemini_ckpt.ray.fence import declared_dead
 from gemini_ckpt.ray.resolve import resolve
 from gemini_ckpt.ray.slots import holders_for
 from ray_helpers import node_id_of_host, status, wait_for
@@ -277,6 +278,8 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
     assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == old_node)
     ray_cluster.add_host(1)
     new_node = node_id_of_host(1)
+    # what a fenced host store asks the GCS (gemini_ckpt.ray.fence) reads the real node table right
+    assert declared_dead(ray.nodes(), old_node) and not declared_dead(ray.nodes(), new_node)
 
     ranks.restart("takeover")
     # Host 1's memory is gone; the replacement's store was given its copies by slot 0 when it

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gemini_ckpt.ray.fence import ASK_EVERY_S, TICK_S, Fence, _process_identity
+from gemini_ckpt.ray.fence import ASK_EVERY_S, LEASE_MARGIN_S, TICK_S, Fence, declared_dead, process_identity
 
 LEASE = 20.0
 
@@ -38,13 +38,15 @@ def _fence(gcs, raylet_pid=None):
 
 def _steps(fence, n, *, elapsed=TICK_S, start=0.0):
     """Run ``n`` steps ``elapsed`` apart (letting each asking thread answer); the first reason."""
-    now = start
+    gcs, now = fence.ask, start
     for _ in range(n):
         now += elapsed
         why = fence.step(now, elapsed)
         if why is not None:
             return why, now
-        time.sleep(0.02)  # the asking thread answers
+        deadline = time.monotonic() + 10
+        while not fence.idle() and gcs.mode != "hung" and time.monotonic() < deadline:
+            time.sleep(0.005)  # the asking thread answers
     return None, now
 
 
@@ -96,9 +98,9 @@ def test_a_raylet_that_exits_fences_its_workers_at_once_zombie_or_reaped():
         assert fence.raylet_identity is not None and _steps(fence, 3)[0] is None
         raylet.kill()
         deadline = time.monotonic() + 10
-        while _process_identity(raylet.pid) is not None and time.monotonic() < deadline:
+        while process_identity(raylet.pid) is not None and time.monotonic() < deadline:
             time.sleep(0.05)  # not reaped yet: a zombie still has a pid, and it counts as gone
-        assert _process_identity(raylet.pid) is None
+        assert process_identity(raylet.pid) is None
         assert fence.step(100.0, TICK_S) == f"its raylet (pid {raylet.pid}) is gone"
         raylet.wait(10)  # reaped: the pid is free
         assert fence.step(101.0, TICK_S) == f"its raylet (pid {raylet.pid}) is gone"
@@ -121,6 +123,73 @@ def _lease_in_a_process(env):
 def test_the_lease_is_the_time_ray_takes_to_declare_a_node_dead_plus_a_margin():
     fast = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "500",
             "RAY_health_check_timeout_ms": "2000", "RAY_health_check_failure_threshold": "6"}  # LocalCluster's
-    assert _lease_in_a_process(fast) == 0 + 6 * (0.5 + 2.0) + 5.0
+    assert LEASE_MARGIN_S == 7.0
+    assert _lease_in_a_process(fast) == 0 + 6 * (0.5 + 2.0) + 7.0
     # Ray's defaults: 5 s + 5 x (3 s + 10 s), longer than Ray lets a worker go without the GCS (60 s)
-    assert _lease_in_a_process({}) == 5.0 + 5 * (3.0 + 10.0) + 5.0
+    assert _lease_in_a_process({}) == 5.0 + 5 * (3.0 + 10.0) + 7.0
+
+
+def test_a_node_missing_from_a_nonempty_table_is_dead_and_an_empty_answer_says_nothing():
+    table = [{"NodeID": "a", "Alive": True}, {"NodeID": "b", "Alive": False}]
+    assert not declared_dead(table, "a")
+    assert declared_dead(table, "b")
+    assert declared_dead(table, "c")  # dropped from the GCS's table of dead nodes
+    assert not declared_dead([], "a")
+
+
+def test_a_check_that_fails_does_not_end_the_fence_and_the_lease_still_ends_the_process():
+    """The thread survives an error in a step (no thread to spare for the question, say) and
+    still ends the process when the lease runs out; ``run`` is the real loop, on a short lease."""
+    ended = []
+    gcs = _Gcs()
+    gcs.mode = "unreachable"
+    fence = Fence("test", gcs, raylet_pid=None, lease=2.0, exit=ended.append)
+    real_step, failures = fence.step, []
+
+    def step(now, elapsed):
+        if not failures:
+            failures.append(now)
+            raise RuntimeError("can't start new thread")
+        return real_step(now, elapsed)
+
+    fence.step = step
+    thread = threading.Thread(target=fence.run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and failures
+    assert len(ended) == 1 and ended[0].startswith("no answer from the GCS for ") and ended[0].endswith(
+        "(the lease: 2s)")
+
+
+def test_a_worker_whose_raylet_is_killed_knows_it_at_the_next_check(tmp_path):
+    """A real raylet stand-in (a parent process) with a real worker (its child, running the
+    fence's check against its parent, as a Ray worker's parent is its raylet): the parent is
+    killed with SIGKILL, and the orphaned child sees its raylet gone."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from gemini_ckpt.ray.fence import Fence\n"
+        "f = Fence('child', lambda: False, raylet_pid=os.getppid(), lease=1e9, exit=print)\n"
+        "assert f.child_of_raylet and not f.raylet_gone()\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.monotonic() + 20\n"
+        "while not f.raylet_gone() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('gone' if f.raylet_gone() else 'alive', flush=True)\n")
+    out = tmp_path / "out"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys, time; subprocess.Popen([sys.executable, {str(script)!r}], "
+                               f"stdout=open({str(out)!r}, 'w')); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in (out.read_text() if out.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "ready" in out.read_text()
+        parent.kill()
+        parent.wait(10)
+        while "\n" not in out.read_text().split("ready", 1)[1][1:] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.read_text().split() == ["ready", "gone"]
+    finally:
+        parent.kill()
+        parent.wait(10)
