@@ -18,12 +18,19 @@ says why it was skipped and exits 0.
    collectives (``CheckpointConfig(interleave=True)`` plus the library's DDP/FSDP2 hooks), with
    the median time to safe of the versions. Each workload of ``--device-ms``: 0 computes on the
    shared CPU cores; MS > 0 emulates an accelerator (a step's forward+backward take MS of wall
-   time with the CPU released, collectives issued ahead as on a GPU).
+   time with the CPU released, collectives issued ahead as on a GPU). ``--comm-dtype bf16``:
+   FSDP2 in mixed precision (all-gathers and reduce-scatters in bf16, the state in fp32 with
+   AdamW's moments: the checkpoint is 6x the bytes per parameter that a collective moves, as in
+   LLM training). No checkpoint runs first and again last, pooled: every cost is against both.
+   ``--configs`` picks rows (``m``: every step with no copies and the collectives marked, their
+   durations the interleaved row's are compared with).
 
 Usage::
 
     python benchmarks/bench_interference.py              # 1 Gbit/s, 128 MiB time-to-safe, 30 steps, CPU + 300 ms accelerator
     python benchmarks/bench_interference.py --quick      # small sizes, a few steps
+    python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
+        --device-ms 1400 --saves 0 --steps 20             # README "Interleaving, measured"
 
 Writes ``benchmarks/results/interference.json`` and prints a markdown table.
 """
@@ -102,7 +109,8 @@ class NetRank:
                                 world_size=world_size, timeout=datetime.timedelta(seconds=600))
         self.rank, self.world_size = rank, world_size
 
-    def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0) -> int:
+    def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0,
+              comm_dtype: str = "fp32") -> int:
         """The model to train (``ddp``, ``fsdp2``) or to save (``stack``: FSDP2, no optimizer);
         returns the bytes this rank's checkpoint holds. With ``device_ms``, each layer is followed
         by an emulated accelerator: a step's forward and backward take ``device_ms`` (1:2) with the
@@ -130,6 +138,13 @@ class NetRank:
             per_layer_mb = dim * dim * 4 / MIB
             model = nn.parallel.DistributedDataParallel(
                 model, **({"bucket_cap_mb": per_layer_mb} if device_ms > 0 else {}))
+        elif comm_dtype == "bf16":  # mixed precision: gathered and reduced in bf16, kept in fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            for block in blocks:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
         else:
             fully_shard_layers(model, mesh, layers=blocks)
             if device_ms > 0:
@@ -282,8 +297,14 @@ def main(argv=None) -> int:
                     help="workloads to run: 0 computes on the shared CPU cores; MS > 0 emulates an accelerator, "
                          "a step's forward+backward taking MS with the CPU released and the collectives issued "
                          "ahead (default: 0 300)")
+    ap.add_argument("--comm-dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="FSDP2's all-gathers and reduce-scatters in this dtype (bf16: mixed precision, the "
+                         "state kept in fp32); DDP always fp32")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--configs", default="lnuci",
+                    help="which to run besides no checkpoint: l no copies, u uncapped, c capped, i interleaved "
+                         "(default all)")
     ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
     ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps")
     ap.add_argument("--out", default=os.path.join(
@@ -337,11 +358,14 @@ def main(argv=None) -> int:
         configs = [("no checkpoint", None, None, False, 2), ("every step, no copies (replicas=1)", "l", None, False, 1),
                    ("every step, uncapped", "u", None, False, 2),
                    (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
-                   ("every step, interleaved", "i", None, True, 2)]
+                   ("every step, interleaved", "i", None, True, 2),
+                   # marked but nothing to send: the collectives' own durations, for comparison
+                   ("every step, no copies, collectives marked", "m", None, True, 1)]
+        configs = [c for c in configs if c[1] is None or c[1] in args.configs]
         rows = []
         for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
             batch = args.batch or (8 if device_ms else 64)
-            state = ray.get([r.build.remote(kind, args.layers, args.dim, batch, device_ms) for r in ranks])
+            state = ray.get([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype) for r in ranks])
             base = None
             for label, tag, limit, inter, replicas in configs:
                 ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
@@ -374,13 +398,25 @@ def main(argv=None) -> int:
                       f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})", flush=True)
                 if ns:
                     shutdown_host_stores(ns)
+            # the baseline again at the end, pooled with the first (a noisy minute on a shared
+            # machine moves one run of it; every cost is against both)
+            again = _slowest([o["step_s"] for o in ray.get(
+                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], timeout=1800)])
+            base["raw"] = base["raw"] + again
+            base["p50_s"], base["p95_s"] = statistics.median(base["raw"]), _pct(base["raw"], 0.95)
+            for row in rows:
+                if row["kind"] == kind and row["device_ms"] == device_ms:
+                    row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
+                    row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
+            print(f"{kind} device_ms={device_ms:.0f} no checkpoint, both runs: p50 {base['p50_s'] * 1e3:.0f} ms, "
+                  f"p95 {base['p95_s'] * 1e3:.0f} ms", flush=True)
         ray.get([r.teardown.remote() for r in ranks])
     finally:
         stop_cluster(cluster, namespaces)
 
     result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
               "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
-              "dim": args.dim, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
+              "dim": args.dim, "comm_dtype": args.comm_dtype, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
               "machine": machine, "safe": safe_row, "interference": rows}
     return write_report(args.out, result, _markdown(result))
 

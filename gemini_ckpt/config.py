@@ -75,7 +75,7 @@ class CheckpointConfig:
         interleave: replication yields to training's own collectives: a host store sends only
             while its ranks are not inside one (DDP and FSDP2 marked by
             ``gemini_ckpt.interleave(model, checkpointer)``, anything else by
-            ``checkpointer.communicating()``), in pieces that delay a collective by at most 5%
+            ``checkpointer.communicating()``), in pieces that delay a collective by at most 2%
             of its measured time (docs/interleave.md). With nothing marked it changes nothing;
             ``replication_bandwidth`` still caps. False: send regardless.
         overwrite: a job that starts without restoring, while the store or the durable tier

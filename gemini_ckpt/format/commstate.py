@@ -130,6 +130,19 @@ class CommState:
                 return True
         return False
 
+    def busy_since(self, *, stale_s: float, now: Optional[float] = None) -> Optional[float]:
+        """When the collectives in flight now began (the latest start over the ranks inside one;
+        a mark older than ``stale_s`` ignored); None when none is."""
+        now = time.monotonic() if now is None else now
+        latest = None
+        for slot in range(self.slots):
+            at = self._at(slot)
+            if _DEPTH.unpack_from(self._mm, at)[0] > 0:
+                entered = _ENTERED.unpack_from(self._mm, at + 8)[0]
+                if now - entered < stale_s and (latest is None or entered > latest):
+                    latest = entered
+        return latest
+
     def collective_s(self) -> Optional[float]:
         """The shortest running mean of collective durations over the ranks that measured one
         (the collective a chunk in flight would delay most, relatively); None before any."""
