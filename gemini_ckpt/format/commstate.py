@@ -123,12 +123,7 @@ class CommState:
     def busy(self, *, stale_s: float, now: Optional[float] = None) -> bool:
         """Whether any rank is inside a collective now. A mark older than ``stale_s`` is
         ignored: a process stopped (or hung) inside a collective must not hold replication back."""
-        now = time.monotonic() if now is None else now
-        for slot in range(self.slots):
-            at = self._at(slot)
-            if _DEPTH.unpack_from(self._mm, at)[0] > 0 and now - _ENTERED.unpack_from(self._mm, at + 8)[0] < stale_s:
-                return True
-        return False
+        return self.busy_since(stale_s=stale_s, now=now) is not None
 
     def busy_since(self, *, stale_s: float, now: Optional[float] = None) -> Optional[float]:
         """When the collectives in flight now began (the latest start over the ranks inside one;

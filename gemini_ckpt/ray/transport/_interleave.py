@@ -164,11 +164,12 @@ class IdleGate:
         total, now = 0, time.monotonic()
         for key, (sock, wrote) in list(self._socks.items()):
             try:
-                if now - wrote > _RECENT_S:
-                    raise ValueError("not written to lately")
-                total += unsent_bytes(sock)
-            except (OSError, ValueError):  # closed (fileno -1), gone, or idle
-                del self._socks[key]
+                if now - wrote <= _RECENT_S:
+                    total += unsent_bytes(sock)
+                    continue
+            except (OSError, ValueError):  # closed (fileno -1) or gone
+                pass
+            del self._socks[key]
         return total
 
     def _wait_idle(self, check: Callable[[], None], patience_s: float) -> float:
