@@ -23,7 +23,11 @@ says why it was skipped and exits 0.
    AdamW's moments: the checkpoint is 6x the bytes per parameter that a collective moves, as in
    LLM training). No checkpoint runs first and again last, pooled: every cost is against both.
    ``--configs`` picks rows (``m``: every step with no copies and the collectives marked, their
-   durations the interleaved row's are compared with).
+   durations the interleaved row's are compared with; ``n``: ``interleave="network"``, the data
+   plane marked lower-effort and no gate). ``--qos``: links that honour priority
+   (``LocalCluster(qos=True)``, as switches with a scavenger class); unmarked traffic still
+   shares one FIFO, so the other rows are as without it. ``--staging overlap``: every
+   checkpointing row copies the parameters and optimizer state during the next step.
 
 Usage::
 
@@ -31,6 +35,8 @@ Usage::
     python benchmarks/bench_interference.py --quick      # small sizes, a few steps
     python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
         --device-ms 1400 --saves 0 --steps 20             # README "Interleaving, measured"
+    python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
+        --device-ms 1400 --saves 0 --steps 20 --qos --staging overlap --configs lunm
 
 Writes ``benchmarks/results/interference.json`` and prints a markdown table.
 """
@@ -164,15 +170,16 @@ class NetRank:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def _checkpointer(self, namespace: str, cap: int | None, interleave: bool, replicas: int = 2):
+    def _checkpointer(self, namespace: str, cap: int | None, interleave: bool, replicas: int = 2,
+                      staging: str = "copy"):
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 
         fields = CheckpointConfig.__dataclass_fields__
         extra = {"interleave": interleave} if "interleave" in fields else {}
         ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt), CheckpointConfig(
             store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
-            replication_bandwidth=cap, **extra))
-        if interleave:
+            replication_bandwidth=cap, staging=staging, **extra))
+        if interleave is True:  # the gate: the library's hooks mark the collectives
             import gemini_ckpt
 
             if hasattr(gemini_ckpt, "interleave"):
@@ -197,10 +204,13 @@ class NetRank:
         return out
 
     def train(self, steps: int, warmup: int, namespace: str | None, cap: int | None,
-              interleave: bool, replicas: int = 2) -> dict:
-        """Step times (training + save) and each version's save -> committed seconds."""
-        ckpt = self._checkpointer(namespace, cap, interleave, replicas) if namespace else None
+              interleave: bool, replicas: int = 2, staging: str = "copy", timeline: bool = False) -> dict:
+        """Step times (training + save) and each version's save -> committed seconds; with
+        ``timeline`` (rank 0 only: it perturbs its steps), each version's host-store phases in
+        seconds after its ``save()``, fetched during the next step."""
+        ckpt = self._checkpointer(namespace, cap, interleave, replicas, staging) if namespace else None
         times, stalls, safe, lock = [], [], [], threading.Lock()
+        phases, saved_at = [], {}
         begun = time.perf_counter()
 
         def committed_at(t0: float):
@@ -213,8 +223,11 @@ class NetRank:
             for step in range(warmup + steps):
                 t0 = time.perf_counter()
                 self._step()
+                if ckpt is not None and timeline and self.rank == 0 and step - 1 in saved_at:
+                    phases.append(_store_timeline(namespace, step - 1, saved_at[step - 1]))
                 if ckpt is not None:
                     t1 = time.perf_counter()
+                    saved_at[step] = time.time()
                     handle = ckpt.save(step)
                     if step >= warmup:
                         stalls.append(time.perf_counter() - t1)
@@ -226,7 +239,8 @@ class NetRank:
         finally:
             if ckpt is not None:
                 ckpt.close()
-        return {"step_s": times, "safe_s": safe, "save_s": stalls, "wall_s": time.perf_counter() - begun}
+        return {"step_s": times, "safe_s": safe, "save_s": stalls, "wall_s": time.perf_counter() - begun,
+                "timeline": phases}
 
     # --- the floor: raw TCP between the same hosts over the same links ---------------------------
     def raw_listen(self, nbytes: int) -> tuple[str, int]:
@@ -261,6 +275,19 @@ class NetRank:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _store_timeline(namespace: str, step: int, saved_at: float) -> dict:
+    """Per host store, when each phase of ``step`` happened, in seconds after its ``save()``."""
+    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
+
+    out = {}
+    for node in alive_node_ids():
+        handle = find_store(namespace, node)
+        if handle is not None:
+            marks = ray.get(handle.timeline.remote(step), timeout=60)
+            out[node[:12]] = {k: round(v - saved_at, 4) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}
+    return out
 
 
 def _gate_counters(namespace: str) -> dict:
@@ -302,17 +329,29 @@ def main(argv=None) -> int:
                          "state kept in fp32); DDP always fp32")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--configs", default="lnuci",
-                    help="which to run besides no checkpoint: l no copies, u uncapped, c capped, i interleaved "
-                         "(default all)")
+    ap.add_argument("--configs", default="luci",
+                    help="which to run besides no checkpoint: l no copies, u uncapped, c capped, i interleaved (the "
+                         "gate), n interleaved by the network (marked, no gate; with --qos), m no copies with the "
+                         "collectives marked (default luci)")
+    ap.add_argument("--staging", choices=["copy", "overlap"], default="copy",
+                    help="CheckpointConfig.staging for every checkpointing row (overlap: the parameters' and "
+                         "optimizer state's copy runs during the next forward and backward)")
+    ap.add_argument("--qos", action="store_true",
+                    help="links that honour priority (LocalCluster(qos=True): DSCP CS1 goes only when other traffic "
+                         "leaves the link idle), as a switch with a scavenger class; unmarked traffic is one FIFO as "
+                         "without it")
+    ap.add_argument("--timeline", action="store_true",
+                    help="diagnosis: rank 0 fetches each version's host-store phases during the next step (its "
+                         "step times then include the Ray calls)")
     ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
-    ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps")
+    ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps, --qos, row n too")
     ap.add_argument("--out", default=os.path.join(
         os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
         "interference.json"))
     args = ap.parse_args(argv)
     if args.quick:
         args.safe_mb, args.saves, args.layers, args.steps, args.warmup, args.device_ms = 16, 1, 2, 8, 2, [300.0]
+        args.qos, args.configs = True, args.configs + ("n" if "n" not in args.configs else "")
 
     from gemini_ckpt.ray import netns
     from gemini_ckpt.ray.cluster import shutdown_host_stores
@@ -326,7 +365,8 @@ def main(argv=None) -> int:
     link_bits = netns.parse_rate(args.link)
     link_bytes = link_bits / 8
     plasma = 256 * MIB
-    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network="netns", link=args.link).start()
+    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network="netns", link=args.link,
+                           qos=args.qos).start()
     namespaces = []
     try:
         ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
@@ -359,6 +399,9 @@ def main(argv=None) -> int:
                    ("every step, uncapped", "u", None, False, 2),
                    (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
                    ("every step, interleaved", "i", None, True, 2),
+                   # no gate, the data plane marked lower-effort (CS1): on links that honour
+                   # priority (--qos) the network interleaves it packet by packet
+                   ("every step, interleaved by the network (CS1, no gate)", "n", None, "network", 2),
                    # marked but nothing to send: the collectives' own durations, for comparison
                    ("every step, no copies, collectives marked", "m", None, True, 1)]
         configs = [c for c in configs if c[1] is None or c[1] in args.configs]
@@ -371,7 +414,8 @@ def main(argv=None) -> int:
                 ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
                 if ns:
                     namespaces.append(ns)
-                out = ray.get([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas) for r in ranks],
+                out = ray.get([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging,
+                                              args.timeline) for r in ranks],
                               timeout=1800)
                 steps = _slowest([o["step_s"] for o in out])
                 safe_s = [s for o in out for s in o["safe_s"]]
@@ -385,7 +429,9 @@ def main(argv=None) -> int:
                     base = row
                 row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
                 row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
-                if ns and inter:
+                if args.timeline:
+                    row["timeline"] = out[0]["timeline"]
+                if ns and inter is True:
                     row["gate"] = _gate_counters(ns)
                     # the share of the training's wall time its collectives were in flight (marked)
                     wall = min(o["wall_s"] for o in out)
@@ -395,7 +441,9 @@ def main(argv=None) -> int:
                     row["safe_vs_floor"] = row["safe_p50_s"] / (max(state) / link_bytes)
                 rows.append(row)
                 print(f"{kind} device_ms={device_ms:.0f} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
-                      f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})", flush=True)
+                      f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})"
+                      + (f", time to safe {row['safe_vs_floor']:.2f}x floor" if row.get("safe_vs_floor") else ""),
+                      flush=True)
                 if ns:
                     shutdown_host_stores(ns)
             # the baseline again at the end, pooled with the first (a noisy minute on a shared
@@ -416,15 +464,17 @@ def main(argv=None) -> int:
 
     result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
               "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
-              "dim": args.dim, "comm_dtype": args.comm_dtype, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
+              "dim": args.dim, "comm_dtype": args.comm_dtype, "staging": args.staging, "qos": args.qos, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
               "machine": machine, "safe": safe_row, "interference": rows}
     return write_report(args.out, result, _markdown(result))
 
 
 def _markdown(result: dict) -> str:
     s = result["safe"]
+    shaper = "tc htb honouring DSCP CS1 as lower-effort" if result.get("qos") else "tc tbf"
     lines = [f"{result['hosts']} hosts, each in its own network namespace on a {result['link']} link "
-             f"(tc tbf, both ways), {result['machine']['cpus']} cores shared", ""]
+             f"({shaper}, both ways), {result['machine']['cpus']} cores shared"
+             + (f", staging={result['staging']}" if result.get("staging", "copy") != "copy" else ""), ""]
     if s:
         lines += ["| time to safe | seconds | vs link floor |", "|---|---|---|",
                   f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",

@@ -232,6 +232,14 @@ def summary_rows(res: dict) -> list[list[str]]:
                              "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor",
                              "<= 3% p50, <= 10% p95, <= 1.5x floor (where uncapped >= 15%)",
                              "n/a (uncapped < 15%)" if met is None else _met(met)])
+            net = next((r for c, r in by.items() if c.startswith("every step, interleaved by the network")), None)
+            if unc and net:
+                vs_floor = net.get("safe_vs_floor")
+                rows.append([f"{kind}: the same, interleaved by the network (CS1 marked, no gate; links "
+                             f"{'honouring priority' if d.get('qos') else 'one FIFO'})",
+                             f"p50 {net['p50_overhead']:+.1%}, p95 {net['p95_overhead']:+.1%}",
+                             f"uncapped p50 {unc['p50_overhead']:+.1%}",
+                             "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor", "-", "-"])
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:

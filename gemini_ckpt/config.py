@@ -23,6 +23,7 @@ PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 STAGINGS = ("copy", "overlap")
+INTERLEAVE_MODES = ("gate", "network")  # besides True (= "gate") and False
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
 
@@ -72,12 +73,16 @@ class CheckpointConfig:
         replication_bandwidth: cap on the bytes per second each host store sends to the other
             holders over the data plane (None: unlimited), so replication stays out of the way
             of training's own traffic.
-        interleave: replication yields to training's own collectives: a host store sends only
-            while its ranks are not inside one (DDP and FSDP2 marked by
-            ``gemini_ckpt.interleave(model, checkpointer)``, anything else by
-            ``checkpointer.communicating()``), in pieces that delay a collective by at most 2%
-            of its measured time (docs/interleave.md). With nothing marked it changes nothing;
-            ``replication_bandwidth`` still caps. False: send regardless.
+        interleave: how replication stays out of training's way (docs/interleave.md).
+            ``True`` or ``"gate"``: a host store sends only while its ranks are not inside a
+            collective (DDP and FSDP2 marked by ``gemini_ckpt.interleave(model, checkpointer)``,
+            anything else by ``checkpointer.communicating()``), in pieces that delay a
+            collective by at most 2% of its measured time; with nothing marked it changes
+            nothing. ``"network"``: no gate; the data plane's packets are marked lower-effort
+            (DSCP CS1, bulk socket priority) and a network that honours priority (switches with
+            a scavenger class; ``LocalCluster(qos=True)``) sends them only when training's
+            leave the link idle, packet by packet. Both modes mark the packets.
+            ``replication_bandwidth`` still caps. False: send regardless, unmarked.
         overwrite: a job that starts without restoring, while the store or the durable tier
             already holds versions at or after its first step (an earlier run's), is refused;
             ``overwrite=True`` discards those versions instead (memory and durable).
@@ -113,7 +118,7 @@ class CheckpointConfig:
     timeout_s: float = TIMEOUTS.version_s
     signing_key: Optional[bytes | str] = dataclasses.field(default=None, repr=False)
     replication_bandwidth: Optional[int] = None
-    interleave: bool = True
+    interleave: bool | str = True
     overwrite: bool = False
     init_from: Optional[str] = None
     health_check: Optional[HealthCheck] = dataclasses.field(default_factory=HealthCheck)
@@ -150,9 +155,10 @@ class CheckpointConfig:
         if self.replication_bandwidth is not None:
             _int_at_least(self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; "
                           "None for unlimited")
-        if not isinstance(self.interleave, bool):
-            raise ConfigError(f"CheckpointConfig.interleave must be True (replication yields to training's "
-                              f"collectives) or False (it does not), got {self.interleave!r}")
+        if not isinstance(self.interleave, bool) and self.interleave not in INTERLEAVE_MODES:
+            raise ConfigError(f"CheckpointConfig.interleave must be True or 'gate' (replication yields to training's "
+                              f"marked collectives), 'network' (it is marked lower-effort and a network that honours "
+                              f"priority interleaves it packet by packet) or False (neither), got {self.interleave!r}")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
@@ -169,6 +175,13 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.failure_domain must be the name of a Ray node label (e.g. 'rack' "
                               f"for nodes started with `ray start --labels rack=r1`) or None, "
                               f"got {self.failure_domain!r}")
+
+    @property
+    def interleave_mode(self) -> str:
+        """``interleave`` as one of ``"gate"``, ``"network"``, ``"off"``."""
+        if self.interleave is True:
+            return "gate"
+        return "off" if self.interleave is False else self.interleave
 
     @property
     def resolved_namespace(self) -> str:

@@ -86,7 +86,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
     job = {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
            "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth,
-           "domain": config.failure_domain, "interleave": config.interleave}
+           "domain": config.failure_domain, "interleave": config.interleave_mode}
     try:
         joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
                          timeout=config.timeout_s + 10)
@@ -113,7 +113,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
         committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
         key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains,
-        interleave=config.interleave)
+        interleave=config.interleave_mode)
     try:
         attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:
@@ -315,9 +315,10 @@ class RayTier(MemoryTier):
         return self.hosts.live()[slot]
 
     def comm_marker(self) -> Optional[Marker]:
-        """This rank's slot in its host store's comm state (asked for once; None with
-        ``interleave=False``): marks in it hold the store's sends back (docs/interleave.md)."""
-        if not self.config.interleave:
+        """This rank's slot in its host store's comm state (asked for once; None unless
+        ``interleave`` is ``True``/``"gate"``): marks in it hold the store's sends back
+        (docs/interleave.md)."""
+        if self.config.interleave_mode != "gate":
             return None
         with self._lock:
             if self._marker is None and not self._no_marker:

@@ -66,13 +66,18 @@ class LocalCluster:
 
     def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
                  namespace: Optional[str] = None, cpus_per_host: int = 1, network: str = "loopback",
-                 link: str | int | None = None, labels: Optional[Callable[[int], dict[str, str]]] = None) -> None:
+                 link: str | int | None = None, labels: Optional[Callable[[int], dict[str, str]]] = None,
+                 qos: bool = False) -> None:
         if network not in NETWORKS:
             raise ConfigError(f"LocalCluster(network={network!r}): choose one of {', '.join(NETWORKS)}")
         if link is not None and network != "netns":
             raise ConfigError(f"LocalCluster(link={link!r}) shapes the hosts' own links: it needs network='netns'")
         if link is not None:
             parse_rate(link)
+        if qos and link is None:
+            raise ConfigError("LocalCluster(qos=True) makes the hosts' shaped links honour traffic priority: it needs "
+                              "network='netns' and a link rate, e.g. link='1gbit'")
+        self.qos = qos
         self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
         self.labels = labels  # host i -> extra Ray node labels, e.g. lambda i: {"rack": str(i // 2)}
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
@@ -100,7 +105,7 @@ class LocalCluster:
         head = {"num_cpus": self.head_cpus, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
                 "_system_config": HEALTH_CHECKS}
         if self.network == "netns":
-            self.net = Network.create(link=self.link)
+            self.net = Network.create(link=self.link, qos=self.qos)
             head["node_ip_address"] = self.net.head_address
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=head)

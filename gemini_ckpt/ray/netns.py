@@ -16,6 +16,12 @@ Everything is named after the network and recorded, as it is made, in a state fi
 removes it all, and the next :meth:`Network.create` removes what an owner that died left
 behind. Only names recorded in a state file are ever touched.
 
+With ``qos=True`` a link also honours traffic priority, as a switch port configured with a
+lower-effort class does: the shaper is an HTB with two classes, and packets whose DSCP is
+:data:`LOWER_EFFORT_DSCP` (CS1, which the data plane marks its sockets with under
+``CheckpointConfig(interleave=...)``) go only when the other class leaves the link idle
+(``tc -s class show dev <link>``: class ``1:20``). Without it a link is one FIFO.
+
 Making namespaces needs CAP_NET_ADMIN (root) and the ``ip`` and ``tc`` tools:
 :func:`unavailable_reason` says why they can't be made here, and
 :class:`~gemini_ckpt.errors.NetworkUnavailable` carries it.
@@ -48,6 +54,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import ConfigError, NetworkUnavailable
+from .transport import LOWER_EFFORT_DSCP
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -152,8 +159,8 @@ class Network:
     :meth:`create`; every method runs ``ip``/``tc`` and raises
     :class:`~gemini_ckpt.errors.NetworkUnavailable` when one fails."""
 
-    def __init__(self, index: int, link_bits: Optional[int], state_file: Path) -> None:
-        self.index, self.link_bits, self.state_file = index, link_bits, state_file
+    def __init__(self, index: int, link_bits: Optional[int], state_file: Path, qos: bool = False) -> None:
+        self.index, self.link_bits, self.state_file, self.qos = index, link_bits, state_file, qos
         self.bridge = f"gck{index}br"
         self._hosts: dict[int, Optional[int]] = {}  # host -> its link's rate (None: unshaped)
         self._record: dict = {"owner": os.getpid(), "owner_start": _start_time(os.getpid()), "index": index,
@@ -185,9 +192,12 @@ class Network:
 
     # -- life ------------------------------------------------------------------------------
     @classmethod
-    def create(cls, *, link: str | int | None = None) -> "Network":
-        """Sweep what dead owners left, claim a free network, make its bridge."""
+    def create(cls, *, link: str | int | None = None, qos: bool = False) -> "Network":
+        """Sweep what dead owners left, claim a free network, make its bridge. ``qos``: shaped
+        links honour priority (module docstring); it needs ``link``."""
         link_bits = parse_rate(link) if link is not None else None
+        if qos and link_bits is None:
+            raise ConfigError("Network.create(qos=True) prioritizes traffic on shaped links: give it a link rate too")
         reason = unavailable_reason()
         if reason is not None:
             raise NetworkUnavailable(f"LocalCluster(network='netns') can't make network namespaces here: {reason}; "
@@ -201,7 +211,7 @@ class Network:
             except FileExistsError:
                 continue
             os.close(fd)
-            net = cls(index, link_bits, path)
+            net = cls(index, link_bits, path, qos)
             try:
                 net._save()
                 if _ip("link", "show", net.bridge, check=False).returncode == 0:
@@ -279,11 +289,49 @@ class Network:
         # a real port never sends faster than its rate: a bucket of 1 ms at the rate, but at least
         # one GSO packet (tbf drops a packet larger than its bucket)
         burst = max(64 << 10, byte_rate // 1000)
-        args = ["root", "tbf", "rate", f"{bits}bit", "burst", str(burst), "latency", "50ms"]
-        verb = "change" if self._hosts.get(host) is not None else "add"
-        _tc(None, "qdisc", verb, "dev", self.link(host), *args)
-        _tc(self.namespace(host), "qdisc", verb, "dev", "eth0", *args)
+        for ns, dev in ((None, self.link(host)), (self.namespace(host), "eth0")):
+            if self.qos:
+                self._shape_qos(ns, dev, bits, burst, change=self._hosts.get(host) is not None)
+            else:
+                verb = "change" if self._hosts.get(host) is not None else "add"
+                _tc(ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{bits}bit", "burst", str(burst),
+                    "latency", "50ms")
         self._hosts[host] = bits
+
+    @staticmethod
+    def _shape_qos(ns: Optional[str], dev: str, bits: int, burst: int, *, change: bool) -> None:
+        """HTB at ``bits``: class 1:10 (everything, first) and 1:20 (DSCP CS1, only what 1:10
+        leaves: its own share, 1%, is what keeps it from starving)."""
+        verb = "change" if change else "add"
+        if not change:
+            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+        common = ["burst", str(burst), "cburst", str(burst), "quantum", "60000"]
+        _tc(ns, "class", verb, "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{bits}bit",
+            "ceil", f"{bits}bit", *common)
+        low = max(8000, bits // 100)
+        _tc(ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate",
+            f"{max(8000, bits - low)}bit", "ceil", f"{bits}bit", "prio", "0", *common)
+        _tc(ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{low}bit",
+            "ceil", f"{bits}bit", "prio", "1", *common)
+        if not change:
+            _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+                "tos", f"{LOWER_EFFORT_DSCP << 2:#04x}", "0xfc", "flowid", "1:20")
+
+    def class_bytes(self, host: int, *, inside: bool = True) -> dict[str, int]:
+        """Bytes sent so far through each class of host ``host``'s link (``qos=True``): what host
+        ``host`` sent (``inside``) or received, by class (``"1:10"``, ``"1:20"``)."""
+        ns, dev = (self.namespace(host), "eth0") if inside else (None, self.link(host))
+        out = subprocess.run((["ip", "netns", "exec", ns] if ns else []) + ["tc", "-s", "class", "show", "dev", dev],
+                             capture_output=True, text=True, check=True).stdout
+        found, current = {}, None
+        for line in out.splitlines():
+            m = re.match(r"class htb (\S+) ", line)
+            if m:
+                current = m.group(1)
+            m = re.match(r"\s*Sent (\d+) bytes", line)
+            if m and current is not None:
+                found[current] = int(m.group(1))
+        return found
 
     def rate(self, host: int) -> Optional[int]:
         """Host ``host``'s link rate in bits per second (None: unshaped)."""

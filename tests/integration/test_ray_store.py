@@ -430,3 +430,15 @@ def test_interleave_off_sends_regardless(ranks):
     assert all(r["committed"] for per_rank in results for r in per_rank), results
     stats = ray.get(find_store("no-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
     assert not stats["enabled"] and "pieces" not in stats
+    assert stats["mode"] == "off" and stats["dscp"] is None  # unmarked
+
+
+@pytest.mark.ray
+def test_interleave_by_the_network_marks_the_data_plane_and_needs_no_marks(ranks):
+    ranks.restart("net-interleave", interleave="network")
+    ranks.call("interleave")  # the hooks are installed, but with no gate they ask for no comm page
+    results = ranks.train(range(2))
+    assert all(r["committed"] for per_rank in results for r in per_rank), results
+    stats = ray.get(find_store("net-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
+    assert stats["mode"] == "network" and stats["dscp"] == 8 and not stats["enabled"]
+    assert stats.get("collectives", 0) == 0  # no rank marked a collective

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -98,7 +99,8 @@ def test_without_the_ip_tool_the_error_says_why_and_what_to_use(tmp_path):
 # --- the network itself: where namespaces can be made ---------------------------------------------
 _SERVE = textwrap.dedent("""
     import socket, sys, time
-    s = socket.socket(); s.bind((sys.argv[1], 5201)); s.listen(1); print("ready", flush=True)
+    port = int(sys.argv[2]) if len(sys.argv) > 2 else 5201
+    s = socket.socket(); s.bind((sys.argv[1], port)); s.listen(1); print("ready", flush=True)
     c, _ = s.accept(); n = 0; t = None; buf = bytearray(1 << 16)
     while True:
         k = c.recv_into(buf)
@@ -108,19 +110,26 @@ _SERVE = textwrap.dedent("""
 """)
 _SEND = textwrap.dedent("""
     import socket, sys
-    c = socket.create_connection((sys.argv[1], 5201), timeout=float(sys.argv[3]))
+    from gemini_ckpt.ray.transport._tcp import mark
+    c = socket.create_connection((sys.argv[1], int(sys.argv[5]) if len(sys.argv) > 5 else 5201),
+                                 timeout=float(sys.argv[3]))
+    if len(sys.argv) > 4 and sys.argv[4] != "-": mark(c, int(sys.argv[4]))
     data = b"x" * (1 << 16)
     for _ in range(int(sys.argv[2]) >> 16): c.sendall(data)
     c.close()
 """)
 
 
-def _stream(net, src: int, dst: int, nbytes: int, timeout: float = 30.0) -> float:
-    """Bytes per second of one TCP stream from host ``src`` to host ``dst``."""
-    server = net.exec(dst, [sys.executable, "-c", _SERVE, net.address(dst)], stdout=subprocess.PIPE, text=True)
+def _stream(net, src: int, dst: int, nbytes: int, timeout: float = 30.0, *, dscp: int | None = None,
+            port: int = 5201) -> float:
+    """Bytes per second of one TCP stream from host ``src`` to host ``dst`` (its packets marked
+    with ``dscp`` as the data plane marks them)."""
+    server = net.exec(dst, [sys.executable, "-c", _SERVE, net.address(dst), str(port)], stdout=subprocess.PIPE,
+                      text=True)
     try:
         assert server.stdout.readline().strip() == "ready"
-        sender = net.exec(src, [sys.executable, "-c", _SEND, net.address(dst), str(nbytes), "5"])
+        sender = net.exec(src, [sys.executable, "-c", _SEND, net.address(dst), str(nbytes), "5",
+                                "-" if dscp is None else str(dscp), str(port)])
         assert sender.wait(timeout) == 0
         got, seconds = server.communicate(timeout=timeout)[0].split()
         assert int(got) == nbytes
@@ -158,6 +167,38 @@ def test_hosts_get_their_own_addresses_and_shaped_links_and_everything_goes_on_d
         net.destroy()
     assert _gone(prefix) == (set(), set())
     assert not net.state_file.exists()
+
+
+@needs_netns
+def test_links_with_qos_send_lower_effort_packets_only_when_other_traffic_leaves_the_link_idle():
+    """``qos=True``: what the data plane marks (DSCP CS1) is counted in its own class on both
+    ends of a link, and a stream of unmarked packets gets the link while a marked one saturates
+    it (one FIFO would split it about evenly, as two TCP streams do)."""
+    net = netns.Network.create(link="100mbit", qos=True)
+    try:
+        net.add_host(0)
+        net.add_host(1)
+        alone = _stream(net, 0, 1, 2 << 20)
+        background = threading.Thread(target=_stream, args=(net, 0, 1, 8 << 20),
+                                      kwargs={"dscp": netns.LOWER_EFFORT_DSCP, "port": 5202})
+        background.start()
+        time.sleep(0.2)  # the marked stream has the link to itself by now
+        during = _stream(net, 0, 1, 2 << 20)
+        background.join(30)
+        sent, received = net.class_bytes(0), net.class_bytes(1, inside=False)
+    finally:
+        net.destroy()
+    assert during > 0.75 * alone, f"{during * 8e-6:.0f} Mbit/s beside a marked stream, {alone * 8e-6:.0f} alone"
+    for counted in (sent, received):  # payload plus headers
+        assert (8 << 20) <= counted["1:20"] < (9 << 20), counted
+        assert (4 << 20) <= counted["1:10"] < (5 << 20), counted
+
+
+def test_qos_needs_a_shaped_link():
+    with pytest.raises(ConfigError, match="link"):
+        netns.Network.create(qos=True)
+    with pytest.raises(ConfigError, match="link='1gbit'"):
+        LocalCluster(2, network="netns", qos=True)
 
 
 @needs_netns

@@ -255,9 +255,26 @@ def test_without_marks_the_gate_is_not_in_the_way():
 # --- configuration ---------------------------------------------------------------------------------
 def test_interleave_is_on_by_default_and_validated():
     assert CheckpointConfig().interleave is True
-    assert CheckpointConfig(interleave=False).interleave is False
-    with pytest.raises(ConfigError, match="interleave"):
+    assert CheckpointConfig().interleave_mode == "gate"
+    assert CheckpointConfig(interleave=False).interleave_mode == "off"
+    assert CheckpointConfig(interleave="gate").interleave_mode == "gate"
+    assert CheckpointConfig(interleave="network").interleave_mode == "network"
+    with pytest.raises(ConfigError, match="interleave.*'network'"):
         CheckpointConfig(interleave="yes")
+
+
+def test_a_marked_socket_carries_the_lower_effort_class_and_bulk_priority():
+    from gemini_ckpt.ray.transport._tcp import LOWER_EFFORT_DSCP, TcpConfig, tune
+
+    with socket.socket() as marked, socket.socket() as plain:
+        tune(marked, TcpConfig(dscp=LOWER_EFFORT_DSCP))
+        tune(plain, TcpConfig())
+        assert marked.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0x20  # DSCP CS1
+        assert marked.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 2  # TC_PRIO_BULK
+        assert plain.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
+        assert plain.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 0
+    with pytest.raises(ValueError, match="dscp"):
+        TcpConfig(dscp=64)
 
 
 # --- the hooks (one process, world size 1: DDP and FSDP2 still run their collectives) ------------
@@ -350,7 +367,7 @@ from test_interleave import _checkpointer
 import gemini_ckpt
 
 def main(rank):
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method="file://" + sys.argv[2])
     mesh = init_device_mesh("cpu", (2,))
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     for layer in model:
@@ -381,15 +398,11 @@ if __name__ == "__main__":
 
 
 def test_the_fsdp2_hooks_mark_all_gathers_and_reduce_scatters(tmp_path):
-    import socket
-
     script = tmp_path / "fsdp2_worker.py"
     script.write_text(FSDP2_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run([sys.executable, str(script), __file__, str(port)], capture_output=True, text=True,
-                          timeout=120)
+    # a file rendezvous: a port picked here and bound later by the workers could be taken between
+    done = subprocess.run([sys.executable, str(script), __file__, str(tmp_path / "rendezvous")], capture_output=True,
+                          text=True, timeout=120)
     noise = ("rendezvous/registry.py", "lm_resiliency")  # an unrelated installed plugin's warnings
     errors = "\n".join(line for line in done.stderr.splitlines() if not any(n in line for n in noise))
     assert done.returncode == 0, done.stdout[-1500:] + errors[-3000:]

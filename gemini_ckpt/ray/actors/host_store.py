@@ -49,7 +49,7 @@ from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
 from ...format.commstate import CommState
-from ..transport import Endpoint, IdleGate, TcpConfig, TcpTransport
+from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
@@ -173,19 +173,22 @@ class HostStore:
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
 
-    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: bool = False) -> None:
+    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: str = "off") -> None:
         """The listener for copies, and the transport this store sends with: its bandwidth cap
         (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends, and
-        so is its gate (``CheckpointConfig.interleave``): sends wait while this node's ranks are
-        inside a collective (docs/interleave.md)."""
+        so is its gate (``CheckpointConfig.interleave`` ``"gate"``): sends wait while this node's
+        ranks are inside a collective (docs/interleave.md). Unless ``"off"``, its sockets are
+        marked lower-effort (DSCP CS1)."""
         old = self.s.listener
         self.s.secret, self.s.bandwidth, self.s.interleave = secret, bandwidth, interleave
         if self.s.comm is None:
             self.s.comm = CommState.create()
-        self.s.gate = IdleGate(self.s.comm) if interleave else None
+        self.s.gate = IdleGate(self.s.comm) if interleave == "gate" else None
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
-                                                        max_send_bytes_per_s=bandwidth), gate=self.s.gate)
+                                                        max_send_bytes_per_s=bandwidth,
+                                                        dscp=None if interleave == "off" else LOWER_EFFORT_DSCP),
+                                       gate=self.s.gate)
         self.s.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.s.readers = {}
         if old is not None:
@@ -292,7 +295,8 @@ class HostStore:
         counters (seconds waited for idle, pieces, pieces forced after patience, the piece size
         it would choose now, the measured link rate) and the ranks' collectives (count, busy
         seconds, the running mean duration the piece size comes from)."""
-        out = {"enabled": self.s.gate is not None}
+        out = {"enabled": self.s.gate is not None, "mode": self.s.interleave,
+               "dscp": None if self.s.interleave == "off" else LOWER_EFFORT_DSCP}
         if self.s.gate is not None:
             out.update(self.s.gate.stats())
         if self.s.comm is not None:

@@ -125,7 +125,7 @@ class Recovery:
             keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
             timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
             secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"),
-            domains=self.s.domains, interleave=bool(self.s.job.get("interleave", True)))
+            domains=self.s.domains, interleave=str(self.s.job.get("interleave", "gate")))
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts

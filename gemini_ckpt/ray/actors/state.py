@@ -35,7 +35,7 @@ class EpochConfig:
     key: Optional[str] = field(default=None, repr=False)  # the signing key (hex), if any
     bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
     domains: Optional[tuple] = None  # slot -> failure domain (CheckpointConfig.failure_domain), fixed per epoch
-    interleave: bool = True  # CheckpointConfig.interleave: sends yield to this host's ranks' collectives
+    interleave: str = "gate"  # CheckpointConfig.interleave_mode: "gate", "network" or "off"
 
     @property
     def hosts(self) -> int:
@@ -56,7 +56,7 @@ class StoreState:
         self.commit: Optional[HostCommit] = None  # None: this store holds copies only this epoch
         self.secret = b""
         self.bandwidth: Optional[int] = None
-        self.interleave = False  # whether the transport's sends go through the gate
+        self.interleave = "off"  # the data plane's mode: "gate" (sends go through the gate), "network", "off"
         self.comm = None  # the CommState this node's ranks mark their collectives in (format.commstate)
         self.gate = None  # the transport's IdleGate reading it, when interleaving
         self.key: Optional[bytes] = None  # the signing key, when the job has one

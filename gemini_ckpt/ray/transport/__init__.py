@@ -31,11 +31,11 @@ from ._errors import (
 )
 from ._interleave import IdleGate, choose_chunk
 from ._ratelimit import TokenBucket
-from ._tcp import TcpConfig
+from ._tcp import LOWER_EFFORT_DSCP, TcpConfig
 from ._tcp_transport import TcpTransport
 
 __all__ = [
     "AuthenticationError", "Channel", "ChannelClosedError", "ChecksumMismatchError", "Endpoint", "Header",
-    "IdleGate", "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
+    "IdleGate", "LOWER_EFFORT_DSCP", "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
     "TokenBucket", "TransferRejectedError", "Transport", "TransportError", "choose_chunk",
 ]

@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 from . import _wire as wire
 from ._errors import PeerLostError, ProgressTimeoutError, ProtocolError
 
+LOWER_EFFORT_DSCP = 8  # CS1, the "scavenger" class switches are configured with for bulk traffic
+_TC_PRIO_BULK = 2  # Linux socket priority of bulk traffic: the last band of pfifo_fast, prio, mqprio
 DEFAULT_STREAMS = 4
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_NAME_BYTES = 1024
@@ -45,6 +47,9 @@ class TcpConfig:
     shared by all its channels (None: unlimited). ``verify_checksum``: a function
     ``f(data, value) -> int`` (``zlib.crc32``, ``crc32c.crc32c``) the receiver runs over a
     complete transfer when the header carries a checksum; None leaves verification to the sink.
+    ``dscp``: the DSCP every data-plane socket marks its packets with, and the socket priority
+    that goes with it (:func:`tune`); None marks nothing. The host store uses
+    :data:`LOWER_EFFORT_DSCP` under ``CheckpointConfig(interleave=...)``.
     """
 
     streams: int = DEFAULT_STREAMS
@@ -54,6 +59,7 @@ class TcpConfig:
     max_send_bytes_per_s: Optional[float] = None
     verify_checksum: Optional[Callable[[Any, int], int]] = None
     socket_buffer_bytes: Optional[int] = None
+    dscp: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.streams, int) or not 1 <= self.streams <= 64:
@@ -65,6 +71,8 @@ class TcpConfig:
                 raise ValueError(f"TcpConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_send_bytes_per_s is not None and not self.max_send_bytes_per_s > 0:
             raise ValueError(f"TcpConfig.max_send_bytes_per_s must be > 0 or None, got {self.max_send_bytes_per_s!r}")
+        if self.dscp is not None and (not isinstance(self.dscp, int) or not 0 <= self.dscp <= 63):
+            raise ValueError(f"TcpConfig.dscp must be an int in [0, 63] or None, got {self.dscp!r}")
         if self.socket_buffer_bytes is not None and not self.socket_buffer_bytes > 0:
             raise ValueError(f"TcpConfig.socket_buffer_bytes must be > 0 or None, got {self.socket_buffer_bytes!r}")
 
@@ -89,6 +97,25 @@ def tune(sock: socket.socket, config: TcpConfig) -> None:
     if config.socket_buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
+    if config.dscp is not None:
+        mark(sock, config.dscp)
+
+
+def mark(sock: socket.socket, dscp: int) -> None:
+    """Mark ``sock``'s packets with ``dscp`` (a network that honours it, e.g. a switch with a
+    scavenger class, or ``LocalCluster(qos=True)``, queues them behind other traffic) and, for
+    :data:`LOWER_EFFORT_DSCP`, give the socket bulk priority (this host's own queues with bands
+    put it last). Where the platform refuses, the socket goes unmarked: marking is a preference,
+    never a condition for sending."""
+    try:
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, dscp << 2)
+        else:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+        if dscp == LOWER_EFFORT_DSCP and hasattr(socket, "SO_PRIORITY"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, _TC_PRIO_BULK)  # after IP_TOS, which resets it
+    except OSError:
+        pass
 
 
 class TurnedAway(PeerLostError):
