@@ -25,8 +25,8 @@ says why it was skipped and exits 0.
    ``--configs`` picks rows (``m``: every step with no copies and the collectives marked, their
    durations the interleaved row's are compared with; ``n``: ``interleave="network"``, the data
    plane marked lower-effort and no gate). ``--qos``: links that honour priority
-   (``LocalCluster(qos=True)``, as switches with a scavenger class); unmarked traffic still
-   shares one FIFO, so the other rows are as without it. ``--staging overlap``: every
+   (``LocalCluster(qos=True)``, as switches with a scavenger class); unmarked traffic (every
+   other row) still shares one queue per link, HTB's packet FIFO instead of tbf's. ``--staging overlap``: every
    checkpointing row copies the parameters and optimizer state during the next step.
 
 Usage::
@@ -176,9 +176,11 @@ class NetRank:
 
         fields = CheckpointConfig.__dataclass_fields__
         extra = {"interleave": interleave} if "interleave" in fields else {}
+        if "staging" in fields:
+            extra["staging"] = staging
         ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt), CheckpointConfig(
             store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
-            replication_bandwidth=cap, staging=staging, **extra))
+            replication_bandwidth=cap, **extra))
         if interleave is True:  # the gate: the library's hooks mark the collectives
             import gemini_ckpt
 
@@ -338,8 +340,8 @@ def main(argv=None) -> int:
                          "optimizer state's copy runs during the next forward and backward)")
     ap.add_argument("--qos", action="store_true",
                     help="links that honour priority (LocalCluster(qos=True): DSCP CS1 goes only when other traffic "
-                         "leaves the link idle), as a switch with a scavenger class; unmarked traffic is one FIFO as "
-                         "without it")
+                         "leaves the link idle), as a switch with a scavenger class; unmarked traffic shares one queue "
+                         "per link as without it")
     ap.add_argument("--timeline", action="store_true",
                     help="diagnosis: rank 0 fetches each version's host-store phases during the next step (its "
                          "step times then include the Ray calls)")

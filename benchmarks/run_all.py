@@ -225,7 +225,8 @@ def summary_rows(res: dict) -> list[list[str]]:
                        inter["p50_overhead"] <= 0.03 and inter["p95_overhead"] <= 0.10
                        and vs_floor is not None and vs_floor <= 1.5)
                 workload = f"emulated accelerator {device_ms:.0f} ms" if device_ms else "CPU-computed"
-                rows.append([f"{kind} ({workload}) step time cost of every-step checkpointing on {d['link']}: "
+                links = " links honouring priority (qos)" if d.get("qos") else ""
+                rows.append([f"{kind} ({workload}) step time cost of every-step checkpointing on {d['link']}{links}: "
                              f"interleaved / uncapped",
                              f"p50 {inter['p50_overhead']:+.1%}, p95 {inter['p95_overhead']:+.1%}",
                              f"uncapped p50 {unc['p50_overhead']:+.1%}",

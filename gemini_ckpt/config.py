@@ -15,6 +15,8 @@ from typing import Optional
 
 from .errors import ConfigError
 from .health import HealthCheck
+from .ray.transport._interleave import MODES as INTERLEAVE_MODES
+from .ray.transport._interleave import mode_of as interleave_mode
 from .timeouts import TIMEOUTS
 
 STORES = ("local", "ray")
@@ -23,7 +25,6 @@ PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 STAGINGS = ("copy", "overlap")
-INTERLEAVE_MODES = ("gate", "network")  # besides True (= "gate") and False
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
 
@@ -80,9 +81,9 @@ class CheckpointConfig:
             collective by at most 2% of its measured time; with nothing marked it changes
             nothing. ``"network"``: no gate; the data plane's packets are marked lower-effort
             (DSCP CS1, bulk socket priority) and a network that honours priority (switches with
-            a scavenger class; ``LocalCluster(qos=True)``) sends them only when training's
-            leave the link idle, packet by packet. Both modes mark the packets.
-            ``replication_bandwidth`` still caps. False: send regardless, unmarked.
+            a scavenger class; ``LocalCluster(qos=True)``) sends them after training's, in the
+            link time training leaves, packet by packet. Only ``"network"`` marks.
+            ``replication_bandwidth`` still caps. False or ``"off"``: send regardless.
         overwrite: a job that starts without restoring, while the store or the durable tier
             already holds versions at or after its first step (an earlier run's), is refused;
             ``overwrite=True`` discards those versions instead (memory and durable).
@@ -158,7 +159,8 @@ class CheckpointConfig:
         if not isinstance(self.interleave, bool) and self.interleave not in INTERLEAVE_MODES:
             raise ConfigError(f"CheckpointConfig.interleave must be True or 'gate' (replication yields to training's "
                               f"marked collectives), 'network' (it is marked lower-effort and a network that honours "
-                              f"priority interleaves it packet by packet) or False (neither), got {self.interleave!r}")
+                              f"priority interleaves it packet by packet) or False / 'off' (neither), "
+                              f"got {self.interleave!r}")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
@@ -179,9 +181,7 @@ class CheckpointConfig:
     @property
     def interleave_mode(self) -> str:
         """``interleave`` as one of ``"gate"``, ``"network"``, ``"off"``."""
-        if self.interleave is True:
-            return "gate"
-        return "off" if self.interleave is False else self.interleave
+        return interleave_mode(self.interleave)
 
     @property
     def resolved_namespace(self) -> str:

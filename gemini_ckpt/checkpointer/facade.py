@@ -187,7 +187,8 @@ class Checkpointer:
                 dist.all_reduce(loss_sum)
 
         Free of messages and of collectives; a no-op until the Checkpointer started (the first
-        ``save``/``restore``), after ``close``, with ``interleave=False`` or ``store="local"``.
+        ``save``/``restore``), after ``close``, with ``interleave=False`` or ``"network"`` (no
+        gate to hold back), or ``store="local"``.
         """
         marker = self.comm_marker()
         return marker if marker is not None else contextlib.nullcontext()

@@ -20,7 +20,8 @@ One call after the model is wrapped and the Checkpointer built::
   ``with ckpt.communicating(): ...``.
 
 Marks cost no message: a few stores into a shared page; until the Checkpointer has started, and
-with ``interleave=False``, the hooks only run the collective.
+with ``interleave=False`` or ``"network"`` (no gate reads the marks), the hooks only run the
+collective.
 """
 
 from __future__ import annotations

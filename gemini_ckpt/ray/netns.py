@@ -1,6 +1,6 @@
 """Simulated hosts with their own network: one Linux network namespace per host, joined to a
 bridge by a veth pair, with an address from the benchmarking range 198.18.0.0/15 and its link
-shaped in both directions (``tc tbf``). :class:`~gemini_ckpt.ray.local.LocalCluster` with
+shaped in both directions (``tc tbf``; ``tc htb`` with ``qos``). :class:`~gemini_ckpt.ray.local.LocalCluster` with
 ``network="netns"`` runs each host's Ray node (raylet, workers, host store) inside one, so
 replication, training collectives and Ray's own traffic between hosts cross real (virtual)
 links: a link has a rate, traffic on it contends, and a host can be cut off while alive.
@@ -19,8 +19,9 @@ behind. Only names recorded in a state file are ever touched.
 With ``qos=True`` a link also honours traffic priority, as a switch port configured with a
 lower-effort class does: the shaper is an HTB with two classes, and packets whose DSCP is
 :data:`LOWER_EFFORT_DSCP` (CS1, which the data plane marks its sockets with under
-``CheckpointConfig(interleave=...)``) go only when the other class leaves the link idle
-(``tc -s class show dev <link>``: class ``1:20``). Without it a link is one FIFO.
+``CheckpointConfig(interleave="network")``) go after the other class's, with what it leaves of
+the link (1% of the rate is theirs, so they never starve; ``tc -s class show dev <link>``: class
+``1:20``). Without it a link is one FIFO (tbf's queue).
 
 Making namespaces needs CAP_NET_ADMIN (root) and the ``ip`` and ``tc`` tools:
 :func:`unavailable_reason` says why they can't be made here, and
@@ -116,11 +117,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
-def _tc(ns: Optional[str], *args: str) -> None:
+def _tc(ns: Optional[str], *args: str) -> str:
     argv = (["ip", "netns", "exec", ns] if ns else []) + ["tc", *args]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise NetworkUnavailable(f"'{' '.join(argv)}' failed: {done.stderr.strip()}")
+    return done.stdout
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -283,7 +285,8 @@ class Network:
 
     # -- the links ---------------------------------------------------------------------------
     def shape(self, host: int, rate: str | int) -> None:
-        """Shape host ``host``'s link to ``rate`` in both directions (tbf; replaces a former rate)."""
+        """Shape host ``host``'s link to ``rate`` in both directions (tbf, or htb with ``qos``;
+        replaces a former rate)."""
         bits = parse_rate(rate)
         byte_rate = bits // 8
         # a real port never sends faster than its rate: a bucket of 1 ms at the rate, but at least
@@ -321,10 +324,8 @@ class Network:
         """Bytes sent so far through each class of host ``host``'s link (``qos=True``): what host
         ``host`` sent (``inside``) or received, by class (``"1:10"``, ``"1:20"``)."""
         ns, dev = (self.namespace(host), "eth0") if inside else (None, self.link(host))
-        out = subprocess.run((["ip", "netns", "exec", ns] if ns else []) + ["tc", "-s", "class", "show", "dev", dev],
-                             capture_output=True, text=True, check=True).stdout
         found, current = {}, None
-        for line in out.splitlines():
+        for line in _tc(ns, "-s", "class", "show", "dev", dev).splitlines():
             m = re.match(r"class htb (\S+) ", line)
             if m:
                 current = m.group(1)

@@ -411,6 +411,7 @@ def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collectiv
     # FSDP2's all-gathers and reduce-scatters, marked through the page the store lent over the attach socket
     assert stats["enabled"] and stats["engaged"] and stats["collectives"] >= 8 and stats["collective_s"] > 0
     assert stats["marked_now"] == 0
+    assert set(_data_plane_tos("interleave")) == {0} and stats["dscp"] is None  # the gate does not mark
     ray.get(ranks.workers[1].mark.remote(), timeout=60)  # rank 1 stays "inside a collective"
     host1 = find_store("interleave", node_id_of_host(1))
     assert ray.get(host1.describe.remote(), timeout=60)["interleave"]["marked_now"] == 1
@@ -423,6 +424,19 @@ def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collectiv
              what="the detached rank's mark to be cleared")
 
 
+def _data_plane_tos(namespace: str) -> list[int]:
+    """The TOS byte (``ss --tos``) of every established connection to or from host 0's data-plane
+    listener (all hosts share this machine's kernel under loopback)."""
+    port = ray.get(find_store(namespace, node_id_of_host(0)).endpoint.remote(), timeout=60).port
+    out = subprocess.run(["ss", "-tnH", "--tos", "state", "established"], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        fields = line.split()
+        if any(f.endswith(f":{port}") for f in fields[2:4]):
+            found.append(next((int(f.split(":", 1)[1], 0) for f in fields if f.startswith("tos:")), 0))
+    return found
+
+
 @pytest.mark.ray
 def test_interleave_off_sends_regardless(ranks):
     ranks.restart("no-interleave", interleave=False)
@@ -430,7 +444,9 @@ def test_interleave_off_sends_regardless(ranks):
     assert all(r["committed"] for per_rank in results for r in per_rank), results
     stats = ray.get(find_store("no-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
     assert not stats["enabled"] and "pieces" not in stats
-    assert stats["mode"] == "off" and stats["dscp"] is None  # unmarked
+    assert stats["mode"] == "off" and stats["dscp"] is None
+    tos = _data_plane_tos("no-interleave")
+    assert tos and set(tos) == {0}, tos  # unmarked
 
 
 @pytest.mark.ray
@@ -442,3 +458,5 @@ def test_interleave_by_the_network_marks_the_data_plane_and_needs_no_marks(ranks
     stats = ray.get(find_store("net-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
     assert stats["mode"] == "network" and stats["dscp"] == 8 and not stats["enabled"]
     assert stats.get("collectives", 0) == 0  # no rank marked a collective
+    tos = _data_plane_tos("net-interleave")
+    assert tos and set(tos) == {0x20}, tos  # both ends of every connection: DSCP CS1

@@ -110,10 +110,11 @@ _SERVE = textwrap.dedent("""
 """)
 _SEND = textwrap.dedent("""
     import socket, sys
-    from gemini_ckpt.ray.transport._tcp import mark
     c = socket.create_connection((sys.argv[1], int(sys.argv[5]) if len(sys.argv) > 5 else 5201),
                                  timeout=float(sys.argv[3]))
-    if len(sys.argv) > 4 and sys.argv[4] != "-": mark(c, int(sys.argv[4]))
+    if len(sys.argv) > 4 and sys.argv[4] != "-":
+        from gemini_ckpt.ray.transport._tcp import mark
+        mark(c, int(sys.argv[4]))
     data = b"x" * (1 << 16)
     for _ in range(int(sys.argv[2]) >> 16): c.sendall(data)
     c.close()
@@ -175,23 +176,39 @@ def test_links_with_qos_send_lower_effort_packets_only_when_other_traffic_leaves
     ends of a link, and a stream of unmarked packets gets the link while a marked one saturates
     it (one FIFO would split it about evenly, as two TCP streams do)."""
     net = netns.Network.create(link="100mbit", qos=True)
+    marked, errors = 24 << 20, []  # ~2 s alone at 100 Mbit/s
+
+    def background():
+        try:
+            _stream(net, 0, 1, marked, dscp=netns.LOWER_EFFORT_DSCP, port=5202)
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
     try:
         net.add_host(0)
         net.add_host(1)
         alone = _stream(net, 0, 1, 2 << 20)
-        background = threading.Thread(target=_stream, args=(net, 0, 1, 8 << 20),
-                                      kwargs={"dscp": netns.LOWER_EFFORT_DSCP, "port": 5202})
-        background.start()
-        time.sleep(0.2)  # the marked stream has the link to itself by now
+        thread = threading.Thread(target=background)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while net.class_bytes(0).get("1:20", 0) < (1 << 20) and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the marked stream is on the wire
         during = _stream(net, 0, 1, 2 << 20)
-        background.join(30)
+        still = net.class_bytes(0)["1:20"]
+        thread.join(60)
+        assert not thread.is_alive() and not errors, errors
         sent, received = net.class_bytes(0), net.class_bytes(1, inside=False)
+        net.shape(0, "50mbit")  # a QoS link reshaped (the chaos harness's slow link): its classes follow
+        classes = subprocess.run(["tc", "class", "show", "dev", net.link(0)], capture_output=True, text=True).stdout
     finally:
         net.destroy()
+    assert (1 << 20) <= still < marked, "the marked stream was not running beside the unmarked one"
     assert during > 0.75 * alone, f"{during * 8e-6:.0f} Mbit/s beside a marked stream, {alone * 8e-6:.0f} alone"
     for counted in (sent, received):  # payload plus headers
-        assert (8 << 20) <= counted["1:20"] < (9 << 20), counted
+        assert marked <= counted["1:20"] < marked * 1.1, counted
         assert (4 << 20) <= counted["1:10"] < (5 << 20), counted
+    assert "class htb 1:1 root rate 50Mbit ceil 50Mbit" in classes, classes
+    assert "class htb 1:20 parent 1:1 prio 1 rate 500Kbit ceil 50Mbit" in classes, classes
 
 
 def test_qos_needs_a_shaped_link():

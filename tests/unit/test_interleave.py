@@ -259,6 +259,10 @@ def test_interleave_is_on_by_default_and_validated():
     assert CheckpointConfig(interleave=False).interleave_mode == "off"
     assert CheckpointConfig(interleave="gate").interleave_mode == "gate"
     assert CheckpointConfig(interleave="network").interleave_mode == "network"
+    assert CheckpointConfig(interleave="off").interleave_mode == "off"
+    # what a store gets from a registry or client of another version: a bool, or a mode it knows
+    assert [T.mode_of(v) for v in (True, False, "network", "off", "later")] == ["gate", "off", "network", "off",
+                                                                                "gate"]
     with pytest.raises(ConfigError, match="interleave.*'network'"):
         CheckpointConfig(interleave="yes")
 

@@ -49,7 +49,7 @@ from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
 from ...format.commstate import CommState
-from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
+from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport, mode_of
 from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
@@ -154,7 +154,7 @@ class HostStore:
         self.s.epoch, self.s.cfg = epoch, cfg
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
-        bandwidth, interleave = cfg.bandwidth, cfg.interleave
+        bandwidth, interleave = cfg.bandwidth, mode_of(cfg.interleave)
         if (secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth
                 or interleave != self.s.interleave):
             self._start_data_plane(secret, bandwidth, interleave)
@@ -177,8 +177,8 @@ class HostStore:
         """The listener for copies, and the transport this store sends with: its bandwidth cap
         (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends, and
         so is its gate (``CheckpointConfig.interleave`` ``"gate"``): sends wait while this node's
-        ranks are inside a collective (docs/interleave.md). Unless ``"off"``, its sockets are
-        marked lower-effort (DSCP CS1)."""
+        ranks are inside a collective (docs/interleave.md). Under ``"network"`` its sockets are
+        marked lower-effort (DSCP CS1) instead."""
         old = self.s.listener
         self.s.secret, self.s.bandwidth, self.s.interleave = secret, bandwidth, interleave
         if self.s.comm is None:
@@ -187,7 +187,7 @@ class HostStore:
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
                                                         max_send_bytes_per_s=bandwidth,
-                                                        dscp=None if interleave == "off" else LOWER_EFFORT_DSCP),
+                                                        dscp=LOWER_EFFORT_DSCP if interleave == "network" else None),
                                        gate=self.s.gate)
         self.s.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.s.readers = {}
@@ -296,7 +296,7 @@ class HostStore:
         it would choose now, the measured link rate) and the ranks' collectives (count, busy
         seconds, the running mean duration the piece size comes from)."""
         out = {"enabled": self.s.gate is not None, "mode": self.s.interleave,
-               "dscp": None if self.s.interleave == "off" else LOWER_EFFORT_DSCP}
+               "dscp": self.s.transport.config.dscp if self.s.transport is not None else None}
         if self.s.gate is not None:
             out.update(self.s.gate.stats())
         if self.s.comm is not None:

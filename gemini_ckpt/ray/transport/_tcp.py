@@ -114,7 +114,7 @@ def mark(sock: socket.socket, dscp: int) -> None:
             sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
         if dscp == LOWER_EFFORT_DSCP and hasattr(socket, "SO_PRIORITY"):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, _TC_PRIO_BULK)  # after IP_TOS, which resets it
-    except OSError:
+    except (OSError, AttributeError):  # refused, or no such option on this platform (IPV6_TCLASS)
         pass
 
 
