@@ -15,8 +15,6 @@ from typing import Optional
 
 from .errors import ConfigError
 from .health import HealthCheck
-from .ray.transport._interleave import MODES as INTERLEAVE_MODES
-from .ray.transport._interleave import mode_of as interleave_mode
 from .timeouts import TIMEOUTS
 
 STORES = ("local", "ray")
@@ -25,6 +23,17 @@ PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 STAGINGS = ("copy", "overlap")
+INTERLEAVE_MODES = ("gate", "network", "off")  # CheckpointConfig.interleave; True is "gate", False is "off"
+
+
+def interleave_mode(value) -> str:
+    """``CheckpointConfig.interleave``, or what a registry or a client of another version passed
+    on for it, as one of :data:`INTERLEAVE_MODES`: ``True`` is ``"gate"``, ``False`` is
+    ``"off"``, anything unknown ``"gate"`` (the default)."""
+    if value is True or value is False:
+        return "gate" if value else "off"
+    return value if value in INTERLEAVE_MODES else "gate"
+
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
 

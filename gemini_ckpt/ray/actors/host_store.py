@@ -49,7 +49,8 @@ from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ..commit import HostCommit, VersionId
 from ...format.commstate import CommState
-from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport, mode_of
+from ...config import interleave_mode
+from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
@@ -154,7 +155,7 @@ class HostStore:
         self.s.epoch, self.s.cfg = epoch, cfg
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
-        bandwidth, interleave = cfg.bandwidth, mode_of(cfg.interleave)
+        bandwidth, interleave = cfg.bandwidth, interleave_mode(cfg.interleave)
         if (secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth
                 or interleave != self.s.interleave):
             self._start_data_plane(secret, bandwidth, interleave)

@@ -16,7 +16,7 @@ import ray
 from ..names import alive_node_ids
 from ..resolve import resolve
 from ..slots import HOST_LABEL, holders_for
-from ..transport import mode_of
+from ...config import interleave_mode
 from .host_store import get_or_create_store
 from ...timeouts import TIMEOUTS
 from .registry_state import RegistryState
@@ -126,7 +126,7 @@ class Recovery:
             keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
             timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
             secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"),
-            domains=self.s.domains, interleave=mode_of(self.s.job.get("interleave", "gate")))
+            domains=self.s.domains, interleave=interleave_mode(self.s.job.get("interleave", "gate")))
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts

@@ -29,7 +29,7 @@ from ._errors import (
     TransferRejectedError,
     TransportError,
 )
-from ._interleave import IdleGate, choose_chunk, mode_of
+from ._interleave import IdleGate, choose_chunk
 from ._ratelimit import TokenBucket
 from ._tcp import LOWER_EFFORT_DSCP, TcpConfig
 from ._tcp_transport import TcpTransport
@@ -37,5 +37,5 @@ from ._tcp_transport import TcpTransport
 __all__ = [
     "AuthenticationError", "Channel", "ChannelClosedError", "ChecksumMismatchError", "Endpoint", "Header",
     "IdleGate", "LOWER_EFFORT_DSCP", "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
-    "TokenBucket", "TransferRejectedError", "Transport", "TransportError", "choose_chunk", "mode_of",
+    "TokenBucket", "TransferRejectedError", "Transport", "TransportError", "choose_chunk",
 ]

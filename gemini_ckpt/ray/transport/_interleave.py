@@ -33,7 +33,6 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
-MODES = ("gate", "network", "off")  # CheckpointConfig.interleave; True is "gate", False is "off"
 MIN_CHUNK = 16 << 10
 MAX_CHUNK = 4 << 20
 FRACTION = 0.02  # at 0.05 FSDP2's collectives ran 6% slower on 1 Gbit/s links; at 0.02 not measurably
@@ -42,15 +41,6 @@ _IDLE_POLL_MAX_S = 0.002  # how late, at most, the gate notices that training we
 _SLEEP_MAX_S = 0.05  # the longest a waiting piece sleeps without looking (the checks run between)
 _RECENT_S = 1.0  # a socket counts in the queue bound while a piece went to it this recently
 _RATE_WINDOW_S = 0.02  # watching time per rate sample
-
-
-def mode_of(value) -> str:
-    """``CheckpointConfig.interleave``, or what a registry or an older client passed on for it,
-    as one of :data:`MODES`: ``True`` is ``"gate"``, ``False`` is ``"off"``, anything unknown
-    ``"gate"`` (the default)."""
-    if value is True or value is False:
-        return "gate" if value else "off"
-    return value if value in MODES else "gate"
 
 
 def choose_chunk(rate: Optional[float], collective_s: Optional[float], *, fraction: float = FRACTION,
