@@ -100,20 +100,27 @@ class NetRank:
 
         torch.set_num_threads(1)
 
-    def address(self) -> tuple[str, int]:
-        """This host's address and a port free in its namespace (rank 0 serves the rendezvous)."""
-        with socket.socket() as s:
-            s.bind((ray.util.get_node_ip_address(), 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
-    def setup(self, rank: int, world_size: int, master: tuple[str, int]) -> None:
+    def serve_rendezvous(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: the rendezvous store, listening on a port the kernel picks in this host's
+        namespace (a port picked free and bound later can be taken meanwhile)."""
         import datetime
 
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
-        self.rank, self.world_size = rank, world_size
+        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, world_size, is_master=True,
+                                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        return ray.util.get_node_ip_address(), self.store.port
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float = 600) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self.store if rank == 0 else dist.TCPStore(master[0], master[1], world_size, is_master=False,
+                                                           timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
 
     def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0,
               comm_dtype: str = "fp32") -> int:
@@ -179,7 +186,7 @@ class NetRank:
         if "staging" in fields:
             extra["staging"] = staging
         ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt), CheckpointConfig(
-            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
+            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=self.timeout_s,
             replication_bandwidth=cap, **extra))
         if interleave is True:  # the gate: the library's hooks mark the collectives
             import gemini_ckpt
@@ -193,12 +200,12 @@ class NetRank:
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 
         ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
-            store="ray", namespace=namespace, replicas=2, keep_in_memory=1, timeout_s=600))
+            store="ray", namespace=namespace, replicas=2, keep_in_memory=1, timeout_s=self.timeout_s))
         out = []
         try:
             for step in range(saves + 1):
                 t0 = time.perf_counter()
-                ckpt.save(step).committed.result(timeout=600)
+                ckpt.save(step).committed.result(timeout=self.timeout_s)
                 if step:
                     out.append(time.perf_counter() - t0)
         finally:
@@ -237,7 +244,7 @@ class NetRank:
                 if step >= warmup:
                     times.append(time.perf_counter() - t0)
             if ckpt is not None:
-                ckpt.wait(timeout=600)
+                ckpt.wait(timeout=self.timeout_s)
         finally:
             if ckpt is not None:
                 ckpt.close()
@@ -247,10 +254,12 @@ class NetRank:
     # --- the floor: raw TCP between the same hosts over the same links ---------------------------
     def raw_listen(self, nbytes: int) -> tuple[str, int]:
         server = socket.create_server((ray.util.get_node_ip_address(), 0))
+        server.settimeout(self.timeout_s)
         buf = np.empty(nbytes, np.uint8)
 
         def serve():
             conn, _ = server.accept()
+            conn.settimeout(self.timeout_s)
             view, got = memoryview(buf), 0
             while got < nbytes:
                 n = conn.recv_into(view[got:], min(nbytes - got, 4 * MIB))
@@ -267,7 +276,7 @@ class NetRank:
     def raw_send(self, target: tuple[str, int], nbytes: int) -> float:
         data = np.ones(nbytes, np.uint8)
         t0 = time.perf_counter()
-        with socket.create_connection(tuple(target)) as sock:
+        with socket.create_connection(tuple(target), timeout=self.timeout_s) as sock:
             sock.sendall(memoryview(data))
             sock.recv(1)
         return time.perf_counter() - t0
@@ -302,6 +311,19 @@ def _gate_counters(namespace: str) -> dict:
         if handle is not None:
             out[node[:12]] = ray.get(handle.describe.remote(), timeout=60).get("interleave", {})
     return out
+
+
+def _gather(refs: list, timeout: float, what: str) -> list:
+    """Every rank's answer, or the first rank's error at once: ranks wait for each other in
+    collectives, so one that fails leaves the others blocked until gloo's timeout (the run then
+    hangs with nothing on its log); and a deadline on the whole call."""
+    deadline, pending = time.monotonic() + timeout, list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise TimeoutError(f"{what}: {len(pending)} of {len(refs)} ranks had not answered after {timeout:.0f} s")
+        ray.get(ready)  # a rank's error, raised here as soon as it happens
+    return ray.get(refs)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -345,6 +367,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", action="store_true",
                     help="diagnosis: rank 0 fetches each version's host-store phases during the next step (its "
                          "step times then include the Ray calls)")
+    ap.add_argument("--timeout", type=float, default=600,
+                    help="seconds a collective may wait for the other ranks and a version for its commit (quick: 120)")
     ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
     ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps, --qos, row n too")
     ap.add_argument("--out", default=os.path.join(
@@ -353,6 +377,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.safe_mb, args.saves, args.layers, args.steps, args.warmup, args.device_ms = 16, 1, 2, 8, 2, [300.0]
+        args.timeout = min(args.timeout, 120)
         args.qos, args.configs = True, args.configs + ("n" if "n" not in args.configs else "")
 
     from gemini_ckpt.ray import netns
@@ -373,19 +398,20 @@ def main(argv=None) -> int:
     try:
         ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
                  for i in range(HOSTS)]
-        master = ray.get(ranks[0].address.remote())
-        ray.get([r.setup.remote(i, HOSTS, master) for i, r in enumerate(ranks)], timeout=300)
+        master = _gather([ranks[0].serve_rendezvous.remote(HOSTS, args.timeout)], 300, "start")[0]
+        _gather([r.setup.remote(i, HOSTS, master, args.timeout) for i, r in enumerate(ranks)], 300, "rendezvous")
 
         # 1. time to safe without training
         safe_row = None
         if args.saves > 0:
             layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
-            shard = ray.get([r.build.remote("stack", layers, 1024, 0) for r in ranks])[0]
+            shard = _gather([r.build.remote("stack", layers, 1024, 0) for r in ranks], 600, "build")[0]
             namespaces.append("bench-net-safe")
-            safe = _slowest(ray.get([r.safe.remote("bench-net-safe", args.saves) for r in ranks], timeout=1800))
+            safe = _slowest(_gather([r.safe.remote("bench-net-safe", args.saves) for r in ranks], 1800, "time to safe"))
             shutdown_host_stores("bench-net-safe")
-            addrs = ray.get([r.raw_listen.remote(shard) for r in ranks])
-            raw = max(ray.get([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)]))
+            addrs = _gather([r.raw_listen.remote(shard) for r in ranks], 300, "raw TCP listen")
+            raw = max(_gather([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)], 600,
+                              "raw TCP"))
             floor = shard / link_bytes
             safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
                         "save_to_committed_s": statistics.median(safe), "raw": safe,
@@ -410,15 +436,15 @@ def main(argv=None) -> int:
         rows = []
         for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
             batch = args.batch or (8 if device_ms else 64)
-            state = ray.get([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype) for r in ranks])
+            state = _gather([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype)
+                             for r in ranks], 600, f"build {kind}")
             base = None
             for label, tag, limit, inter, replicas in configs:
                 ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
                 if ns:
                     namespaces.append(ns)
-                out = ray.get([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging,
-                                              args.timeline) for r in ranks],
-                              timeout=1800)
+                out = _gather([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging,
+                                              args.timeline) for r in ranks], 1800, f"{kind} {label}")
                 steps = _slowest([o["step_s"] for o in out])
                 safe_s = [s for o in out for s in o["safe_s"]]
                 row = {"kind": kind, "device_ms": device_ms, "batch": batch, "config": label,
@@ -450,8 +476,9 @@ def main(argv=None) -> int:
                     shutdown_host_stores(ns)
             # the baseline again at the end, pooled with the first (a noisy minute on a shared
             # machine moves one run of it; every cost is against both)
-            again = _slowest([o["step_s"] for o in ray.get(
-                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], timeout=1800)])
+            again = _slowest([o["step_s"] for o in _gather(
+                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], 1800,
+                f"{kind} no checkpoint, again")])
             base["raw"] = base["raw"] + again
             base["p50_s"], base["p95_s"] = statistics.median(base["raw"]), _pct(base["raw"], 0.95)
             for row in rows:
@@ -460,7 +487,7 @@ def main(argv=None) -> int:
                     row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
             print(f"{kind} device_ms={device_ms:.0f} no checkpoint, both runs: p50 {base['p50_s'] * 1e3:.0f} ms, "
                   f"p95 {base['p95_s'] * 1e3:.0f} ms", flush=True)
-        ray.get([r.teardown.remote() for r in ranks])
+        _gather([r.teardown.remote() for r in ranks], 120, "teardown")
     finally:
         stop_cluster(cluster, namespaces)
 

@@ -1,7 +1,9 @@
 """Run every benchmark, collect the JSON results, write ``results/summary.md`` and PNG plots.
 
 Each bench script runs as its own subprocess (``python benchmarks/bench_X.py [--quick]``) with a
-timeout; a failed or timed-out one is reported in the summary and the others still run. The
+timeout; a failed or timed-out one is reported in the summary and the others still run. A script
+past its timeout gets Ctrl-C first (its traceback, where it waited, and its clean-up) and the
+last lines of a failed or timed-out script's log (``results/[quick/]NAME.log``) are printed. The
 load average before and after each script is recorded in its JSON (``run_all`` key), since the
 development machine's 2 cores are shared.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +32,11 @@ RESULTS = FULL_RESULTS  # --quick: results/quick/, so quick runs never overwrite
 
 # Scripts without a --quick flag get these arguments instead.
 QUICK_ARGS = {"gpu_staging": ["--gb", "0.25", "--repeats", "2"]}
+
+# lines of a failed or timed-out script's log printed on the console
+LOG_TAIL_LINES = 60
+# seconds a timed-out script gets after Ctrl-C to clean up (clusters, namespaces) before it is killed
+INTERRUPT_GRACE_S = 60
 
 # name, script, result file, timeout (s) quick, timeout (s) full
 BENCHES = [
@@ -42,7 +50,7 @@ BENCHES = [
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("soak", "bench_soak.py", "soak.json", 600, 3600),
     ("peers", "bench_peers.py", "peers.json", 600, 3600),  # needs the [peers] extra; says so and exits 0 without it
-    ("interference", "bench_interference.py", "interference.json", 400, 3600),  # needs root (netns); says so without
+    ("interference", "bench_interference.py", "interference.json", 600, 3600),  # needs root (netns); says so without
     ("gpu_staging", "bench_gpu_staging.py", "gpu_staging.json", 120, 1800),
 ]
 
@@ -58,13 +66,23 @@ def run_one(name: str, script: str, out: str, timeout: int, quick: bool) -> dict
     print(f"== {name}: {' '.join(cmd[1:])} (timeout {timeout}s, load {before[0]:.1f})", flush=True)
     log = RESULTS / f"{name}.log"
     with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                                  cwd=HERE.parent)
-            rc, status = proc.returncode, "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+            rc = proc.wait(timeout=timeout)
+            status = "ok" if rc == 0 else f"failed (exit {rc})"
         except subprocess.TimeoutExpired:
             rc, status = None, f"timed out after {timeout}s"
+            # Ctrl-C: its traceback (where it waited) goes to the log and its clean-up runs
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     wall = time.perf_counter() - t0
+    if rc != 0:  # the log's tail on the console: a CI log then says where a script failed or hung
+        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        print("\n".join(f"   | {line}" for line in tail), flush=True)
     fresh = path.exists() and path.stat().st_mtime != mtime
     if rc == 0 and not fresh:
         status = "ok but wrote no new result"
@@ -400,7 +418,21 @@ def main(argv=None) -> int:
                                                    "load_average_before": [0.0], "load_average_after": [0.0]}
             results.append({"name": name, "info": info, "data": data})
             continue
-        results.append(run_one(name, script, out, t_quick if args.quick else t_full, args.quick))
+        res = run_one(name, script, out, t_quick if args.quick else t_full, args.quick)
+        if args.quick and res["info"]["status"] != "ok":
+            # one more run: on a shared machine a quick run can fail once; both are reported
+            first = res["info"]["status"]
+            (RESULTS / f"{name}.log").replace(RESULTS / f"{name}.first.log")
+            print(f"   running {name} once more (the first run's log: "
+                  f"{(RESULTS / f'{name}.first.log').relative_to(HERE.parent)})", flush=True)
+            res = run_one(name, script, out, t_quick, True)
+            res["info"]["first_run"] = first
+            if res["info"]["status"] == "ok":
+                res["info"]["status"] = f"ok on a second run (first {first})"
+                res["info"]["passed"] = True
+            if res["data"] is not None:
+                (RESULTS / out).write_text(json.dumps({**res["data"], "run_all": res["info"]}, indent=2))
+        results.append(res)
     plots = write_plots(results)
     text = write_summary(results, args.quick)
     print()
@@ -408,7 +440,7 @@ def main(argv=None) -> int:
     for p in plots:
         print(f"wrote {p.relative_to(HERE.parent)}")
     print(f"wrote {(RESULTS / 'summary.md').relative_to(HERE.parent)}")
-    return 0 if all(r["info"]["status"] == "ok" for r in results) else 1
+    return 0 if all(r["info"]["status"] == "ok" or r["info"].get("passed") for r in results) else 1
 
 
 if __name__ == "__main__":
