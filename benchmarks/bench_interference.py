@@ -245,9 +245,12 @@ class NetRank:
                     times.append(time.perf_counter() - t0)
             if ckpt is not None:
                 ckpt.wait(timeout=self.timeout_s)
-        finally:
-            if ckpt is not None:
-                ckpt.close()
+        except BaseException:
+            if ckpt is not None:  # the error goes to the driver now, not after close() waited for versions
+                threading.Thread(target=ckpt.abort, daemon=True).start()
+            raise
+        if ckpt is not None:
+            ckpt.close()
         return {"step_s": times, "safe_s": safe, "save_s": stalls, "wall_s": time.perf_counter() - begun,
                 "timeline": phases}
 
@@ -398,20 +401,21 @@ def main(argv=None) -> int:
     try:
         ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
                  for i in range(HOSTS)]
-        master = _gather([ranks[0].serve_rendezvous.remote(HOSTS, args.timeout)], 300, "start")[0]
-        _gather([r.setup.remote(i, HOSTS, master, args.timeout) for i, r in enumerate(ranks)], 300, "rendezvous")
+        master = _gather([ranks[0].serve_rendezvous.remote(HOSTS, args.timeout)], args.timeout, "start")[0]
+        _gather([r.setup.remote(i, HOSTS, master, args.timeout) for i, r in enumerate(ranks)], args.timeout, "rendezvous")
 
         # 1. time to safe without training
         safe_row = None
         if args.saves > 0:
             layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
-            shard = _gather([r.build.remote("stack", layers, 1024, 0) for r in ranks], 600, "build")[0]
+            shard = _gather([r.build.remote("stack", layers, 1024, 0) for r in ranks], args.timeout, "build")[0]
             namespaces.append("bench-net-safe")
-            safe = _slowest(_gather([r.safe.remote("bench-net-safe", args.saves) for r in ranks], 1800, "time to safe"))
+            safe = _slowest(_gather([r.safe.remote("bench-net-safe", args.saves) for r in ranks], 3 * args.timeout,
+                                    "time to safe"))
             shutdown_host_stores("bench-net-safe")
-            addrs = _gather([r.raw_listen.remote(shard) for r in ranks], 300, "raw TCP listen")
-            raw = max(_gather([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)], 600,
-                              "raw TCP"))
+            addrs = _gather([r.raw_listen.remote(shard) for r in ranks], args.timeout, "raw TCP listen")
+            raw = max(_gather([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)],
+                              args.timeout, "raw TCP"))
             floor = shard / link_bytes
             safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
                         "save_to_committed_s": statistics.median(safe), "raw": safe,
@@ -437,14 +441,14 @@ def main(argv=None) -> int:
         for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
             batch = args.batch or (8 if device_ms else 64)
             state = _gather([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype)
-                             for r in ranks], 600, f"build {kind}")
+                             for r in ranks], args.timeout, f"build {kind}")
             base = None
             for label, tag, limit, inter, replicas in configs:
                 ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
                 if ns:
                     namespaces.append(ns)
                 out = _gather([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging,
-                                              args.timeline) for r in ranks], 1800, f"{kind} {label}")
+                                              args.timeline) for r in ranks], 3 * args.timeout, f"{kind} {label}")
                 steps = _slowest([o["step_s"] for o in out])
                 safe_s = [s for o in out for s in o["safe_s"]]
                 row = {"kind": kind, "device_ms": device_ms, "batch": batch, "config": label,
@@ -477,7 +481,7 @@ def main(argv=None) -> int:
             # the baseline again at the end, pooled with the first (a noisy minute on a shared
             # machine moves one run of it; every cost is against both)
             again = _slowest([o["step_s"] for o in _gather(
-                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], 1800,
+                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], 3 * args.timeout,
                 f"{kind} no checkpoint, again")])
             base["raw"] = base["raw"] + again
             base["p50_s"], base["p95_s"] = statistics.median(base["raw"]), _pct(base["raw"], 0.95)

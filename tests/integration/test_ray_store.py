@@ -424,15 +424,17 @@ def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collectiv
              what="the detached rank's mark to be cleared")
 
 
-def _data_plane_tos(namespace: str) -> list[int]:
+def _data_plane_tos(namespace: str, end: str = "both") -> list[int]:
     """The TOS byte (``ss --tos``) of every established connection to or from host 0's data-plane
-    listener (all hosts share this machine's kernel under loopback)."""
+    listener (all hosts share this machine's kernel under loopback): ``end`` "sending" (the peers'
+    dialed ends), "receiving" (host 0's accepted ends) or "both"."""
     port = ray.get(find_store(namespace, node_id_of_host(0)).endpoint.remote(), timeout=60).port
     out = subprocess.run(["ss", "-tnH", "--tos", "state", "established"], capture_output=True, text=True).stdout
     found = []
     for line in out.splitlines():
         fields = line.split()
-        if any(f.endswith(f":{port}") for f in fields[2:4]):
+        local, peer = fields[2].endswith(f":{port}"), fields[3].endswith(f":{port}")
+        if (local and end != "sending") or (peer and end != "receiving"):
             found.append(next((int(f.split(":", 1)[1], 0) for f in fields if f.startswith("tos:")), 0))
     return found
 
@@ -458,5 +460,6 @@ def test_interleave_by_the_network_marks_the_data_plane_and_needs_no_marks(ranks
     stats = ray.get(find_store("net-interleave", node_id_of_host(0)).describe.remote(), timeout=60)["interleave"]
     assert stats["mode"] == "network" and stats["dscp"] == 8 and not stats["enabled"]
     assert stats.get("collectives", 0) == 0  # no rank marked a collective
-    tos = _data_plane_tos("net-interleave")
-    assert tos and set(tos) == {0x20}, tos  # both ends of every connection: DSCP CS1
+    sending, receiving = _data_plane_tos("net-interleave", "sending"), _data_plane_tos("net-interleave", "receiving")
+    assert sending and set(sending) == {0x20}, sending  # the bulk bytes' end of every connection: DSCP CS1
+    assert receiving and set(receiving) == {0}, receiving  # acknowledgements and progress go unmarked

@@ -270,13 +270,15 @@ def test_interleave_is_on_by_default_and_validated():
 def test_a_marked_socket_carries_the_lower_effort_class_and_bulk_priority():
     from gemini_ckpt.ray.transport._tcp import LOWER_EFFORT_DSCP, TcpConfig, tune
 
-    with socket.socket() as marked, socket.socket() as plain:
+    with socket.socket() as marked, socket.socket() as plain, socket.socket() as receiving:
         tune(marked, TcpConfig(dscp=LOWER_EFFORT_DSCP))
         tune(plain, TcpConfig())
+        tune(receiving, TcpConfig(dscp=LOWER_EFFORT_DSCP), sending=False)  # acknowledges in the normal class
         assert marked.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0x20  # DSCP CS1
         assert marked.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 2  # TC_PRIO_BULK
-        assert plain.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
-        assert plain.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 0
+        for sock in (plain, receiving):
+            assert sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 0
     with pytest.raises(ValueError, match="dscp"):
         TcpConfig(dscp=64)
 

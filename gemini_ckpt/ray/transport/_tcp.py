@@ -47,8 +47,8 @@ class TcpConfig:
     shared by all its channels (None: unlimited). ``verify_checksum``: a function
     ``f(data, value) -> int`` (``zlib.crc32``, ``crc32c.crc32c``) the receiver runs over a
     complete transfer when the header carries a checksum; None leaves verification to the sink.
-    ``dscp``: the DSCP every data-plane socket marks its packets with, and the socket priority
-    that goes with it (:func:`tune`); None marks nothing. The host store uses
+    ``dscp``: the DSCP the sending end of every data-plane connection marks its packets with, and
+    the socket priority that goes with it (:func:`tune`); None marks nothing. The host store uses
     :data:`LOWER_EFFORT_DSCP` under ``CheckpointConfig(interleave=...)``.
     """
 
@@ -83,7 +83,11 @@ class TcpConfig:
 
 
 # --- socket helpers ---------------------------------------------------------------------------
-def tune(sock: socket.socket, config: TcpConfig) -> None:
+def tune(sock: socket.socket, config: TcpConfig, *, sending: bool = True) -> None:
+    """A data-plane socket's options; ``sending``: the end that carries the bulk bytes, the only
+    one :func:`mark` marks. The receiving end's acknowledgements and progress frames are a few
+    bytes each; marked, they would wait in the lower class of their host's own link behind that
+    host's lower-effort sends and slow the flow they acknowledge (and its progress timeout)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
@@ -97,7 +101,7 @@ def tune(sock: socket.socket, config: TcpConfig) -> None:
     if config.socket_buffer_bytes:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_buffer_bytes)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, config.socket_buffer_bytes)
-    if config.dscp is not None:
+    if config.dscp is not None and sending:
         mark(sock, config.dscp)
 
 

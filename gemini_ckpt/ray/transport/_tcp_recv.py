@@ -164,7 +164,7 @@ class TcpListener(Listener):
         session: Optional[Session] = None
         label = f"sender at {addr[0]}:{addr[1]}"
         try:
-            tune(conn, self._config)
+            tune(conn, self._config, sending=False)  # it only receives: its frames go unmarked
             hello = self._parts.handshake.server(conn, label, accepted_at + self._preauth_deadline_s)
             with self._lock:
                 self._preauth.pop(conn, None)
