@@ -21,7 +21,9 @@ says why it was skipped and exits 0.
    time with the CPU released, collectives issued ahead as on a GPU). ``--comm-dtype bf16``:
    FSDP2 in mixed precision (all-gathers and reduce-scatters in bf16, the state in fp32 with
    AdamW's moments: the checkpoint is 6x the bytes per parameter that a collective moves, as in
-   LLM training). No checkpoint runs first and again last, pooled: every cost is against both.
+   LLM training); ``--amsgrad`` adds a third fp32 moment (8x: 16 bytes of checkpoint per
+   parameter, the mixed-precision figure with bf16 weights or an EMA beside the fp32 master).
+   No checkpoint runs first and again last, pooled: every cost is against both.
    ``--configs`` picks rows (``m``: every step with no copies and the collectives marked, their
    durations the interleaved row's are compared with; ``n``: ``interleave="network"``, the data
    plane marked lower-effort and no gate). ``--qos``: links that honour priority
@@ -37,6 +39,8 @@ Usage::
         --device-ms 1400 --saves 0 --steps 20             # README "Interleaving, measured"
     python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
         --device-ms 1400 --saves 0 --steps 20 --qos --staging overlap --configs lunm
+    python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --layers 10 --comm-dtype bf16 \
+        --amsgrad --device-ms 4800 --saves 0 --steps 20 --qos --staging overlap --configs luin  # the target
 
 Writes ``benchmarks/results/interference.json`` and prints a markdown table.
 """
@@ -123,7 +127,7 @@ class NetRank:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
 
     def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0,
-              comm_dtype: str = "fp32") -> int:
+              comm_dtype: str = "fp32", amsgrad: bool = False) -> int:
         """The model to train (``ddp``, ``fsdp2``) or to save (``stack``: FSDP2, no optimizer);
         returns the bytes this rank's checkpoint holds. With ``device_ms``, each layer is followed
         by an emulated accelerator: a step's forward and backward take ``device_ms`` (1:2) with the
@@ -165,11 +169,12 @@ class NetRank:
                     block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
                     block.set_modules_to_backward_prefetch(blocks[max(0, i - 1):i])
         self.model = model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, amsgrad=amsgrad)
         self.batch = torch.rand(batch, dim, generator=torch.Generator().manual_seed(self.rank))
         self._step()  # the optimizer's state exists from here on
         local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        return sum(t.nbytes for t in local) * 3 // (1 if kind == "fsdp2" else self.world_size)
+        copies = 4 if amsgrad else 3  # the parameters and AdamW's moments (amsgrad: a third)
+        return sum(t.nbytes for t in local) * copies // (1 if kind == "fsdp2" else self.world_size)
 
     def _step(self) -> None:
         loss = self.model(self.batch).square().mean()
@@ -354,6 +359,10 @@ def main(argv=None) -> int:
     ap.add_argument("--comm-dtype", choices=["fp32", "bf16"], default="fp32",
                     help="FSDP2's all-gathers and reduce-scatters in this dtype (bf16: mixed precision, the "
                          "state kept in fp32); DDP always fp32")
+    ap.add_argument("--amsgrad", action="store_true",
+                    help="AdamW with amsgrad: a third fp32 moment, 16 bytes of checkpoint per parameter instead "
+                         "of 12 (as mixed precision's 16 with bf16 weights or an EMA beside the fp32 master), "
+                         "for the same bytes on the wire per step")
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="luci",
@@ -440,7 +449,7 @@ def main(argv=None) -> int:
         rows = []
         for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
             batch = args.batch or (8 if device_ms else 64)
-            state = _gather([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype)
+            state = _gather([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype, args.amsgrad)
                              for r in ranks], args.timeout, f"build {kind}")
             base = None
             for label, tag, limit, inter, replicas in configs:
@@ -497,7 +506,7 @@ def main(argv=None) -> int:
 
     result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
               "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
-              "dim": args.dim, "comm_dtype": args.comm_dtype, "staging": args.staging, "qos": args.qos, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
+              "dim": args.dim, "comm_dtype": args.comm_dtype, "amsgrad": args.amsgrad, "staging": args.staging, "qos": args.qos, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
               "machine": machine, "safe": safe_row, "interference": rows}
     return write_report(args.out, result, _markdown(result))
 
@@ -517,6 +526,8 @@ def _markdown(result: dict) -> str:
         rows = [r for r in result["interference"] if r.get("device_ms", 0) == device_ms]
         lines += [
             f"Training ({result['layers']} x {result['dim']}^2 linears, batch {rows[0].get('batch')}, AdamW"
+            + (" with amsgrad" if result.get("amsgrad") else "")
+            + (f", {result['comm_dtype']} collectives" if result.get("comm_dtype", "fp32") != "fp32" else "")
             + (f", an emulated accelerator: {device_ms:.0f} ms forward+backward per step with the CPU released"
                if device_ms else ", computed on the shared CPU cores")
             + f"), {result['steps']} steps, slowest rank:", "",

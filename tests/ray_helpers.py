@@ -211,6 +211,22 @@ class RankWorker:
             error = f"{type(exc).__name__}: {exc}"
         return {"done": time.monotonic(), "error": error}
 
+    def save_then_abort(self, step: int) -> dict:
+        """Train and save ``step``, then ``abort()`` at once: how long abort took, and what the
+        version's handle said afterwards."""
+        self.train_step(step)
+        handle = self.ckpt.save(step)
+        t0 = time.monotonic()
+        self.ckpt.abort()
+        abort_s = time.monotonic() - t0
+        try:
+            handle.committed.result(timeout=30)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        self.ckpt = None
+        return {"abort_s": abort_s, "error": error, "resolved_s": time.monotonic() - t0}
+
     def teardown(self) -> None:
         import torch.distributed as dist
 

@@ -57,6 +57,7 @@ class Background:
         self.newest_committed: Optional[int] = None
         self.newest_healthy: Optional[int] = None  # what persist_on_close persists
         self.first_unhealthy: Optional[tuple[int, Health]] = None  # logged loudly; later ones quietly
+        self.aborted = False  # abort(): the thread stops after its current job, which is not persisted
 
     @property
     def started(self) -> bool:
@@ -75,11 +76,24 @@ class Background:
                                       f"was being staged; it may still commit in the store, but is not tracked")
             self.jobs.put(job)
 
-    def stop(self, timeout: float) -> None:
-        """Tell the thread to stop after every job queued so far, and wait for it."""
+    def stop(self, timeout: float, *, drain: bool = True) -> None:
+        """Tell the thread to stop and wait up to ``timeout`` for it: after every job queued so
+        far (``close``), or after the one it is on (``drain=False``, ``abort``: the queued ones are
+        left to :meth:`fail_unfinished`, and a version it commits from here on is not persisted)."""
         with self.inflight.lock:
             self.inflight.closing = self.inflight.stopped = True
-            self.jobs.put(None)  # after every job queued so far; none is queued after it
+            left = []
+            if not drain:
+                self.aborted = True
+                while True:
+                    try:
+                        left.append(self.jobs.get_nowait())
+                    except queue.Empty:
+                        break
+            self.jobs.put(None)  # after every job queued so far (abort: before them); none is queued after it
+            for job in left:
+                if job is not None:
+                    self.jobs.put(job)
         if self.thread is not None:
             self.thread.join(timeout=timeout)
             self.thread = None
@@ -125,11 +139,15 @@ class Background:
                 handle.health.set_result(health)
                 handle.committed.set_result(handle.step)
                 fire("committed", step=handle.step, rank=self.rank)
-                if health.unhealthy:
-                    handle.persisted.set_result(None)
-                elif job.persist:
-                    self.persister.queue(handle, pinned=True)
-                else:
+                with self.inflight.lock:  # abort() stops the persister without waiting for this thread
+                    persist = job.persist and not health.unhealthy and not self.aborted
+                    if persist:
+                        self.persister.queue(handle, pinned=True)
+                if job.persist and not persist and not health.unhealthy:
+                    handle.persisted.set_exception(CheckpointError(
+                        f"rank {self.rank}: version {handle.step} committed while the Checkpointer was aborted: "
+                        f"it stays in memory and is not persisted"))
+                elif not persist:
                     handle.persisted.set_result(None)
             except BaseException as exc:  # DCP's CheckpointException derives from BaseException
                 with self.inflight.lock:
@@ -138,7 +156,8 @@ class Background:
                                       f"{type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 self.stats.failed += 1
-                log.error("%s", err)
+                # after abort() closed the store under it: expected, the job is going down
+                log.log(logging.INFO if self.aborted else logging.ERROR, "%s", err)
                 for fut in (handle.health, handle.committed, handle.persisted):
                     if not fut.done():
                         fut.set_exception(err)

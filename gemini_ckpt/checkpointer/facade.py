@@ -170,10 +170,12 @@ class Checkpointer:
     def abort(self) -> None:
         """Stop without waiting for in-flight versions and without raising what failed: for a
         job that is going down anyway (an exception in the training loop, a peer that died).
-        Versions already committed stay in the store; one still in flight never commits."""
+        Versions already committed stay in the store; the handles of those still in flight fail
+        (``committed`` raises) within moments, and none of them is persisted by this process.
+        Returns without waiting for a commit (``close`` waits up to ``timeout_s`` per version)."""
         if not self._closed:
             self._flight.begin_closing()
-            self._shutdown(raise_errors=False)
+            self._shutdown(raise_errors=False, wait=False)
 
     # --- interleaving (docs/interleave.md) ----------------------------------------------------
     def communicating(self):
@@ -320,8 +322,10 @@ class Checkpointer:
             self._persister.wait(self.config.timeout_s if timeout is None else timeout)
         self._raise_background_errors()
 
-    def _shutdown(self, *, raise_errors: bool) -> None:
-        self._background.stop(self.config.timeout_s)
+    def _shutdown(self, *, raise_errors: bool, wait: bool = True) -> None:
+        # abort (wait=False): the version the background thread is tracking is not waited for;
+        # closing the store below fails its outcome at once (the attach socket shuts)
+        self._background.stop(self.config.timeout_s if wait else 0.0, drain=wait)
         self._overlap.stop()
         self._background.fail_unfinished()
         if self._persister is not None:

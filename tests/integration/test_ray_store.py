@@ -401,6 +401,23 @@ def test_a_holder_that_dies_mid_transfer_fails_the_version_in_about_a_second(ray
 
 
 @pytest.mark.ray
+def test_abort_returns_without_waiting_for_the_version_in_flight(ranks):
+    ranks.restart("abort", timeout_s=60.0)
+    assert all(r["committed"] for per_rank in ranks.train([0]) for r in per_rank)
+    host0 = find_store("abort", node_id_of_host(0))
+    ray.get(host0.hold_vote.remote(1), timeout=60)  # step 1 cannot commit until released
+    try:
+        out = ranks.call("save_then_abort", 1, timeout=120)
+    finally:
+        ray.get(host0.release_vote.remote(), timeout=60)
+    # abort() used to track the version to its commit first: timeout_s (60 s) here
+    assert all(o["abort_s"] < 10 for o in out), out
+    # and every handle resolved, as failed: the Checkpointer stopped tracking it
+    assert all(o["error"] and ("not committed" in o["error"] or "not tracked" in o["error"]) for o in out), out
+    assert all(o["resolved_s"] < 15 for o in out), out
+
+
+@pytest.mark.ray
 def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collective_holds_nothing(ranks):
     ranks.restart("interleave")
     ranks.call("interleave")
