@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -144,7 +145,7 @@ def train_loop(config: dict) -> dict:
     def emit(kind: str, **fields) -> None:
         progress.emit.remote({"kind": kind, "rank": rank, "unix": time.time(), **fields})
 
-    emit("start")
+    emit("start", pid=os.getpid())
     mesh = init_device_mesh("cpu", (world,))
     t = build_training(seed=0, total_steps=config["steps"], dataset_size=512, mesh=mesh)
     # The state a large model would have: ``mb`` MB per rank of sharded (frozen) weights, saved
@@ -156,7 +157,7 @@ def train_loop(config: dict) -> dict:
     batches = t.batches()
     start, restored = 0, None
     ckpt = None
-    if mode == "gemini":
+    if mode in ("gemini", "inplace"):
         ckpt = gray.checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
                                  config["ckpt"])
         t0 = time.time()
@@ -198,7 +199,7 @@ def train_loop(config: dict) -> dict:
         t.scheduler.step()
         t.optimizer.zero_grad(set_to_none=True)
         stall, phases = 0.0, ()
-        if mode == "gemini":
+        if mode in ("gemini", "inplace"):
             ckpt.save(step)
             phases = ckpt.stats.last_phases
             stall = ckpt.stats.total_stall_s - stalled  # save() and any wait of the optimizer step for its copy
@@ -235,13 +236,14 @@ class Progress:
 
 # --- one run ------------------------------------------------------------------------------------
 def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float, interval: int, rate: float,
-        workdir: str, persist_every: int, timeout: float, staging: str = "overlap") -> dict:
-    """One job with one host loss after step ``kill_at``; its events, the failure time."""
+        workdir: str, persist_every: int, timeout: float, staging: str = "overlap", fault: str = "host") -> dict:
+    """One job with one failure after step ``kill_at`` (``fault``: host ``KILL_HOST`` lost, or
+    its training worker SIGKILLed); its events, the failure time."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from gemini_ckpt import CheckpointConfig
-    from gemini_ckpt.integrations.ray_train import host_stores, ranks_on_hosts
+    from gemini_ckpt.integrations.ray_train import detection_env, host_stores, ranks_on_hosts, recoverable, torch_config
 
     name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
     progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
@@ -256,14 +258,23 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
     run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1))
     # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
     scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
-    trainer = TorchTrainer(train_loop, train_loop_config=config, scaling_config=scaling, run_config=run_config)
+    # in place: Ray Train replaces only the failed worker (polled every 0.25 s); the others recover in
+    # their own processes. Every other mode: Ray Train's full restart (its default 2 s poll).
+    for key, value in detection_env(poll_s=0.25).items():
+        if mode == "inplace":
+            os.environ[key] = value
+        else:
+            os.environ.pop(key, None)
+    trainer = TorchTrainer(recoverable(train_loop) if mode == "inplace" else train_loop, train_loop_config=config,
+                           torch_config=torch_config() if mode == "inplace" else None,
+                           scaling_config=scaling, run_config=run_config)
     box: dict = {}
 
     def fit() -> None:
         try:
             with host_stores(ckpt, run_config=run_config):
                 box["result"] = trainer.fit()
-                box["stores"] = _store_memory(name) if mode == "gemini" else None
+                box["stores"] = _store_memory(name) if mode in ("gemini", "inplace") else None
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             box["error"] = exc
 
@@ -278,9 +289,14 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
                 raise TimeoutError(f"{mode}: the run did not finish within {timeout:.0f}s")
             events += ray.get(progress.since.remote(len(events)), timeout=60)
             if failure is None and any(e["kind"] == "step" and e["step"] >= kill_at for e in events):
-                failure = time.time()
-                cluster.remove_hosts((KILL_HOST,), wait=False)
-                cluster.add_host(KILL_HOST)
+                if fault == "host":
+                    failure = time.time()
+                    cluster.remove_hosts((KILL_HOST,), wait=False)
+                    cluster.add_host(KILL_HOST)
+                else:  # the simulated hosts are processes of this machine
+                    pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == KILL_HOST][-1]
+                    failure = time.time()
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
         thread.join()
         events += ray.get(progress.since.remote(len(events)), timeout=60)
@@ -314,7 +330,10 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
     back = max(starts) if starts else failure  # the new attempt's steps come after its workers started
     after = [e["unix"] for e in steps if e["unix"] > back]
     stalls = [e["stall_s"] for e in sorted(before, key=lambda e: e["step"]) if e["stall_s"] > 0]
+    pids_before = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] <= failure}
+    pids_after = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] > failure}
     return {
+        "kept_processes": sorted(r for r, pid in pids_after.items() if pids_before.get(r) == pid),
         "mode": mode, "failed_after_step": failed_at, "restored_step": restored_step,
         "lost_steps": failed_at - restored_step, "lost_s": (failed_at - restored_step) * step_s,
         "retrieval_s": max((e["seconds"] for e in restores), default=0.0),
@@ -322,8 +341,9 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         # gemini_ckpt's first WARM_UP saves of a run plan and make the segments it reuses (once
         # per run, so once per failure); the mean of the others is the steady cost of a save
-        "stall_warm_up_s": sum(stalls[:WARM_UP]) if mode == "gemini" else 0.0,
-        "stall_mean_s": statistics.fmean(stalls[WARM_UP:] if mode == "gemini" and len(stalls) > WARM_UP else stalls)
+        "stall_warm_up_s": sum(stalls[:WARM_UP]) if mode in ("gemini", "inplace") else 0.0,
+        "stall_mean_s": statistics.fmean(stalls[WARM_UP:] if mode in ("gemini", "inplace") and len(stalls) > WARM_UP
+                                         else stalls)
         if stalls else 0.0,
         "stall_top": sorted(((round(e["stall_s"], 4), e["step"]) for e in before if e["stall_s"] > 0),
                             reverse=True)[:8],
@@ -363,13 +383,13 @@ def _first_step_parts(events: list[dict], failure: float) -> Optional[dict]:
 def wasted(row: dict, *, mtbf_s: float, step_s: float, interval: int) -> dict:
     """Per failure, over one MTBF (see the module docstring)."""
     # over one MTBF: the run's first save (it plans), then the mean of the others
-    if row["mode"] == "gemini":
+    if row["mode"] in ("gemini", "inplace"):
         saves = mtbf_s / step_s
     elif row["mode"] == "durable":
         saves = mtbf_s / (interval * step_s)
     else:
         saves = 0
-    if row["mode"] == "gemini" and saves:
+    if row["mode"] in ("gemini", "inplace") and saves:
         overhead = row["stall_warm_up_s"] + (saves - WARM_UP) * row["stall_mean_s"]
     else:  # durable: every save does the same work
         overhead = saves * row["stall_mean_s"]
@@ -403,7 +423,12 @@ def main(argv=None) -> int:
     ap.add_argument("--storage-mbps", type=float, default=100.0, help="remote storage bandwidth per host, MB/s")
     ap.add_argument("--persist-every", type=int, default=50, help="gemini_ckpt: a durable version every N steps")
     ap.add_argument("--quick", action="store_true", help="16 MB per rank, 0.3 s steps, MTBF 2 min")
-    ap.add_argument("--modes", default="none,gemini,durable", help="which runs (comma-separated)")
+    ap.add_argument("--modes", default="none,gemini,inplace,durable",
+                    help="which runs (comma-separated): none (no checkpointing), gemini (full restart), inplace "
+                         "(gemini_ckpt with in-place recovery), durable (stock DCP, Young/Daly)")
+    ap.add_argument("--fault", choices=("host", "process"), default="host",
+                    help="host: host 1 is lost (raylet and every process) and a replacement joins; process: its "
+                         "training worker is SIGKILLed")
     ap.add_argument("--staging", default="overlap", choices=("overlap", "copy"),
                     help="gemini_ckpt's CheckpointConfig.staging (overlap: the copy runs beside the next step)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -431,10 +456,11 @@ def main(argv=None) -> int:
     rows, repeats = [], []
     try:
         for mode in [m for _ in range(max(1, args.repeat)) for m in args.modes.split(",")]:
-            print(f"== {mode}: {steps} steps of {args.step_s}s, host {KILL_HOST} lost after step {kill_at}", flush=True)
+            what = f"host {KILL_HOST} lost" if args.fault == "host" else f"the worker of host {KILL_HOST} SIGKILLed"
+            print(f"== {mode}: {steps} steps of {args.step_s}s, {what} after step {kill_at}", flush=True)
             out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
                       rate=rate, workdir=workdir, persist_every=args.persist_every,
-                      timeout=600 + 3 * steps * args.step_s, staging=args.staging)
+                      timeout=600 + 3 * steps * args.step_s, staging=args.staging, fault=args.fault)
             row = wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s, interval=interval)
             repeats.append(row)
             if any(r["mode"] == mode for r in rows):  # a repeat: only the restart comparison takes it
@@ -455,7 +481,7 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     by = {r["mode"]: r for r in rows}
     restarts = restart_comparison(repeats)
-    if set(by) != {"none", "gemini", "durable"}:  # --modes: a partial run has no ratios
+    if not {"none", "gemini", "durable"} <= set(by):  # --modes: a partial run has no ratios
         print(json.dumps(rows, indent=2, default=str))
         print(json.dumps(restarts, indent=2))
         return 0
@@ -476,6 +502,16 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
     }
     result["target_met"] = (result["ratio_without_restart"] or 0) >= TARGET
+    result["fault"] = args.fault
+    if "inplace" in by:
+        i = by["inplace"]
+        result["ratio_with_restart_inplace"] = d["wasted_with_restart_s"] / i["wasted_with_restart_s"]
+        full = restarts.get("gemini", {}).get("median_first_step_after_s")
+        inplace = restarts.get("inplace", {}).get("median_first_step_after_s")
+        if full and inplace:
+            result["inplace_vs_full_restart"] = {"median_first_step_after_full_s": full,
+                                                 "median_first_step_after_inplace_s": inplace,
+                                                 "sooner": full / inplace}
     # For ``placement advise --from-bench``: what a restart and a restore cost here.
     result["costs"] = {"restart_host_s": g["restart_s"], "restore_peer_s": g["retrieval_s"],
                        "durable_save_s": d["stall_median_s"], "restore_durable_s": d["retrieval_s"]}
@@ -489,8 +525,10 @@ def _markdown(r: dict) -> str:
              "| per failure | overhead (s) | work lost (s) | retrieval (s) | wasted (s) | Ray Train restart (s) "
              "| wasted incl. restart (s) | failure -> next step (s) |",
              "|---|---|---|---|---|---|---|---|"]
-    names = {"gemini": f"gemini_ckpt, every step, replicas=2, staging={r.get('gemini_staging', 'copy')}", "durable": "durable only (stock DCP, Young/Daly)",
-             "none": "no checkpointing (restart only)"}
+    staging = r.get('gemini_staging', 'copy')
+    names = {"gemini": f"gemini_ckpt, every step, replicas=2, staging={staging}, full restart",
+             "inplace": f"gemini_ckpt, every step, replicas=2, staging={staging}, in place",
+             "durable": "durable only (stock DCP, Young/Daly)", "none": "no checkpointing (restart only)"}
     for row in r["rows"]:
         first = row["first_step_after_s"]
         lines.append(f"| {names[row['mode']]} | {row['overhead_s']:.2f} | {row['lost_s']:.2f} "
@@ -502,6 +540,13 @@ def _markdown(r: dict) -> str:
     lines.append(f"wasted per failure, durable-only / gemini_ckpt: {ratio:.1f}x without the restart "
                  f"(target >= {r['target_ratio']:.0f}x: {'met' if r['target_met'] else 'NOT met'}), "
                  f"{r['ratio_with_restart']:.2f}x with it")
+    if "ratio_with_restart_inplace" in r:
+        lines.append(f"with in-place recovery: {r['ratio_with_restart_inplace']:.1f}x with the restart "
+                     f"(the survivors' processes kept: ranks {r['rows'][[x['mode'] for x in r['rows']].index('inplace')]['kept_processes']})")
+    if "inplace_vs_full_restart" in r:
+        c = r["inplace_vs_full_restart"]
+        lines.append(f"failure -> next step, medians: in place {c['median_first_step_after_inplace_s']:.1f}s, full "
+                     f"restart {c['median_first_step_after_full_s']:.1f}s: {c['sooner']:.1f}x sooner")
     rs = r.get("restarts", {})
     if "library_adds_median_s" in rs:
         g, n = rs["gemini"], rs["none"]

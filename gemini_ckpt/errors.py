@@ -110,6 +110,12 @@ class NetworkUnavailable(CheckpointError, OSError):
     here: the message says why (no CAP_NET_ADMIN, no ``ip``/``tc``) or which command failed."""
 
 
+class ReadNotStoppedError(CheckpointError, RuntimeError):
+    """A read that restore gave up on (a peer too slow, or gone) could not be confirmed stopped,
+    so bytes may still land in the live state: the restore stops rather than load anything over
+    them. Never expected; restart the process."""
+
+
 class UnreadableCandidate(CheckpointError):
     """Inside restore (:mod:`gemini_ckpt.restore`): this candidate version cannot be read on some
     rank (corrupt bytes, a failed check); the walk moves to an older one. Users meet what the
@@ -119,3 +125,13 @@ class UnreadableCandidate(CheckpointError):
 class UnhealthyCandidate(UnreadableCandidate):
     """Inside restore: this candidate version's state failed its health checks; an older one
     may be healthy (users meet :class:`UnhealthyVersionError` when none is)."""
+
+
+class RecoveryGaveUpError(CheckpointError):
+    """In-place recovery stopped making progress (the same failure again and again, or a worker
+    that cannot come back): Ray Train's controller ends the run with this error."""
+
+
+class RoundTimeoutError(CheckpointError, TimeoutError):
+    """The ranks of an in-place job did not all arrive at a round of the process group in time
+    (a worker never came back)."""

@@ -20,6 +20,10 @@ class Timeouts:
     """A data-plane peer that makes no progress this long fails the transfer. A peer that dies is
     noticed at once (its connections reset); this catches one that hangs. Shorter gives false
     alarms on busy hosts: 1 s failed 256 MiB transfers with 4 ranks and their stores on 2 cores."""
+    abort_s: float = 10.0
+    """A reader that gave up on pushes waiting for its data plane to confirm that no stream still
+    writes into their buffers (streams stop as soon as they are scheduled after their
+    connections are shut down; this bounds a loaded host)."""
     serve_s: float = 600.0
     """A host store pushing a restoring trainer the bytes it asked for (one batch of items)."""
     handshake_s: float = 5.0

@@ -18,8 +18,9 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
                     "size), and check that each restore matches the placement planner's prediction "
                     "and continues bit-identically. Exit status 1 unless every scenario passes "
                     "(a mismatch, an ERROR, or an INFRA-ERROR: the harness's own machinery failed).")
-    p.add_argument("--matrix", choices=("ci", "full"), default="full",
-                   help="which scenarios: the reduced CI set or everything (default: full)")
+    p.add_argument("--matrix", choices=("ci", "full", "inplace"), default="full",
+                   help="which scenarios: the reduced CI set, everything (default: full), or only the in-place "
+                        "recovery scenarios (a Ray Train job whose failed worker is replaced alone)")
     p.add_argument("--scenario", "-k", action="append", default=[], metavar="PATTERN",
                    help="run only scenarios whose name matches this glob (repeatable)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
@@ -76,22 +77,41 @@ def _main(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from . import _inplace
+
+    inplace = [] if args.job or args.network != "loopback" or args.domains else list(_inplace.SCENARIOS)
+    if args.matrix == "ci":
+        inplace = [s for s in inplace if s.name in _inplace.CI_SCENARIOS]
+    elif args.matrix == "inplace":
+        scenarios = []
     if args.scenario:
         scenarios = [s for s in scenarios if any(fnmatch.fnmatch(s.name, pat) for pat in args.scenario)]
-        if not scenarios:
+        inplace = [s for s in inplace if any(fnmatch.fnmatch(s.name, pat) for pat in args.scenario)]
+        if not scenarios and not inplace:
             print(f"error: no scenario matches {args.scenario}", file=sys.stderr)
             return 2
     if args.list:
         for s in scenarios:
             print(f"{s.name:48s} {s.placement:6s} {s.describe()}")
+        for s in inplace:
+            print(f"{s.name:48s} {'group':6s} in place: {s.describe()}")
         return 0
     job = load_job(args.job) if args.job else None
     log = (lambda message: None) if args.quiet else None
     from ..cli.quiet import KILLED_PROCESS, expected_deaths_hidden
 
+    code = 0
     with expected_deaths_hidden(() if args.verbose else KILLED_PROCESS):
-        report = run_matrix(scenarios, config=config, job=job, json_path=args.json, log=log)
-    print(report.format_table())
-    if args.json:
-        print(f"report written to {args.json}")
-    return report.exit_code
+        if scenarios:
+            report = run_matrix(scenarios, config=config, job=job, json_path=args.json, log=log)
+            print(report.format_table())
+            if args.json:
+                print(f"report written to {args.json}")
+            code = report.exit_code
+        if inplace:
+            results = _inplace.run_inplace(inplace, log=log)
+            print(_inplace.format_table(results))
+            if args.json:
+                _inplace.write_json(results, args.json)
+            code = code or (0 if all(r.verdict == "PASS" for r in results) else 1)
+    return code

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..config import CheckpointConfig
 from ..errors import BackgroundError, CheckpointError, UnhealthyVersionError
@@ -58,6 +58,7 @@ class Background:
         self.newest_healthy: Optional[int] = None  # what persist_on_close persists
         self.first_unhealthy: Optional[tuple[int, Health]] = None  # logged loudly; later ones quietly
         self.aborted = False  # abort(): the thread stops after its current job, which is not persisted
+        self.on_commit: Optional[Callable[[int], None]] = None  # told of each version committed (attempts)
 
     @property
     def started(self) -> bool:
@@ -139,6 +140,8 @@ class Background:
                 handle.health.set_result(health)
                 handle.committed.set_result(handle.step)
                 fire("committed", step=handle.step, rank=self.rank)
+                if self.on_commit is not None:
+                    self.on_commit(handle.step)
                 with self.inflight.lock:  # abort() stops the persister without waiting for this thread
                     persist = job.persist and not health.unhealthy and not self.aborted
                     if persist:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .. import attempts
 from ..collective import everyones, rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
@@ -110,6 +111,12 @@ class Checkpointer:
             return self
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; build a new one")
+        # A runner that can run the training function again (in-place recovery) aborts this
+        # Checkpointer when the attempt fails, and hears of its progress.
+        attempt = attempts.current()
+        if attempt is not None:
+            attempt.adopt(self)
+            self._background.on_commit = attempt.committed
         # One-time costs of a new process, paid while the ranks wait for each other below.
         self._warm = threading.Thread(target=warm_up, name="gemini-ckpt-warm-up", daemon=True)
         self._warm.start()
@@ -376,4 +383,5 @@ class Checkpointer:
                                                 marks=marks, step=step)
         if result is not None:
             self._restored_plan = restored_plan  # the first save may take it over
+        attempts.restored(result.step if result is not None else None)
         return result

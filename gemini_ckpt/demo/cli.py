@@ -3,10 +3,13 @@
 Starts a local Ray cluster of simulated hosts (one Ray node each), trains the tiny LM of
 :mod:`gemini_ckpt.toy` with Ray Train (one worker per host, gloo, FSDP2), checkpoints every
 step into the host stores' memory (``replicas`` copies) and every 10th step to durable storage
-under ``--out``, kills one host hard at ``--kill-at-step`` (its raylet and every process on it,
-host store included), adds a replacement host, lets Ray Train restart the workers, and prints
-a report: where the failure hit, which step was restored and from where, the steps lost
-against a durable-only setup, the restore time, the stall per save, and a PNG timeline.
+under ``--out``, and at ``--kill-at-step`` hits one host with ``--fault``: ``host`` kills it hard
+(its raylet and every process on it, host store included) and adds a replacement host,
+``process`` SIGKILLs its training worker, ``hang`` SIGSTOPs it. Ray Train replaces only the
+failed worker (in-place recovery; ``--full-restart`` restarts them all), every rank rolls back
+to the newest committed version, and the demo prints a report: where the failure hit, which
+step was restored and from where, each stage of the recovery and whose it is, the steps lost
+against a durable-only setup, the stall per save, and a PNG timeline.
 
 This module is the command line only: the options are in :mod:`.options`, the driver that runs
 the demo (and how the failure is injected) in :mod:`.driver`, the report in :mod:`.report`, and
@@ -21,7 +24,7 @@ import sys
 from typing import Optional
 
 from .driver import run_demo
-from .options import DemoOptions
+from .options import FAULTS, DemoOptions
 
 
 # --- CLI -----------------------------------------------------------------------------------------
@@ -34,7 +37,15 @@ def add_demo_command(subcommands: argparse._SubParsersAction) -> None:
                     "memory, kill a host, resume from memory, and report what it cost.")
     p.add_argument("--hosts", type=int, default=d.hosts, help="simulated hosts (Ray nodes), one worker each")
     p.add_argument("--replicas", type=int, default=d.replicas, help="copies of each shard in memory")
-    p.add_argument("--kill-host", type=int, default=d.kill_host, help="host to kill (0-based)")
+    p.add_argument("--fault", choices=FAULTS, default=d.fault,
+                   help="host: the host dies (raylet and every process) and a replacement joins; process: its "
+                        "training worker is SIGKILLed; hang: its training worker is SIGSTOPped")
+    p.add_argument("--kill-host", type=int, default=d.kill_host, help="host the fault hits (0-based)")
+    p.add_argument("--full-restart", action="store_true",
+                   help="let Ray Train restart every worker at the failure (default: replace only the failed one "
+                        "and keep the others' processes: in-place recovery)")
+    p.add_argument("--hang-s", type=float, default=d.hang_s,
+                   help="with --fault hang: seconds without an answer before Ray Train counts a worker as failed")
     p.add_argument("--kill-at-step", type=int, default=d.kill_at_step, help="kill once this step is done")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")
     p.add_argument("--persist-every", type=int, default=d.persist_every, help="durable version every N steps")
@@ -64,7 +75,8 @@ def _run_cli(args: argparse.Namespace) -> int:
     try:
         options = DemoOptions(hosts=args.hosts, replicas=args.replicas, kill_host=args.kill_host,
                               kill_at_step=args.kill_at_step, steps=args.steps, persist_every=args.persist_every,
-                              failure=not args.no_failure, out=args.out, network=args.network, link=args.link)
+                              failure=not args.no_failure, out=args.out, network=args.network, link=args.link,
+                              fault=args.fault, in_place=not args.full_restart, hang_s=args.hang_s)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

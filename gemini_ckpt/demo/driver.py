@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -63,9 +64,13 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
     from .timeline import plot_timeline
 
     title = f"{options.hosts} hosts, 1 rank each, replicas={options.replicas}: " + (
-        f"host {options.kill_host} killed after step {report.failure_step}, restored step "
-        f"{report.restored_step} from {report.restored_from}" if options.failure else "no failure")
-    report.timeline = plot_timeline([{**e, "t": e["unix"] - t0} for e in events],
+        f"{report.failure_text} after step {report.failure_step}, restored step {report.restored_step} from "
+        f"{report.restored_from} ({'in place' if options.in_place else 'full restart'})"
+        if options.failure else "no failure")
+    stages = [] if report.failure_t is None else [
+        {"kind": "stage", "t": report.failure_t + after, "what": what, "whose": whose}
+        for after, what, whose in report.stages]
+    report.timeline = plot_timeline([{**e, "t": e["unix"] - t0} for e in events] + stages,
                                     os.path.join(run_dir, "timeline.png"), title=title)
     with open(os.path.join(run_dir, "report.txt"), "w") as f:
         f.write(report.format().strip() + "\n")
@@ -81,23 +86,27 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..integrations.ray_train import host_stores, ranks_on_hosts
+    from ..integrations.ray_train import detection_env, host_stores, ranks_on_hosts, recoverable, torch_config
 
     progress_name = f"{run_name}::progress"
     progress = (ray.remote(Progress).options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0,
                                              resources={"node:__internal_head__": 0.001}).remote())
     ckpt_config = CheckpointConfig(replicas=options.replicas, keep_in_memory=2,
                                    persist_every=options.persist_every, timeout_s=60.0)
+    if options.in_place:  # Ray Train's controller reads them from this process's environment at fit()
+        os.environ.update(detection_env(poll_s=0.25, hang_s=options.hang_s))
     trainer = TorchTrainer(
-        train_loop,
+        recoverable(train_loop) if options.in_place else train_loop,
+        torch_config=torch_config(reform_timeout_s=60.0) if options.in_place else None,
         train_loop_config={"ckpt": ckpt_config, "steps": options.steps, "progress": progress_name},
         # rank r on host r after every restart, so the replacement of a lost host restores from its memory
         scaling_config=ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts)),
         run_config=RunConfig(name=run_name, storage_path=os.path.abspath(options.out),
-                             failure_config=FailureConfig(max_failures=3),
+                             failure_config=FailureConfig(max_failures=-1 if options.in_place else 3),
                              checkpoint_config=RayCheckpointConfig(num_to_keep=3)))
     echo(f"training {options.steps} steps on {options.hosts} workers; "
-         + (f"host {options.kill_host} will be killed after step {options.kill_at_step}"
+         + (f"{FAULT_TEXT[options.fault].format(host=options.kill_host)} after step {options.kill_at_step}; "
+            + ("only the failed worker is replaced (in place)" if options.in_place else "every worker restarts")
             if options.failure else "no failure"))
     box: dict = {}
 
@@ -122,7 +131,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
             for e in new:
                 printer(e)
             if not killed and any(e["kind"] == "step" and e["step"] >= options.kill_at_step for e in new):
-                events.append(_kill_host(cluster, options.kill_host, echo, t0))
+                events.append(_inject(options, cluster, events, echo, t0))
                 killed = True
             if not alive:
                 break
@@ -134,13 +143,28 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     return events, t0, box["result"]
 
 
-def _kill_host(cluster, i: int, echo, t0: float) -> dict:
-    echo(f"[{time.time() - t0:6.1f}s] !!! killing host {i}: its raylet, Ray Train worker and host store die")
+FAULT_TEXT = {"host": "host {host} will be killed", "process": "the worker on host {host} will be SIGKILLed",
+              "hang": "the worker on host {host} will be SIGSTOPped"}
+
+
+def _inject(options: DemoOptions, cluster, events: list[dict], echo, t0: float) -> dict:
+    """The failure (main thread: the only one that may remove and add hosts)."""
+    i = options.kill_host
+    if options.fault == "host":
+        echo(f"[{time.time() - t0:6.1f}s] !!! killing host {i}: its raylet, Ray Train worker and host store die")
+        t_kill = time.time()
+        cluster.remove_hosts((i,), wait=False)
+        cluster.add_host(i)
+        echo(f"[{time.time() - t0:6.1f}s] replacement host {i} joined")
+        return {"kind": "failure", "fault": "host", "host": i, "unix": t_kill, "rank": None}
+    # rank i runs on host i (ranks_on_hosts); its newest process, from the workers' start events
+    pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == i][-1]
+    signum = signal.SIGKILL if options.fault == "process" else signal.SIGSTOP
+    echo(f"[{time.time() - t0:6.1f}s] !!! {signal.Signals(signum).name} to the training worker of host {i} "
+         f"(rank {i}, pid {pid})")
     t_kill = time.time()
-    cluster.remove_hosts((i,), wait=False)
-    cluster.add_host(i)
-    echo(f"[{time.time() - t0:6.1f}s] replacement host {i} joined; Ray Train restarts the workers")
-    return {"kind": "failure", "host": i, "unix": t_kill, "rank": None}
+    os.kill(pid, signum)  # the local cluster's hosts are processes of this machine
+    return {"kind": "failure", "fault": options.fault, "host": i, "unix": t_kill, "rank": i, "pid": pid}
 
 
 class _Printer:

@@ -64,11 +64,14 @@ def train_loop(config: dict) -> dict:
     from ..integrations import ray_train as gray
     from ..toy import TokenDataset, build_training, lm_loss
 
+    from ..integrations.ray_train import recovery_info
+
     torch.set_num_threads(1)
     context = ray.train.get_context()
     rank = context.get_world_rank()
     emit = _emitter(config.get("progress"), rank)
-    emit("start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
+    emit("start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), process_t=_process_start(),
+         in_place=recovery_info())
     steps, seed = config["steps"], config.get("seed", 0)
     # FSDP2 over the process group TorchTrainer set up: each rank holds (and saves) its shard.
     mesh = init_device_mesh("cpu", (context.get_world_size(),))
@@ -83,6 +86,7 @@ def train_loop(config: dict) -> dict:
     checkpointing = config.get("checkpoint", True)
     ckpt = gray.checkpointer(state, config["ckpt"]) if checkpointing else None
 
+    _kill_in_restore(config.get("kill_in_restore"), rank)
     t0 = time.time()
     result = ckpt.restore() if checkpointing else None
     restored = None
@@ -108,7 +112,10 @@ def train_loop(config: dict) -> dict:
     kill = config.get("kill")
     batches = _endless(loader)
     loss_value = float("nan")
+    bug = config.get("raise_at")  # {"step", "rank" (None: every rank)}: the user's code fails there, always
     for step in range(result.step + 1 if result else 0, steps):
+        if bug and step == bug["step"] and bug.get("rank") in (None, rank):
+            raise ValueError(f"the training code fails at step {step} on rank {rank}")
         batch = next(batches)
         loss = lm_loss(model, batch)
         loss.backward()
@@ -146,6 +153,32 @@ def train_loop(config: dict) -> dict:
     return {"digest": digest_state([state.tensor_state(), extra]), "restore": restored, "rank": rank,
             "model_digest": digest_state(full),
             "reported": reported, "loss": loss_value}
+
+
+def _kill_in_restore(spec: Optional[dict], rank: int) -> None:
+    """``spec`` = ``{"rank", "after", "marker"}``: the first process of ``rank`` started after the
+    file ``after`` appeared (a replacement) SIGKILLs itself inside ``restore()``, once (``marker``)."""
+    if not spec or rank != spec["rank"] or not os.path.exists(spec["after"]) or os.path.exists(spec["marker"]):
+        return
+    if _process_start() < os.path.getmtime(spec["after"]):
+        return  # a survivor of the first failure
+
+    def hook(phase: str, **ctx) -> None:
+        if phase == "restore" and not os.path.exists(spec["marker"]):
+            with open(spec["marker"], "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), 9)
+
+    from ..faults import set_hook
+
+    set_hook(hook)
+
+
+def _process_start() -> float:
+    """When this process started (unix time)."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _endless(loader):

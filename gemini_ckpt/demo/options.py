@@ -7,6 +7,12 @@ import sys
 from dataclasses import dataclass
 
 
+FAULTS = ("host", "process", "hang")
+"""``host``: the host's raylet and every process on it die, and a replacement host joins;
+``process``: the host's training worker is SIGKILLed; ``hang``: it is SIGSTOPped (found by Ray
+Train's health check after ``hang_s``)."""
+
+
 @dataclass(frozen=True)
 class DemoOptions:
     hosts: int = 4
@@ -19,8 +25,15 @@ class DemoOptions:
     out: str = "runs"
     network: str = "loopback"
     link: str | None = None
+    fault: str = "host"
+    in_place: bool = True  # replace only the failed worker; False: Ray Train restarts every worker
+    hang_s: float = 10.0
 
     def __post_init__(self) -> None:
+        if self.fault not in FAULTS:
+            raise ValueError(f"--fault must be one of {', '.join(FAULTS)}, got {self.fault!r}")
+        if not self.hang_s > 0:
+            raise ValueError(f"--hang-s must be positive, got {self.hang_s}")
         if self.network not in ("loopback", "netns"):
             raise ValueError(f"--network must be loopback or netns, got {self.network!r}")
         if self.link is not None and self.network != "netns":

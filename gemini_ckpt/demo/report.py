@@ -38,6 +38,14 @@ class DemoReport:
     stages: list = field(default_factory=list)  # (seconds after the failure, what, whose) in order
     step_s: list = field(default_factory=list)  # rank 0's step times (save included), restarts left out
     after_persist_s: list = field(default_factory=list)  # the step after each persisted version
+    kept_processes: Optional[int] = None  # in place: workers that recovered in their own process
+
+    @property
+    def failure_text(self) -> str:
+        o = self.options
+        return {"host": f"host {o.kill_host} killed (raylet and all its processes)",
+                "process": f"the training worker of host {o.kill_host} SIGKILLed",
+                "hang": f"the training worker of host {o.kill_host} SIGSTOPped (hung)"}[o.fault]
 
     @property
     def steps_lost(self) -> Optional[int]:
@@ -61,8 +69,13 @@ class DemoReport:
         if not o.failure:
             lines.append("failure      none (--no-failure)")
         if self.failure_step is not None:
-            lines.append(f"failure      host {o.kill_host} killed (raylet and all its processes) after step "
-                         f"{self.failure_step} finished, at t={self.failure_t:.1f}s; a replacement host joined")
+            joined = "; a replacement host joined" if o.fault == "host" else ""
+            lines.append(f"failure      {self.failure_text} after step {self.failure_step} finished, at "
+                         f"t={self.failure_t:.1f}s{joined}")
+            if self.kept_processes is not None:
+                lines.append(f"in place     {self.kept_processes} of {o.hosts} workers kept their processes (Ray Train "
+                             f"replaced only the failed one); every rank rolled back in its own process"
+                             if o.in_place else "full restart (Ray Train restarted every worker)")
         if self.restored_step is not None:
             where = f"local {mb(self.bytes_local)}, peer {mb(self.bytes_peer)}" if self.restored_from == "memory" \
                 else f"{mb(self.bytes_durable)}"
@@ -153,6 +166,9 @@ def build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: flo
             if after:
                 report.recovery_s = min(after) - failure["unix"]
             report.stages = recovery_stages(failure["unix"], events, restores, min(after) if after else None)
+        starts = [e for e in events if e["kind"] == "start" and e["unix"] > failure["unix"]]
+        first_pids = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure["unix"]}
+        report.kept_processes = sum(1 for e in starts if first_pids.get(e["rank"]) == e["pid"])
     return report
 
 
@@ -190,9 +206,21 @@ def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict
                                  ("replacement_seeded", "replacement seeded", "gemini")):
             if recovery.get(key):
                 out.append((recovery[key] - failure_unix, what, whose))
-    starts = [e["unix"] for e in events if e["kind"] == "start" and e["unix"] > failure_unix]
-    if starts:
-        out.append((max(starts) - failure_unix, "workers started", "Ray Train"))
+    starts = [e for e in events if e["kind"] == "start" and e["unix"] > failure_unix]
+    in_place = [e["in_place"] for e in starts if e.get("in_place")]
+    survivors = [dict(i["stages"]) for i in in_place if i.get("recoveries")]
+    if survivors:  # in place: who noticed, the replacement's start, the process group formed again
+        out.append((min(s["noticed"] for s in survivors) - failure_unix, "survivors noticed", "gemini"))
+        new = [e for e in starts if e.get("process_t", 0) > failure_unix]
+        if new:
+            out.append((max(e["process_t"] for e in new) - failure_unix, "replacement process", "Ray Train"))
+            out.append((max(e["in_place"]["entered"] for e in new if e.get("in_place")) - failure_unix,
+                        "replacement in train fn", "Ray Train"))
+        formed = [dict(i["stages"]).get("formed") for i in in_place]
+        if all(formed):
+            out.append((max(formed) - failure_unix, "group formed", "gemini"))
+    elif starts:
+        out.append((max(e["unix"] for e in starts) - failure_unix, "workers started", "Ray Train"))
     timelines = [dict(r["timeline"]) for r in restores if r.get("timeline")]
     if timelines:
         out.append((max(t["called"] for t in timelines) - failure_unix, "restore called", "user code"))

@@ -9,7 +9,11 @@ with ``t`` (seconds since the run started) and ``kind``:
 ``persist`` ``step``: the version is complete on durable storage
 ``failure`` ``host``: a host was killed
 ``restore`` ``step``, ``source``, ``seconds`` (``t`` is when the restore finished)
+``stage``   ``what``, ``whose``: a recovery stage ended at ``t`` (the demo report's stages)
 =========== =====================================================================
+
+Between the failure and the next step, each stage is drawn as a band from the end of the one
+before it, coloured by whose it is (the library's, Ray's, Ray Train's, the user code's).
 
 Matplotlib runs with the Agg backend (no display needed).
 """
@@ -68,18 +72,15 @@ def plot_timeline(events: Sequence[dict], path: str, *, title: str = "") -> str:
 
     failure = _first(by_kind.get("failure"))
     restore = _first(by_kind.get("restore"))
+    stages = sorted(by_kind.get("stage", []), key=lambda e: e["t"])
     for ax in (ax_step, ax_stall, ax_ev):
         if failure is not None:
             ax.axvline(failure["t"], color="red", ls="--", lw=1.5)
-        if restore is not None:
-            ax.axvspan(restore["t"] - restore.get("seconds", 0.0), restore["t"], color="C1", alpha=0.35)
-            if failure is not None:
-                ax.axvspan(failure["t"], restore["t"] - restore.get("seconds", 0.0), color="grey", alpha=0.12)
     if failure is not None:
-        ax_step.plot([], [], color="red", ls="--", label=f"host {failure.get('host', '?')} killed")
-        ax_step.fill_between([], [], color="grey", alpha=0.2, label="workers restarting")
+        ax_step.plot([], [], color="red", ls="--", label=f"{failure.get('fault', 'host')} fault on host "
+                                                        f"{failure.get('host', '?')}")
+        _draw_stages(failure["t"], stages, (ax_step, ax_stall, ax_ev))
     if restore is not None:
-        ax_step.fill_between([], [], color="C1", alpha=0.35, label="restore (read + load)")
         ax_step.plot([restore["t"]], [restore["step"]], "o", mfc="none", mec="C1", ms=10, mew=2,
                      label=f"restored step {restore['step']} from {restore.get('source', '?')}")
     ax_step.legend(loc="upper left", fontsize=8)
@@ -90,6 +91,26 @@ def plot_timeline(events: Sequence[dict], path: str, *, title: str = "") -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+WHOSE_COLOURS = {"gemini": "C0", "Ray": "C3", "Ray Train": "C5", "cluster": "C7", "user code": "C1"}
+
+
+def _draw_stages(start: float, stages: list[dict], axes) -> None:
+    """Each stage as a band from the end of the one before, coloured by whose it is; the stage's
+    name on the event axis."""
+    seen = set()
+    before = start
+    for i, stage in enumerate(stages):
+        colour = WHOSE_COLOURS.get(stage["whose"], "grey")
+        for ax in axes:
+            ax.axvspan(before, max(before, stage["t"]), color=colour, alpha=0.18 + 0.1 * (i % 2), lw=0)
+        axes[-1].text(stage["t"], axes[-1].get_ylim()[1], f" {stage['what']}", rotation=90, fontsize=6,
+                      va="top", ha="right")
+        if stage["whose"] not in seen:
+            seen.add(stage["whose"])
+            axes[0].fill_between([], [], color=colour, alpha=0.3, label=f"recovery: {stage['whose']}")
+        before = max(before, stage["t"])
 
 
 def _first(items: Optional[list[dict]]) -> Optional[dict]:

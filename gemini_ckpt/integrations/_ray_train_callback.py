@@ -24,7 +24,8 @@ _PUBLIC_PATH = ("start nothing on the driver (workers start their node's store) 
                 "`with gemini_ckpt.integrations.ray_train.host_stores(ckpt_config, run_name=...):`")
 
 
-def _ray_version() -> tuple[int, int]:
+def ray_version() -> tuple[int, int]:
+    """The installed Ray's (major, minor); (0, 0) when it cannot be read."""
     import ray
 
     try:
@@ -36,7 +37,7 @@ def _ray_version() -> tuple[int, int]:
 
 def _callback_bases() -> tuple[Optional[str], tuple[type, ...]]:
     """``(why the hook is unavailable or None, base classes)``."""
-    version = _ray_version()
+    version = ray_version()
     if version < SUPPORTED_RAY or version[0] != SUPPORTED_RAY[0]:
         return (f"Ray {'.'.join(map(str, version))} is outside the versions this callback supports "
                 f"(2.x from {'.'.join(map(str, SUPPORTED_RAY))})"), (object,)

@@ -72,26 +72,28 @@ from __future__ import annotations
 import logging
 import posixpath
 import threading
+import warnings
 from typing import Optional
 
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
 from ..config import CheckpointConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError, RecoveryGaveUpError
 from ..results import RestoreResult, SaveHandle
 from ..state.train_state import TrainState
 from ..stores.durable import DurableTier
 from ..retention import LeftToRayTrain
 from ..format.layout import parse_step_dir, resolve_filesystem, step_dir_name
 from ..ray.slots import HOST_LABEL
+from ._inplace_worker import recoverable, recovery_info
 from ._ray_train_callback import HostStores
 from ._ray_train_report import Reported, Reporter
 from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_stores
 
-__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "checkpointer", "host_stores",
-           "ranks_on_hosts", "resolve_config",
-           "stop_host_stores"]
+__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RecoveryGaveUpError", "checkpointer",
+           "detection_env", "host_stores", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
+           "stop_host_stores", "torch_config"]
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -118,6 +120,69 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
     if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
         raise ValueError(f"ranks_on_hosts(ranks_per_host=...) needs a positive int, got {ranks_per_host!r}")
     return [{HOST_LABEL: str(rank // ranks_per_host)} for rank in range(num_workers)]
+
+
+# --- in-place recovery (docs/recovery.md) ---------------------------------------------------------
+def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform_timeout_s: float = 120.0,
+                 max_stuck: int = 3, in_place: bool = True):
+    """The ``TorchTrainer(torch_config=...)`` for in-place recovery: when a worker fails, Ray
+    Train replaces only that worker, and the others (their processes, imports, CUDA context and
+    host-store connections) stay; with :func:`recoverable` around the training function, every
+    rank then forms the process group again with the newcomer and restores the newest committed
+    version. Example::
+
+        os.environ.update(gray.detection_env())       # on the driver, before fit()
+        trainer = TorchTrainer(gray.recoverable(train_loop_per_worker),
+                               torch_config=gray.torch_config(),
+                               scaling_config=ScalingConfig(num_workers=4, label_selector=gray.ranks_on_hosts(4)),
+                               run_config=RunConfig(failure_config=FailureConfig(max_failures=-1), ...))
+
+    ``backend``, ``timeout_s``: as Ray's ``TorchConfig`` (``timeout_s`` bounds a collective on a
+    peer that vanished without closing its connections). ``reform_timeout_s``: how long the
+    survivors wait for a replacement to join; past it they end, and Ray Train restarts every
+    worker. ``max_stuck``: recoveries in a row after which no newer version was committed before
+    the run ends with :class:`RecoveryGaveUpError` (the same failure again and again); every
+    in-place replacement also counts against ``FailureConfig(max_failures)``.
+
+    The path relies on Ray Train internals (replica groups, Ray 2.60): on a Ray it was not tested
+    with, or with ``in_place=False``, this returns Ray's plain ``TorchConfig`` (every failure
+    restarts all workers, as without it) and warns once.
+    """
+    from ._inplace_backend import GeminiTorchConfig, support
+
+    for name, value in (("timeout_s", timeout_s), ("reform_timeout_s", reform_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"torch_config({name}={value!r}): a positive number of seconds")
+    if isinstance(max_stuck, bool) or not isinstance(max_stuck, int) or max_stuck < 1:
+        raise ConfigError(f"torch_config(max_stuck={max_stuck!r}): a positive int (recoveries in a row without "
+                          f"progress before the run ends)")
+    why = support() if in_place else "in_place=False"
+    if why is None:
+        return GeminiTorchConfig(backend=backend, timeout_s=timeout_s, reform_timeout_s=float(reform_timeout_s),
+                                 max_stuck=max_stuck)
+    from ray.train.torch import TorchConfig
+
+    if in_place:
+        warnings.warn(f"gemini_ckpt: in-place recovery is unavailable ({why}); every failure restarts all workers "
+                      f"(Ray Train's full restart), and restore() still resumes from memory", stacklevel=2)
+    return TorchConfig(backend=backend, timeout_s=timeout_s)
+
+
+def detection_env(*, poll_s: float = 0.25, hang_s: float = 30.0) -> dict[str, str]:
+    """Ray Train's failure detection for in-place recovery, as the environment variables its
+    controller reads (set them in the driver's environment before ``fit()``; Ray Train passes them
+    on): poll the workers every ``poll_s`` (Ray's default is 2 s), and count a worker whose poll
+    has not answered for ``hang_s`` (a stopped or wedged process; Ray's default is 600 s) as failed,
+    so it is replaced like a dead one.
+
+    >>> sorted(detection_env())
+    ['RAY_TRAIN_HEALTH_CHECK_INTERVAL_S', 'RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S']
+    """
+    for name, value in (("poll_s", poll_s), ("hang_s", hang_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"detection_env({name}={value!r}): a positive number of seconds")
+    return {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": repr(float(poll_s)),
+            "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": repr(float(hang_s))}
 
 
 # --- worker side ---------------------------------------------------------------------------------
@@ -289,5 +354,12 @@ class RayTrainCheckpointer(Checkpointer):
         checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
         ray.train.report({**metrics, "step": item.step}, checkpoint=checkpoint,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        known = ray.train.get_checkpoint()
+        if known is None or known.path.rstrip("/") != item.path.rstrip("/"):
+            # Ray Train skips a report whose barrier a worker's replacement reset (in-place
+            # recovery): not reported, so the next restore() offers it again
+            log.info("rank %d: Ray Train skipped the report of durable version %d (a worker was replaced)",
+                     self.rank, item.step)
+            return
         self.reported_steps.append(item.step)
         log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -33,12 +34,14 @@ READ_AHEAD_BLOCKS = 4
 @dataclass(frozen=True)
 class PeerReads:
     """What reading from peers needs of the reader: where pushed ranges land (``sink``), this
-    reader's endpoint (``endpoint()``; its listener starts on first use), what to do when a holder
-    dies (``lost(slot, why)``), how to name a holder in errors (``describe(slot)``), and how long
-    to wait for one (``timeout_s``)."""
+    reader's endpoint (``endpoint()``; its listener starts on first use), how to give up on
+    pushes (``cancel(tags)``: once it returns, nothing writes into their buffers any more), what
+    to do when a holder dies (``lost(slot, why)``), how to name a holder in errors
+    (``describe(slot)``), and how long to wait for one (``timeout_s``)."""
 
     sink: "ReadSink"
     endpoint: Callable[[], Endpoint]
+    cancel: Callable[[tuple], None]
     lost: Callable[[int, str], None]
     describe: Callable[[int], str]
     timeout_s: float
@@ -46,19 +49,45 @@ class PeerReads:
 
 class LocalCopy:
     """A shard held by this node's store, mapped read-only through the attach channel
-    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach_client.AttachClient`)."""
+    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach_client.AttachClient`).
+
+    Mapping a shard sets up a page-table entry per page (populated at once: a fault per page on
+    first touch costs more) and unmapping tears them down, together about as long as copying
+    the shard. So the shard a restore will read is mapped ahead (:meth:`prepare`, while the
+    ranks plan and agree), and let go of behind (:meth:`release` returns at once); both release
+    the GIL."""
 
     def __init__(self, attach, step: int, rank: int) -> None:
         self.attach, self.step, self.rank = attach, step, rank
         self.seg: Optional[Segment] = None
+        self._lock = threading.Lock()
+        self._mapping: Optional[Future] = None
+
+    def prepare(self) -> None:
+        """Map the shard on a thread of its own; :meth:`fetch` waits for it."""
+        with self._lock:
+            if self._mapping is not None:
+                return
+            self._mapping = Future()
+        threading.Thread(target=self._map_into, args=(self._mapping,), name="gemini-ckpt-map", daemon=True).start()
+
+    def _map_into(self, done: Future) -> None:
+        try:
+            done.set_result(self._map_now())
+        except BaseException as exc:  # noqa: BLE001 - raised by the fetch that waits for it
+            done.set_exception(exc)
+
+    def _map_now(self) -> Segment:
+        try:
+            reply, fds = self.attach.request({"type": "map", "step": self.step, "rank": self.rank})
+        except (LookupError, AttachError) as exc:
+            raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
+        return Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
 
     def _map(self) -> Segment:
         if self.seg is None:
-            try:
-                reply, fds = self.attach.request({"type": "map", "step": self.step, "rank": self.rank})
-            except (LookupError, AttachError) as exc:
-                raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
-            self.seg = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
+            self.prepare()
+            self.seg = self._mapping.result(timeout=self.attach.timeout_s)
         return self.seg
 
     def fetch(self, offset: int, length: int):
@@ -68,13 +97,22 @@ class LocalCopy:
         return self.seg.array[offset : offset + length]
 
     def release(self) -> None:
-        if self.seg is not None:
-            seg, self.seg = self.seg, None
-            try:
-                self.attach.request({"type": "unmap", "seg": seg.id})
-            except (AttachError, OSError, LookupError):
-                pass
-            seg.close()
+        """Let go of the mapping (and the store's pin on the shard) on a thread of its own."""
+        with self._lock:
+            mapping, self._mapping, self.seg = self._mapping, None, None
+        if mapping is not None:
+            threading.Thread(target=self._unmap, args=(mapping,), name="gemini-ckpt-unmap", daemon=True).start()
+
+    def _unmap(self, mapping: Future) -> None:
+        try:
+            seg = mapping.result(timeout=self.attach.timeout_s)
+        except BaseException:  # noqa: BLE001 - never mapped: nothing to let go of
+            return
+        try:
+            self.attach.request({"type": "unmap", "seg": seg.id})
+        except (AttachError, OSError, LookupError, TimeoutError):
+            pass
+        seg.close()
 
 
 class PeerCopy:
@@ -116,7 +154,8 @@ class PeerCopy:
     def receive_into(self, ranges: list) -> "_Received":
         """Have the peer push ranges ``[(offset, into), ...]`` of the shard straight into the
         reader's memory (``into``: a live tensor's bytes), one Ray call for all of them;
-        ``result()`` waits until every one landed."""
+        ``result()`` waits until every one landed, ``cancel()`` gives up on them. After either
+        returns or raises, nothing writes into ``into`` any more."""
         if self.handle is None:
             raise LookupError(f"the host store of slot {self.slot} is gone")
         for offset, into in ranges:
@@ -128,9 +167,14 @@ class PeerCopy:
             tag = uuid.uuid4().hex
             self.reads.sink.expect(tag, into)
             tags.append(tag)
-        ref = self.handle.push_ranges.remote(self.step, self.rank,
-                                             [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint)
-        return _Received(self, _Pending(ref, None, tags), [into for _, into in ranges])
+        try:
+            ref = self.handle.push_ranges.remote(self.step, self.rank,
+                                                 [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint)
+        except BaseException:
+            for tag in tags:
+                self.reads.sink.forget(tag)
+            raise
+        return _Received(self, _Pending(ref, None, tuple(tags)), [into for _, into in ranges])
 
     def _push(self, offset: int, length: int) -> "_Pending":
         endpoint = self.reads.endpoint()
@@ -139,19 +183,33 @@ class PeerCopy:
         return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,))
 
     def _resolve(self, pending: "_Pending") -> np.ndarray:
+        """Wait for a push; on any failure it is cancelled first (see :meth:`_cancel`), so when
+        this returns or raises, nothing writes into its buffers any more."""
         try:
             ray.get(pending.ref, timeout=self.reads.timeout_s)
         except RayActorError:
             self.reads.lost(self.slot, "died")
-            raise LookupError(f"the host store of slot {self.slot} died while sending") from None
+            error = LookupError(f"the host store of slot {self.slot} died while sending")
         except RayTaskError as exc:
-            raise LookupError(f"{self.reads.describe(self.slot)}: {getattr(exc, 'cause', exc)}") from None
+            error = LookupError(f"{self.reads.describe(self.slot)}: {getattr(exc, 'cause', exc)}")
         except GetTimeoutError:
-            raise LookupError(f"{self.reads.describe(self.slot)} did not send in time") from None
-        finally:
-            for tag in pending.tags:
+            error = LookupError(f"{self.reads.describe(self.slot)} did not send in time "
+                                f"({self.reads.timeout_s:g}s, CheckpointConfig.timeout_s)")
+        except BaseException:
+            self._cancel(pending)
+            raise
+        else:
+            for tag in pending.tags:  # the store returned: every range landed, nothing writes any more
                 self.reads.sink.forget(tag)
-        return pending.into
+            return pending.into
+        self._cancel(pending)
+        raise error
+
+    def _cancel(self, pending: "_Pending") -> None:
+        """Give up on a push: the reader's data plane refuses its ranges from now on and stops
+        those already arriving (their sender's connection is dropped, so the store stops
+        sending); returns once no stream writes into their buffers, which may be live tensors."""
+        self.reads.cancel(pending.tags)
 
 
 @dataclass(frozen=True)
@@ -168,7 +226,14 @@ class _Received:
     buffers: list  # kept alive (the sink holds them weakly) until the ranges landed
 
     def result(self) -> None:
+        """Wait until every range landed (or raise ``LookupError``); either way, nothing
+        writes into the buffers once this returns or raises."""
         self.copy._resolve(self.pending)
+
+    def cancel(self) -> None:
+        """Give up on the ranges not landed yet; once this returns nothing writes into the
+        buffers (a range may have landed whole, or in part: the caller reads them elsewhere)."""
+        self.copy._cancel(self.pending)
 
 
 class ReadSink:

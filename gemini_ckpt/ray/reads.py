@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..config import CheckpointConfig
-from ..errors import ShardFormatError, VersionNotFoundError
+from ..errors import ReadNotStoppedError, ShardFormatError, VersionNotFoundError
 from ..format.shards import ShardPlan, ShardRecord
 from ..stores.views import MemoryVersion, ShardCopy
 from ..timeouts import TIMEOUTS
@@ -25,7 +25,7 @@ from .attach_client import AttachClient
 from .hosts import HostStores
 from .readahead import LocalCopy, PeerCopy, PeerReads, ReadSink
 from .resolve import Resolved, resolve
-from .transport import Endpoint, TcpConfig, TcpTransport
+from .transport import Endpoint, TcpConfig, TcpTransport, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -45,8 +45,8 @@ class TierReads:
         self._transport: Optional[TcpTransport] = None
         self._read_sink = ReadSink()
         self._read_listener = None
-        self.peer_reads = PeerReads(sink=self._read_sink, endpoint=self._reader_endpoint, lost=hosts.mark_dead,
-                                    describe=hosts.describe, timeout_s=config.timeout_s)
+        self.peer_reads = PeerReads(sink=self._read_sink, endpoint=self._reader_endpoint, cancel=self._cancel,
+                                    lost=hosts.mark_dead, describe=hosts.describe, timeout_s=config.timeout_s)
 
     def where(self, step: int) -> Optional[Resolved]:
         """Where ``step``'s copies are, as the last survey found (None: not seen)."""
@@ -67,7 +67,10 @@ class TierReads:
         # the newest one the stores call healthy is opened too.
         healthy = max((s for s, r in where.items() if r.committed and r.health != "unhealthy"), default=None)
         wanted = {s for s in (newest, healthy) if s is not None}
-        return {"where": where, "infos": {s: self._shard_infos(s, where[s]) for s in wanted}}
+        infos = {s: self._shard_infos(s, where[s]) for s in wanted}
+        with self._lock:
+            self._surveyed_infos = dict(infos)  # this rank opens the version too: no second round of calls
+        return {"where": where, "infos": infos}
 
     def use_survey_state(self, state: dict) -> None:
         if not state:
@@ -135,6 +138,8 @@ class TierReads:
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
         if slot == self.slot:
             local = LocalCopy(self._attach, step, rank)
+            if rank == self.rank:
+                local.prepare()  # the shard this rank reads when nothing is resharded: mapped while the ranks agree
             return ShardCopy("local", local.fetch, "this node")
         handle = self._hosts.live().get(slot)
         peer = PeerCopy(self.peer_reads, slot, handle, step, rank, nbytes)
@@ -160,6 +165,23 @@ class TierReads:
                     listener.close()
                     listener = self._read_listener
         return listener.endpoint
+
+    def _cancel(self, tags: tuple) -> None:
+        """Give up on the pushes under ``tags``: the sink refuses them from now on, and the
+        listener stops those already arriving (dropping their senders' connections, so the
+        stores stop sending) and confirms that no stream writes into their buffers any more.
+        Without that confirmation nothing may be loaded into those buffers again: raises
+        :class:`~gemini_ckpt.errors.ReadNotStoppedError`."""
+        for tag in tags:
+            self._read_sink.forget(tag)
+        with self._lock:
+            listener = self._read_listener
+        if listener is None:
+            return
+        try:
+            listener.abort(tags, timeout=TIMEOUTS.abort_s)
+        except TransportError as exc:
+            raise ReadNotStoppedError(f"rank {self.rank}: a push given up on could not be stopped: {exc}") from None
 
     def _data_plane(self) -> TcpTransport:
         with self._lock:

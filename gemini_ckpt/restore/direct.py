@@ -8,12 +8,18 @@ so :func:`direct_plan` checks, on this rank alone, that every read DCP's planner
 (``create_local_plan``, no collective) is a whole saved chunk into a whole, contiguous live
 tensor of the same dtype, and :func:`direct_load` then moves the bytes:
 
-- from this node's store: out of the mapped shard, one copy into the live tensor, whose bytes
-  are then checked against the item's CRC32C (the store also checks every copy it holds when
-  the job goes down here, but memory can change after a check: what lands is what counts);
+- from this node's store: out of the mapped shard (mapped while the ranks agree on the
+  version), one copy into the live tensor, whose bytes are then checked against the item's
+  CRC32C (memory can change after any earlier check: what lands is what counts). The copy
+  goes a block at a time and a thread of its own checks each block as it lands, so the check
+  of one block overlaps the copy of the next (both release the GIL);
 - from a peer: pushed by the peer's store over the data plane straight into the live
   tensors' memory (``receive_into``, a batch of items per call), then checked against the
-  record while the next batches are still on the wire.
+  record while the next batches are still on the wire. A peer that does not deliver a batch
+  (gone, or not within ``timeout_s``) is given up on: its pushes are cancelled, and only once
+  the data plane confirms that no stream writes into those tensors any more are their items
+  read from the next copy. So when restore returns (or raises), nothing writes into the live
+  state.
 
 An item whose copy fails its check is taken from the next copy (the other holders in order,
 then the next view: the durable tier); only when none has it is the version unreadable.
@@ -25,8 +31,11 @@ allow-list, as on the DCP path (:mod:`.loader`).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional
 
 import numpy as np
@@ -35,7 +44,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from ..checksum import checksum
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError, ChecksumError, ReadNotStoppedError
 from ..format.manifest import as_uint8
 from ..save.plan import RawLocation, dtype_name
 from ..stores.views import MemoryVersion, ShardCopy
@@ -43,6 +52,8 @@ from .loader import SafeLoadPlanner
 
 log = logging.getLogger("gemini_ckpt")
 
+BLOCK_BYTES = 8 << 20
+"""A local copy is checked a block of this many bytes at a time, each while the next is copied."""
 BATCH_BYTES = 32 << 20
 BATCH_ITEMS = 512
 """A peer is asked for items in batches of about this many bytes (or items): one Ray call per
@@ -62,7 +73,7 @@ class DirectItem:
     crc: int
     dest: torch.Tensor  # the live tensor (contiguous, same dtype and shape)
 
-    @property
+    @cached_property
     def dest_bytes(self) -> np.ndarray:
         return self.dest.detach().reshape(-1).view(torch.uint8).numpy()
 
@@ -151,72 +162,150 @@ def _load_rank(version: MemoryVersion, rank: int, items: list[DirectItem]) -> li
 
 def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem]) -> list[DirectItem]:
     """Items of one copy; returns those it could not produce (unreadable, or failing the check)."""
+    if copy.receive_into is not None:
+        return _from_peer(version, copy, items)
     failed: list[DirectItem] = []
-    pending: deque = deque()  # (items, handle): batches pushed straight into the live tensors, oldest first
-    in_flight = 0
-
-    def settle(batch: list[DirectItem], handle) -> None:
-        try:
-            handle.result()
-        except (LookupError, OSError, ValueError, CheckpointError) as exc:
-            for item in batch:
-                _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
-            failed.extend(batch)
-            return
-        for item in batch:
-            if checksum(item.dest_bytes) != item.crc:
-                _problem(version, copy, item, "checksum mismatch (corrupt copy skipped)")
+    dests = [item.dest_bytes for item in items]  # before the copies: torch calls there would wait on the checker
+    # What landed is checked, every time: memory can change after any earlier check (a flipped bit,
+    # a process writing into the segment), and the copy itself could go wrong.
+    with _Checker() as checker:
+        for item, dest in zip(items, dests):
+            try:
+                src = as_uint8(copy.fetch(item.at, item.nbytes))
+            except (LookupError, OSError, ValueError, CheckpointError) as exc:
+                _problem(version, copy, [item], f"{type(exc).__name__}: {exc}")
+                failed.append(item)
+                continue
+            if src.nbytes != item.nbytes:
+                _problem(version, copy, [item], f"{src.nbytes} bytes where the record says {item.nbytes}")
+                failed.append(item)
+                continue
+            for lo in range(0, max(item.nbytes, 1), BLOCK_BYTES):
+                hi = min(lo + BLOCK_BYTES, item.nbytes)
+                np.copyto(dest[lo:hi], src[lo:hi])
+                checker.landed(item, dest[lo:hi], last=hi >= item.nbytes)
+        for item, crc in checker.results():
+            if crc != item.crc:
+                _problem(version, copy, [item], "checksum mismatch (corrupt copy skipped)")
                 failed.append(item)
             else:
                 _count(version, copy, item)
+    return failed
 
-    def push(batch: list[DirectItem]) -> None:
-        nonlocal in_flight
-        while pending and in_flight + sum(i.nbytes for i in batch) > IN_FLIGHT_BYTES:
-            done, handle = pending.popleft()
-            in_flight -= sum(i.nbytes for i in done)
-            settle(done, handle)
+
+class _Checker:
+    """The CRC32C of what landed, block by block in the order the blocks landed, on a thread of
+    its own: the check of one block overlaps the copy of the next (both release the GIL)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: list[tuple[DirectItem, int]] = []
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-check", daemon=True)
+
+    def __enter__(self) -> "_Checker":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def landed(self, item: DirectItem, block: np.ndarray, *, last: bool) -> None:
+        self._queue.put((item, block, last))
+
+    def results(self) -> list[tuple[DirectItem, int]]:
+        """``(item, its CRC32C)`` of every item whose last block landed, once all are checked."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def _run(self) -> None:
+        crc = 0
         try:
-            pending.append((batch, copy.receive_into([(i.at, i.dest_bytes) for i in batch])))
-            in_flight += sum(i.nbytes for i in batch)
-        except (LookupError, OSError, ValueError, CheckpointError) as exc:
-            for item in batch:
-                _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
-            failed.extend(batch)
+            while (work := self._queue.get()) is not None:
+                item, block, last = work
+                crc = checksum(block, crc)
+                if last:
+                    self._done.append((item, crc))
+                    crc = 0
+        except BaseException as exc:  # noqa: BLE001 - raised on the restoring thread by results()
+            self._error = exc
 
+
+def _from_peer(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem]) -> list[DirectItem]:
+    """Items pushed by a peer straight into the live tensors, a batch per call, each batch checked
+    once it landed while later ones are on the wire. A batch the peer does not deliver (gone,
+    refused, or not in time) ends this copy: the batches still on the wire are cancelled, and
+    their items and those not asked for yet are returned with the failed ones, for the next
+    copy. Once this returns or raises, nothing writes into the live tensors any more."""
+    failed: list[DirectItem] = []
+    pending: deque = deque()  # (items, handle): batches on the wire, oldest first
+    in_flight = 0
+    ok = True
+    try:
+        for batch in _batches(items):
+            while ok and pending and in_flight + _nbytes(batch) > IN_FLIGHT_BYTES:
+                done, handle = pending.popleft()
+                in_flight -= _nbytes(done)
+                ok = _settle(version, copy, done, handle, failed)
+            if not ok:
+                failed.extend(batch)
+                continue
+            try:
+                pending.append((batch, copy.receive_into([(i.at, i.dest_bytes) for i in batch])))
+                in_flight += _nbytes(batch)
+            except (LookupError, OSError, ValueError, CheckpointError) as exc:
+                _problem(version, copy, batch, f"{type(exc).__name__}: {exc}")
+                failed.extend(batch)
+                ok = False
+        while ok and pending:
+            done, handle = pending.popleft()
+            ok = _settle(version, copy, done, handle, failed)
+    finally:
+        if pending:  # given up on this copy (or an error on its way out): stop what is still on the wire
+            abandoned = [item for batch, _ in pending for item in batch]
+            while pending:
+                pending.popleft()[1].cancel()
+            _problem(version, copy, abandoned, "not read: an earlier batch from this copy failed")
+            failed.extend(abandoned)
+    return failed
+
+
+def _settle(version: MemoryVersion, copy: ShardCopy, batch: list[DirectItem], handle, failed: list) -> bool:
+    """Wait for a batch and check what landed; False when the copy did not deliver it."""
+    try:
+        handle.result()
+    except ReadNotStoppedError:
+        raise
+    except (LookupError, OSError, ValueError, CheckpointError) as exc:
+        _problem(version, copy, batch, f"{type(exc).__name__}: {exc}")
+        failed.extend(batch)
+        return False
+    for item in batch:
+        if checksum(item.dest_bytes) != item.crc:
+            _problem(version, copy, [item], "checksum mismatch (corrupt copy skipped)")
+            failed.append(item)
+        else:
+            _count(version, copy, item)
+    return True
+
+
+def _batches(items: list[DirectItem]):
     batch: list[DirectItem] = []
     for item in items:
-        if copy.receive_into is not None:
-            batch.append(item)
-            if sum(i.nbytes for i in batch) >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
-                push(batch)
-                batch = []
-            continue
-        try:
-            src = as_uint8(copy.fetch(item.at, item.nbytes))
-        except (LookupError, OSError, ValueError, CheckpointError) as exc:
-            _problem(version, copy, item, f"{type(exc).__name__}: {exc}")
-            failed.append(item)
-            continue
-        if src.nbytes != item.nbytes:
-            _problem(version, copy, item, f"{src.nbytes} bytes where the record says {item.nbytes}")
-            failed.append(item)
-            continue
-        # What landed is checked, every time: memory can change after any earlier check (a flipped bit, a process writing into the segment), and the copy itself could
-        # go wrong; a CRC32C is ~20 ms per 268 MB here, a tenth of the copy.
-        dest = item.dest_bytes
-        np.copyto(dest, src)
-        if checksum(dest) != item.crc:
-            _problem(version, copy, item, "checksum mismatch (corrupt copy skipped)")
-            failed.append(item)
-            continue
-        _count(version, copy, item)
+        batch.append(item)
+        if _nbytes(batch) >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
+            yield batch
+            batch = []
     if batch:
-        push(batch)
-    while pending:
-        done, handle = pending.popleft()
-        settle(done, handle)
-    return failed
+        yield batch
+
+
+def _nbytes(items: list[DirectItem]) -> int:
+    return sum(i.nbytes for i in items)
 
 
 def _from_views(views: list, item: DirectItem, version: MemoryVersion) -> None:
@@ -249,7 +338,11 @@ def _count(version: MemoryVersion, copy: ShardCopy, item: DirectItem) -> None:
     version.bytes_by_source[copy.source] = version.bytes_by_source.get(copy.source, 0) + item.nbytes
 
 
-def _problem(version: MemoryVersion, copy: ShardCopy, item: DirectItem, why: str) -> None:
-    where = f"step {version.step} {item.index.fqn} (rank {item.rank}, {item.nbytes} bytes)"
-    version.problems.append(f"{copy.source} {copy.label}: {where}: {why}")
-    log.warning("the %s copy (%s) of %s: %s; trying the next copy", copy.source, copy.label, where, why)
+def _problem(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem], why: str) -> None:
+    for item in items:
+        where = f"step {version.step} {item.index.fqn} (rank {item.rank}, {item.nbytes} bytes)"
+        version.problems.append(f"{copy.source} {copy.label}: {where}: {why}")
+    if items:
+        more = f" and {len(items) - 1} more item(s)" if len(items) > 1 else ""
+        log.warning("the %s copy (%s) of step %d %s%s: %s; trying the next copy", copy.source, copy.label,
+                    version.step, items[0].index.fqn, more, why)

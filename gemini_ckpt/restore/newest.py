@@ -9,9 +9,9 @@ import logging
 import time
 import warnings
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
-from ..collective import everyones, rank0s
+from ..collective import everyones
 from ..config import CheckpointConfig
 from ..errors import (CheckpointError, ChecksumError, ConfigError, UnhealthyCandidate, UnhealthyVersionError,
                       UnreadableCandidate, VersionNotFoundError)
@@ -64,13 +64,12 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     steps the tiers held (``"held"``, the survey every rank walked)."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
-    named = _agree_step(step, rank, world_size, group)
+    surveyed = None
     if rank == 0 or world_size == 1:
         order, unreachable = survey(tiers)
         states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
-    else:
-        order = unreachable = states = None
-    order, unreachable, states = _agree((order, unreachable, states), world_size, group)
+        surveyed = (order, unreachable, states)
+    named, (order, unreachable, states) = _agree(step, surveyed, rank, world_size, group)
     if rank != 0:
         for tier, shared in zip(tiers, states):
             tier.use_survey_state(shared)
@@ -136,19 +135,15 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     return None
 
 
-def _agree_step(step: Optional[int], rank: int, world_size: int, group) -> Optional[int]:
-    """``restore(step=...)``: every rank must name the same step (one collective, so that all
-    raise together when they do not)."""
-    everyone = everyones(step, world_size=world_size, group=group)
-    if len(set(everyone)) > 1:
+def _agree(step: Optional[int], surveyed, rank: int, world_size: int, group) -> tuple[Optional[int], Any]:
+    """One collective: every rank must name the same ``restore(step=...)`` (all raise together
+    when they do not), and all walk rank 0's survey (``surveyed``, None on the other ranks)."""
+    everyone = everyones((step, surveyed if rank == 0 else None), world_size=world_size, group=group)
+    steps = [named for named, _ in everyone]
+    if len(set(steps)) > 1:
         raise ConfigError(f"restore(step=...) was called with different steps on different ranks "
-                          f"({dict(enumerate(everyone))}); every rank must name the same version")
-    return step
-
-
-def _agree(survey_result, world_size: int, group):
-    """All ranks walk rank 0's survey (one collective)."""
-    return rank0s(survey_result, world_size=world_size, group=group)
+                          f"({dict(enumerate(steps))}); every rank must name the same version")
+    return step, everyone[0][1]
 
 
 def _with_skipped(result: RestoreResult, skipped: list[int], reasons: dict[int, str]) -> RestoreResult:

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from ..collective import everyones
 from ..config import CheckpointConfig
-from ..errors import (CheckpointError, ChecksumError, ConfigError, StructureMismatchError, UnhealthyCandidate,
-                      UnreadableCandidate)
+from ..errors import (CheckpointError, ChecksumError, ConfigError, ReadNotStoppedError, StructureMismatchError,
+                      UnhealthyCandidate, UnreadableCandidate)
 from ..results import RestoreResult
 from ..save.sources import flatten, live_storages
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
@@ -90,6 +90,8 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
         if path == "direct":
             try:
                 bytes_read = direct_load(direct, views)
+            except ReadNotStoppedError:
+                raise  # something may still write into the live state: no other version may be loaded into it
             except (ChecksumError, LookupError, OSError, ValueError, CheckpointError) as exc:
                 # Told to every rank below, so that all of them move to the next version together.
                 outcome = ("skip", f"{type(exc).__name__}: {exc}")

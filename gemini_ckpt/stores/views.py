@@ -47,7 +47,9 @@ Fetch = Callable[[int, int], Any]
 
 Receive = Callable[[list], Any]
 """``receive_into([(offset, into), ...])`` -> a handle whose ``result()`` returns once every
-``into`` holds the bytes ``[offset, offset + into.nbytes)`` of the copy (or raises ``LookupError``)."""
+``into`` holds the bytes ``[offset, offset + into.nbytes)`` of the copy (or raises ``LookupError``),
+and whose ``cancel()`` gives up on them. Once either returns or raises, nothing writes into the
+``into`` buffers any more (they may be live tensors)."""
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,11 @@ from gemini_ckpt.demo.options import DemoOptions
 from gemini_ckpt.integrations.ray_train import (
     DURABLE_DIR,
     HostStores,
+    detection_env,
     host_stores,
     ranks_on_hosts,
+    recoverable,
+    torch_config,
 )
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -37,9 +40,11 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
-def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, staging="copy"):
+def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, staging="copy", in_place=False,
+         progress=None, raise_at=None, max_stuck=3, max_failures=2):
     """One TorchTrainer run of the demo's loop. Host stores are stopped by ``host_stores()``
-    around ``fit()`` (the public path), or with ``callback`` by the ``HostStores`` adapter."""
+    around ``fit()`` (the public path), or with ``callback`` by the ``HostStores`` adapter.
+    ``in_place``: recover in place (``recoverable`` + ``torch_config``)."""
     from ray.train import CheckpointConfig as RayCheckpointConfig
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -49,12 +54,14 @@ def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, stagi
     ckpt_config = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0,
                                    staging=staging)
     trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"ckpt": ckpt_config, "steps": STEPS, "kill": kill},
+        recoverable(train_loop) if in_place else train_loop,
+        torch_config=torch_config(reform_timeout_s=60, max_stuck=max_stuck) if in_place else None,
+        train_loop_config={"ckpt": ckpt_config, "steps": STEPS, "kill": kill, "progress": progress,
+                           "raise_at": raise_at},
         scaling_config=ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS)),
         run_config=RunConfig(name=name, storage_path=str(tmp_path),
                              callbacks=[HostStores(ckpt_config)] if callback else [],
-                             failure_config=FailureConfig(max_failures=2),
+                             failure_config=FailureConfig(max_failures=max_failures),
                              checkpoint_config=RayCheckpointConfig(num_to_keep=num_to_keep)))
     if callback:
         return trainer.fit()
@@ -145,3 +152,83 @@ def test_demo_host_loss_resumes_from_peer_memory_on_a_replacement_host(cluster, 
     assert "from memory" in text and os.path.isfile(report.timeline)
     assert os.path.isfile(os.path.join(report.run_dir, "report.txt"))
     assert report.final_digest == reference[1].return_value["digest"]
+
+
+@pytest.fixture
+def progress():
+    """An actor the demo's loop reports its events to (pids, restores, steps): ``(name, events())``."""
+    import uuid
+
+    import ray
+
+    from gemini_ckpt.demo.job import RAY_NAMESPACE, Progress
+
+    name = f"progress-{uuid.uuid4().hex[:8]}"
+    actor = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
+                                         resources={"node:__internal_head__": 0.001}).remote()
+    yield name, lambda: ray.get(actor.since.remote(0), timeout=60)
+    ray.kill(actor)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow), 0])  # CI: rank 0 (and chaos: 2, 3)
+def test_in_place_a_killed_worker_is_replaced_alone_and_every_rank_rolls_back_in_its_own_process(
+        reference, tmp_path, progress, monkeypatch, killed):
+    """Rank ``killed`` SIGKILLs itself after saving step 7; Ray Train replaces only it (same rank,
+    same host); the other three keep their processes, form the process group again with it and run
+    the training function again from the newest committed version; the run ends equal to the
+    uninterrupted one. Rank 0 too: the process group's store is not on a worker."""
+    for key, value in detection_env().items():
+        monkeypatch.setenv(key, value)
+    name, events = progress
+    marker = tmp_path / "killed"
+    result = _fit(tmp_path, f"inplace-{killed}", kill={"rank": killed, "step": 7, "marker": str(marker)},
+                  in_place=True, progress=name)
+    assert marker.exists()
+    starts = [e for e in events() if e["kind"] == "start"]
+    pids = {r: [e["pid"] for e in starts if e["rank"] == r] for r in range(HOSTS)}
+    killed_pid = int(marker.read_text())
+    for rank in range(HOSTS):
+        if rank == killed:
+            assert len(pids[rank]) == 2 and pids[rank][0] == killed_pid and pids[rank][1] != killed_pid, pids
+        else:  # a survivor: the same process ran the training function twice
+            assert len(pids[rank]) == 2 and pids[rank][0] == pids[rank][1], pids
+    restores = [e for e in events() if e["kind"] == "restore"]
+    assert len(restores) == HOSTS and {e["source"] for e in restores} == {"memory"}
+    assert len({e["step"] for e in restores}) == 1 and restores[0]["step"] in (6, 7)
+    out = result.return_value
+    assert out["digest"] == reference[1].return_value["digest"]
+    assert result.checkpoint.path.endswith("step_000000013")
+    assert sorted(c.path[-4:] for c, _ in result.best_checkpoints) == ["0009", "0013"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("where", [None, 2], ids=["every-rank", "one-rank"])
+def test_in_place_an_error_of_the_training_code_ends_the_run_after_bounded_tries(tmp_path, monkeypatch, where):
+    """The training code raises at step 9 (on every rank, or on rank 2 only): it is not a peer's
+    failure, so it is not recovered in place; the worker(s) are replaced (in place, or all of them),
+    fail again at the same step, and the controller ends the run instead of looping, even with
+    ``max_failures=-1`` (with a finite one, Ray Train ends it with the same error sooner)."""
+    from ray.train import TrainingFailedError
+
+    for key, value in detection_env().items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(TrainingFailedError) as caught:
+        _fit(tmp_path, f"bug-{where}", in_place=True, raise_at={"step": 9, "rank": where}, max_stuck=2,
+             max_failures=-1)  # only gemini_ckpt's bound ends it
+    text = str(caught.value)
+    assert "2 recoveries in a row ended without a newer version committed" in text, text
+    assert "ValueError: the training code fails at step 9" in text, text
+
+
+@pytest.mark.ray
+def test_chaos_in_place_a_survivor_killed_during_the_reform(cluster):
+    """The in-place chaos scenario CI runs (the full set: ``python -m gemini_ckpt chaos --matrix
+    inplace``): rank 2 SIGKILLed, then rank 3 while the others wait for rank 2's replacement; every
+    rank moves one round on, both are replaced, and the run ends equal to an uninterrupted one."""
+    from gemini_ckpt.chaos._inplace import SCENARIOS, run_inplace
+
+    scenario = next(s for s in SCENARIOS if s.name == "inplace-kill-during-reform")
+    [result] = run_inplace([scenario], cluster=cluster, log=print)
+    assert result.verdict == "PASS", result.to_json()

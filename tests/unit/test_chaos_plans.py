@@ -159,7 +159,13 @@ def test_cli_lists_the_matrix(capsys):
     args = parser.parse_args(["chaos", "--matrix", "ci", "--list"])
     assert args.func(args) == 0
     out = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in out] == list(CI_SCENARIOS)
+    from gemini_ckpt.chaos._inplace import CI_SCENARIOS as CI_INPLACE
+
+    assert [line.split()[0] for line in out] == list(CI_SCENARIOS) + list(CI_INPLACE)
+    args = parser.parse_args(["chaos", "--matrix", "inplace", "--list"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 8 and all(line.startswith("inplace-") and "in place:" in line for line in out)
     args = parser.parse_args(["chaos", "--list", "-k", "pair-ring-*"])
     assert args.func(args) == 0
     assert len(capsys.readouterr().out.splitlines()) == 6

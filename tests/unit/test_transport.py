@@ -201,6 +201,31 @@ def test_closing_the_channel_mid_transfer_fails_both_sides():
     assert event[0] == "failed" and isinstance(event[2], T.PeerLostError)
 
 
+def test_a_receiver_that_aborts_a_transfer_gets_no_more_bytes_and_the_sender_stops_at_once():
+    n = 32 << 20
+    sink = RecordingSink(n)
+    sender = _transport(max_send_bytes_per_s=8 << 20)  # 4 s for the whole transfer
+    with _transport().listen("127.0.0.1", sink) as listener:
+        channel = sender.connect(listener.endpoint)
+        future = channel.send_async(T.Header(NS, 1, "f", 0, n, put_id="tag-1"), np.ones(n, dtype=np.uint8))
+        deadline = time.monotonic() + 10
+        while not sink.buffer.any() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        listener.abort(["tag-0", "tag-1"], timeout=5)
+        # Once abort returned, no stream writes into the view: the sink was told, and what is
+        # set now stays set.
+        assert [e[0] for e in sink.events] == ["failed"]
+        sink.buffer[:] = 7
+        t0 = time.monotonic()
+        with pytest.raises(T.PeerLostError):
+            future.result(timeout=5)
+        stopped = time.monotonic() - t0
+        time.sleep(0.5)
+        assert (sink.buffer == 7).all()
+        listener.abort(["tag-1"], timeout=5)  # nothing left of it: returns at once
+    assert stopped < 1.0, stopped
+
+
 def test_bandwidth_cap_64_mib_at_128_mib_per_s_takes_half_a_second():
     n = 64 << 20
     sink = RecordingSink(n)

@@ -323,12 +323,15 @@ class HostStore:
 def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None):
     """The host store of ``node_id`` in ``namespace``, created there (hard node affinity) if
     missing. An existing store keeps its budget unless ``budget_bytes`` is given."""
-    handle = (ray.remote(HostStore)
-              .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
-                       lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
-                       runtime_env={"env_vars": ACTOR_ENV},
-                       scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-              .remote(namespace, node_id, budget_bytes))
+    try:  # the usual case, a store that exists: one lookup, not an actor class built and shipped again
+        handle = ray.get_actor(store_name(namespace, node_id), namespace=RAY_NAMESPACE)
+    except ValueError:
+        handle = (ray.remote(HostStore)
+                  .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
+                           lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
+                           runtime_env={"env_vars": ACTOR_ENV},
+                           scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+                  .remote(namespace, node_id, budget_bytes))
     if budget_bytes is not None:
         handle.set_budget.remote(budget_bytes)
     return handle

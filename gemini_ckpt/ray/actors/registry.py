@@ -184,6 +184,10 @@ class Registry:
 def get_or_create_registry(namespace: str):
     """The registry of ``namespace`` (created, detached, on the head node, on first use).
     The actors import ``gemini_ckpt`` (which imports nothing heavy: never torch)."""
+    try:  # the usual case, a registry that exists: one lookup, not an actor class built and shipped again
+        return ray.get_actor(registry_name(namespace), namespace=RAY_NAMESPACE)
+    except ValueError:
+        pass
     return (ray.remote(Registry)
             .options(name=registry_name(namespace), namespace=RAY_NAMESPACE, get_if_exists=True,
                      lifetime="detached", max_restarts=0, num_cpus=0, runtime_env={"env_vars": ACTOR_ENV},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import time
 
 from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
@@ -57,34 +58,16 @@ class ShardServer:
     def push_range(self, step: int, rank: int, offset: int, length: int, reader: Endpoint, tag: str) -> int:
         """Send bytes ``[offset, offset + length)`` of a shard's region to a reader's
         data-plane listener; returns once the reader has them."""
-        with self.s.lock:
-            shard = self.s.complete_shard(step, rank)
-            if offset < 0 or length <= 0 or offset + length > shard.seg.nbytes:
-                raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
-                                 f"({shard.seg.nbytes} bytes)")
-            self.s.table.use(shard)
-            transport, key = self.s.transport, (reader.host, reader.port)
-            channel = self.s.readers.get(key)
-        try:
-            if channel is None:
-                channel = transport.connect(reader)
-                with self.s.lock:
-                    self.s.readers[key] = channel
-            channel.send(Header(self.s.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes,
-                                put_id=tag), shard.seg.array[offset : offset + length], timeout=TIMEOUTS.serve_s)
-        except TransportError as exc:
-            with self.s.lock:
-                self.s.readers.pop(key, None)
-            raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
-        finally:
-            with self.s.lock:
-                self.s.table.done_with(shard)
-        return length
+        return self.push_ranges(step, rank, [(offset, length, tag)], reader)
 
     def push_ranges(self, step: int, rank: int, ranges: list, reader: Endpoint) -> int:
         """Send several ranges ``[(offset, length, tag), ...]`` of a shard's region to a reader's
         data-plane listener, one transfer each, all in flight at once; returns once the reader
-        has every one (the direct restore: each range lands in its own live tensor)."""
+        has every one (the direct restore: each range lands in its own live tensor).
+
+        A reader that refuses one (it gave up on them: the tag is no longer expected) or drops
+        the connection has given up on this store: the channel is closed at once, so nothing
+        more of these ranges (or of any other push to that reader) is sent."""
         with self.s.lock:
             shard = self.s.complete_shard(step, rank)
             for offset, length, _ in ranges:
@@ -103,11 +86,15 @@ class ShardServer:
                                               total=shard.seg.nbytes, put_id=tag),
                                        shard.seg.array[offset : offset + length])
                     for offset, length, tag in ranges]
+            deadline = time.monotonic() + TIMEOUTS.serve_s
             for fut in sent:
-                fut.result(timeout=TIMEOUTS.serve_s)
-        except TransportError as exc:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (TransportError, TimeoutError) as exc:
             with self.s.lock:
-                self.s.readers.pop(key, None)
+                if self.s.readers.get(key) is channel:
+                    del self.s.readers[key]
+            if channel is not None:
+                channel.close()
             raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
         finally:
             with self.s.lock:

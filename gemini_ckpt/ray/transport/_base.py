@@ -9,6 +9,8 @@ Receiving side (a holder's host store)::
     sink.buffer_for(header) -> writable memoryview #   once, when its first bytes arrive
     sink.received(header)                          #   once, when every byte is in that view
     sink.failed(header, exc)                       #   or once, instead, if the transfer broke
+    listener.abort(put_ids, timeout=...)           # the receiver gives up on some transfers:
+                                                   #   returns once no stream writes into their views
     listener.close()
 
 Sending side (the host store that owns the bytes)::
@@ -128,6 +130,15 @@ class Listener(abc.ABC):
     @abc.abstractmethod
     def endpoint(self) -> Endpoint:
         """Where peers connect (publish it through the control plane)."""
+
+    @abc.abstractmethod
+    def abort(self, put_ids, *, timeout: float) -> None:
+        """Give up on the incomplete transfers whose ``header.put_id`` is in ``put_ids``: they fail
+        (``sink.failed``), and so may others from the same sender (a stream cannot be stopped
+        mid-chunk without dropping its connection; the sender's sends fail at once, so it stops
+        sending). Returns once no stream writes into their views any more, or raises
+        :class:`ProgressTimeoutError` if one still did after ``timeout`` seconds. A transfer
+        that has not begun yet is the sink's to refuse (its ``buffer_for`` raises)."""
 
     @abc.abstractmethod
     def close(self) -> None:

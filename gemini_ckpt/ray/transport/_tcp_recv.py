@@ -26,7 +26,7 @@ import time
 from typing import Optional
 
 from ._base import Endpoint, Listener, Sink
-from ._errors import ChannelClosedError, PeerLostError, ProtocolError, TransportError
+from ._errors import ChannelClosedError, PeerLostError, ProgressTimeoutError, ProtocolError, TransportError
 from ._tcp import LogThrottle, shutdown, tune
 from ._handshake import Parts
 from ._tcp_stream import Session, Stream
@@ -87,6 +87,18 @@ class TcpListener(Listener):
     @property
     def endpoint(self) -> Endpoint:
         return self._endpoint
+
+    def abort(self, put_ids, *, timeout: float) -> None:
+        wanted = set(put_ids)
+        with self._lock:
+            sessions = list(self._sessions.values())
+        deadline = time.monotonic() + timeout
+        for session in [s for s in sessions if s.holds(wanted)]:
+            session.fail(ChannelClosedError(f"the receiver at {self._endpoint.host}:{self._endpoint.port} gave up "
+                                            f"on transfers from {session.label}", session.label))
+            if not session.wait_quiet(deadline):
+                raise ProgressTimeoutError(f"a stream from {session.label} still wrote into a transfer given up "
+                                           f"on {timeout:.1f}s later", session.label)
 
     def close(self) -> None:
         with self._lock:

@@ -66,6 +66,8 @@ class Session:
         self.rejected: set[int] = set()
         self.error: Optional[TransportError] = None
         self.last_rx = time.monotonic()
+        self.draining: set[Incoming] = set()  # failed, with a stream still inside one of its chunks
+        self.quiet = threading.Condition(self.lock)  # notified when the last of those stops writing
 
     def fail(self, error: TransportError) -> None:
         notify = []
@@ -79,6 +81,8 @@ class Session:
                     if incoming.writers == 0:
                         incoming.notified = True
                         notify.append(incoming)
+                    else:
+                        self.draining.add(incoming)
             self.transfers.clear()
             conns = list(self.conns)
         for conn in conns:
@@ -88,6 +92,24 @@ class Session:
 
     def busy(self) -> bool:
         return bool(self.transfers)
+
+    def holds(self, put_ids: set) -> bool:
+        """Whether a transfer of this session that a stream may still write into carries one of
+        ``put_ids`` (incomplete, or failed with a stream still inside one of its chunks: bytes
+        already in the socket's buffer are read after it is shut down)."""
+        with self.lock:
+            return any(i.header.put_id in put_ids for i in (*self.transfers.values(), *self.draining))
+
+    def wait_quiet(self, deadline: float) -> bool:
+        """Wait (until ``deadline``, monotonic) until no stream writes into a failed transfer's
+        view; False if one still did then."""
+        with self.quiet:
+            while self.draining:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.quiet.wait(left)
+        return True
 
 
 def _for_transfer(error: TransportError, header: Header, got: int) -> TransportError:
@@ -206,6 +228,8 @@ class Stream:
                     return True
             elif incoming.state == _FAILED and incoming.writers == 0 and not incoming.notified:
                 incoming.notified = notify = True
+                self.session.draining.discard(incoming)
+                self.session.quiet.notify_all()
         if notify:
             _notify_failed(self.sink, incoming)
         return False
@@ -255,6 +279,8 @@ class Stream:
                     return False
                 raise PeerLostError(f"{self.label} closed the connection mid-frame (it died or gave up)", self.label)
             pos += k
+            if session.error is not None:  # failed (or given up on) meanwhile: write no more into the view
+                raise session.error
             now = time.monotonic()
             session.last_rx = now
             self.rx_total += k

@@ -1,0 +1,273 @@
+"""The worker side of an in-place recovery: run the training function, and when a peer fails,
+run it again in this same process with the peer's replacement, from the version every rank
+agrees on.
+
+:func:`recoverable` wraps the user's ``train_loop_per_worker``. Each run of it is an *attempt*
+(:mod:`gemini_ckpt.attempts`) over one round of the process group (:mod:`._rounds`). A failure
+that a peer caused (a collective that lost its peer, a connection reset, a store that cannot
+reach its partner) ends the attempt: every Checkpointer it built is aborted, every process
+group is destroyed, the ranks form the next round with the newcomer, and the training function
+starts again. It rebuilds its model and optimizer as on a fresh start (cheap next to the
+newcomer's process start, which runs meanwhile), and its ``restore()`` rolls every rank back to
+the newest committed version, survivors from their own host's memory. What the process keeps:
+itself, its imports, the CUDA context and allocator, compiled kernels, and its host store.
+
+Why run the function again rather than repair the live objects: FSDP2 keeps the process group
+objects it was built with (``FSDPMeshInfo``), DDP's reducer is bound to its group in C++, and
+user code holds iterators over data loaders positioned past the version restored. Re-running
+the function replaces all of them the way a fresh start does, so the continuation is the one a
+full restart would give, bit for bit, without internal APIs.
+
+An error that is not a peer's failure (the user's code raising) is not caught: it ends this
+worker, Ray Train replaces it in place, and the others recover from its loss. Ray Train's
+controller ends the run when recoveries stop making progress (:class:`._rounds.Attempts`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+from .. import attempts
+from ..errors import RoundTimeoutError
+from . import _rounds, _sever
+
+log = logging.getLogger("gemini_ckpt")
+
+WATCH_S = 0.2  # how often a rank asks the round store whether a newer round was asked for
+PUBLISH_EVERY = 5  # polls between two looks at the listeners this process opened (see _sever)
+
+# What torch.distributed's gloo and NCCL backends say when a peer is gone (older releases raise
+# a plain RuntimeError with the transport's message rather than a DistError).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+             "connectFullMesh", "NCCL communicator was aborted", "ncclRemoteError", "ncclSystemError",
+             "Socket Timeout", "Timed out waiting", "timed out", "Read error", "Write error", "gloo/transport/tcp")
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) says a peer process or its connection is gone."""
+    import torch.distributed as dist
+
+    for e in _chain(exc):
+        if isinstance(e, (dist.DistError, RoundTimeoutError)):
+            return True
+        if isinstance(e, (RuntimeError, ConnectionError, OSError)) and any(m in str(e) for m in PEER_GONE):
+            return True
+    return False
+
+
+class Session:
+    """This worker's place in the job's rounds (one per process)."""
+
+    _current: Optional["Session"] = None
+
+    def __init__(self, told: _rounds.Told) -> None:
+        self.told = told
+        self.store = None
+        self.round: Optional[int] = None  # the round whose process group is up now
+        self.wanted = told.round
+        self.recoveries = 0
+        self.stages: list[tuple[str, float]] = []  # (what, unix time) of the newest recovery
+        # the TCP listeners this process held before any process group: the ones opened since
+        # are the groups' (see :mod:`._sever`)
+        self.baseline = set(_sever.listeners())
+        self.entered = time.time()  # this process reached the training function
+        self._cut_round: Optional[int] = None
+        self._watcher_store = None
+        self._cut_lock = threading.Lock()
+        self._store_lock = threading.Lock()
+
+    @classmethod
+    def current(cls) -> Optional["Session"]:
+        if cls._current is None:
+            told = _rounds.Told.from_env()
+            if told is None:
+                return None
+            cls._current = Session(told)
+        return cls._current
+
+    def _store(self):
+        if self.store is None:
+            self.store = _rounds.client(self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s)
+        return self.store
+
+    def ensure_formed(self) -> int:
+        import torch.distributed as dist
+
+        if self.round is not None and dist.is_initialized():
+            return self.round
+        t = self.told
+        self.round = _rounds.form(self._store(), self.wanted, rank=t.rank, world_size=t.world_size,
+                                  backend=t.backend, timeout_s=t.timeout_s, patience_s=t.reform_timeout_s)
+        self.stages.append(("formed", time.time()))
+        log.info("rank %d: process group round %d formed (%d ranks)", t.rank, self.round, t.world_size)
+        return self.round
+
+    def _progress(self, step: int) -> None:
+        if self.told.rank == 0:
+            _rounds.note_progress(self._store(), step)
+
+    def cut(self, round_: int) -> None:
+        """End round ``round_``'s connections here (once): every peer still blocked on this rank
+        in a collective of that round wakes with an error."""
+        with self._cut_lock:
+            if self._cut_round is not None and self._cut_round >= round_:
+                return
+            self._cut_round = round_
+        if "nccl" in self.told.backend:
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                _abort_process_group()
+            except Exception as exc:  # noqa: BLE001 - the groups are destroyed right after anyway
+                log.debug("aborting the NCCL groups of round %d: %s", round_, exc)
+        try:
+            peers = _rounds.peer_listeners(self._watch_store(), round_, rank=self.told.rank,
+                                           world_size=self.told.world_size)
+        except Exception as exc:  # noqa: BLE001 - cut what this side accepted, at least
+            log.debug("rank %d: the peers' listeners of round %d: %s", self.told.rank, round_, exc)
+            peers = []
+        cut = _sever.sever(self.baseline, peers)
+        log.info("rank %d: cut %d connection(s) of round %d", self.told.rank, cut, round_)
+
+    def _watch_store(self):
+        """A second client of the round store, for the watching thread."""
+        with self._store_lock:
+            if self._watcher_store is None:
+                self._watcher_store = _rounds.client(self.told.host, self.told.port,
+                                                     timeout_s=self.told.reform_timeout_s)
+            return self._watcher_store
+
+    def _publish(self, round_: int, published: list) -> list:
+        now = _sever.opened_since(self.baseline)
+        if now != published:
+            _rounds.publish_listeners(self._watch_store(), round_, self.told.rank, now)
+        return now
+
+    def _watch(self, round_: int, stop: threading.Event) -> None:
+        """While an attempt runs: once a newer round is asked for (a peer failed, or Ray Train
+        started a replacement), cut this round's connections, whatever the training thread is
+        blocked in."""
+        published: list = []
+        ticks = 0
+        while True:
+            try:
+                if ticks % PUBLISH_EVERY == 0:  # the groups the training function made meanwhile
+                    published = self._publish(round_, published)
+                ticks += 1
+                if _rounds.latest(self._watch_store()) > round_:
+                    self.cut(round_)
+                    return
+            except Exception as exc:  # noqa: BLE001 - the round store is gone: the run is ending
+                log.debug("rank %d: watching round %d: %s", self.told.rank, round_, exc)
+            if stop.wait(WATCH_S):
+                return
+
+    def run(self, fn: Callable, args: tuple):
+        while True:
+            round_ = self.ensure_formed()
+            stop = threading.Event()
+            watcher = threading.Thread(target=self._watch, args=(round_, stop), name="gemini-ckpt-round-watch",
+                                       daemon=True)
+            watcher.start()
+            with attempts.attempt(on_commit=self._progress) as attempt:
+                try:
+                    return fn(*args)
+                except BaseException as exc:
+                    if not isinstance(exc, Exception) or not self._recoverable(exc):
+                        self._escaped(exc)
+                        raise
+                    noticed = time.time()
+                    log.warning("rank %d: a peer failed in round %d (%s: %s); forming the process group again "
+                                "with its replacement and restarting the training function in this process",
+                                self.told.rank, round_, type(exc).__name__, _short(exc))
+                    try:  # every other rank's watcher cuts its connections of this round now
+                        _rounds.raise_latest(self._store(), round_ + 1)
+                    except Exception:  # noqa: BLE001 - the run is ending: the error below says why
+                        pass
+                    self.cut(round_)
+                    attempt.abort_all()
+                finally:
+                    stop.set()
+            watcher.join(timeout=2 * WATCH_S + 1)
+            _rounds.destroy()
+            self.recoveries += 1
+            self.stages = [("noticed", noticed), ("torn down", time.time())]
+            self.wanted, self.round = self.round + 1, None
+
+    def _recoverable(self, exc: BaseException) -> bool:
+        if peer_failure(exc):
+            return True
+        # Another error while a new round is already asked for: a peer's failure reached this
+        # rank in a form we do not recognise (a library thread's error, say); still a peer's.
+        try:
+            return self.round is not None and _rounds.latest(self._store()) > self.round
+        except Exception:  # noqa: BLE001 - the round store is gone: the run is ending
+            return False
+
+    def _escaped(self, exc: BaseException) -> None:
+        try:
+            _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}: {_short(exc)}")
+        except Exception:  # noqa: BLE001 - best effort: the error itself is what Ray reports
+            pass
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def recoverable(train_fn: Callable) -> Callable:
+    """Wrap ``train_loop_per_worker`` so that, under :func:`torch_config`, a peer's failure is
+    recovered in place: this process stays, the training function runs again with the failed
+    worker's replacement, and restores the newest committed version.
+
+    Example::
+
+        trainer = TorchTrainer(gray.recoverable(train_loop_per_worker),
+                               torch_config=gray.torch_config(), ...)
+
+    The training function needs no change: it builds its state, calls ``restore()`` and trains,
+    exactly as it does for a full restart. Outside :func:`torch_config` (or on a Ray without the
+    in-place path) it runs once, as if unwrapped.
+    """
+
+    @functools.wraps(train_fn)
+    def run(*args):
+        session = Session.current()
+        if session is None:
+            return train_fn(*args)
+        return session.run(train_fn, args)
+
+    run.__gemini_recoverable__ = True
+    return run
+
+
+def recovery_info() -> Optional[dict]:
+    """This worker's place in an in-place job (None outside one): ``round`` (of the process
+    group), ``recoveries`` (in this process), ``entered`` (when this process reached the
+    training function, unix time) and ``stages`` of the newest recovery, ``[(what, unix time)]``:
+    ``noticed`` (a peer's failure reached this rank), ``torn down`` (its attempt's checkpointers
+    aborted, connections cut), ``formed`` (the next round's process group is up)."""
+    session = Session.current()
+    if session is None:
+        return None
+    return {"round": session.round, "recoveries": session.recoveries, "entered": session.entered,
+            "stages": list(session.stages)}
+
+
+def in_place_job() -> bool:
+    """Whether this process was started by the in-place backend (:func:`torch_config`)."""
+    return "GEMINI_ROUNDS_ADDR" in os.environ

@@ -1,0 +1,282 @@
+"""The rounds of an in-place recovery: how the ranks of a job form their process group again,
+with a new worker in a failed one's place, over a ``torch.distributed`` store no worker owns.
+
+Every process group the job forms is one *round*, numbered from 1. The keys, under ``PREFIX``:
+
+- ``latest``: the newest round anyone has asked for. Ray Train's controller raises it by one
+  each time it starts workers (the first group, a full restart, or one replacement), and gives
+  the new workers that number; a survivor of round ``n`` asks for ``n + 1``.
+- ``r{n}/arrived``: how many ranks arrived at round ``n``; the round forms when all have and no
+  newer round was asked for meanwhile (whoever sees a newer one moves there, so every rank ends
+  in the newest round: a second failure during a reform only moves everyone one round on).
+- ``r{n}/pg/``: the prefix the round's process group rendezvouses under, so nothing of an older
+  round (a late message, a zombie's key) can mix into it.
+- ``r{n}/listeners/{rank}``: where the rank's process groups of round ``n`` listen, so that the
+  others can cut their connections to it when the round ends (:mod:`._sever`).
+- ``formed``: the newest round that formed; ``progress``: the newest version committed in
+  memory (written by rank 0 of each round); ``escaped``: the last error that ended a worker.
+
+The controller reads ``formed`` and ``progress`` to tell a recovery that helps from one that
+fails again at the same place (:class:`Attempts`).
+
+Pure ``torch.distributed``: no Ray here, so the protocol runs in plain processes in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+from ..errors import RoundTimeoutError
+
+PREFIX = "gemini/rounds/"
+POLL_S = 0.01
+FORM_S = 20.0  # how long a closed round waits for its members to connect before it is given up
+MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
+
+
+def _int(store, key: str, default: int = -1) -> int:
+    """A counter or a number set as text; ``default`` when the key does not exist."""
+    if not store.check([PREFIX + key]):
+        return default
+    return int(store.get(PREFIX + key).decode())
+
+
+def latest(store) -> int:
+    return int(store.add(PREFIX + "latest", 0))
+
+
+def open_round(store) -> int:
+    """Ask for a new round (the controller, once per start of workers); returns its number."""
+    return int(store.add(PREFIX + "latest", 1))
+
+
+def raise_latest(store, at_least: int) -> int:
+    """Make ``latest`` at least ``at_least`` (race-free); returns it."""
+    while True:
+        now = latest(store)
+        if now >= at_least:
+            return now
+        store.add(PREFIX + "latest", at_least - now)
+        # two ranks raising at once overshoot by at most their difference: harmless, since every
+        # rank follows ``latest`` and a round nobody arrives at is never waited for
+
+
+def formed(store) -> int:
+    return _int(store, "formed")
+
+
+def progress(store) -> int:
+    return _int(store, "progress")
+
+
+def note_progress(store, step: int) -> None:
+    store.set(PREFIX + "progress", str(int(step)))
+
+
+def escaped(store) -> str:
+    key = PREFIX + "escaped"
+    return store.get(key).decode(errors="replace") if store.check([key]) else ""
+
+
+def note_escaped(store, what: str) -> None:
+    store.set(PREFIX + "escaped", what[:2000])
+
+
+def publish_listeners(store, round_: int, rank: int, addresses: list[tuple[str, int]]) -> None:
+    """Where this rank's process groups of ``round_`` listen (see :mod:`._sever`)."""
+    store.set(f"{PREFIX}r{round_}/listeners/{rank}", ";".join(f"{ip}|{port}" for ip, port in addresses))
+
+
+def peer_listeners(store, round_: int, *, rank: int, world_size: int) -> list[tuple[str, int]]:
+    """What the other ranks published with :func:`publish_listeners` for ``round_``."""
+    out = []
+    for peer in range(world_size):
+        key = f"{PREFIX}r{round_}/listeners/{peer}"
+        if peer == rank or not store.check([key]):
+            continue
+        for item in store.get(key).decode().split(";"):
+            if item:
+                ip, port = item.rsplit("|", 1)
+                out.append((ip, int(port)))
+    return out
+
+
+def arrive(store, round_: int, *, world_size: int, patience_s: float) -> int:
+    """Arrive at ``round_`` (or a newer one asked for meanwhile) and wait until every rank of
+    ``world_size`` arrived at the same one; returns it. Raises :class:`RoundTimeoutError` after
+    ``patience_s`` without a newer round asked for (each start of a worker asks for one, so the
+    ranks wait as long as workers keep being started, one after another).
+
+    A round is decided once, by ``compare_set`` on ``r{n}/state``: the rank whose arrival
+    completes it closes it (then every rank that arrived must form it), a rank that sees a newer
+    round asked for first abandons it (then every rank moves on). So no rank forms a round
+    another rank left."""
+    n = round_
+    raise_latest(store, n)
+    deadline = time.monotonic() + patience_s
+    while True:
+        state_key = f"{PREFIX}r{n}/state"
+        if int(store.add(f"{PREFIX}r{n}/arrived", 1)) >= world_size:
+            store.compare_set(state_key, "", "closed")
+        while True:
+            state = store.get(state_key).decode() if store.check([state_key]) else ""
+            if not state and latest(store) > n:
+                state = store.compare_set(state_key, "", "abandoned").decode()
+            if state == "closed":
+                return n
+            if state == "abandoned":
+                n = raise_latest(store, n + 1)
+                deadline = time.monotonic() + patience_s
+                break
+            if time.monotonic() > deadline:
+                count = int(store.add(f"{PREFIX}r{n}/arrived", 0))
+                raise RoundTimeoutError(f"{count} of {world_size} ranks arrived at round {n} of the process "
+                                        f"group, and no worker was started for {patience_s:.0f}s: the others "
+                                        f"did not come back")
+            time.sleep(POLL_S)
+
+
+def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeout_s: float,
+         patience_s: float) -> int:
+    """Arrive and form the process group of the newest round (``torch.distributed``'s default
+    group, under that round's prefix); returns the round. A round that fails to form (a rank died
+    while it formed) is given up for the next one."""
+    import torch.distributed as dist
+
+    if "nccl" in backend:
+        # NCCL's watchdog must abort the communicator on an error, not end the process (Ray's own
+        # backend sets 1, which kills a survivor whose peer died); the user's setting wins
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    n = round_
+    failures = 0
+    while True:
+        n = arrive(store, n, world_size=world_size, patience_s=patience_s)
+        prefixed = dist.PrefixStore(f"{PREFIX}r{n}/pg/", store)
+        try:
+            # Formed with a short timeout: a rank that died after the round closed is waited for
+            # FORM_S, not the collectives' timeout; then the group gets its own.
+            dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=min(FORM_S, timeout_s)))
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+
+            _set_pg_timeout(timedelta(seconds=timeout_s))
+            check = _check_tensor(backend, n)
+            dist.all_reduce(check)
+            if int(check.item()) != n * world_size or latest(store) != n:
+                raise RuntimeError(f"round {n} formed with ranks of another round")
+        except Exception:  # noqa: BLE001 - a member died while the round formed: the next round
+            destroy()
+            failures += 1
+            if failures > MAX_FORM_FAILURES:
+                raise
+            n = raise_latest(store, n + 1)
+            continue
+        if rank == 0:
+            store.set(PREFIX + "formed", str(n))
+        return n
+
+
+def _check_tensor(backend: str, n: int):
+    import torch
+
+    device = "cuda" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    return torch.tensor([n], dtype=torch.int64, device=device)
+
+
+def destroy() -> None:
+    """Take down every process group of this process (the default one and its subgroups)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a group whose peers are gone may refuse a clean end
+            pass
+
+
+def client(host: str, port: int, *, timeout_s: float):
+    """A client of the job's round store."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+
+
+def server(host: str, *, timeout_s: float):
+    """The job's round store (on Ray Train's controller, which outlives every worker)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+                         use_libuv=True)
+
+
+@dataclass
+class Attempts:
+    """The controller's count of recoveries that did not help: a start of workers after which no
+    newer version was committed than before the previous one. ``max_stuck`` such starts in a row
+    end the run; so do ``max_starts`` starts without a round forming (a worker that cannot come back)."""
+
+    max_stuck: int
+    max_starts: int
+    stuck: int = 0
+    starts_since_formed: int = 0
+    seen_formed: Optional[int] = None
+    seen_progress: int = -1
+
+    def start(self, store) -> Optional[str]:
+        """Account for a start of workers; returns why the run should end, or None."""
+        now_formed, now_progress = formed(store), progress(store)
+        if self.seen_formed is None:
+            self.seen_formed, self.seen_progress = now_formed, now_progress
+            return None
+        if now_formed != self.seen_formed:  # a round formed since the last start: a new failure
+            self.starts_since_formed = 0
+            self.stuck = self.stuck + 1 if now_progress <= self.seen_progress else 0
+            self.seen_formed, self.seen_progress = now_formed, now_progress
+        self.starts_since_formed += 1
+        last = escaped(store)
+        because = f"; the last error that ended a worker: {last}" if last else ""
+        if self.stuck >= self.max_stuck:
+            return (f"{self.stuck} recoveries in a row ended without a newer version committed (the newest is "
+                    f"step {now_progress}): the failure repeats at the same place{because}")
+        if self.starts_since_formed > self.max_starts:
+            return (f"{self.starts_since_formed} workers were started without the process group forming again"
+                    f"{because}")
+        return None
+
+
+def worker_env(*, host: str, port: int, round_: int, rank: int, world_size: int, local_rank: int,
+               local_world_size: int, node_rank: int, backend: str, timeout_s: float,
+               reform_timeout_s: float) -> dict[str, str]:
+    """What a worker is told (environment variables) to join the job's rounds."""
+    return {"GEMINI_ROUNDS_ADDR": host, "GEMINI_ROUNDS_PORT": str(port), "GEMINI_ROUND": str(round_),
+            "GEMINI_ROUNDS_BACKEND": backend, "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
+            "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s),
+            "MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size), "NODE_RANK": str(node_rank)}
+
+
+@dataclass(frozen=True)
+class Told:
+    """What :func:`worker_env` told this process (None outside an in-place job)."""
+
+    host: str
+    port: int
+    round: int
+    rank: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    reform_timeout_s: float
+
+    @staticmethod
+    def from_env() -> Optional["Told"]:
+        env = os.environ
+        if "GEMINI_ROUNDS_ADDR" not in env:
+            return None
+        return Told(env["GEMINI_ROUNDS_ADDR"], int(env["GEMINI_ROUNDS_PORT"]), int(env["GEMINI_ROUND"]),
+                    int(env["RANK"]), int(env["WORLD_SIZE"]), env["GEMINI_ROUNDS_BACKEND"],
+                    float(env["GEMINI_ROUNDS_TIMEOUT_S"]), float(env["GEMINI_ROUNDS_REFORM_S"]))

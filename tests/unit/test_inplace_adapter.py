@@ -1,0 +1,133 @@
+"""The one adapter to Ray Train's in-place replacement, without a cluster: what it relies on in
+Ray's internals is still there (this test fails loudly when a Ray upgrade moves it), the
+fallback to the full restart on a Ray without the path, and the ranks it tells each worker."""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+
+import pytest
+
+from gemini_ckpt import ConfigError
+from gemini_ckpt.integrations import _inplace_backend as adapter
+from gemini_ckpt.integrations.ray_train import detection_env, torch_config
+
+
+def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():
+    """Everything the adapter assumes about Ray Train's internals, read from the installed Ray.
+    If this fails after a Ray upgrade, re-read the controller and the worker group before
+    widening ``SUPPORTED_RAY``."""
+    from ray.train.backend import Backend
+    from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group.execution_group import ReplicaGroup
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert adapter.support() is None
+    assert Backend.has_replica_groups is False  # a class attribute a backend turns on
+    controller = inspect.getsource(TrainController)
+    assert "backend_cls.has_replica_groups" in controller  # read from the backend class
+    assert "self._replace_bad_workers(poll_status)" in controller  # same size, some groups failing
+    assert "failing_rgs != all_rgs" in controller  # every group failing: a full restart
+    group = inspect.getsource(WorkerGroup)
+    assert "replica_group_size=1 if self._manages_replica_groups" in group  # one worker per group
+    replace = inspect.getsource(WorkerGroup._replace_replica_group_impl)
+    for step in ("old_replica_group.shutdown()", "sync_actor.reset.remote()", "placement_group_bundle_indices",
+                 "starting_world_rank=replica_group_index", "start_training",
+                 "i != replica_group_index and rg.is_active()"):  # other failing groups: shut first (adapter)
+        assert step in replace, step
+    for name in ("get_latest_poll_status", "get_replica_groups", "get_workers"):
+        assert callable(getattr(WorkerGroup, name)), name
+    from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
+
+    assert hasattr(WorkerGroupPollStatus, "failing_replica_group_indices")
+    assert callable(ReplicaGroup.is_active)
+    starting = inspect.getsource(ReplicaGroup.start_training)
+    assert "after_replica_group_start" in starting and "run_train_fn" in starting
+    shutting = inspect.getsource(ReplicaGroup.shutdown)
+    assert "before_replica_group_shutdown" in shutting
+    # a whole group whose start raises after its state was built is not cleaned up by Ray Train:
+    # the adapter shuts it down itself before it raises
+    start = inspect.getsource(WorkerGroup._start)
+    assert "if not self.has_started():" in start and "worker_group_state_builder.shutdown()" in start
+    setup = inspect.getsource(BackendSetupCallback)
+    assert "self._backend.on_start(execution_group" in setup  # on_start(ReplicaGroup) for a newcomer
+    assert "self._backend.on_shutdown(execution_group" in setup
+    # the worker metadata the adapter reads to place ranks and end a failed process
+    from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata
+
+    assert {"node_id", "pid"} <= set(inspect.signature(ActorMetadata).parameters)
+
+
+def test_without_the_path_torch_config_is_rays_own_with_one_warning(monkeypatch):
+    from ray.train.torch import TorchConfig
+
+    config = torch_config()
+    assert type(config).__name__ == "GeminiTorchConfig" and config.backend_cls.has_replica_groups
+    monkeypatch.setenv(adapter.FALLBACK_ENV, "0")  # how a Ray the adapter does not know is simulated
+    with pytest.warns(UserWarning, match="in-place recovery is unavailable .*restarts all workers"):
+        config = torch_config(timeout_s=90)
+    assert type(config) is TorchConfig and config.timeout_s == 90
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(torch_config(in_place=False)) is TorchConfig  # asked for: no warning
+
+
+def test_a_ray_outside_the_tested_versions_is_not_trusted(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    assert "outside the versions" in adapter.support()
+    monkeypatch.setattr(ray, "__version__", "2.59.0")
+    assert "outside the versions" in adapter.support()
+
+
+def test_settings_are_checked():
+    with pytest.raises(ConfigError, match="reform_timeout_s"):
+        torch_config(reform_timeout_s=0)
+    with pytest.raises(ConfigError, match="max_stuck"):
+        torch_config(max_stuck=0)
+    with pytest.raises(ConfigError, match="hang_s"):
+        detection_env(hang_s=-1)
+    assert detection_env(poll_s=0.5, hang_s=20) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+                                                    "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "20.0"}
+
+
+def test_each_worker_is_told_its_rank_on_its_node():
+    """Ray's own context says local rank 0 of 1 on every worker of a replica-group job."""
+    def worker(rank, node):
+        return types.SimpleNamespace(distributed_context=types.SimpleNamespace(world_rank=rank),
+                                     metadata=types.SimpleNamespace(node_id=node))
+
+    workers = [worker(3, "b"), worker(0, "a"), worker(2, "b"), worker(1, "a"), worker(4, "c")]
+    assert adapter._node_ranks(workers) == {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 2, 1), 3: (1, 2, 1), 4: (0, 1, 2)}
+
+
+def test_the_reaper_kills_only_ray_train_workers_of_its_user():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from gemini_ckpt.integrations._reaper import Reaper
+
+    reaper = Reaper()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert reaper.kill(other.pid).startswith("refused")
+        assert reaper.kill(os.getpid()).startswith("refused") and reaper.kill(1).startswith("refused")
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "ray::RayTrainWorker"])
+    for _ in range(100):  # until the child's command line is its own (after exec)
+        if b"RayTrainWorker" in open(f"/proc/{worker.pid}/cmdline", "rb").read():
+            break
+        time.sleep(0.05)
+    outcome = reaper.kill(worker.pid)
+    assert outcome == "killed", (outcome, open(f"/proc/{worker.pid}/cmdline", "rb").read())
+    assert worker.wait(timeout=10) == -9
+    assert reaper.kill(worker.pid) == "gone"

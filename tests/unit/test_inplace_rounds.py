@@ -1,0 +1,215 @@
+"""In-place recovery's rounds without Ray: plain processes over a round store served from this
+process (the role Ray Train's controller plays), a rank SIGKILLed and replaced by a new process,
+the survivors re-forming the process group with it in the same processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gemini_ckpt.integrations import _rounds, _sever
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(HERE, "inplace_child.py")
+WORLD = 3
+
+
+class Job:
+    """The controller's part: a round store, and a new round for every start of workers."""
+
+    def __init__(self, tmp_path, script: str, *, reform_s: float = 60.0) -> None:
+        self.store = _rounds.server("127.0.0.1", timeout_s=30)
+        self.out = str(tmp_path)
+        self.script = script
+        self.reform_s = reform_s
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.replaced: list[int] = []
+        first = _rounds.open_round(self.store)
+        for rank in range(WORLD):
+            self.start(rank, first, fresh=True)
+
+    def start(self, rank: int, round_: int, *, fresh: bool) -> None:
+        env = dict(os.environ, GEMINI_TEST_FRESH="1" if fresh else "0",
+                   **_rounds.worker_env(host="127.0.0.1", port=self.store.port, round_=round_, rank=rank,
+                                        world_size=WORLD, local_rank=rank, local_world_size=WORLD, node_rank=0,
+                                        backend="gloo", timeout_s=120, reform_timeout_s=self.reform_s))
+        self.procs[rank] = subprocess.Popen([sys.executable, CHILD, self.script, self.out], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def run(self, timeout: float = 120.0) -> dict[int, int]:
+        """Replace every rank that dies until all have ended; returns each rank's exit code."""
+        deadline = time.monotonic() + timeout
+        codes: dict[int, int] = {}
+        while len(codes) < WORLD:
+            assert time.monotonic() < deadline, f"the job did not end in {timeout}s: {self.lines()}"
+            for rank, proc in list(self.procs.items()):
+                code = proc.poll()
+                if code is None or rank in codes:
+                    continue
+                if code == -9:  # killed: Ray Train would start a replacement at the same rank
+                    self.replaced.append(rank)
+                    self.start(rank, _rounds.open_round(self.store), fresh=False)
+                else:
+                    codes[rank] = code
+            time.sleep(0.05)
+        return codes
+
+    def lines(self) -> dict[int, list[dict]]:
+        out = {}
+        for rank in range(WORLD):
+            path = os.path.join(self.out, str(rank))
+            out[rank] = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+        return out
+
+
+@pytest.mark.multiproc
+def test_a_killed_rank_is_replaced_and_the_survivors_form_the_next_round_in_their_own_processes(tmp_path):
+    job = Job(tmp_path, "kill@1:8,recv@0:2:8")  # rank 0 blocks on rank 2, a survivor, at the kill
+    t0 = time.monotonic()
+    codes = job.run()
+    assert codes == {0: 0, 1: 0, 2: 0}, job.procs[1].stderr.read().decode()[-2000:] if codes[1] else codes
+    assert job.replaced == [1]
+    lines = job.lines()
+    for rank in (0, 2):  # survivors: one process, two attempts, the second in a newer round
+        starts = [x for x in lines[rank] if x["event"] == "start"]
+        assert len({x["pid"] for x in lines[rank]}) == 1
+        assert [x["attempt"] for x in starts] == [1, 2]
+        assert starts[1]["round"] > starts[0]["round"]
+    done = [x for r in range(WORLD) for x in lines[r] if x["event"] == "done"]
+    assert len(done) == WORLD and len({x["round"] for x in done}) == 1
+    assert {x["counter"] for x in done} == {float(WORLD * 30)}  # the last round ran whole, on every rank
+    # rank 0 was blocked in a receive from a live survivor: only the cut of its connections woke it
+    blocked = next(x for x in lines[0] if x["event"] == "blocked")
+    second = [x for x in lines[0] if x["event"] == "start"][1]
+    assert second["t"] - blocked["t"] < 30, "rank 0 waited for its group's timeout instead of being cut free"
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.multiproc
+def test_an_error_of_the_users_code_is_not_recovered_in_place(tmp_path):
+    job = Job(tmp_path, "raise@2", reform_s=8.0)
+    codes = job.run()
+    assert codes[2] != 0 and b"ValueError: the user's code fails here" in job.procs[2].stderr.read()
+    assert "rank 2: ValueError: the user's code fails here" in _rounds.escaped(job.store)
+    # the others lose their peer: they recover (a new round is asked for), and since no worker
+    # comes back in its place, they end when the round does not form in time
+    assert codes[0] != 0 and codes[1] != 0
+    for rank in (0, 1):
+        assert b"RoundTimeoutError" in job.procs[rank].stderr.read()
+
+
+def test_rounds_decide_once_who_forms_and_who_moves_on():
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    port = store.port
+    assert _rounds.open_round(store) == 1
+    assert _rounds.arrive(store, 1, world_size=1, patience_s=5) == 1
+    _rounds.open_round(store)  # round 2, for a replacement; round 1 was closed and stays closed
+    assert _rounds.arrive(store, 1, world_size=1, patience_s=5) == 1
+
+    def arrive(round_: int) -> int:
+        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        return _rounds.arrive(client, round_, world_size=2, patience_s=10)
+
+    # a survivor waits at round 2; a second replacement is asked round 3: round 2 is abandoned
+    # (nobody completed it) and both meet in round 3
+    with ThreadPoolExecutor(2) as pool:
+        survivor = pool.submit(arrive, 2)
+        time.sleep(0.2)
+        newcomer = pool.submit(arrive, _rounds.open_round(store))
+        assert (survivor.result(), newcomer.result()) == (3, 3)
+    assert store.get(_rounds.PREFIX + "r2/state") == b"abandoned"
+    assert store.get(_rounds.PREFIX + "r3/state") == b"closed"
+    with pytest.raises(_rounds.RoundTimeoutError, match="1 of 2 ranks arrived at round 4"):
+        _rounds.arrive(store, 4, world_size=2, patience_s=0.3)
+
+
+def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
+    """Ray Train starts the replacements of several workers one after another: each start asks for
+    a new round, and the wait for a round starts again with it."""
+    import threading
+
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    port = store.port
+    stop = threading.Event()
+
+    def starts() -> None:  # a start every 0.3 s for 1.5 s: longer than the patience, never a gap as long
+        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        for _ in range(5):
+            if stop.wait(0.3):
+                return
+            _rounds.open_round(client)
+
+    thread = threading.Thread(target=starts)
+    t0 = time.monotonic()
+    thread.start()
+    with pytest.raises(_rounds.RoundTimeoutError, match="no worker was started for 1s"):
+        _rounds.arrive(store, _rounds.open_round(store), world_size=2, patience_s=1.0)
+    waited = time.monotonic() - t0
+    stop.set()
+    thread.join()
+    assert 2.0 < waited < 5.0  # the last start at ~1.5 s, then 1 s of patience
+
+
+def test_the_controller_ends_a_run_whose_recoveries_make_no_progress():
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    attempts = _rounds.Attempts(max_stuck=2, max_starts=3)
+    assert attempts.start(store) is None  # the first group
+    for round_, step in ((1, 10), (2, 20)):  # two recoveries, each after progress
+        store.set(_rounds.PREFIX + "formed", str(round_))
+        _rounds.note_progress(store, step)
+        assert attempts.start(store) is None
+    _rounds.note_escaped(store, "rank 3: ValueError: boom")
+    store.set(_rounds.PREFIX + "formed", "3")  # formed again, and failed again at step 20
+    assert attempts.start(store) is None
+    store.set(_rounds.PREFIX + "formed", "4")
+    why = attempts.start(store)
+    assert why is not None and "2 recoveries in a row" in why and "step 20" in why and "ValueError: boom" in why
+    # a worker that never comes back: starts without a round forming
+    attempts = _rounds.Attempts(max_stuck=5, max_starts=3)
+    attempts.start(store)
+    outcomes = [attempts.start(store) for _ in range(4)]
+    assert outcomes[:3] == [None, None, None] and "4 workers were started" in outcomes[3]
+
+
+def test_sever_cuts_what_this_process_accepted_and_what_it_dialed_to_a_published_listener():
+    import socket
+
+    baseline = _sever.listeners()
+    mine = socket.socket()
+    mine.bind(("127.0.0.1", 0))
+    mine.listen()
+    theirs = socket.socket()  # stands for a peer's listener (another process in real life)
+    theirs.bind(("127.0.0.1", 0))
+    theirs.listen()
+    inbound = socket.create_connection(mine.getsockname())
+    accepted, _ = mine.accept()
+    dialed = socket.create_connection(theirs.getsockname())
+    peer_end, _ = theirs.accept()
+    other = socket.socket()  # a listener of before: untouched
+    unrelated = socket.create_connection(("127.0.0.1", _free_listener(other)))
+    assert ("127.0.0.1", mine.getsockname()[1]) in _sever.opened_since(baseline)
+    # the peer's listener was opened after the baseline too; name only our own as ours
+    cut = _sever.sever(baseline | _sever.listeners() - _inodes_of(mine), [theirs.getsockname()])
+    assert cut >= 2
+    assert inbound.recv(1) == b""  # our accepted end was shut: the dialer sees the close
+    assert peer_end.recv(1) == b""  # our dialed end was shut: the peer sees the close
+    unrelated.sendall(b"x")  # still open
+    for s in (mine, theirs, inbound, accepted, dialed, peer_end, other, unrelated):
+        s.close()
+
+
+def _free_listener(sock) -> int:
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock.getsockname()[1]
+
+
+def _inodes_of(sock) -> set[int]:
+    return {int(os.readlink(f"/proc/self/fd/{sock.fileno()}")[8:-1])}
