@@ -95,7 +95,7 @@ def train_loop(config: dict) -> dict:
                     "bytes_local": result.bytes_read.get("local", 0), "bytes_peer": result.bytes_read.get("peer", 0),
                     "bytes_durable": result.bytes_read.get("durable", 0), "path": result.path,
                     "timeline": [list(m) for m in result.timeline], "recovery": list(result.recovery)}
-        emit("restore", t_start=t0, **restored)
+        emit("restore", t_start=t0, pid=os.getpid(), **restored)
 
     def on_commit(step: int, saved_at: float):
         def done(fut) -> None:

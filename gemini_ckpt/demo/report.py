@@ -166,9 +166,12 @@ def build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: flo
             if after:
                 report.recovery_s = min(after) - failure["unix"]
             report.stages = recovery_stages(failure["unix"], events, restores, min(after) if after else None)
-        starts = [e for e in events if e["kind"] == "start" and e["unix"] > failure["unix"]]
+        # Each rank's process after the failure, from its restore (every recovery ends in one) or
+        # its start: one lost progress event must not miscount the workers kept.
         first_pids = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure["unix"]}
-        report.kept_processes = sum(1 for e in starts if first_pids.get(e["rank"]) == e["pid"])
+        after_pids = {e["rank"]: e["pid"] for e in events
+                      if e["kind"] in ("start", "restore") and e["unix"] > failure["unix"] and "pid" in e}
+        report.kept_processes = sum(1 for rank, pid in after_pids.items() if first_pids.get(rank) == pid)
     return report
 
 
