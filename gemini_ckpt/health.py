@@ -243,7 +243,9 @@ class HealthCheck:
 
     Fields:
         parameters: every floating-point parameter tensor must be finite.
-        optimizer_state: every floating-point optimizer-state tensor must be finite.
+        optimizer_state: every floating-point optimizer-state tensor must be finite, and the
+            optimizers' hyper-parameters (a NaN ``lr``, an infinite ``weight_decay``; checked on
+            the trainer at ``save``, :func:`nonfinite_hyperparameter`).
         buffers: also the model's buffers (off: masks may hold ``-inf``).
         gradients: also the saved gradients (``TrainState(grads=True)``).
         metrics: :class:`MetricCheck` predicates on ``save(step, metrics=...)``; a metric a
@@ -288,8 +290,13 @@ class HealthCheck:
                              f"{', '.join(map(repr, ON_UNHEALTHY))}")
 
     def judge(self, step: int, state: Any, metrics: Mapping[str, Any], history: MetricHistory) -> Health:
-        """The trainer's verdict on this save: the metric checks (in order), then the validator.
-        Updates ``history`` with the metrics of a save that passed the metric checks."""
+        """The trainer's verdict on this save: the optimizers' hyper-parameters (with
+        ``optimizer_state``), the metric checks (in order), then the validator. Updates
+        ``history`` with the metrics of a save that passed the metric checks."""
+        if self.optimizer_state:
+            bad = nonfinite_hyperparameter(getattr(state, "optimizers", ()))
+            if bad is not None:
+                return Health(UNHEALTHY, "finite", bad[0], _short(bad[1]))
         values = {}
         for c in self.metrics:
             if c.metric not in metrics:
@@ -308,6 +315,47 @@ class HealthCheck:
             if why:
                 return Health(UNHEALTHY, "validator", "", _short(why))
         return HEALTHY_VERDICT
+
+
+FINITE_HYPERPARAMETERS = frozenset({"lr", "initial_lr", "weight_decay", "momentum", "dampening", "betas", "eps",
+                                    "alpha", "rho", "lr_decay", "initial_accumulator_value", "lambd", "etas"})
+"""Optimizer hyper-parameters that must be finite (an infinity in any other key is allowed)."""
+
+
+def nonfinite_hyperparameter(optimizers: Iterable[Any]) -> Optional[tuple[str, str]]:
+    """The first optimizer hyper-parameter that is not finite, as (item, detail), else None.
+
+    A NaN learning rate or an infinite weight decay sits in ``param_groups``, not in the state
+    tensors, and one more step makes every parameter non-finite. Checked: a NaN in any number
+    of any group, and an infinity in the hyper-parameters torch's optimizers multiply by
+    (:data:`FINITE_HYPERPARAMETERS`; other keys may use ``inf`` for "no limit"), each of a
+    tuple's numbers (``betas``), a one-element CPU tensor's value (a tensor ``lr``); a tensor
+    on an accelerator is left alone (reading it would wait for the device on the training
+    thread). Items are named as in the checkpoint, ``optim.param_groups.<group>.<key>``, the
+    groups of several optimizers numbered on from one to the next (as DCP merges them).
+    """
+    groups = (group for opt in optimizers for group in getattr(opt, "param_groups", ()))
+    for g, group in enumerate(groups):
+        for key, value in group.items():
+            if key == "params":
+                continue
+            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+                number = _scalar(v)
+                if number is not None and (math.isnan(number) or (
+                        math.isinf(number) and key in FINITE_HYPERPARAMETERS)):
+                    return f"optim.param_groups.{g}.{key}", f"{key} is {number}"
+    return None
+
+
+def _scalar(value: Any) -> Optional[float]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    numel, device = getattr(value, "numel", None), getattr(value, "device", None)
+    if callable(numel) and getattr(device, "type", None) == "cpu" and numel() == 1 and value.is_floating_point():
+        return float(value.item())
+    return None
 
 
 def _number(name: str, value: Any) -> float:

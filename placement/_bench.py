@@ -11,6 +11,7 @@ the step time belong to the user's job, not to this machine.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,11 @@ from typing import Any
 from ._errors import PlacementError
 
 __all__ = ["BENCH_FIELDS", "BenchCosts", "read_bench"]
+
+#: The most copies a ``replicate.json`` row may claim (a file is not trusted to size the work).
+MAX_REPLICAS = 64
+#: The largest benchmark file read (the real ones are a few hundred KB).
+MAX_BYTES = 16 << 20
 
 #: Cost fields a benchmark can supply, in the order they are reported.
 BENCH_FIELDS = (
@@ -68,13 +74,17 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
     sources: dict[str, str] = {}
 
     def take(name: str, value: object, where: str) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
             values[name] = float(value)
             sources[name] = where
 
     for path in files:
         try:
+            if path.stat().st_size > MAX_BYTES:
+                raise ValueError(f"{path.stat().st_size} bytes, more than a benchmark writes ({MAX_BYTES})")
             doc = json.loads(path.read_text())
+        except RecursionError:
+            raise PlacementError(f"from_bench: cannot read {path}: nested too deeply to be a benchmark's JSON") from None
         except (OSError, ValueError) as exc:
             raise PlacementError(f"from_bench: cannot read {path}: {exc}") from None
         if not isinstance(doc, dict):
@@ -86,9 +96,14 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
             take("durable_save_s", seconds.get(_DCP_SAVE), f"{name} seconds[{_DCP_SAVE!r}]")
         rows = [r for r in doc.get("rows", []) if isinstance(r, dict)]
         for row in rows:  # bench_replicate: one row per replicas count
-            if "put_s" in row and isinstance(row.get("replicas"), int):
+            replicas = row.get("replicas")
+            if "put_s" in row and isinstance(replicas, int) and not isinstance(replicas, bool):
+                if not 1 <= replicas <= MAX_REPLICAS:
+                    raise PlacementError(f"from_bench: {name} claims a row of replicas={replicas}; a benchmark "
+                                         f"measures 1 to {MAX_REPLICAS} copies")
                 commit = values.setdefault("commit_s", {})
-                if isinstance(row.get("commit_s"), (int, float)):
+                seconds = row.get("commit_s")
+                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < math.inf:
                     commit[row["replicas"]] = float(row["commit_s"])
                     sources["commit_s"] = f"{name} rows[replicas=*].commit_s"
         by_method = {r.get("method"): r.get("seconds") for r in rows}

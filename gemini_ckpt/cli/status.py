@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -104,13 +105,31 @@ class ClusterStatus:
         raise KeyError(f"no host stores of namespace {namespace!r}")
 
     def to_dict(self) -> dict:
-        return {"namespaces": [asdict(ns) | {"committed_steps": ns.committed_steps, "unhealthy_steps": ns.unhealthy_steps}
-                               for ns in self.namespaces]}
+        """Plain JSON values: a non-finite number (a rate over no time) is None, so strict
+        parsers read ``status --json``."""
+        return finite_json({"namespaces": [asdict(ns) | {"committed_steps": ns.committed_steps,
+                                                         "unhealthy_steps": ns.unhealthy_steps}
+                                           for ns in self.namespaces]})
 
     def format(self) -> str:
         if not self.namespaces:
             return "no gemini_ckpt host stores on this Ray cluster"
         return "\n\n".join(_format_namespace(ns) for ns in self.namespaces)
+
+
+def finite_json(value):
+    """``value`` with every NaN or infinite float (nested in dicts, lists, tuples) made None.
+
+    >>> finite_json({"rate": float("nan"), "hosts": [1.5, float("inf")]})
+    {'rate': None, 'hosts': [1.5, None]}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def cluster_status(namespace: Optional[str] = None, *, address: Optional[str] = None,
@@ -268,7 +287,7 @@ def _run_status(args: argparse.Namespace) -> int:
               f"or pass --address HOST:PORT (or set RAY_ADDRESS).", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(status.to_dict(), indent=2, sort_keys=True, default=str))
+        print(json.dumps(status.to_dict(), indent=2, sort_keys=True, default=str, allow_nan=False))
     else:
         print(status.format())
     return 0

@@ -134,7 +134,9 @@ class CommState:
             at = self._at(slot)
             if _DEPTH.unpack_from(self._mm, at)[0] > 0:
                 entered = _ENTERED.unpack_from(self._mm, at + 8)[0]
-                if now - entered < stale_s and (latest is None or entered > latest):
+                # A mark from the future (a writer with a bad clock, or a hostile one) is stale
+                # too; 1 s of slack covers a mark made between reading ``now`` and this slot.
+                if -1.0 <= now - entered < stale_s and (latest is None or entered > latest):
                     latest = entered
         return latest
 

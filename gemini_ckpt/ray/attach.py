@@ -61,6 +61,15 @@ MAX_PAYLOAD = 1 << 31
 MAX_FDS = 4
 _CONTEXT = b"gemini_ckpt attach v1\x00"
 
+PROTOCOL = 2
+"""The attach channel's version. Host stores are detached and outlive jobs: a trainer of one
+gemini_ckpt version must not attach to a store left running by another (an older store that
+leaves the health verdict out of its records made a NaN step healthy). Each end names its
+version in the handshake and refuses another; change it with any change of the messages."""
+
+RESTART_STORES = ("end the old host stores (they are detached Ray actors: `ray stop` on a cluster of your own, "
+                  "or ray.kill() on each actor `gemini_ckpt status` lists) and run the job again")
+
 MAX_HELLO = 4 << 10
 """Bytes the store reads of a message before its proof checks (the hello is a JSON header of
 rank, epoch and proof, about 150 bytes, and no payload); a message declaring more is refused
@@ -120,7 +129,10 @@ class Connection:
                 if left <= 0:
                     raise TimeoutError("the attach handshake took too long")
                 self.sock.settimeout(left)
-            msg, anc, _flags, _addr = self.sock.recvmsg(n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4))
+            # MSG_CMSG_CLOEXEC: the received segment and comm-page fds are not inherited by a
+            # child process the trainer starts (they would keep the memory after both ends close).
+            msg, anc, _flags, _addr = self.sock.recvmsg(n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4),
+                                                        socket.MSG_CMSG_CLOEXEC)
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     got = array.array("i")

@@ -14,7 +14,33 @@ from concurrent.futures import Future
 from typing import Optional
 
 from ..errors import AttachError
-from .attach import MAX_HELLO, Connection, close_all, proof
+from .attach import MAX_HELLO, PROTOCOL, RESTART_STORES, Connection, close_all, proof
+
+
+def connect_until(address: str, deadline: float) -> socket.socket:
+    """A connected socket to ``address``, trying again until ``deadline`` (monotonic) while the
+    listener's queue is full (EAGAIN: a burst of connections, or another local user flooding the
+    socket; issue 40, finding 2). The last error past the deadline."""
+    pause = 0.01
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            sock.connect(address)
+            return sock
+        except (BlockingIOError, InterruptedError) as exc:
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise OSError(exc.errno, f"the store's attach queue stayed full ({exc.strerror})") from None
+        except OSError:
+            sock.close()
+            raise
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+
+
+class _Skew(Exception):
+    """The store's greeting names another attach protocol (args[0]; 1: it names none)."""
 
 
 # --- the trainer's side ------------------------------------------------------------------------
@@ -23,22 +49,28 @@ class AttachClient:
 
     def __init__(self, address: str, secret: bytes, *, rank: int, epoch: int, timeout_s: float) -> None:
         self.rank, self.epoch, self.timeout_s = rank, epoch, timeout_s
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
+        deadline = time.monotonic() + timeout_s
         try:
-            sock.connect(address)
+            sock = connect_until(address, deadline)
         except OSError as exc:
-            sock.close()
-            raise AttachError(f"rank {rank}: cannot reach the host store's attach socket: {exc}") from None
+            raise AttachError(f"rank {rank}: cannot reach the host store's attach socket within {timeout_s:g}s: "
+                              f"{exc}") from None
         self.conn = Connection(sock)
         try:
-            deadline = time.monotonic() + timeout_s
             greeting, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
             close_all(fds)
             nonce = bytes.fromhex(greeting["nonce"])
-            self.conn.send({"rank": rank, "epoch": epoch, "proof": proof(secret, nonce, rank, epoch)})
+            if greeting.get("protocol") != PROTOCOL:
+                raise _Skew(greeting.get("protocol", 1))
+            self.conn.send({"rank": rank, "epoch": epoch, "proof": proof(secret, nonce, rank, epoch),
+                            "protocol": PROTOCOL})
             verdict, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
             close_all(fds)
+        except _Skew as skew:
+            self.conn.close()
+            raise AttachError(f"rank {rank}: the host store on this node speaks attach protocol {skew.args[0]!r} and "
+                              f"this trainer {PROTOCOL}: the store was started by another gemini_ckpt version; "
+                              f"{RESTART_STORES}") from None
         except (EOFError, OSError, KeyError, ValueError) as exc:
             self.conn.close()
             raise AttachError(f"rank {rank}: the host store closed the attach socket ({exc})") from None

@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional
 
 from ..errors import AttachError
 from ..timeouts import TIMEOUTS
-from .attach import MAX_HELLO, Connection, close_all, proof
+from .attach import MAX_HELLO, PROTOCOL, RESTART_STORES, Connection, close_all, proof
 from .transport._tcp import LogThrottle
 
 log = logging.getLogger("gemini_ckpt")
@@ -114,7 +114,7 @@ class AttachServer:
         conn.sock.settimeout(self._deadline_s)
         nonce = os.urandom(32)
         try:
-            conn.send({"nonce": nonce.hex()})
+            conn.send({"nonce": nonce.hex(), "protocol": PROTOCOL})
             hello, _, fds = conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
         except EOFError:
             return -1
@@ -133,6 +133,12 @@ class AttachServer:
         if rank < 0 or not hmac.compare_digest(str(hello.get("proof", "")), proof(self.secret, nonce, rank, epoch)):
             self._refused("a connection that does not prove the namespace's secret was refused")
             conn.send({"ok": False, "error": "refused: the proof does not match this store's secret"})
+            return -1
+        if hello.get("protocol") != PROTOCOL:
+            self._refused(f"refused a trainer of attach protocol {hello.get('protocol', 1)!r} (this store's: {PROTOCOL})")
+            conn.send({"ok": False, "error": f"refused: this host store speaks attach protocol {PROTOCOL} and the "
+                                             f"trainer {hello.get('protocol', 1)!r}: they come from different "
+                                             f"gemini_ckpt versions; {RESTART_STORES}"})
             return -1
         if epoch != self._epoch():
             conn.send({"ok": False, "error": f"refused: epoch {epoch} is not this store's ({self._epoch()})"})

@@ -362,6 +362,25 @@ def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
     assert "not in the bench results, default used: stall_s, commit_s, persist_s" in text.stdout
 
 
+def test_cli_from_bench_refuses_hostile_sizes_and_nesting_with_one_line(tmp_path):
+    """A benchmark file is not trusted to size the work (issue 40, 12): a row claiming 10^8
+    copies took 141 s and 10.5 GB, a deeply nested file was a RecursionError traceback."""
+    (tmp_path / "replicate.json").write_text(json.dumps({"rows": [
+        {"method": "gemini_ckpt replicas=huge", "replicas": 100_000_000, "commit_s": 1.0, "put_s": 1.0}]}))
+    t0 = time.monotonic()
+    out = run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"), "--simulate", "0")
+    assert out.returncode == 2 and time.monotonic() - t0 < 30, (out.returncode, out.stderr[-2000:])
+    assert "replicas=100000000; a benchmark measures 1 to 64 copies" in out.stderr and "Traceback" not in out.stderr
+    (tmp_path / "replicate.json").write_text("[" * 100_000 + "]" * 100_000)
+    out = run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"), "--simulate", "0")
+    assert out.returncode == 2 and "nested too deeply" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    (tmp_path / "replicate.json").write_text(json.dumps({"rows": [
+        {"method": "gemini_ckpt replicas=2", "replicas": 2, "commit_s": float("inf"), "put_s": 1.0}]}))
+    doc = json.loads(run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"),
+                             "--json", "--simulate", "0").stdout)
+    assert "commit_s" in doc["inputs"]["bench_missing"]  # an infinite cost is not a measurement
+
+
 def test_cli_from_bench_reads_persist_stalls(tmp_path):
     (tmp_path / "persist.json").write_text(json.dumps({
         "persist": {"committed_to_persisted_s": 4.0, "save_to_persisted_s": 5.0, "gbps": 0.25},

@@ -199,3 +199,157 @@ def test_a_real_trainer_still_attaches_while_strangers_hang_around(store):
     finally:
         for sock in silent:
             sock.close()
+
+
+def test_received_fds_are_not_inherited_by_child_processes(tmp_path):
+    """Segment and comm-page fds that arrive over the attach socket are close-on-exec: a child
+    process the trainer starts (a data-loader worker exec'd, a shell) must not keep the memory
+    alive after the store and the trainer closed theirs."""
+    import subprocess
+    import sys
+
+    from gemini_ckpt.ray.attach import Connection, close_all
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = tmp_path / "segment"
+    path.write_bytes(b"x" * 64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        Connection(a).send({"kind": "segment"}, fds=(fd,))
+        header, _payload, fds = Connection(b).recv(deadline=time.monotonic() + 5)
+        assert header == {"kind": "segment"} and len(fds) == 1
+        assert not os.get_inheritable(fds[0])
+        # What a child sees: the fd passed to it only if it were inheritable.
+        probe = subprocess.run([sys.executable, "-c", f"import os; os.fstat({fds[0]})"], close_fds=False,
+                               capture_output=True)
+        assert probe.returncode != 0, "a child process could use the received fd"
+        close_all(fds)
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+def test_a_store_of_another_version_is_refused_with_a_clear_error(store, monkeypatch):
+    """Detached host stores outlive jobs: a trainer must not attach to one an older (or newer)
+    gemini_ckpt left running (issue 40, finding 3: an old store's records without verdicts made
+    a NaN step healthy). Both ends name the attach protocol and refuse another."""
+    from gemini_ckpt.ray import attach_client
+    from gemini_ckpt.ray.attach import PROTOCOL
+
+    # An old store: its greeting names no protocol.
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = f"\0gemini-ckpt-test-{os.getpid()}-{time.monotonic_ns()}"
+    old.bind(address)
+    old.listen(1)
+
+    def serve_old():
+        conn, _ = old.accept()
+        head = json.dumps({"nonce": os.urandom(32).hex()}).encode()
+        conn.sendall(_HEAD.pack(len(head), 0) + head)
+        time.sleep(1)
+        conn.close()
+
+    import threading
+
+    threading.Thread(target=serve_old, daemon=True).start()
+    with pytest.raises(AttachError, match=rf"speaks attach protocol 1 and this trainer {PROTOCOL}: the store was "
+                                          r"started by another gemini_ckpt version; end the old host stores"):
+        AttachClient(address, SECRET, rank=0, epoch=1, timeout_s=5)
+    old.close()
+
+    # A trainer of another version at a current store: refused by the store, with the reason.
+    monkeypatch.setattr(attach_client, "PROTOCOL", PROTOCOL + 1)
+    with pytest.raises(AttachError, match=rf"speaks attach protocol {PROTOCOL} and this trainer {PROTOCOL + 1}"):
+        AttachClient(store.server.address, SECRET, rank=0, epoch=1, timeout_s=5)
+    monkeypatch.setattr(attach_client, "PROTOCOL", PROTOCOL)
+    greeting_ok = AttachClient(store.server.address, SECRET, rank=0, epoch=1, timeout_s=5)
+    greeting_ok.close()
+
+
+def test_the_store_refuses_a_hello_without_its_protocol(store):
+    from gemini_ckpt.ray.attach import proof
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(store.server.address)
+    n_head, _ = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    nonce = bytes.fromhex(json.loads(_recv_exact(sock, n_head))["nonce"])
+    hello = json.dumps({"rank": 0, "epoch": 1, "proof": proof(SECRET, nonce, 0, 1)}).encode()  # an old trainer's
+    sock.sendall(_HEAD.pack(len(hello), 0) + hello)
+    n_head, _ = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    verdict = json.loads(_recv_exact(sock, n_head))
+    assert verdict["ok"] is False and "different gemini_ckpt versions" in verdict["error"], verdict
+    assert store.calls == []
+    sock.close()
+
+
+def test_a_trainer_attaches_once_a_full_attach_queue_drains():
+    """A full listen queue (a burst, or another local user's connect loop) makes a non-blocking
+    connect fail with EAGAIN at once; the trainer tries again until its deadline instead of
+    failing the job's start (issue 40, finding 2: 4 of 5 restarts failed under a flood)."""
+    import threading
+
+    from gemini_ckpt.ray.attach_client import connect_until
+
+    address = f"\0gemini-ckpt-test-queue-{os.getpid()}-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    fillers = []
+    while True:  # fill the queue as a flood would
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(5)
+    with pytest.raises(BlockingIOError):  # what a single try gets
+        probe.connect(address)
+    probe.close()
+
+    accepted = []
+
+    def drain_later():
+        time.sleep(0.5)
+        listener.settimeout(0.5)
+        while True:  # until the queue stays empty (or the listener is closed)
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=drain_later, daemon=True).start()
+    t0 = time.monotonic()
+    sock = connect_until(address, time.monotonic() + 10)
+    assert time.monotonic() - t0 >= 0.4
+    sock.close()
+    for s in fillers + accepted:
+        s.close()
+    listener.close()
+
+    # Full, and nobody drains it: the deadline ends the tries with a clear error.
+    address = address + "-stuck"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    fillers = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    with pytest.raises(OSError, match="attach queue stayed full"):
+        connect_until(address, time.monotonic() + 0.5)
+    for s in fillers:
+        s.close()
+    listener.close()

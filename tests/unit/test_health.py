@@ -167,6 +167,35 @@ def test_optimizer_state_is_checked_and_each_check_can_be_turned_off():
     ckpt.close()
 
 
+def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_it_is_not_restored():
+    """A NaN learning rate (float or tensor) or an infinite weight decay lives in param_groups,
+    not in the state tensors; one more step makes every parameter non-finite (issue 40, 4)."""
+    t, ckpt = _lm(_config())
+    batches = t.batches()
+    _step(t, batches)
+    assert _saved(ckpt, 0).health.result().status == "healthy"
+    group = t.optimizer.param_groups[0]
+    lr, wd = group["lr"], group["weight_decay"]
+    for step, (key, bad, detail) in enumerate([("lr", math.nan, "lr is nan"), ("weight_decay", math.inf, "weight_decay is inf"),
+                                               ("lr", torch.tensor(math.nan), "lr is nan")], start=1):
+        group[key] = bad
+        health = _saved(ckpt, step).health.result()
+        assert (health.status, health.check, health.item, health.detail) == (
+            "unhealthy", "finite", f"optim.param_groups.0.{key}", detail)
+        group["lr"], group["weight_decay"] = lr, wd
+    group["betas"] = (0.9, math.nan)
+    assert _saved(ckpt, 4).health.result().item == "optim.param_groups.0.betas"
+    group["betas"] = (0.9, 0.999)
+    assert ckpt.restore().step == 0  # the newest healthy version, not 1-4
+    assert group["lr"] == lr and math.isfinite(group["betas"][1])
+    ckpt.close()
+
+    t, ckpt = _lm(_config(health_check=HealthCheck(optimizer_state=False)))
+    t.optimizer.param_groups[0]["lr"] = math.nan
+    assert _saved(ckpt, 0).health.result().status == "healthy"  # the switch covers it
+    ckpt.close()
+
+
 def test_health_check_none_checks_nothing_and_says_so():
     model = nn.Linear(4, 4)
     with torch.no_grad():

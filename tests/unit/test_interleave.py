@@ -66,6 +66,22 @@ def test_a_stale_mark_is_ignored_and_a_detached_ranks_marks_are_cleared():
     state.close()
 
 
+def test_a_mark_timestamped_in_the_future_goes_stale_too():
+    """A slot whose ``entered`` lies in the future (a bad clock, a hostile writer of the page)
+    must not hold replication back forever (issue 40, finding 7)."""
+    import struct
+
+    state = CommState.create(slots=1)
+    marker = state.marker(state.slot_for(rank=0))
+    marker.enter()
+    at = state._at(0)
+    struct.pack_into("<d", state._mm, at + 8, time.monotonic() + 3600)  # what another writer can do
+    assert state.busy_since(stale_s=30) is None and not state.busy(stale_s=30)
+    struct.pack_into("<d", state._mm, at + 8, time.monotonic())
+    assert state.busy(stale_s=30)
+    state.close()
+
+
 def test_overlapping_collectives_keep_the_rank_busy_until_the_last_ends():
     state = CommState.create(slots=1)
     marker = state.marker(0)

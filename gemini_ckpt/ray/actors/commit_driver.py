@@ -125,10 +125,10 @@ class CommitDriver:
         with self.s.lock:
             if self.s.commit is None or self.s.cfg is None:
                 return
-            now = time.time()
+            now = time.monotonic()  # not the wall clock: a step of it must not fail the versions in flight
             for vid in self.s.commit.pending():
                 v = self.s.table.versions.get(vid.step)
-                started = v.started_unix if v is not None else now
+                started = v.started_mono if v is not None else now
                 if now - started > self.s.cfg.timeout_s:
                     actions += self.s.commit.on_timeout(vid)
         self.apply(actions)

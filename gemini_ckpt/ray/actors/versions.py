@@ -64,7 +64,8 @@ class Version:
     persist: bool = False  # kept until the persister unpins it
     released: bool = False  # retention let it go while pinned
     world_size: int = 0
-    started_unix: float = field(default_factory=time.time)
+    started_unix: float = field(default_factory=time.time)  # for people and timelines
+    started_mono: float = field(default_factory=time.monotonic)  # for deadlines: a clock step can't move them
     acked: set = field(default_factory=set)  # owners whose copies this store acknowledged
     marks: dict = field(default_factory=dict)  # what happened when (time.time()), for timelines
 
