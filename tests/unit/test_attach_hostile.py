@@ -284,6 +284,24 @@ def test_the_store_refuses_a_hello_without_its_protocol(store):
     sock.close()
 
 
+def _full_queue(address: str) -> tuple[socket.socket, list[socket.socket]]:
+    """A listener on ``address`` whose accept queue is full, as a flood of connects leaves it
+    (the listener, and the queued connections to close)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(1)
+    fillers = []
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            return listener, fillers
+        fillers.append(s)
+
+
 def test_a_trainer_attaches_once_a_full_attach_queue_drains():
     """A full listen queue (a burst, or another local user's connect loop) makes a non-blocking
     connect fail with EAGAIN at once; the trainer tries again until its deadline instead of
@@ -293,19 +311,7 @@ def test_a_trainer_attaches_once_a_full_attach_queue_drains():
     from gemini_ckpt.ray.attach_client import connect_until
 
     address = f"\0gemini-ckpt-test-queue-{os.getpid()}-{time.monotonic_ns()}"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(1)
-    fillers = []
-    while True:  # fill the queue as a flood would
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-        except BlockingIOError:
-            s.close()
-            break
-        fillers.append(s)
+    listener, fillers = _full_queue(address)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(5)
     with pytest.raises(BlockingIOError):  # what a single try gets
@@ -335,19 +341,7 @@ def test_a_trainer_attaches_once_a_full_attach_queue_drains():
 
     # Full, and nobody drains it: the deadline ends the tries with a clear error.
     address = address + "-stuck"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(1)
-    fillers = []
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-        except BlockingIOError:
-            s.close()
-            break
-        fillers.append(s)
+    listener, fillers = _full_queue(address)
     with pytest.raises(OSError, match="attach queue stayed full"):
         connect_until(address, time.monotonic() + 0.5)
     for s in fillers:
