@@ -46,6 +46,26 @@ def build(layers: int, dim: int):
     return model, opt
 
 
+def alternate(ckpts: dict, res: dict, saves: int, warmup: int) -> tuple[int, dict]:
+    """Save with each Checkpointer in turn (the order rotates every step), ``warmup`` + ``saves``
+    steps; per save the stall and the time to safe into ``res[name]``. Returns (bytes staged per
+    version, each Checkpointer's last handle)."""
+    staged, last, names = 0, {}, list(ckpts)
+    for step in range(saves + warmup):
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:
+            t0 = time.perf_counter()
+            handle = ckpts[name].save(step)
+            t1 = time.perf_counter()
+            handle.committed.result(timeout=300)
+            t2 = time.perf_counter()
+            staged, last[name] = handle.staged.result().staged_bytes, handle
+            if step >= warmup:
+                res[name]["stall"].append(t1 - t0)
+                res[name]["safe"].append(t2 - t0)
+    return staged, last
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=21, help="Linear(dim, dim) layers (21 x 2048^2 x 3 fp32: ~1 GiB)")
@@ -64,21 +84,9 @@ def main() -> None:
         cfg = CheckpointConfig(store="local", namespace=f"health-{name}-{uuid.uuid4().hex[:6]}", keep_in_memory=1,
                                timeout_s=300, health_check=check)
         ckpts[name] = Checkpointer(TrainState(model=model, optimizer=opt), cfg)
-    staged, warmup, health = 0, 2, None
-    names = list(ckpts)
-    for step in range(args.saves + warmup):
-        for name in (names if step % 2 else names[::-1]):
-            t0 = time.perf_counter()
-            handle = ckpts[name].save(step)
-            t1 = time.perf_counter()
-            handle.committed.result(timeout=300)
-            t2 = time.perf_counter()
-            staged = handle.staged.result().staged_bytes
-            if name == "on":
-                health = handle.health.result(timeout=60)
-            if step >= warmup:
-                res[name]["stall"].append(t1 - t0)
-                res[name]["safe"].append(t2 - t0)
+    warmup = 2
+    staged, last = alternate(ckpts, res, args.saves, warmup)
+    health = last["on"].health.result(timeout=60)
     for ckpt in ckpts.values():
         ckpt.close()
     if health is None or health.status != "healthy":

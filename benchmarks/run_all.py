@@ -47,6 +47,7 @@ BENCHES = [
     ("overhead", "bench_overhead.py", "overhead.json", 400, 3600),
     ("scaling", "bench_scaling.py", "scaling.json", 400, 3600),
     ("health", "bench_health.py", "health.json", 300, 1800),
+    ("metrics", "bench_metrics.py", "metrics.json", 300, 1800),
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("soak", "bench_soak.py", "soak.json", 600, 3600),
     ("peers", "bench_peers.py", "peers.json", 600, 3600),  # needs the [peers] extra; says so and exits 0 without it

@@ -28,6 +28,8 @@ _EXPORTS = {
     "BackgroundError": ".errors",
     "CheckpointConfig": ".config",
     "CheckpointError": ".errors",
+    "CheckpointEvent": ".events",
+    "CheckpointListener": ".events",
     "CheckpointStats": ".results",
     "CheckpointTimeoutError": ".errors",
     "Checkpointer": ".checkpointer",
@@ -54,6 +56,8 @@ __all__ = [  # a literal, so that tools see what the lazy names are
     "BackgroundError",
     "CheckpointConfig",
     "CheckpointError",
+    "CheckpointEvent",
+    "CheckpointListener",
     "CheckpointStats",
     "CheckpointTimeoutError",
     "Checkpointer",
@@ -97,6 +101,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .checkpointer import Checkpointer
+    from .events import CheckpointEvent, CheckpointListener
     from .cli.status import cluster_status
     from .config import CheckpointConfig
     from .errors import (

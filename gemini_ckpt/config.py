@@ -108,6 +108,10 @@ class CheckpointConfig:
             --labels rack=r1``. Placement then keeps each shard's copies in different domains
             where the hosts allow it (a warning when they do not); a node without the label is
             its own domain. None: copies follow slot order (see ``docs/placement.md``).
+        metrics: with ``store="ray"``, publish metrics through Ray's metrics API (each node's
+            Prometheus export, the dashboard's Grafana; docs/metrics.md): the save stall, commit
+            and persist times, versions by outcome, restores per rank, memory against the budget and
+            bytes replicated per host store. Recorded off the training thread; False turns them off.
     """
 
     store: str = "ray"
@@ -133,6 +137,7 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     health_check: Optional[HealthCheck] = dataclasses.field(default_factory=HealthCheck)
     failure_domain: Optional[str] = None
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         _choice(self, "store", STORES)
@@ -170,6 +175,8 @@ class CheckpointConfig:
                               f"marked collectives), 'network' (it is marked lower-effort and a network that honours "
                               f"priority interleaves it packet by packet) or False / 'off' (neither), "
                               f"got {self.interleave!r}")
+        if not isinstance(self.metrics, bool):
+            raise ConfigError(f"CheckpointConfig.metrics must be True or False, got {self.metrics!r}")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):

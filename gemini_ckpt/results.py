@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .health import Health
 
@@ -117,6 +117,17 @@ class RestoreResult:
     ``rereplicated`` (every committed version back to ``replicas`` copies), and, when a
     replacement joined, ``replacement_joined`` and ``replacement_seeded`` (its store holds the
     lost host's copies)."""
+
+    rng_state: Optional[Any] = field(default=None, repr=False)
+    """With ``restore(rng=False)``: the restored random number generators' states, not yet
+    applied (:meth:`apply_rng` applies them); None otherwise (they were applied)."""
+
+    def apply_rng(self) -> None:
+        """Put the restored random number generators in place (after ``restore(rng=False)``)."""
+        if self.rng_state is None:
+            raise ValueError("apply_rng(): this restore applied its random number generators already "
+                             "(restore(rng=False) keeps them for later)")
+        self.rng_state.apply()
 
     def stage_seconds(self) -> dict[str, float]:
         """Seconds each stage took (from the previous stage's end)."""

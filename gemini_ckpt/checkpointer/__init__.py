@@ -23,7 +23,8 @@ The modules, one step each: :mod:`.facade` (``Checkpointer``, the methods users 
 :mod:`.tiers` (what ``start()`` builds), :mod:`.inflight` (admission: the in-flight slots and
 the background's errors), :mod:`.snapshot` (step 1: plan, judge, stage) and :mod:`.overlapped`
 (step 1 with ``staging="overlap"``), :mod:`.background` (steps 2 and 3), :mod:`.restoring`
-(``restore()`` around :func:`gemini_ckpt.restore.restore_newest`).
+(``restore()`` around :func:`gemini_ckpt.restore.restore_newest`); listeners are told what
+happens (:mod:`gemini_ckpt.events`).
 """
 
 from .facade import Checkpointer

@@ -3,8 +3,7 @@
 ``save()`` reads as its steps: admission (:mod:`.inflight`), the snapshot (:mod:`.snapshot`,
 or :mod:`.overlapped` with ``staging="overlap"``), the hand-off to the background thread
 (:mod:`.background`); ``start()`` builds the tiers (:mod:`.tiers`); ``restore()`` is
-:mod:`.restoring`.
-"""
+:mod:`.restoring`; listeners hear of it all through :mod:`gemini_ckpt.events`."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import threading
 import time
 import uuid
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -31,11 +30,13 @@ from ..retention import KeepNewest, Retention
 from ..results import CheckpointStats, RestoreResult, SaveHandle
 from ..save.sources import Sources
 from ..save.stager import Stager
+from ..restore.peek import Peeked, peek_newest
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier
 from ..stores.durable import DurableTier, persist_policy
 from ..unpickle import no_gc
 from .background import Background, Job
+from ..events import CheckpointListener, Events
 from .inflight import InFlight
 from .overlapped import OverlapCopier
 from .restoring import restore_version
@@ -58,14 +59,14 @@ class Checkpointer:
             ckpt.save(step)              # returns once staged
         ckpt.close()
 
-    Nothing is started at construction; the background thread (and, with ``store="ray"``,
-    the connection to the host stores) starts at the first ``save``/``restore``/``start``.
-    Rank and world size come from ``torch.distributed`` when it is initialized.
+    Nothing is started at construction: threads and connections start at the first
+    ``save``/``restore``/``peek``. Rank and world size come from ``torch.distributed``.
     """
 
     def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
                  store: Optional[MemoryTier] = None, durable: Optional[DurableTier] = None,
-                 durable_retention: Optional[Retention] = None) -> None:
+                 durable_retention: Optional[Retention] = None,
+                 listeners: Sequence[CheckpointListener] = ()) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
         self.state = state
@@ -83,11 +84,9 @@ class Checkpointer:
         self._flight = InFlight()  # the in-flight slots, the background's errors, the closing flags
         self._bg_group = None
         self._closed = False
-        # which committed versions also go to the durable tier: built once, read by whoever needs it
         self.persist_policy = persist_policy(self.config.persist_every,
                                              self.config.durable_uri or (durable.uri if durable else None))
         self._durable: Optional[DurableTier] = durable
-        # what the durable tier built from ``durable_uri`` lets go of (default: keep_durable newest)
         self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
         self._persister: Optional[Persister] = None
         self._sources = Sources(state, self.rank)
@@ -103,6 +102,16 @@ class Checkpointer:
         # staging="overlap": the copying thread, the copy it is doing, the optimizers' hooks
         self._overlap = OverlapCopier(state, self._sources, self._stager, self.stats, rank=self.rank,
                                       timeout_s=self.config.timeout_s)
+        self._events = Events(rank=self.rank, on_error=self._flight.add_error)
+        for listener in listeners:
+            self._events.add(listener)
+
+    def add_listener(self, listener: CheckpointListener) -> None:
+        """Tell ``listener`` (a :class:`~gemini_ckpt.CheckpointListener`, see
+        :mod:`gemini_ckpt.events`) what happens to this rank's versions; before start."""
+        if self._background.started or self._closed:
+            raise CheckpointError("add_listener() after the Checkpointer started; pass Checkpointer(listeners=[...])")
+        self._events.add(listener)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
@@ -122,6 +131,8 @@ class Checkpointer:
         self._warm.start()
         if self._store is None:
             self._store = make_store(self.config, rank=self.rank, world_size=self.world_size)
+        for listener in self._store.listeners():
+            self._events.add(listener)
         if self._durable is None and self.config.durable_uri:
             self._durable = DurableTier(self.config.durable_uri, keep=self._durable_retention)
         # Steps the memory and durable tiers hold now (rank 0; every rank gets its answer).
@@ -139,6 +150,7 @@ class Checkpointer:
                                               world_size=self.world_size, run_id=self._run_id,
                                               on_error=self._persist_failed)
         self._background.start(self._store, self._durable, self._persister)
+        self._events.started(self)
         return self
 
     @property
@@ -169,35 +181,24 @@ class Checkpointer:
         return self.start()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        self.close() if exc_type is None else self.abort()
 
     def abort(self) -> None:
-        """Stop without waiting for in-flight versions and without raising what failed: for a
-        job that is going down anyway (an exception in the training loop, a peer that died).
-        Versions already committed stay in the store; the handles of those still in flight fail
-        (``committed`` raises) within moments, and none of them is persisted by this process.
-        Returns without waiting for a commit (``close`` waits up to ``timeout_s`` per version)."""
+        """Stop without waiting for in-flight versions and without raising what failed (a job
+        going down anyway). Committed versions stay in the store; the handles of those in flight
+        fail within moments and none of them is persisted by this process."""
         if not self._closed:
             self._flight.begin_closing()
+            self._events.abort(self)
             self._shutdown(raise_errors=False, wait=False)
 
     # --- interleaving (docs/interleave.md) ----------------------------------------------------
     def communicating(self):
-        """A context manager around training communication the library does not hook (DDP's
-        and FSDP2's collectives are hooked by :func:`gemini_ckpt.interleave`): while any rank of
-        a host is inside one, its host store sends no replication bytes.
-
-        Example::
-
-            with ckpt.communicating():
-                dist.all_reduce(loss_sum)
-
-        Free of messages and of collectives; a no-op until the Checkpointer started (the first
-        ``save``/``restore``), after ``close``, with ``interleave=False`` or ``"network"`` (no
-        gate to hold back), or ``store="local"``.
+        """A context manager around training communication the library does not hook (DDP's and
+        FSDP2's are hooked by :func:`gemini_ckpt.interleave`): while any rank of a host is inside
+        one, its host store sends no replication bytes (``with ckpt.communicating():
+        dist.all_reduce(x)``). Free of messages; a no-op before start, after close, with
+        ``interleave=False`` or ``"network"``, or ``store="local"`` (docs/interleave.md).
         """
         marker = self.comm_marker()
         return marker if marker is not None else contextlib.nullcontext()
@@ -268,6 +269,7 @@ class Checkpointer:
                 segment = None  # the tier's now
             self._background.queue(Job(handle, outcome, t0, due, slot))
             queued = True
+            self._events.watch(handle, metrics, t0)
         except Exception as exc:
             if self._flight.stopped and slot in self._flight.slots and "aborted" not in str(exc):
                 # abort() from another thread closed the store under this save(): the store's
@@ -315,7 +317,10 @@ class Checkpointer:
                     self._persister.persist_on_close(self._background.newest_healthy)
                 self.wait_persisted()
         finally:
-            self._shutdown(raise_errors=True)
+            try:
+                self._events.close(self, timeout=self.config.timeout_s)
+            finally:
+                self._shutdown(raise_errors=True)
             if self.stats.persist_failed:
                 warnings.warn(f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
                               f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
@@ -351,37 +356,45 @@ class Checkpointer:
             self._flight.add_error(err)
 
     # --- restore ------------------------------------------------------------------------------
-    def restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
-        """Load the newest healthy committed version into the live objects; ``None`` if there is none.
-
-        The next ``save`` must be a later step; versions newer than the restored one (which
-        could not be read, or are unhealthy) are discarded before it is written.
-
-        A version whose bytes fail their checksums, or whose state failed its health checks, is
-        skipped (with a warning; :attr:`RestoreResult.skipped_reasons` says why) in favour of the
-        next older one; a version whose structure does not match raises
-        :class:`~gemini_ckpt.StructureMismatchError` naming the keys that differ.
+    def restore(self, step: Optional[int] = None, *, rng: bool = True) -> Optional[RestoreResult]:
+        """Load the newest healthy committed version into the live objects; ``None`` if there is
+        none. The next ``save`` must be a later step; versions newer than the restored one (which
+        could not be read, or are unhealthy) are discarded before it is written. A version whose
+        bytes fail their checksums, or whose state failed its health checks, is skipped (with a
+        warning; :attr:`RestoreResult.skipped_reasons` says why) in favour of the next older one;
+        a version whose structure does not match raises :class:`~gemini_ckpt.StructureMismatchError`
+        naming the keys that differ.
 
         ``step``: load exactly that version (every rank must name the same one), even an
         unhealthy one (with a warning: for debugging); :class:`~gemini_ckpt.VersionNotFoundError`
-        when no tier holds it, and no fallback to another version.
+        when no tier holds it, and no fallback to another version. ``rng=False``: leave this
+        process's random number generators as they are, for a framework that puts the restored
+        ones back at a point of its own (``result.apply_rng()``).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"restore(step=...) needs a non-negative int step or None, got {step!r}")
-        with no_gc():
-            return self._restore(step)
-
-    def _restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
         marks = [("called", time.time())]
         self.start()
         self.wait()
         if self._warm is not None:
             self._warm.join(timeout=self.config.timeout_s)
         marks.append(("connected", time.time()))
-        result, restored_plan = restore_version(self.state, self._store, self._durable, self.config, self._lineage,
-                                                rank=self.rank, world_size=self.world_size, group=self._bg_group,
-                                                marks=marks, step=step)
+        with no_gc():
+            result, restored_plan = restore_version(self.state, self._store, self._durable, self.config,
+                                                    self._lineage, rank=self.rank, world_size=self.world_size,
+                                                    group=self._bg_group, marks=marks, step=step, rng=rng)
         if result is not None:
             self._restored_plan = restored_plan  # the first save may take it over
+            self._events.restored(result)
         attempts.restored(result.step if result is not None else None)
         return result
+
+    def peek(self) -> Optional[Peeked]:
+        """The step and this rank's ``extra`` values of the version :meth:`restore` would load,
+        nothing else loaded; ``None`` when there is none. For a framework that needs its counters
+        before its optimizer exists: peek, build it, ``restore(step=peeked.step)``. Every rank calls it."""
+        self.start()
+        self.wait()
+        tiers = [self._store] + ([self._durable] if self._durable is not None else [])
+        return peek_newest(tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group,
+                           config=self.config)

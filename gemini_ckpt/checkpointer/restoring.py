@@ -16,7 +16,7 @@ from ..config import CheckpointConfig
 from ..lineage import Lineage
 from ..restore import restore_newest
 from ..results import RestoreResult
-from ..state.train_state import TrainState
+from ..state.train_state import RandomState, TrainState, capture_rng, restore_rng_state
 from ..stores.base import MemoryTier
 from ..stores.durable import DurableTier
 
@@ -25,9 +25,11 @@ log = logging.getLogger("gemini_ckpt")
 
 def restore_version(state: TrainState, store: MemoryTier, durable: Optional[DurableTier], config: CheckpointConfig,
                     lineage: Lineage, *, rank: int, world_size: int, group, marks: list,
-                    step: Optional[int]) -> tuple[Optional[RestoreResult], object]:
+                    step: Optional[int], rng: bool = True) -> tuple[Optional[RestoreResult], object]:
     """Load the newest healthy version (or ``step``) into ``state``: (the result or None, the
-    restored version's shard plan, which the first save may take over)."""
+    restored version's shard plan, which the first save may take over). ``rng=False``: the
+    process's random number generators are left as they were, the restored ones kept in the result."""
+    before = None if rng else capture_rng()
     tiers = [store]
     if durable is not None:
         tiers.append(durable)
@@ -39,6 +41,9 @@ def restore_version(state: TrainState, store: MemoryTier, durable: Optional[Dura
 
         result = init_from(state, config.init_from, rank=rank, world_size=world_size,
                            group=group)
+    if before is not None and result is not None:
+        result = dataclasses.replace(result, rng_state=RandomState(capture_rng()))
+        restore_rng_state(before)
     if result is not None and store.recovery:
         result = dataclasses.replace(result, recovery=store.recovery)
     if result is not None:

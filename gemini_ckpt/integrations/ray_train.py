@@ -71,16 +71,15 @@ from __future__ import annotations
 
 import logging
 import posixpath
-import threading
 import warnings
 from typing import Optional
 
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
+from ..events import CheckpointListener
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError, RecoveryGaveUpError
-from ..results import RestoreResult, SaveHandle
 from ..state.train_state import TrainState
 from ..stores.durable import DurableTier
 from ..retention import LeftToRayTrain
@@ -91,7 +90,7 @@ from ._ray_train_callback import HostStores
 from ._ray_train_report import Reported, Reporter
 from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_stores
 
-__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RecoveryGaveUpError", "checkpointer",
+__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RayTrainReporting", "RecoveryGaveUpError", "checkpointer",
            "detection_env", "host_stores", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
            "stop_host_stores", "torch_config"]
 
@@ -233,9 +232,11 @@ class RayTrainCheckpointer(Checkpointer):
     """A :class:`~gemini_ckpt.Checkpointer` that reports persisted versions to Ray Train.
 
     Build it with :func:`checkpointer`. ``save(step, metrics=...)`` records the metrics Ray
-    attaches to the version if it is persisted; ``reported_steps`` lists what was reported.
+    attaches to the version if it is persisted (rank 0's, as Ray Train keeps only those);
+    ``reported_steps`` lists what was reported.
 
-    Reports are made by a thread of this checkpointer's, never by the training thread:
+    It is a Checkpointer with one listener (:class:`RayTrainReporting`) and nothing overridden.
+    Reports are made by a thread of the listener's, never by the training thread:
     ``ray.train.report`` is a barrier of every worker through Ray Train's controller, and on
     the training thread it stalled the step after each persisted version (0.9-1.0 s where a
     step took 0.1 s). A version is reported once it is durable, in step order; ``close`` waits
@@ -246,82 +247,69 @@ class RayTrainCheckpointer(Checkpointer):
 
     def __init__(self, state: TrainState, config: CheckpointConfig, *, durable: Optional[DurableTier] = None,
                  report: bool = True, storage=None) -> None:
+        reporting = bool(report and storage is not None and config.persist_every > 0
+                         and (config.durable_uri or durable is not None))
+        self.reporting: Optional[RayTrainReporting] = None
+        if reporting:
+            uri = config.durable_uri or durable.uri
+            root = durable.store.root if durable is not None else resolve_filesystem(uri)[1]
+            self.reporting = RayTrainReporting(storage=storage, report_root=root, timeout_s=config.timeout_s)
         super().__init__(state, config, durable=durable,
-                         durable_retention=LeftToRayTrain() if report and storage is not None else None)
-        self._storage = storage
-        self._reporting = bool(report and storage is not None and config.persist_every > 0
-                               and (config.durable_uri or durable is not None))
-        uri = config.durable_uri or (durable.uri if durable is not None else None)
-        # Where versions are, as a path on Ray's storage filesystem (inside the run directory).
-        self._report_root: Optional[str] = None
-        if self._reporting:
-            self._report_root = durable.store.root if durable is not None else resolve_filesystem(uri)[1]
-        self._metrics: dict[int, dict] = {}  # step -> what save() was given (every rank keeps its own)
-        self._metrics_lock = threading.Lock()
-        self._report_group = None
+                         durable_retention=LeftToRayTrain() if report and storage is not None else None,
+                         listeners=[self.reporting] if self.reporting is not None else [])
+
+    @property
+    def reported_steps(self) -> list[int]:
+        """The versions reported to Ray Train by this process, in order."""
+        return list(self.reporting.reported_steps) if self.reporting is not None else []
+
+
+class RayTrainReporting(CheckpointListener):
+    """The listener that reports a Checkpointer's durable versions to Ray Train (see
+    :class:`RayTrainCheckpointer`): rank 0 decides what is reported (each persisted version,
+    in step order; at ``restore`` and at ``close``, durable versions Ray does not know of yet)
+    and its :class:`~._ray_train_report.Reporter` thread tells every rank's over the
+    checkpointer's own gloo group, where each calls ``ray.train.report``."""
+
+    def __init__(self, *, storage, report_root: str, timeout_s: float) -> None:
+        self._storage, self._report_root, self._timeout_s = storage, report_root, timeout_s
+        self._ckpt: Optional[Checkpointer] = None
         self._reporter: Optional[Reporter] = None
         self.reported_steps: list[int] = []
 
-    def start(self) -> "RayTrainCheckpointer":
-        if not self.started and not self.closed and self._reporting and self._reporter is None:
-            if self.world_size > 1:
-                # Every rank starts at its first save/restore, so the groups are created in one order.
-                self._report_group = dist.new_group(backend="gloo")
-            super().start()
-            self._reporter = Reporter(rank=self.rank, world_size=self.world_size, group=self._report_group,
-                                      timeout_s=self.config.timeout_s, report=self._report_one, path_of=self._path)
-            self._reporter.start()
-            return self
-        super().start()
-        return self
+    def on_start(self, ckpt: Checkpointer) -> None:
+        self._ckpt = ckpt
+        # every rank starts at its first save/restore, so the groups are created in one order
+        group = dist.new_group(backend="gloo") if ckpt.world_size > 1 else None
+        self._reporter = Reporter(rank=ckpt.rank, world_size=ckpt.world_size, group=group,
+                                  timeout_s=self._timeout_s, report=self._report_one)
+        self._reporter.start()
 
-    def save(self, step: int, *, persist: bool = False, metrics: Optional[dict] = None) -> SaveHandle:
-        """Snapshot version ``step`` (see :meth:`Checkpointer.save`; ``metrics`` feed its health
-        check). ``metrics`` (plain Python numbers, no tensors) go to Ray with the version if it is
-        persisted; an unhealthy version is never persisted, so never reported."""
-        handle = super().save(step, persist=persist, metrics=metrics)
-        if self._reporting and (persist or self.persist_policy.should_persist(step)):
-            with self._metrics_lock:
-                self._metrics[step] = dict(metrics or {})
-            if self.rank == 0:
-                self._reporter.offer(step, handle)
-        if self._reporter is not None:
-            self._reporter.raise_error()
-        return handle
+    def on_committed(self, event) -> None:
+        self._reporter.raise_error()  # a failed report surfaces on the training thread
 
-    def restore(self, step: Optional[int] = None) -> Optional[RestoreResult]:
-        """Load the newest healthy version, or ``step`` (see :meth:`Checkpointer.restore`: memory,
-        then durable), then report (in the background) durable versions a crash kept from being
-        reported."""
-        result = super().restore(step)
-        if self._reporting and self.rank == 0:
+    def on_persisted(self, event) -> None:
+        if event.rank == 0:  # an unhealthy version is never persisted, so never reported
+            self._reporter.offer(Reported(event.step, self._path(event.step), dict(event.metrics)))
+
+    def on_restored(self, event) -> None:
+        if event.rank == 0:
             for item in self._unreported():
-                self._reporter.offer_ready(item)
-        return result
+                self._reporter.offer(item)
 
-    def close(self) -> None:
-        """See :meth:`Checkpointer.close`; then report every durable version not reported yet
-        (the one ``persist_on_close`` wrote included) and wait for the reports. Every rank must
-        call it."""
-        if self.closed:
+    def on_close(self, ckpt: Checkpointer, *, aborted: bool) -> None:
+        if self._reporter is None:
             return
-        try:
-            super().close()
-        finally:
-            if self._reporter is not None:
-                if self.rank == 0:
-                    seen = set(self._reporter.offered)
-                    for item in self._unreported():
-                        if item.step not in seen:
-                            self._reporter.offer_ready(item)
-                self._reporter.finish(self.config.timeout_s)
-        if self._reporter is not None:
-            self._reporter.raise_error()
-
-    def abort(self) -> None:
-        super().abort()
-        if self._reporter is not None:
+        if aborted:
             self._reporter.stop()
+            return
+        if ckpt.rank == 0:
+            seen = set(self._reporter.offered)
+            for item in self._unreported():
+                if item.step not in seen:
+                    self._reporter.offer(item)
+        self._reporter.finish(self._timeout_s)
+        self._reporter.raise_error()
 
     # --- which versions are reported (rank 0 decides) ------------------------------------------------
     def _unreported(self) -> list[Reported]:
@@ -335,31 +323,28 @@ class RayTrainCheckpointer(Checkpointer):
             step = parse_step_dir(name)
             if step is not None:
                 last = max(last, step)
-        return [Reported(s, self._path(s)) for s in self.durable.complete_steps() if s > last]
+        return [Reported(s, self._path(s)) for s in self._ckpt.durable.complete_steps() if s > last]
 
     def _path(self, step: int) -> str:
         return posixpath.join(self._report_root, step_dir_name(step))
 
     def _report_one(self, item: Reported) -> None:
-        """Report one version to Ray Train (on the reporter thread of every rank)."""
+        """Report one version to Ray Train (on the reporter thread of every rank, with rank 0's metrics)."""
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        with self._metrics_lock:
-            metrics = self._metrics.pop(item.step, {})
-            for old in [s for s in self._metrics if s < item.step]:
-                del self._metrics[old]  # versions never persisted (failed): nothing to attach them to
         if item.path is None or (self.reported_steps and item.step <= self.reported_steps[-1]):
             return
         checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
-        ray.train.report({**metrics, "step": item.step}, checkpoint=checkpoint,
+        ray.train.report({**item.metrics, "step": item.step}, checkpoint=checkpoint,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
         known = ray.train.get_checkpoint()
         if known is None or known.path.rstrip("/") != item.path.rstrip("/"):
             # Ray Train skips a report whose barrier a worker's replacement reset (in-place
             # recovery): not reported, so the next restore() offers it again
             log.info("rank %d: Ray Train skipped the report of durable version %d (a worker was replaced)",
-                     self.rank, item.step)
+                     self._ckpt.rank, item.step)
             return
         self.reported_steps.append(item.step)
-        log.info("rank %d: reported durable version %d to Ray Train (%s)", self.rank, item.step, item.path)
+        log.info("rank %d: reported durable version %d to Ray Train (%s)", self._ckpt.rank, item.step, item.path)
+

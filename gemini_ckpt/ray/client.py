@@ -113,7 +113,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
         dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
         committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
         key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains,
-        interleave=config.interleave_mode)
+        interleave=config.interleave_mode, metrics=config.metrics)
     try:
         attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:
@@ -313,6 +313,15 @@ class RayTier(MemoryTier):
             raise KeyError(step)
         slot = slot if slot is not None else where.copies[rank][0]
         return self.hosts.live()[slot]
+
+    def listeners(self) -> list:
+        """This rank's metrics (``CheckpointConfig.metrics``; :mod:`gemini_ckpt.ray.metrics`)."""
+        if not self.config.metrics:
+            return []
+        from .metrics import trainer_metrics
+
+        found = trainer_metrics(self.config.resolved_namespace, self.rank)
+        return [found] if found is not None else []
 
     def comm_marker(self) -> Optional[Marker]:
         """This rank's slot in its host store's comm state (asked for once; None unless

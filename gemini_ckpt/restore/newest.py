@@ -64,15 +64,7 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     steps the tiers held (``"held"``, the survey every rank walked)."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
-    surveyed = None
-    if rank == 0 or world_size == 1:
-        order, unreachable = survey(tiers)
-        states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
-        surveyed = (order, unreachable, states)
-    named, (order, unreachable, states) = _agree(step, surveyed, rank, world_size, group)
-    if rank != 0:
-        for tier, shared in zip(tiers, states):
-            tier.use_survey_state(shared)
+    named, order, unreachable = surveyed_by_rank0(tiers, step, rank=rank, world_size=world_size, group=group)
     marks.append(("surveyed", time.time()))
     if plans is not None:
         plans["held"] = tuple(sorted(s for s, _ in order))  # every rank walks the same survey
@@ -133,6 +125,21 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
             f"(which would start training from scratch): make the storage reachable and restore "
             f"again, or remove CheckpointConfig.durable_uri to start without it")
     return None
+
+
+def surveyed_by_rank0(tiers: list, step: Optional[int], *, rank: int, world_size: int, group):
+    """Rank 0's survey of the tiers, on every rank (one collective): ``(the step every rank named,
+    [(step, tier indices)] newest first, {tier: why it could not be listed})``."""
+    surveyed = None
+    if rank == 0 or world_size == 1:
+        order, unreachable = survey(tiers)
+        states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
+        surveyed = (order, unreachable, states)
+    named, (order, unreachable, states) = _agree(step, surveyed, rank, world_size, group)
+    if rank != 0:
+        for tier, shared in zip(tiers, states):
+            tier.use_survey_state(shared)
+    return named, order, unreachable
 
 
 def _agree(step: Optional[int], surveyed, rank: int, world_size: int, group) -> tuple[Optional[int], Any]:

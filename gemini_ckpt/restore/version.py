@@ -57,7 +57,7 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             metadata: Metadata = primary.metadata
             saved_keys = set(metadata.state_dict_metadata)
             saved_ws = primary.world_size
-            source_rank = _source_rank(rank, saved_ws, world_size, config)
+            source_rank = source_rank_of(rank, saved_ws, world_size, config)
             target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank,
                                        saved=metadata.state_dict_metadata)
             check_structure(target, metadata)
@@ -161,7 +161,7 @@ def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
             + ". Build the same model/optimizer/scheduler as the run that saved it.")
 
 
-def _source_rank(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
+def source_rank_of(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
     if saved_ws == world_size:
         return rank
     if config.world_size_change == "error":

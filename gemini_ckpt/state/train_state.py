@@ -81,6 +81,35 @@ class TrainState(Stateful):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"TrainState({name}=...) needs state_dict() and load_state_dict(); got {type(obj).__name__}")
 
+    def attach(self, *, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+               scheduler: Any = None, scaler: Any = None, dataloader: Any = None) -> "TrainState":
+        """Add what did not exist when this state was built (a framework that creates its
+        optimizer, scheduler and scaler inside its own ``train()``), before the first ``save``
+        or ``restore`` that needs them; ``peek()`` needs none of them. Replaces what was given before.
+
+        Example::
+
+            state = TrainState(model=model)
+            ckpt = Checkpointer(state, config)
+            peeked = ckpt.peek()
+            ...                                   # the framework builds its optimizer
+            state.attach(optimizer=opt, scheduler=sched)
+            ckpt.restore(step=peeked.step)
+        """
+        for name, obj in (("dataloader", dataloader), ("scaler", scaler)):
+            if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"TrainState.attach({name}=...) needs state_dict() and load_state_dict(); "
+                                f"got {type(obj).__name__}")
+        if optimizer is not None:
+            self.optimizers = _as_list(optimizer)
+        if scheduler is not None:
+            self.schedulers = _as_list(scheduler)
+        if scaler is not None:
+            self.scaler = scaler
+        if dataloader is not None:
+            self.dataloader = dataloader
+        return self
+
     @property
     def module(self) -> nn.Module:
         """The model as one module (a ``ModuleDict`` when several were given)."""
@@ -286,6 +315,16 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
+class RandomState:
+    """The random number generators' states of this process (:func:`capture_rng`), to apply later."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def apply(self) -> None:
+        restore_rng_state(self.state)
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -322,6 +361,11 @@ def _as_list(obj: Any) -> list:
 
 def _dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def extra_from(blob: bytes) -> Any:
+    """The ``extra`` values of a verified ``rank_local.<rank>.extra`` item (see :mod:`gemini_ckpt.restore.peek`)."""
+    return _loads(blob)
 
 
 def _loads(data: bytes) -> Any:

@@ -124,6 +124,11 @@ class MemoryTier(Tier):
     def unpin(self, step: int) -> None:
         """The persist of ``step`` is over: retention may release it."""
 
+    def listeners(self) -> list:
+        """Checkpoint listeners this tier brings along (:mod:`gemini_ckpt.events`; the host stores'
+        metrics), added by the Checkpointer when it starts."""
+        return []
+
     def comm_marker(self) -> Optional[Marker]:
         """Where this rank marks its collectives so that replication yields to them
         (:mod:`gemini_ckpt.format.commstate`; docs/interleave.md), or None: this tier moves no

@@ -15,7 +15,7 @@ NAME = "gemini_ckpt"
 
 LAYERS = [
     # base: stdlib (and numpy) only, no torch, nothing of ours above
-    {"errors", "_version", "faults", "attempts", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
+    {"errors", "_version", "faults", "events", "attempts", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
      "timeouts", "config"},
     # the format: shard plans and records, segments, checksums with the health check, DCP framing,
     # the manifest and the durable layout; torch-free

@@ -104,6 +104,7 @@ class HostStore:
         self.driver.replicator = self.replicator
         self.ranks = RankPort(self.s, self.driver, self.replicator)
         self.server = ShardServer(self.s)
+        self._metrics = None  # StoreMetrics, made at the first tick after a job asked for them
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()
         fence_when_node_lost(f"host store of namespace {namespace!r}")
 
@@ -254,8 +255,29 @@ class HostStore:
                 self.driver.check_timeouts()
                 self.driver.check_refs()
                 self._retain_copies()
+                self._publish_metrics()
             except Exception as exc:  # noqa: BLE001 - housekeeping must never stop
                 log.warning("node %s: housekeeping failed: %s: %s", self.node_id[:12], type(exc).__name__, exc)
+
+    def _publish_metrics(self) -> None:
+        """The store's gauges (``CheckpointConfig.metrics``), about once a second."""
+        if self.s.cfg is None or not self.s.cfg.metrics:
+            return
+        if self._metrics is None:
+            from ..metrics import StoreMetrics
+
+            self._metrics = StoreMetrics(self.namespace, self.node_id)
+        if not self._metrics.due():
+            return
+        with self.s.lock:
+            pool = self.s.table.pool
+            states: dict[str, int] = {}
+            for v in self.s.table.versions.values():
+                key = "committed" if v.state == "committed" else "pending"
+                states[key] = states.get(key, 0) + 1
+            figures = dict(held=self.s.table.held_bytes(), reserved=pool.held + pool.pooled, budget=pool.budget_bytes,
+                           versions=states, replicated=self.s.replicated_bytes)
+        self._metrics.update(**figures)
 
     def _retain_copies(self) -> None:
         """Copies of versions this store takes no part in (it has no ranks this epoch) are

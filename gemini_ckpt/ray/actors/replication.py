@@ -75,8 +75,9 @@ class Replicator:
                                         shard.record_bytes)
             region.result(timeout=self.s.cfg.timeout_s)
             record.result(timeout=self.s.cfg.timeout_s)
-            if v is not None:
-                with self.s.lock:
+            with self.s.lock:
+                self.s.replicated_bytes += shard.seg.nbytes
+                if v is not None:
                     v.mark("sent")
         except Exception as exc:  # noqa: BLE001 - any failed copy vetoes the version
             self.copy_failed(vid, holder, exc)

@@ -36,6 +36,7 @@ class EpochConfig:
     bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
     domains: Optional[tuple] = None  # slot -> failure domain (CheckpointConfig.failure_domain), fixed per epoch
     interleave: str = "gate"  # CheckpointConfig.interleave_mode: "gate", "network" or "off"
+    metrics: bool = True  # CheckpointConfig.metrics: this store publishes its gauges (gemini_ckpt.ray.metrics)
 
     @property
     def hosts(self) -> int:
@@ -76,6 +77,7 @@ class StoreState:
         self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel
         self.copy_channels: dict[tuple, Any] = {}  # (host, port) of a store re-replicated to -> channel
         self.copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
+        self.replicated_bytes = 0  # sent to peers as copies (the metrics' counter)
         self.vote_hold: Optional[int] = None  # fault injection: see CommitDriver.hold_vote
         self.held_votes: list = []
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
