@@ -36,7 +36,7 @@ Usage::
     python benchmarks/bench_interference.py              # 1 Gbit/s, 128 MiB time-to-safe, 30 steps, CPU + 300 ms accelerator
     python benchmarks/bench_interference.py --quick      # small sizes, a few steps
     python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
-        --device-ms 1400 --saves 0 --steps 20             # README "Interleaving, measured"
+        --device-ms 1400 --saves 0 --steps 20             # docs/benchmarks.md "Interleaving, measured"
     python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --comm-dtype bf16 \
         --device-ms 1400 --saves 0 --steps 20 --qos --staging overlap --configs lunm
     python benchmarks/bench_interference.py --kinds fsdp2 --dim 2048 --layers 10 --comm-dtype bf16 \

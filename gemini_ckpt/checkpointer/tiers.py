@@ -8,6 +8,7 @@ an earlier run left incomplete, and the :class:`~gemini_ckpt.persister.Persister
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable
 
 import torch
@@ -35,6 +36,11 @@ def warm_up() -> None:
 
 
 def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> MemoryTier:
+    if config.signing_key is not None and config.namespace is None and rank == 0:
+        # a signature binds the namespace: every job left on the default one accepts the others' versions
+        warnings.warn(f"CheckpointConfig.signing_key is set but namespace is not: every job using the default "
+                      f"namespace {config.resolved_namespace!r} (and the same key) accepts the others' signed "
+                      f"versions as its own. Give each job its own CheckpointConfig.namespace", stacklevel=4)
     if config.store == "local":
         if world_size > 1:
             raise ConfigError(

@@ -439,3 +439,34 @@ def test_interleave_refuses_a_model_it_cannot_hook():
     ckpt, _ = _checkpointer(torch.nn.Linear(2, 2), "interleave-plain")
     with pytest.raises(TypeError, match="communicating"):
         gemini_ckpt.interleave(torch.nn.Linear(2, 2), ckpt)
+
+
+def test_recovery_channels_go_unmarked_where_replication_is_marked():
+    """Under ``interleave="network"`` only replication yields: a channel opened with
+    ``marked=False`` (restore pushes, re-replication) keeps the normal class."""
+    from gemini_ckpt.ray import transport as T
+    from gemini_ckpt.ray.transport._tcp import LOWER_EFFORT_DSCP
+
+    class Sink(T.Sink):
+        def buffer_for(self, header):
+            return memoryview(bytearray(header.length))
+
+        def received(self, header):
+            pass
+
+        def failed(self, header, error):
+            pass
+
+    secret = b"s" * 32
+    receiver = T.TcpTransport(secret, "marks", host_name="receiver")
+    sender = T.TcpTransport(secret, "marks", host_name="sender", config=T.TcpConfig(dscp=LOWER_EFFORT_DSCP))
+    listener = receiver.listen("127.0.0.1", Sink())
+    try:
+        marked = sender.connect(listener.endpoint)
+        plain = sender.connect(listener.endpoint, marked=False)
+        tos = {name: {s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in ch._socks}
+               for name, ch in (("marked", marked), ("plain", plain))}
+        assert tos == {"marked": {LOWER_EFFORT_DSCP << 2}, "plain": {0}}
+    finally:
+        sender.close()
+        receiver.close()

@@ -607,3 +607,20 @@ def test_ranks_agree_to_skip_a_version_only_one_rank_finds_damaged(versions, tmp
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["step"] == 0 and got["skipped"] == (1,) and got["extra"] == {"tokens": 1}
         assert all(torch.equal(got["params"][k], v) for k, v in versions[1][0].items())
+
+
+def test_a_signing_key_on_the_default_namespace_is_warned_about():
+    """A signature binds the namespace: two jobs left on the default one would accept each
+    other's signed versions (issue 40, 9)."""
+    import warnings
+
+    from torch import nn
+
+    from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+    state = TrainState(model=nn.Linear(2, 2), optimizer=None)
+    with pytest.warns(UserWarning, match="Give each job its own CheckpointConfig.namespace"):
+        Checkpointer(state, CheckpointConfig(store="local", signing_key=b"k" * 32)).start().close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(state, CheckpointConfig(store="local", signing_key=b"k" * 32, namespace="job-7")).start().close()

@@ -274,7 +274,7 @@ class Replicator:
         if channel is None:
             if transport is None:
                 raise LookupError(f"the data plane of node {self.s.node_id[:12]} is not started")
-            channel = transport.connect(target)
+            channel = transport.connect(target, marked=False)  # recovery: never yields to other traffic
             with self.s.lock:
                 self.s.copy_channels[key] = channel
         return channel

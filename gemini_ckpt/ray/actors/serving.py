@@ -79,7 +79,7 @@ class ShardServer:
             channel = self.s.readers.get(key)
         try:
             if channel is None:
-                channel = transport.connect(reader)
+                channel = transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
                 with self.s.lock:
                     self.s.readers[key] = channel
             sent = [channel.send_async(Header(self.s.namespace, step, f"region/{rank}", offset, length,

@@ -199,8 +199,10 @@ class Transport(abc.ABC):
         """Accept peers on ``bind_host`` (the node address Ray reports) into ``sink``."""
 
     @abc.abstractmethod
-    def connect(self, endpoint: Endpoint) -> Channel:
-        """Connect to a peer's listener and authenticate (both ways) before any data moves."""
+    def connect(self, endpoint: Endpoint, *, marked: bool = True) -> Channel:
+        """Connect to a peer's listener and authenticate (both ways) before any data moves.
+        ``marked=False``: this channel's packets go in the normal class even when the transport
+        marks its sends lower-effort (restore pushes and re-replication: recovery must not yield)."""
 
     def close(self) -> None:
         """Close every listener and channel this transport opened."""

@@ -9,6 +9,8 @@ torch) the first time it ran.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import weakref
 from typing import Any, Optional
@@ -73,13 +75,17 @@ class TcpTransport(Transport):
             self._opened.add(listener)
         return listener
 
-    def connect(self, endpoint: Endpoint):
+    def connect(self, endpoint: Endpoint, *, marked: bool = True):
         """Open ``config.streams`` authenticated streams to ``endpoint``; returns a
         :class:`~._tcp_send.TcpChannel`. Raises :class:`AuthenticationError` when either side
-        cannot prove the secret, :class:`PeerLostError` when the peer is unreachable."""
+        cannot prove the secret, :class:`PeerLostError` when the peer is unreachable.
+        ``marked=False``: its packets are not marked with ``config.dscp``."""
         if endpoint.transport != self.name:
             raise ValueError(f"endpoint {endpoint.label()} is for transport {endpoint.transport!r}, not tcp")
-        channel = TcpChannel(self.parts(), endpoint)
+        parts = self.parts()
+        if not marked and parts.config.dscp is not None:
+            parts = dataclasses.replace(parts, config=dataclasses.replace(parts.config, dscp=None))
+        channel = TcpChannel(parts, endpoint)
         with self._lock:
             self._opened.add(channel)
         return channel
