@@ -104,7 +104,7 @@ class HostStore:
         self.driver.replicator = self.replicator
         self.ranks = RankPort(self.s, self.driver, self.replicator)
         self.server = ShardServer(self.s)
-        self._metrics = None  # StoreMetrics, made at the first tick after a job asked for them
+        self._metrics = None  # StoreMetrics, made at the first tick after a job asked for them (False: failed)
         threading.Thread(target=self._tick, name="gemini-store-tick", daemon=True).start()
         fence_when_node_lost(f"host store of namespace {namespace!r}")
 
@@ -261,12 +261,17 @@ class HostStore:
 
     def _publish_metrics(self) -> None:
         """The store's gauges (``CheckpointConfig.metrics``), about once a second."""
-        if self.s.cfg is None or not self.s.cfg.metrics:
+        if self.s.cfg is None or not self.s.cfg.metrics or self._metrics is False:
             return
         if self._metrics is None:
             from ..metrics import StoreMetrics
 
-            self._metrics = StoreMetrics(self.namespace, self.node_id)
+            try:
+                self._metrics = StoreMetrics(self.namespace, self.node_id)
+            except Exception as exc:  # noqa: BLE001 - metrics never stop a store; said once, not every tick
+                self._metrics = False
+                log.warning("node %s: metrics are off: %s: %s", self.node_id[:12], type(exc).__name__, exc)
+                return
         if not self._metrics.due():
             return
         with self.s.lock:
