@@ -52,6 +52,7 @@ from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 from ..results import RestoreResult
 from ..state.train_state import TrainState
+from ._worker import checkpointer_here
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -146,19 +147,6 @@ class _Run:
             pending.apply_rng()
 
 
-def _checkpointer(state: TrainState, config: CheckpointConfig) -> Checkpointer:
-    """Inside a Ray Train worker: the one that reports durable versions to Ray Train."""
-    try:
-        import ray.train
-
-        ray.train.get_context()
-    except (ImportError, RuntimeError):
-        return Checkpointer(state, config)
-    from . import ray_train
-
-    return ray_train.checkpointer(state, config)
-
-
 class GeminiTrainerMixin:
     """The overrides :func:`prepare_trainer` puts in front of the trainer's own class."""
 
@@ -168,7 +156,7 @@ class GeminiTrainerMixin:
         run = self._gemini
         run.extra = {}
         run.state = TrainState(model=self.model, extra=run.extra)
-        run.ckpt = _checkpointer(run.state, run.config)
+        run.ckpt = checkpointer_here(run.state, run.config)
         run.restored = run.pending_rng = None
         try:
             if resume_from_checkpoint is None:
@@ -234,7 +222,8 @@ class GeminiTrainerMixin:
         last = self.state.log_history[-1] if self.state.log_history else {}
         metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
             if last.get("step") == self.state.global_step else {}
-        self._gemini_attach()
+        if not run.state.optimizers:  # the Trainer made them in train(); restore attached them already
+            self._gemini_attach()
         run.ckpt.save(self.state.global_step, metrics=metrics)
 
     def _gemini_attach(self) -> None:

@@ -69,7 +69,6 @@ The Lightning internals this relies on are in one adapter, :mod:`._lightning_loo
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Optional
 
 import torch
@@ -86,6 +85,7 @@ from ..results import RestoreResult, SaveHandle
 from ..state.loader import fix_resume
 from ..state.train_state import TrainState
 from ._lightning_loops import Loops, generator_states, generators, set_epoch, stateful, wraps_a_sampler
+from ._worker import checkpointer_here
 
 __all__ = ["GeminiCallback"]
 
@@ -163,7 +163,7 @@ class GeminiCallback(pl.Callback):
         state = TrainState(model=pl_module, optimizer=list(trainer.optimizers),
                            scheduler=[c.scheduler for c in trainer.lr_scheduler_configs],
                            scaler=trainer.precision_plugin, extra=self._extra)
-        self._ckpt = _checkpointer(state, self.config)
+        self._ckpt = checkpointer_here(state, self.config)
         if trainer.ckpt_path is not None:
             peeked = self._ckpt.peek()
             if peeked is not None:
@@ -265,22 +265,6 @@ class GeminiCallback(pl.Callback):
             f"fit(ckpt_path={trainer.ckpt_path!r}) and GeminiCallback's version {step} of namespace "
             f"{self.config.resolved_namespace!r} would both be loaded. To resume from gemini_ckpt's newest version, "
             f"call fit() without ckpt_path; to start from the file, give CheckpointConfig a new namespace")
-
-
-def _checkpointer(state: TrainState, config: CheckpointConfig) -> Checkpointer:
-    """Ray Train's checkpointer inside a Ray Train worker, else a plain one."""
-    if "ray.train" in sys.modules:  # never import Ray for a job that does not use it
-        try:
-            import ray.train
-
-            ray.train.get_context()
-        except (RuntimeError, ImportError):
-            pass
-        else:
-            from .ray_train import checkpointer
-
-            return checkpointer(state, config)
-    return Checkpointer(state, config)
 
 
 class _Resume:
