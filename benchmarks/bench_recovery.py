@@ -452,6 +452,11 @@ def main(argv=None) -> int:
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))
+    # every worker process imports torch and Ray Train as it starts (all modes alike): the in-place
+    # mode's warm spares are ready when a worker is replaced; a full restart starts new processes
+    from gemini_ckpt.integrations.ray_train import preload_env
+
+    os.environ.update(preload_env())
     cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
     rows, repeats = [], []
     try:

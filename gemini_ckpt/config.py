@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -237,6 +238,7 @@ def _reject_unknown_fields(cls):
         init(self, **kwargs)
 
     __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # help() and tools see the fields, not *args
     cls.__init__ = __init__
     return cls
 

@@ -99,7 +99,8 @@ class InPlaceResult:
 
 
 def _fit(cluster, workdir: str, *, name: str, scenario: Optional[InPlaceScenario], log) -> tuple:
-    """One run; returns (Result or error, events, failure unix time or None)."""
+    """One run; returns (Result or error, events, failure unix time or None, when the struck
+    processes were gone or None)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -154,6 +155,7 @@ def _watch(cluster, scenario, thread, progress, box, *, name: str, first: str, l
 
     events: list[dict] = []
     failure: Optional[float] = None
+    settled: Optional[float] = None
     replace_at: Optional[float] = None
     deadline = time.monotonic() + 600
     try:
@@ -163,7 +165,7 @@ def _watch(cluster, scenario, thread, progress, box, *, name: str, first: str, l
             events += ray.get(progress.since.remote(len(events)), timeout=60)
             if scenario is not None and failure is None and any(
                     e["kind"] == "step" and e["step"] >= KILL_AT for e in events):
-                failure = _strike(cluster, scenario, events, log)
+                failure, settled = _strike(cluster, scenario, events, log)
                 with open(first, "w") as f:
                     f.write(str(failure))
                 if scenario.fault == "host":
@@ -181,24 +183,35 @@ def _watch(cluster, scenario, thread, progress, box, *, name: str, first: str, l
         events += ray.get(progress.since.remote(len(events)), timeout=60)
     finally:
         ray.kill(progress)
-    return box.get("result", box.get("error")), events, failure
+    return box.get("result", box.get("error")), events, failure, settled
 
 
-def _strike(cluster, scenario: InPlaceScenario, events: list[dict], log) -> float:
+def _strike(cluster, scenario: InPlaceScenario, events: list[dict], log) -> tuple[float, float]:
+    """Strike; returns (when it began, when the struck workers were gone). A lost host's workers
+    outlive its raylet by a moment, and a step they finish then may still commit."""
+    pids = [_pid(events, rank) for rank in scenario.ranks]
+    t = time.time()
     if scenario.fault == "host":
-        t = time.time()
         cluster.remove_hosts(scenario.ranks, wait=False)
         log(f"   lost host(s) {list(scenario.ranks)}")
-        return t
-    signum = signal.SIGKILL if scenario.fault == "kill" else signal.SIGSTOP
-    t = time.time()
-    for rank in scenario.ranks:
-        _signal(events, rank, signum, log)
-    return t
+    else:
+        for rank in scenario.ranks:
+            _signal(events, rank, signal.SIGKILL if scenario.fault == "kill" else signal.SIGSTOP, log)
+    if scenario.fault != "stop":
+        import psutil
+
+        deadline = time.monotonic() + 10.0
+        while any(psutil.pid_exists(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return t, time.time()
+
+
+def _pid(events: list[dict], rank: int) -> int:
+    return [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == rank][-1]
 
 
 def _signal(events: list[dict], rank: int, signum, log) -> None:
-    pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == rank][-1]
+    pid = _pid(events, rank)
     log(f"   {signal.Signals(signum).name} rank {rank} (pid {pid})")
     try:
         os.kill(pid, signum)  # the simulated hosts are processes of this machine
@@ -207,7 +220,7 @@ def _signal(events: list[dict], rank: int, signum, log) -> None:
 
 
 def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float, reference: str,
-          hosts: int) -> InPlaceResult:
+          hosts: int, settled: Optional[float] = None) -> InPlaceResult:
     import placement
 
     res = InPlaceResult(scenario)
@@ -231,11 +244,12 @@ def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float
                             f"{len(last)} of {hosts} ranks restored steps {sorted(steps)}"))
     res.checks.append(Check("tier as predicted", sources == {predicted}, f"{sorted(sources)}, predicted {predicted}"))
     committed = [e["step"] for e in events if e["kind"] == "commit" and e["unix"] < failure]
-    saved = [e["step"] for e in events if e["kind"] == "step" and e["unix"] < failure]
+    saved = [e["step"] for e in events if e["kind"] == "step" and e["unix"] < max(failure, settled or failure)]
     newest_committed = max(committed, default=-1)
     ok = res.restored is not None and newest_committed <= res.restored <= max(saved, default=-1)
     res.checks.append(Check("newest committed", ok, f"restored {res.restored}; committed before the fault "
-                                                    f"{newest_committed}, saved {max(saved, default=-1)}"))
+                                                    f"{newest_committed}, saved {max(saved, default=-1)} before "
+                                                    f"the struck workers were gone"))
     before = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure}
     after = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] > failure}
     struck = set(scenario.ranks) | ({scenario.then[1]} if scenario.then else set())
@@ -263,7 +277,7 @@ def run_inplace(scenarios=SCENARIOS, *, cluster=None, log: Optional[Callable[[st
     try:
         hosts = len(cluster.present())
         log("== reference: the uninterrupted run")
-        outcome, _, _ = _fit(cluster, workdir, name=f"ref-{uuid.uuid4().hex[:6]}", scenario=None, log=log)
+        outcome, _, _, _ = _fit(cluster, workdir, name=f"ref-{uuid.uuid4().hex[:6]}", scenario=None, log=log)
         if isinstance(outcome, BaseException):
             raise outcome
         reference = outcome.return_value["digest"]
@@ -273,8 +287,8 @@ def run_inplace(scenarios=SCENARIOS, *, cluster=None, log: Optional[Callable[[st
             t0 = time.monotonic()
             name = f"{scenario.name}-{uuid.uuid4().hex[:6]}"
             try:
-                outcome, events, failure = _fit(cluster, workdir, name=name, scenario=scenario, log=log)
-                res = check(scenario, outcome, events, failure, reference, hosts)
+                outcome, events, failure, settled = _fit(cluster, workdir, name=name, scenario=scenario, log=log)
+                res = check(scenario, outcome, events, failure, reference, hosts, settled)
             except Exception as exc:  # noqa: BLE001 - the scenario could not run: say why, go on
                 res = InPlaceResult(scenario, error=short(f"{type(exc).__name__}: {exc}"))
             res.duration_s = time.monotonic() - t0

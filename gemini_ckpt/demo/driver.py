@@ -49,6 +49,10 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
             where = "" if options.network == "loopback" else \
                 f", each in its own network namespace{f' on a {options.link} link' if options.link else ''}"
             echo(f"starting a local Ray cluster: head + {options.hosts} hosts{where} ...")
+            if options.in_place:  # every worker imports torch and Ray Train at its start: a warm spare is ready
+                from ..integrations.ray_train import preload_env
+
+                os.environ.setdefault("RAY_preload_python_modules", preload_env()["RAY_preload_python_modules"])
             cluster = start_cluster(options.hosts, network=options.network, link=options.link)
         try:
             events, t0, result = _train(options, run_name, cluster, echo)

@@ -66,6 +66,8 @@ def train_loop(config: dict) -> dict:
 
     from ..integrations.ray_train import recovery_info
 
+    global _RUNS_HERE
+    _RUNS_HERE += 1
     torch.set_num_threads(1)
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -155,13 +157,17 @@ def train_loop(config: dict) -> dict:
             "reported": reported, "loss": loss_value}
 
 
+_RUNS_HERE = 0  # the training function's starts in this process (a survivor of in-place recovery: > 1)
+
+
 def _kill_in_restore(spec: Optional[dict], rank: int) -> None:
-    """``spec`` = ``{"rank", "after", "marker"}``: the first process of ``rank`` started after the
-    file ``after`` appeared (a replacement) SIGKILLs itself inside ``restore()``, once (``marker``)."""
+    """``spec`` = ``{"rank", "after", "marker"}``: the first run of the training function by a new
+    process of ``rank`` once the file ``after`` exists (a replacement, possibly in a warm spare
+    started before it) SIGKILLs itself inside ``restore()``, once (``marker``)."""
     if not spec or rank != spec["rank"] or not os.path.exists(spec["after"]) or os.path.exists(spec["marker"]):
         return
-    if _process_start() < os.path.getmtime(spec["after"]):
-        return  # a survivor of the first failure
+    if _RUNS_HERE > 1:
+        return  # a survivor of the first failure, running the function again in its own process
 
     def hook(phase: str, **ctx) -> None:
         if phase == "restore" and not os.path.exists(spec["marker"]):

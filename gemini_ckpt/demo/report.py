@@ -214,11 +214,14 @@ def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict
     survivors = [dict(i["stages"]) for i in in_place if i.get("recoveries")]
     if survivors:  # in place: who noticed, the replacement's start, the process group formed again
         out.append((min(s["noticed"] for s in survivors) - failure_unix, "survivors noticed", "gemini"))
-        new = [e for e in starts if e.get("process_t", 0) > failure_unix]
+        # the newcomers: started after the failure, as new processes or in a warm spare started before it
+        new = [e for e in starts if e.get("in_place") and not e["in_place"].get("recoveries")]
+        fresh = [e for e in new if e.get("process_t", 0) > failure_unix]
+        if fresh:
+            out.append((max(e["process_t"] for e in fresh) - failure_unix, "replacement process", "Ray Train"))
         if new:
-            out.append((max(e["process_t"] for e in new) - failure_unix, "replacement process", "Ray Train"))
-            out.append((max(e["in_place"]["entered"] for e in new if e.get("in_place")) - failure_unix,
-                        "replacement in train fn", "Ray Train"))
+            out.append((max(e["in_place"]["entered"] for e in new) - failure_unix,
+                        "replacement in train fn" + ("" if len(fresh) == len(new) else " (warm spare)"), "Ray Train"))
         formed = [dict(i["stages"]).get("formed") for i in in_place]
         if all(formed):
             out.append((max(formed) - failure_unix, "group formed", "gemini"))

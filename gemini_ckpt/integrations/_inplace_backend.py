@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import RecoveryGaveUpError
-from . import _rounds
+from . import _rounds, _spares
 from ._ray_train_callback import ray_version
 
 log = logging.getLogger("gemini_ckpt")
@@ -69,8 +69,9 @@ def support() -> Optional[str]:
     return None
 
 
-def _set_env(env: dict) -> None:
+def _set_env(env: dict) -> tuple[str, str]:
     os.environ.update(env)
+    return _spares.describe()
 
 
 def _node_ranks(workers) -> dict[int, tuple[int, int, int]]:
@@ -122,6 +123,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._attempts: Optional[_rounds.Attempts] = None
         self._reapers: dict = {}  # node id -> its Reaper actor
         self._shutting_others = False
+        self._spares: Optional[_spares.Spares] = None
 
     def on_start(self, group, config) -> None:
         import ray
@@ -131,6 +133,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._server = _rounds.server(self._host, timeout_s=config.reform_timeout_s)
             self._attempts = _rounds.Attempts(max_stuck=config.max_stuck,
                                               max_starts=4 * len(group) + config.max_stuck)
+            self._spares = _spares.Spares(config.spares)
         if not isinstance(group, _ReplicaGroup):
             self._whole = group
         why = self._attempts.start(self._server)
@@ -154,8 +157,15 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                                      node_rank=node_rank, backend=backend, timeout_s=config.timeout_s,
                                      reform_timeout_s=config.reform_timeout_s)
             refs.append(worker.execute_async(_set_env, env))
-        ray.get(refs, timeout=config.reform_timeout_s)
+        described = ray.get(refs, timeout=config.reform_timeout_s)
         self._start_reapers(group.get_workers())
+        # a warm process for the next replacement on each of these hosts (a replacement took one)
+        self._spares.learn(*described[0])
+        if isinstance(group, _ReplicaGroup):
+            self._spares.start({w.metadata.node_id for w in group.get_workers()}, count=1,
+                               delay_s=_spares.REFILL_DELAY_S)
+        else:
+            self._spares.start({w.metadata.node_id for w in group.get_workers()})
         log.info("gemini_ckpt: %s, round %d", f"replacement for rank {group.get_workers()[0].distributed_context.world_rank}"
                  if isinstance(group, _ReplicaGroup) else f"group of {len(workers)} workers started", round_)
 
@@ -167,6 +177,8 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._reap(group.get_workers())
             if not self._shutting_others:
                 self._shut_other_failing(group)
+        elif self._spares is not None:
+            self._spares.stop()
 
     def _shut_other_failing(self, group) -> None:
         """Ray Train replaces failing replica groups one at a time, and while it replaces the
@@ -218,6 +230,7 @@ class GeminiTorchConfig(_TorchConfig):  # type: ignore[misc, valid-type]
 
     reform_timeout_s: float = 120.0
     max_stuck: int = 3
+    spares: int = 1
 
     @property
     def backend_cls(self):

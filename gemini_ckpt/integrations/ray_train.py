@@ -91,7 +91,7 @@ from ._ray_train_report import Reported, Reporter
 from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_stores
 
 __all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RayTrainReporting", "RecoveryGaveUpError", "checkpointer",
-           "detection_env", "host_stores", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
+           "detection_env", "host_stores", "preload_env", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
            "stop_host_stores", "torch_config"]
 
 log = logging.getLogger("gemini_ckpt")
@@ -123,7 +123,7 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
 
 # --- in-place recovery (docs/recovery.md) ---------------------------------------------------------
 def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform_timeout_s: float = 120.0,
-                 max_stuck: int = 3, in_place: bool = True):
+                 max_stuck: int = 3, spares: int = 1, in_place: bool = True):
     """The ``TorchTrainer(torch_config=...)`` for in-place recovery: when a worker fails, Ray
     Train replaces only that worker, and the others (their processes, imports, CUDA context and
     host-store connections) stay; with :func:`recoverable` around the training function, every
@@ -141,7 +141,9 @@ def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform
     survivors wait for a replacement to join; past it they end, and Ray Train restarts every
     worker. ``max_stuck``: recoveries in a row after which no newer version was committed before
     the run ends with :class:`RecoveryGaveUpError` (the same failure again and again); every
-    in-place replacement also counts against ``FailureConfig(max_failures)``.
+    in-place replacement also counts against ``FailureConfig(max_failures)``. ``spares``: idle
+    worker processes kept started on each host with a worker, so a replacement does not wait for a
+    new process and its imports (start Ray with :func:`preload_env` for the imports; 0: none).
 
     The path relies on Ray Train internals (replica groups, Ray 2.60): on a Ray it was not tested
     with, or with ``in_place=False``, this returns Ray's plain ``TorchConfig`` (every failure
@@ -155,10 +157,12 @@ def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform
     if isinstance(max_stuck, bool) or not isinstance(max_stuck, int) or max_stuck < 1:
         raise ConfigError(f"torch_config(max_stuck={max_stuck!r}): a positive int (recoveries in a row without "
                           f"progress before the run ends)")
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ConfigError(f"torch_config(spares={spares!r}): an int >= 0 (warm processes kept per host; 0 for none)")
     why = support() if in_place else "in_place=False"
     if why is None:
         return GeminiTorchConfig(backend=backend, timeout_s=timeout_s, reform_timeout_s=float(reform_timeout_s),
-                                 max_stuck=max_stuck)
+                                 max_stuck=max_stuck, spares=spares)
     from ray.train.torch import TorchConfig
 
     if in_place:
@@ -182,6 +186,26 @@ def detection_env(*, poll_s: float = 0.25, hang_s: float = 30.0) -> dict[str, st
             raise ConfigError(f"detection_env({name}={value!r}): a positive number of seconds")
     return {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": repr(float(poll_s)),
             "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": repr(float(hang_s))}
+
+
+PRELOAD = ("torch", "torch.distributed.checkpoint", "ray.train.torch", "gemini_ckpt.integrations.ray_train")
+
+
+def preload_env(*modules: str) -> dict[str, str]:
+    """The environment that makes every Ray worker process import ``modules`` (and torch, Ray
+    Train and gemini_ckpt) when it starts, before it is given work: set it where Ray starts
+    (``ray start`` on each host, or the driver before a local ``ray.init()``). With
+    :func:`torch_config`'s warm spares, a replacement worker then reaches the training function
+    without importing them (seconds of a recovery). Name the modules the training function's own
+    file imports, e.g. ``preload_env("transformers")``.
+
+    >>> preload_env("numpy")["RAY_preload_python_modules"].split(",")[-1]
+    'numpy'
+    """
+    for name in modules:
+        if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
+            raise ConfigError(f"preload_env({name!r}): a module name such as 'transformers'")
+    return {"RAY_preload_python_modules": ",".join(dict.fromkeys(PRELOAD + modules))}
 
 
 # --- worker side ---------------------------------------------------------------------------------

@@ -51,6 +51,8 @@ def harness(ray_cluster):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_ci_matrix_matches_the_planner_and_resumes_bit_identically(harness, tmp_path):
     report = run_matrix(ci_matrix(CONFIG), harness=harness, json_path=str(tmp_path / "chaos.json"))
     print("\n" + report.format_table())

@@ -17,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_killed_trainer_worker_resumes_from_memory_bit_identically(ray_cluster, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_trainer_ray.py"), "--address",

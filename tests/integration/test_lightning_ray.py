@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_lightning_on_ray_train_resumes_from_memory_bit_identically(ray_cluster, tmp_path):
     pytest.importorskip("lightning")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}

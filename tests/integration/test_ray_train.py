@@ -113,6 +113,8 @@ class TestRayTrain:
         # fit() is over: host_stores() stopped the run's host stores and registry.
         assert not _gemini_actors("reference")
 
+    @pytest.mark.slow
+    @pytest.mark.ci
     def test_killed_worker_restarts_and_restores_from_memory(self, reference, tmp_path):
         """With overlapped staging: its versions are the reference's (copy staging) bit for bit."""
         marker = tmp_path / "killed"
@@ -127,6 +129,8 @@ class TestRayTrain:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_demo_host_loss_resumes_from_peer_memory_on_a_replacement_host(cluster, reference, tmp_path, capsys):
     """The demo, reduced: host 2 is removed after step 8 (its raylet, worker and host store
     die), a replacement joins and is given host 2's copies by the surviving holders, Ray Train
@@ -191,6 +195,9 @@ def test_in_place_a_killed_worker_is_replaced_alone_and_every_rank_rolls_back_in
     for rank in range(HOSTS):
         if rank == killed:
             assert len(pids[rank]) == 2 and pids[rank][0] == killed_pid and pids[rank][1] != killed_pid, pids
+            # the replacement ran in a warm spare: a process the backend had the raylet start before the kill
+            newcomer = [e for e in starts if e["rank"] == rank][1]
+            assert newcomer["process_t"] < os.path.getmtime(marker), (newcomer, os.path.getmtime(marker))
         else:  # a survivor: the same process ran the training function twice
             assert len(pids[rank]) == 2 and pids[rank][0] == pids[rank][1], pids
     restores = [e for e in events() if e["kind"] == "restore"]
@@ -223,6 +230,8 @@ def test_in_place_an_error_of_the_training_code_ends_the_run_after_bounded_tries
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_chaos_in_place_a_survivor_killed_during_the_reform(cluster):
     """The in-place chaos scenario CI runs (the full set: ``python -m gemini_ckpt chaos --matrix
     inplace``): rank 2 SIGKILLed, then rank 3 while the others wait for rank 2's replacement; every

@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_a_partitioned_host_is_lost_to_the_job_then_fenced_when_it_comes_back(tmp_path):
     report = tmp_path / "chaos.json"
     before = _ours()

@@ -12,7 +12,7 @@ import pytest
 
 from gemini_ckpt import ConfigError
 from gemini_ckpt.integrations import _inplace_backend as adapter
-from gemini_ckpt.integrations.ray_train import detection_env, torch_config
+from gemini_ckpt.integrations.ray_train import detection_env, preload_env, torch_config
 
 
 def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():
@@ -84,11 +84,57 @@ def test_a_ray_outside_the_tested_versions_is_not_trusted(monkeypatch):
     assert "outside the versions" in adapter.support()
 
 
+def test_ray_still_has_the_prestart_call_warm_spares_use():
+    """Warm spares (``_spares.py``) call the raylet's ``PrestartWorkers`` and rely on
+    ``RAY_preload_python_modules`` reaching a new worker as ``--worker-preload-modules``."""
+    import ray._private.workers.default_worker as default_worker
+    from ray._private.grpc_utils import init_grpc_channel  # noqa: F401
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+    from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+    assert "PrestartWorkers" in inspect.getsource(node_manager_pb2_grpc.NodeManagerServiceStub)
+    fields = set(node_manager_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name)
+    assert {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"} <= fields
+    assert "serialized_runtime_env" in RuntimeEnvInfo.DESCRIPTOR.fields_by_name
+    assert "worker_preload_modules" in inspect.getsource(default_worker)
+
+
+def test_spares_turn_off_once_when_rays_call_fails(caplog):
+    """Without a reachable raylet (here: no Ray at all) the first call fails: one warning, no retries."""
+    import logging
+
+    from gemini_ckpt.integrations._spares import Spares
+
+    spares = Spares(1)
+    spares.start({"node-a"})  # the workers' runtime env not learned yet: nothing to ask for
+    assert not caplog.records
+    spares.learn('{"env_vars": {}}', "01000000")
+    with caplog.at_level(logging.WARNING, logger="gemini_ckpt"):
+        spares.start({"node-a", "node-b"})
+        spares.start({"node-c"})
+    assert len([r for r in caplog.records if "warm spare" in r.getMessage()]) == 1
+    spares.stop()
+    caplog.clear()
+    none = Spares(0)
+    none.learn('{"env_vars": {}}', "01000000")
+    with caplog.at_level(logging.WARNING, logger="gemini_ckpt"):
+        none.start({"node-a"})  # spares=0: never asks, so nothing fails
+    assert not caplog.records
+
+
 def test_settings_are_checked():
     with pytest.raises(ConfigError, match="reform_timeout_s"):
         torch_config(reform_timeout_s=0)
     with pytest.raises(ConfigError, match="max_stuck"):
         torch_config(max_stuck=0)
+    with pytest.raises(ConfigError, match="spares"):
+        torch_config(spares=-1)
+    assert torch_config(spares=0).spares == 0 and torch_config().spares == 1
+    with pytest.raises(ConfigError, match="module name"):
+        preload_env("not a module")
+    modules = preload_env("numpy", "torch")["RAY_preload_python_modules"].split(",")
+    assert modules[0] == "torch" and modules.count("torch") == 1 and modules[-1] == "numpy"
+    assert "ray.train.torch" in modules and "gemini_ckpt.integrations.ray_train" in modules
     with pytest.raises(ConfigError, match="hang_s"):
         detection_env(hang_s=-1)
     assert detection_env(poll_s=0.5, hang_s=20) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",

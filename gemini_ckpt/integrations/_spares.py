@@ -1,0 +1,130 @@
+"""Warm spare processes for in-place replacement (in Ray Train's controller process).
+
+A replacement worker spends most of its start importing (torch, Ray Train, the training
+function's modules): seconds on a busy host, while the survivors wait. Each host's raylet can
+start idle worker processes ahead of need (its ``PrestartWorkers`` call): a process started with
+the Train workers' runtime env is the one the raylet hands to the next Train worker placed on
+that host, and it has already run the cluster's ``RAY_preload_python_modules``
+(:func:`gemini_ckpt.integrations.ray_train.preload_env`). Without a preload it still saves the
+Ray worker's own start.
+
+The call is internal to Ray (2.60), like the rest of the in-place path: when it fails, spares are
+turned off with one warning and replacements start cold, as without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger("gemini_ckpt")
+
+KEEP_ALIVE_S = 3600  # how long the raylet keeps an unused spare; they are started again before it
+REFILL_DELAY_S = 15.0  # a replacement's spare is made again this long after: its imports would
+# otherwise take a core from the recovery they are meant to shorten
+CALL_TIMEOUT_S = 5.0
+
+
+def describe() -> tuple[str, str]:
+    """(the serialized runtime env, the job id) of the worker this runs on."""
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return ctx.get_runtime_env_string(), ctx.get_job_id()
+
+
+class Spares:
+    """Keeps ``per_node`` idle, warm worker processes on every host that runs a Train worker."""
+
+    def __init__(self, per_node: int, *, keep_alive_s: int = KEEP_ALIVE_S) -> None:
+        self.per_node = per_node
+        self.keep_alive_s = keep_alive_s
+        self._runtime_env: Optional[str] = None
+        self._job_id: Optional[str] = None
+        self._nodes: set[str] = set()
+        self._off: Optional[str] = None if per_node > 0 else "spares=0"
+        self._timer: Optional[threading.Timer] = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def learn(self, runtime_env: str, job_id: str) -> None:
+        self._runtime_env, self._job_id = runtime_env, job_id
+
+    def start(self, node_ids, count: Optional[int] = None, *, delay_s: float = 0.0) -> None:
+        """Ask each node's raylet for ``count`` (default ``per_node``) spares (after ``delay_s``),
+        and keep them renewed while the run lasts."""
+        if delay_s > 0:
+            timer = threading.Timer(delay_s, self._refill, args=(set(node_ids), count))
+            timer.daemon = True
+            timer.start()
+            return
+        with self._lock:
+            self._stopped = False
+            self._start(node_ids, count)
+
+    def _refill(self, node_ids, count: Optional[int]) -> None:
+        with self._lock:
+            if not self._stopped:  # the run did not end meanwhile
+                self._start(node_ids, count)
+
+    def _start(self, node_ids, count: Optional[int]) -> None:
+        if self._off is not None or self._runtime_env is None:
+            return
+        self._nodes.update(node_ids)
+        for node in node_ids:
+            if self._off is None:
+                self._prestart(node, self.per_node if count is None else count)
+        if self._timer is None:
+            self._arm()
+
+    def stop(self) -> None:
+        """Stop renewing (the run's worker group ended; spares left die with the job or expire)."""
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+    def _arm(self) -> None:
+        self._timer = threading.Timer(self.keep_alive_s * 0.9, self._renew)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _renew(self) -> None:
+        import ray
+
+        with self._lock:
+            if self._off is not None or self._stopped:
+                return
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            self._nodes &= alive
+            for node in self._nodes:
+                if self._off is None:
+                    self._prestart(node, self.per_node)
+            self._arm()
+
+    def _prestart(self, node_id: str, count: int) -> None:
+        try:
+            import ray
+            from ray._private.grpc_utils import init_grpc_channel
+            from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+            from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+            node = next(n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive"))
+            channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+            try:
+                node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+                    node_manager_pb2.PrestartWorkersRequest(
+                        language=common_pb2.PYTHON, job_id=bytes.fromhex(self._job_id),
+                        runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=self._runtime_env),
+                        keep_alive_duration_secs=int(self.keep_alive_s), num_workers=count),
+                    timeout=CALL_TIMEOUT_S)
+            finally:
+                channel.close()
+        except StopIteration:
+            return  # the node is gone; its spares with it
+        except Exception as exc:  # noqa: BLE001 - an internal call of Ray's: any failure turns spares off
+            self._off = f"{type(exc).__name__}: {exc}"
+            log.warning("gemini_ckpt: warm spare processes are off (Ray's PrestartWorkers failed: %s); a replaced "
+                        "worker starts a new process", self._off)
