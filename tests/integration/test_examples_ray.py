@@ -21,6 +21,8 @@ def _run(args: list[str], cwd: str, timeout: float) -> str:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_ray_train_fsdp_runs_on_a_cluster_without_a_run_name(ray_cluster, tmp_path):
     """No ``--name``: Ray names the run, and the example's ``host_stores(run_config=...)``
     stops that run's stores when ``fit()`` ends."""

@@ -74,6 +74,8 @@ def test_survivable_failures_restore_newest_committed_from_memory(ray_cluster, r
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 def test_losing_a_whole_group_restores_the_newest_durable_version(ray_cluster, ranks, reference, tmp_path):
     failed = {2, 3}
     assert failed in FATAL and placement.plan_recovery(LAYOUT, failed).tier == "durable"
