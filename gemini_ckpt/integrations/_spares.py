@@ -69,12 +69,20 @@ class Spares:
                 self._start(node_ids, count)
 
     def _start(self, node_ids, count: Optional[int]) -> None:
+        """Ask for the spares (the caller holds the lock); the first failure turns spares off."""
         if self._off is not None or self._runtime_env is None:
             return
-        self._nodes.update(node_ids)
-        for node in node_ids:
-            if self._off is None:
-                self._prestart(node, self.per_node if count is None else count)
+        try:
+            raylets = _live_raylets()  # one read of the node table for all the hosts
+            for node in set(node_ids) & raylets.keys():
+                _prestart(raylets[node], self._runtime_env, self._job_id,
+                          self.per_node if count is None else count, self.keep_alive_s)
+        except Exception as exc:  # noqa: BLE001 - an internal call of Ray's: any failure turns spares off
+            self._off = f"{type(exc).__name__}: {exc}"
+            log.warning("gemini_ckpt: warm spare processes are off (Ray's PrestartWorkers failed: %s); a replaced "
+                        "worker starts a new process", self._off)
+            return
+        self._nodes = (self._nodes | set(node_ids)) & raylets.keys()  # a lost host's spares went with it
         if self._timer is None:
             self._arm()
 
@@ -92,39 +100,31 @@ class Spares:
         self._timer.start()
 
     def _renew(self) -> None:
-        import ray
-
         with self._lock:
-            if self._off is not None or self._stopped:
-                return
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            self._nodes &= alive
-            for node in self._nodes:
-                if self._off is None:
-                    self._prestart(node, self.per_node)
-            self._arm()
+            self._timer = None
+            if not self._stopped:
+                self._start(set(self._nodes), None)
 
-    def _prestart(self, node_id: str, count: int) -> None:
-        try:
-            import ray
-            from ray._private.grpc_utils import init_grpc_channel
-            from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
-            from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
 
-            node = next(n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive"))
-            channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
-            try:
-                node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
-                    node_manager_pb2.PrestartWorkersRequest(
-                        language=common_pb2.PYTHON, job_id=bytes.fromhex(self._job_id),
-                        runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=self._runtime_env),
-                        keep_alive_duration_secs=int(self.keep_alive_s), num_workers=count),
-                    timeout=CALL_TIMEOUT_S)
-            finally:
-                channel.close()
-        except StopIteration:
-            return  # the node is gone; its spares with it
-        except Exception as exc:  # noqa: BLE001 - an internal call of Ray's: any failure turns spares off
-            self._off = f"{type(exc).__name__}: {exc}"
-            log.warning("gemini_ckpt: warm spare processes are off (Ray's PrestartWorkers failed: %s); a replaced "
-                        "worker starts a new process", self._off)
+def _live_raylets() -> dict[str, str]:
+    """node id -> its raylet's gRPC address, for the live nodes."""
+    import ray
+
+    return {n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}" for n in ray.nodes() if n.get("Alive")}
+
+
+def _prestart(address: str, runtime_env: str, job_id: str, count: int, keep_alive_s: int) -> None:
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+    from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+    channel = init_grpc_channel(address)
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
+            node_manager_pb2.PrestartWorkersRequest(
+                language=common_pb2.PYTHON, job_id=bytes.fromhex(job_id),
+                runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=runtime_env),
+                keep_alive_duration_secs=int(keep_alive_s), num_workers=count),
+            timeout=CALL_TIMEOUT_S)
+    finally:
+        channel.close()
