@@ -188,14 +188,26 @@ def _check_tensor(backend: str, n: int):
 
 
 def destroy() -> None:
-    """Take down every process group of this process (the default one and its subgroups)."""
+    """Take down every process group of this process (the default one and its subgroups), and
+    start torch's count of groups from 0 again.
+
+    Torch names an unnamed group by that count, and a group's members meet under its name. Only a
+    clean ``destroy_process_group()`` resets it: an ``init_process_group`` that failed (a member
+    died while the round formed) leaves it one higher, and that rank's every later group would
+    rendezvous under a name no other rank uses (each round after it times out, one after another)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a group whose peers are gone may refuse a clean end
             pass
+    if not dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0
 
 
 def client(host: str, port: int, *, timeout_s: float):

@@ -130,6 +130,47 @@ def test_rounds_decide_once_who_forms_and_who_moves_on():
         _rounds.arrive(store, 4, world_size=2, patience_s=0.3)
 
 
+# A rank of the test below: ``python -c FORM_ONE PORT RANK ROUND MODE``. MODE "arrive" arrives at
+# the round and exits before forming it (a worker that died while the round formed); "form" forms
+# it (giving up to the next round when it fails to form), then forms the next one with whoever comes.
+FORM_ONE = """
+import sys, torch.distributed as dist
+from gemini_ckpt.integrations import _rounds
+port, rank, round_, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+_rounds.FORM_S = 2.0
+store = _rounds.client("127.0.0.1", port, timeout_s=30)
+if mode == "arrive":
+    _rounds.arrive(store, round_, world_size=2, patience_s=30)
+    sys.exit(0)
+n = _rounds.form(store, round_, rank=rank, world_size=2, backend="gloo", timeout_s=10, patience_s=30)
+print(n, dist.distributed_c10d._get_default_group().group_name, flush=True)
+"""
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_round_failed_to_form_meets_the_others_in_the_next_one(tmp_path):
+    """Rank 1 dies after round 1 closed, so rank 0's group of round 1 fails to form; rank 1's
+    replacement (a new process) and rank 0 meet in round 2 under the same group name, which torch
+    counts per process (a failed ``init_process_group`` left rank 0's count one higher)."""
+    store = _rounds.server("127.0.0.1", timeout_s=30)
+
+    def rank(r: int, round_: int, mode: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", FORM_ONE, str(store.port), str(r), str(round_), mode],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    survivor = rank(0, _rounds.open_round(store), "form")
+    dying = rank(1, 1, "arrive")
+    assert dying.wait(timeout=60) == 0
+    deadline = time.monotonic() + 60
+    while _rounds.latest(store) < 2:  # the survivor gave round 1 up (after FORM_S) and asked for round 2
+        assert time.monotonic() < deadline and survivor.poll() is None, survivor.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    replacement = rank(1, _rounds.latest(store), "form")
+    outs = [p.communicate(timeout=60) for p in (survivor, replacement)]
+    assert [p.returncode for p in (survivor, replacement)] == [0, 0], [e.decode()[-2000:] for _, e in outs]
+    assert [o.decode().split() for o, _ in outs] == [["2", "0"], ["2", "0"]]  # round 2, group "0" on both
+
+
 def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
     """Ray Train starts the replacements of several workers one after another: each start asks for
     a new round, and the wait for a round starts again with it."""
