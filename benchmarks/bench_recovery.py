@@ -26,8 +26,8 @@ Per failure, for the stated ``--mtbf-s`` (the job's mean time between failures):
 
 - *checkpoint overhead*: what checkpointing stalled training over one MTBF: every step's
   ``save()`` stall, plus any wait of the next ``optimizer.step()`` for an overlapped copy
-  (gemini_ckpt: the run's first ``WARM_UP`` saves, which plan and make the segments the run
-  reuses, once per failure, then the mean of the others, measured),
+  (gemini_ckpt: the first ``WARM_UP`` saves after the failure, which plan and make the segments
+  the attempt reuses, once per failure, then the mean of the saves before it, measured),
   ``MTBF / (N step)`` durable saves of ``C``, the measured mean (durable only);
 - *work lost*: the steps done since the version that was restored (measured);
 - *retrieval*: the restore's wall time on the slowest rank (measured);
@@ -330,6 +330,9 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
     back = max(starts) if starts else failure  # the new attempt's steps come after its workers started
     after = [e["unix"] for e in steps if e["unix"] > back]
     stalls = [e["stall_s"] for e in sorted(before, key=lambda e: e["step"]) if e["stall_s"] > 0]
+    # the attempt after the failure: its first saves are the warm-up this failure cost
+    stalls_after = [e["stall_s"] for e in sorted((e for e in steps if e["unix"] > back), key=lambda e: e["step"])
+                    if e["stall_s"] > 0]
     pids_before = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] <= failure}
     pids_after = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] > failure}
     return {
@@ -339,9 +342,12 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
         "retrieval_s": max((e["seconds"] for e in restores), default=0.0),
         "restart_s": restart_s, "first_step_after_s": (min(after) - failure) if after else None,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
-        # gemini_ckpt's first WARM_UP saves of a run plan and make the segments it reuses (once
-        # per run, so once per failure); the mean of the others is the steady cost of a save
-        "stall_warm_up_s": sum(stalls[:WARM_UP]) if mode in ("gemini", "inplace") else 0.0,
+        # gemini_ckpt's first WARM_UP saves of an attempt plan and make the segments it reuses: the
+        # run's first attempt's, and (charged per failure) those of the attempt after the failure;
+        # the mean of the others is the steady cost of a save
+        "stall_warm_up_first_s": sum(stalls[:WARM_UP]) if mode in ("gemini", "inplace") else 0.0,
+        "stall_warm_up_s": (sum(stalls_after[:WARM_UP]) if len(stalls_after) >= WARM_UP else sum(stalls[:WARM_UP]))
+        if mode in ("gemini", "inplace") else 0.0,
         "stall_mean_s": statistics.fmean(stalls[WARM_UP:] if mode in ("gemini", "inplace") and len(stalls) > WARM_UP
                                          else stalls)
         if stalls else 0.0,
