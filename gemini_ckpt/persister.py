@@ -190,7 +190,7 @@ class Persister:
             archives = [torch_save_bytes(_value(v.kind, blob, v.fqn)) for v, blob in zip(plan.values, record.values)]
             sections[rank], value_items[rank] = value_section(archives)
         if self.tier.capabilities.persists_itself and durable.uri_resolvable:
-            placed = self.tier.persist_files(step, durable.uri, durable.directory(step), sections)
+            placed = self.tier.persist_files(step, durable.uri, durable.directory(step), sections, durable.opener)
         else:
             placed = {rank: self._write_file(step, view, rank, sections[rank]) for rank in sorted(view.plans)}
         fire("persist_commit", step=step, rank=self.rank)

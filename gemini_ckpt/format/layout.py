@@ -23,7 +23,6 @@ ones readers see (``.metadata``, the marker, ``latest``) under a temp name, then
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import re
 from dataclasses import dataclass
@@ -68,11 +67,12 @@ def looks_like_step(name: str) -> bool:
     return name.startswith(STEP_PREFIX)
 
 
-def resolve_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    """``(filesystem, root path)`` for a local path, ``file://`` or any pyarrow.fs URI."""
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
+def resolve_filesystem(uri: str, opener=None) -> tuple[pafs.FileSystem, str]:
+    """``(filesystem, root path)`` for a local path or a URI: through its scheme's backend
+    (:mod:`gemini_ckpt.format.backends`), or ``opener`` when given."""
+    from .backends import open_uri
+
+    return open_uri(uri, opener)
 
 
 def version_dir(root: str, step: int) -> str:

@@ -286,7 +286,8 @@ class RayTier(MemoryTier):
         return self.reads.open(step, key=key)
 
     # --- persist, retention, discards ------------------------------------------------------------
-    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes]) -> dict:
+    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes],
+                      opener=None) -> dict:
         """Have the host stores write ``step``'s data files from their memory, in parallel: each
         rank's file by a store holding an intact copy, the owner's host first (so each host
         writes its own ranks' shards)."""
@@ -296,7 +297,7 @@ class RayTier(MemoryTier):
             where = self.reads.where(step)
         if where is None or not where.committed:
             raise VersionNotFoundError(f"step {step} is not committed on the live host stores")
-        return persist_files(self.hosts, step, where, uri, directory, sections)
+        return persist_files(self.hosts, step, where, uri, directory, sections, opener)
 
     def unpin(self, step: int) -> None:
         self.hosts.gather("unpin", step)

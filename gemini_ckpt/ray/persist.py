@@ -18,10 +18,10 @@ from .resolve import Resolved
 
 
 def persist_files(hosts: HostStores, step: int, where: Resolved, uri: str, directory: str,
-                  sections: dict[int, bytes]) -> dict:
+                  sections: dict[int, bytes], opener=None) -> dict:
     """Have the live ``hosts`` that hold ``step`` (``where``) write its data files, in parallel:
     rank -> what the writing store returned; ReplicationError when no store could write a
-    rank's file."""
+    rank's file. ``opener``: the URI's backend, sent along (None: pyarrow's own)."""
     def write(rank: int) -> list:
         problems = []
         for slot in sorted(where.copies[rank], key=lambda s: s != _owner(where, rank)):
@@ -30,7 +30,7 @@ def persist_files(hosts: HostStores, step: int, where: Resolved, uri: str, direc
                 continue
             try:
                 return ray.get(handle.persist_shard.remote(step, rank, uri, directory, data_file_name(rank),
-                                                           sections[rank]), timeout=hosts.config.timeout_s)
+                                                           sections[rank], opener), timeout=hosts.config.timeout_s)
             except RayActorError:
                 hosts.mark_dead(slot, "died while persisting")
                 problems.append(f"{hosts.describe(slot)} died")

@@ -159,9 +159,11 @@ class MemoryTier(Tier):
         replacement seeded; see :meth:`gemini_ckpt.ray.actors.registry.Registry.recovery`)."""
         return ()
 
-    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes]) -> dict:
+    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes],
+                      opener=None) -> dict:
         """With ``capabilities.persists_itself``: write each rank's data file of ``step`` under
         ``uri``/``directory`` from the stores' memory, ``sections[rank]`` (the non-tensor items,
-        already ``torch.save``-d) first. Returns rank -> list of (offset, length, crc32c) of
-        its tensor items."""
+        already ``torch.save``-d) first; ``opener``: the URI's backend, when it is not pyarrow's
+        own (:mod:`gemini_ckpt.format.backends`). Returns rank -> list of (offset, length, crc32c)
+        of its tensor items."""
         raise NotImplementedError(f"{type(self).__name__} does not persist by itself")

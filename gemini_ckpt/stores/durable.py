@@ -43,6 +43,7 @@ from ..trust.metadata import load_metadata
 from ..trust.values import check_torch_bytes
 from .base import Tier
 from .fs import FsStore
+from ..format.backends import opener_for
 from ..format.layout import IN_PROGRESS_FILE, LATEST_FILE, MARKER_FILE, read_latest, step_dir_name, write_latest
 from ..format.manifest import VersionManifest
 
@@ -93,9 +94,11 @@ class DurableTier(Tier):
         self.retention: Retention = as_retention(keep)
         self.store = FsStore(uri, filesystem=filesystem, root=root) if filesystem is not None else FsStore(uri)
         self.uri = uri if uri is not None else f"{type(filesystem).__name__}:{root}"
-        # Host stores open the location themselves from the URI; a filesystem object handed
-        # to us in-process cannot travel to them, so then the coordinator writes instead.
+        # Host stores open the location themselves from the URI, with the opener of its
+        # scheme's backend that the persister sends them (None: pyarrow's own); a filesystem
+        # object handed to us in-process is not sent, so then the coordinator writes instead.
         self.uri_resolvable = filesystem is None
+        self.opener = opener_for(uri) if filesystem is None and uri is not None else None
 
     # --- writing ------------------------------------------------------------------------------
     def begin(self, step: int) -> None:

@@ -228,8 +228,9 @@ class HostStore:
     def push_ranges(self, step: int, rank: int, ranges: list, reader: Endpoint) -> int:
         return self.server.push_ranges(step, rank, ranges, reader)
 
-    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes) -> list:
-        return self.server.persist_shard(step, rank, uri, directory, name, section)
+    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes,
+                      opener=None) -> list:
+        return self.server.persist_shard(step, rank, uri, directory, name, section, opener)
 
     def unpin(self, step: int) -> None:
         self.server.unpin(step)

@@ -102,11 +102,14 @@ class ShardServer:
         return sum(length for _, length, _ in ranges)
 
     # --- the durable tier ----------------------------------------------------------------------------
-    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes) -> list:
+    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes,
+                      opener=None) -> list:
         """Write rank ``rank``'s data file of ``step`` to ``uri``/``directory``/``name`` in DCP's
         ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
         persister), then every tensor item framed as ``torch.save`` frames it. The copy is
-        checked against its record first. Returns ``[offset, length, crc32c]`` per tensor item."""
+        checked against its record first; ``uri`` is opened with ``opener`` when the trainer sent one
+        (its backend, :mod:`gemini_ckpt.format.backends`). Returns ``[offset, length, crc32c]`` per
+        tensor item."""
         from ...stores.files import files_for
         from ...format.layout import resolve_filesystem
 
@@ -118,7 +121,7 @@ class ShardServer:
             problem = verify_copies(self.s, [shard])
             if problem:
                 raise ValueError(f"node {self.s.node_id[:12]}: {problem}; not persisted from this copy")
-            fs, root = resolve_filesystem(uri)
+            fs, root = resolve_filesystem(uri, opener)
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
             # Created exclusively and never through a link planted in the version's directory
