@@ -57,7 +57,7 @@ def register_durable_backend(scheme: str, opener: Opener) -> None:
         register_durable_backend("acme", open_acme)
         CheckpointConfig(durable_uri="acme://bucket/run", persist_every=10)
     """
-    if not isinstance(scheme, str) or not _SCHEME.match(scheme + "://"):
+    if not isinstance(scheme, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         raise ConfigError(f"register_durable_backend(scheme={scheme!r}): a URI scheme (letters, digits, '+', '-', "
                           f"'.'; starting with a letter), without '://'")
     if not callable(opener):

@@ -66,8 +66,10 @@ def test_a_registered_scheme_persists_stock_dcp_versions_through_its_backend(vau
 
 def test_a_scheme_nobody_opens_is_a_config_error_that_says_how_to_add_one():
     config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, durable_uri="nowhere://x/y")
+    ckpt = Checkpointer(TrainState(model=torch.nn.Linear(2, 2)), config)
     with pytest.raises(ConfigError, match=r"no backend for scheme 'nowhere'.*register_durable_backend\('nowhere'"):
-        Checkpointer(TrainState(model=torch.nn.Linear(2, 2)), config)
+        ckpt.restore()  # the Checkpointer starts at its first restore or save
+    ckpt.close()
 
 
 def test_a_backend_must_return_a_filesystem_and_a_root():
