@@ -76,7 +76,6 @@ def param_mb(state_mb: float) -> float:
 def build_state(rank: int, world: int, mb: float, fill: bool = True):
     """The FSDP2 linear stack of ``_raybench.Rank.setup`` (same sizes) plus AdamW with its state
     materialized by one step on zero gradients. Needs the default process group."""
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
 
     from _raybench import LAYER_DIM
@@ -236,7 +235,6 @@ def _lmr_enable(model, opt, folder: str, run_id: str):
 
 
 def _lmr_phases(model, opt, rank: int, world: int, args) -> dict:
-    import torch
     import torch.distributed as dist
 
     peer = rank ^ 1  # lm-resiliency's pairing on CPU: replication_jump = 1 -> (0,1), (2,3)

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 
-import pytest
 
 from gemini_ckpt.ray.fence import ASK_EVERY_S, LEASE_MARGIN_S, TICK_S, Fence, declared_dead, process_identity
 
