@@ -74,8 +74,9 @@ class CheckpointConfig:
             a save shrinks to the small part. A parameter or optimizer-state tensor changed in
             place before its copy is done (anything but ``optimizer.step()``) fails that version
             with an error naming it; see :mod:`gemini_ckpt.save.overlap`).
-        host_memory_budget_bytes: per-host memory budget for kept shards; None = a fraction
-            of the node's RAM.
+        host_memory_budget_bytes: per-host memory budget for kept shards; None = 30% of the
+            node's RAM, less where other namespaces' stores on the node take their 60% share
+            (see :mod:`gemini_ckpt.ray.actors.budget`).
         world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
             with a warning) or ``error``.
         timeout_s: limit for every blocking call (waits, collectives, store calls).

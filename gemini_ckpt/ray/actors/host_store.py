@@ -43,6 +43,7 @@ from typing import Optional
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ...errors import MemoryBudgetError
 from ...retention import KeepNewest
 from ..attach_server import AttachServer
 from ..fence import fence_when_node_lost
@@ -57,12 +58,11 @@ from .replication import Replicator, ReplicaSink
 from .serving import ShardServer
 from ...timeouts import TIMEOUTS
 from .state import EpochConfig, StoreState
+from . import budget as budget_rules
 from .versions import VersionTable
 
 log = logging.getLogger("gemini_ckpt")
 
-DEFAULT_BUDGET_FRACTION = 0.3
-"""Default per-host budget: this fraction of the node's RAM (``host_memory_budget_bytes=None``)."""
 TICK_S = 0.2
 SWITCH_INTERVAL_S = 0.0005
 
@@ -77,10 +77,10 @@ def configure_logging() -> None:
         log.setLevel(os.environ.get("GEMINI_CKPT_LOG_LEVEL", "WARNING").upper())
 
 
-def default_budget_bytes() -> int:
+def _ram_bytes() -> int:
     import psutil  # a Ray dependency
 
-    return int(DEFAULT_BUDGET_FRACTION * psutil.virtual_memory().total)
+    return int(psutil.virtual_memory().total)
 
 
 class HostStore:
@@ -90,15 +90,19 @@ class HostStore:
     Run as a Ray actor (:func:`get_or_create_store`): detached,
     ``max_restarts=0``, pinned to its node, threaded."""
 
-    def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None) -> None:
+    def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None,
+                 others: Optional[dict] = None) -> None:
         configure_logging()
         # Copies stream through several threads while another checksums a shard item by item
         # (the GIL released for each large item): hand the GIL over sooner than every 5 ms,
         # or a checksum of a few hundred items waits whole intervals between them.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.namespace, self.node_id = namespace, node_id
-        self.s = StoreState(namespace, node_id,
-                            VersionTable(int(budget_bytes) if budget_bytes else default_budget_bytes(), node=node_id))
+        # an explicit budget is judged by set_budget, which get_or_create_store calls next
+        budget, note = budget_rules.choose(None, dict(others or {}), _ram_bytes(), namespace=namespace)
+        if note and not budget_bytes:
+            log.warning("gemini_ckpt: %s", note)
+        self.s = StoreState(namespace, node_id, VersionTable(budget, node=node_id))
         self.driver = CommitDriver(self.s)
         self.replicator = Replicator(self.s, self.driver)
         self.driver.replicator = self.replicator
@@ -112,9 +116,12 @@ class HostStore:
     def ping(self) -> str:
         return self.node_id
 
-    def set_budget(self, budget_bytes: int) -> None:
+    def set_budget(self, budget_bytes: int, others: Optional[dict] = None) -> None:
+        """Set an explicit budget; MemoryBudgetError when it and ``others`` (the other namespaces'
+        stores on this node: namespace -> budget) would pass the node's share (:mod:`.budget`)."""
+        budget, _ = budget_rules.choose(int(budget_bytes), dict(others or {}), _ram_bytes(), namespace=self.namespace)
         with self.s.lock:
-            self.s.table.pool.budget_bytes = int(budget_bytes)
+            self.s.table.pool.budget_bytes = budget
 
     def budget(self) -> int:
         with self.s.lock:
@@ -348,18 +355,31 @@ class HostStore:
             return self.s.table.versions[step].shards[rank].seg.array
 
 
-def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None):
+def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None,
+                        *, timeout_s: float = 120.0):
     """The host store of ``node_id`` in ``namespace``, created there (hard node affinity) if
-    missing. An existing store keeps its budget unless ``budget_bytes`` is given."""
+    missing. An existing store keeps its budget unless ``budget_bytes`` is given. Budgets are
+    judged with the other namespaces' stores on the node (:mod:`.budget`): an explicit one that
+    would pass the node's share raises MemoryBudgetError."""
+    others = None
     try:  # the usual case, a store that exists: one lookup, not an actor class built and shipped again
         handle = ray.get_actor(store_name(namespace, node_id), namespace=RAY_NAMESPACE)
     except ValueError:
+        others = budget_rules.other_budgets(namespace, node_id, timeout_s)
         handle = (ray.remote(HostStore)
                   .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
                            lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
                            runtime_env={"env_vars": ACTOR_ENV},
                            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-                  .remote(namespace, node_id, budget_bytes))
+                  .remote(namespace, node_id, budget_bytes, others))
     if budget_bytes is not None:
-        handle.set_budget.remote(budget_bytes)
+        created, others = others is not None, others if others is not None else \
+            budget_rules.other_budgets(namespace, node_id, timeout_s)
+        try:
+            ray.get(handle.set_budget.remote(budget_bytes, others), timeout=timeout_s)
+        except MemoryBudgetError:
+            if created:  # refused: the store made for it goes too
+                ray.kill(handle, no_restart=True)
+            raise
     return handle
+
