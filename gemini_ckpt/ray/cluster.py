@@ -6,6 +6,7 @@ and :func:`~gemini_ckpt.ray.actors.registry.get_or_create_registry`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Iterable
 from typing import Optional
@@ -43,7 +44,11 @@ def start_host_stores(config: CheckpointConfig, node_ids: Optional[Iterable[str]
     namespace = config.resolved_namespace
     nodes = sorted(node_ids) if node_ids is not None else alive_node_ids()
     get_or_create_registry(namespace)
-    handles = {n: get_or_create_store(namespace, n, config.host_memory_budget_bytes) for n in nodes}
+    named = named_actors()  # once: each store's budget is judged with the other namespaces' on its node
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
+        futures = {n: pool.submit(get_or_create_store, namespace, n, config.host_memory_budget_bytes,
+                                  timeout_s=timeout_s or config.timeout_s, named=named) for n in nodes}
+        handles = {n: f.result() for n, f in futures.items()}
     ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s or config.timeout_s)
     return handles
 

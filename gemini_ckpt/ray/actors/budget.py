@@ -60,15 +60,16 @@ def choose(requested: Optional[int], others: dict[str, int], ram_bytes: int, *,
                     f"(gemini_ckpt.ray.cluster.shutdown_host_stores(namespace)) or set host_memory_budget_bytes")
 
 
-def other_budgets(namespace: str, node_id: str, timeout_s: float) -> dict[str, int]:
+def other_budgets(namespace: str, node_id: str, timeout_s: float, named: Optional[dict] = None) -> dict[str, int]:
     """namespace -> budget of the other namespaces' live host stores on ``node_id`` (one that
-    does not answer in time is left out: it cannot be using much)."""
+    does not answer in time is left out: it cannot be using much). ``named``: what
+    :func:`~gemini_ckpt.ray.names.named_actors` returned, to look it up once for many nodes."""
     import ray
 
     from ..names import RAY_NAMESPACE, named_actors, store_name
 
     calls = {}
-    for ns, found in named_actors().items():
+    for ns, found in (named if named is not None else named_actors()).items():
         if ns != namespace and node_id in found["stores"]:
             try:
                 calls[ns] = ray.get_actor(store_name(ns, node_id), namespace=RAY_NAMESPACE).budget.remote()

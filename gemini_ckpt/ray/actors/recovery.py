@@ -92,7 +92,7 @@ class Recovery:
                 continue
             dead.remove(slot)
             old = self.s.nodes[slot]
-            store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"))
+            store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"), judge=False)
             cfg = self.epoch_config(slot)
             try:
                 await asyncio.wait_for(store.attach.remote(self.s.epoch, cfg), timeout=self.s.timeout_s)
