@@ -14,12 +14,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from placement import LAYOUTS
+
 from .errors import ConfigError
 from .health import HealthCheck
 from .timeouts import TIMEOUTS
 
 STORES = ("local", "ray")
-PLACEMENTS = ("auto", "group", "ring", "mixed")
+PLACEMENTS = ("auto", *LAYOUTS)
 PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")

@@ -14,11 +14,10 @@ from typing import NoReturn
 from . import _advise_cli
 from ._errors import PlacementError
 from ._planner import RecoveryPlan, fatal_count, plan_recovery, recovery_probability, survives
-from ._strategies import Placement, domain_violations, make
+from ._strategies import LAYOUTS as _COMPARED, Placement, domain_violations, make
 
 __all__ = ["main"]
 
-_COMPARED = ("group", "ring", "mixed")
 _MATRIX_MAX_HOSTS = 64  # beyond this a who-holds-whom matrix is unreadable
 
 

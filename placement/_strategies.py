@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from . import _domains
 from ._errors import PlacementError
 
-__all__ = ["STRATEGIES", "Placement", "domain_violations", "make"]
+__all__ = ["LAYOUTS", "STRATEGIES", "Placement", "domain_violations", "make"]
 
+#: The strategies that lay copies out themselves (the one list of their names).
+LAYOUTS = ("group", "ring", "mixed")
 #: Strategy names accepted by :func:`make`; ``auto`` resolves to group or mixed.
-STRATEGIES = ("group", "ring", "mixed", "auto")
+STRATEGIES = (*LAYOUTS, "auto")
 
 _GROUP, _RING = "group", "ring"
 

@@ -29,6 +29,7 @@ from ._faults import (
     kill_rack,
 )
 from ._phases import (
+    PLACEMENTS,
     At,
     ScenarioError,
 )
@@ -88,7 +89,7 @@ def full_matrix(config: Optional[ChaosConfig] = None) -> list[Scenario]:
         out.append(Scenario(name=f"remove-host-{phase}", at=at, faults=(RemoveHosts((rank,)),)))
 
     # Pairs of simultaneous host losses, replaced, for each placement.
-    for strategy in ("group", "ring", "mixed"):
+    for strategy in PLACEMENTS:
         for pair in itertools.combinations(range(cfg.hosts), 2):
             note = ""
             if strategy == "mixed" and cfg.hosts % cfg.replicas == 0:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from placement import LAYOUTS
+
 from ..faults import PHASES as LIBRARY_PHASES
 
 STEP = "step"
@@ -23,7 +25,7 @@ committed, and persisted when due), one of the training process's phases
 COORDINATOR_PHASES = ("commit", "persist", "persist_commit")
 """Phases held on rank 0 (its host store, or its persister)."""
 PERSIST_PHASES = ("persist", "persist_commit")
-PLACEMENTS = ("group", "ring", "mixed")
+PLACEMENTS = LAYOUTS
 
 
 class ScenarioError(ValueError):
