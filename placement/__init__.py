@@ -30,7 +30,7 @@ from ._planner import (
     recovery_probability,
     survives,
 )
-from ._strategies import LAYOUTS, STRATEGIES, Placement, domain_violations, make
+from ._strategies import LAYOUTS as LAYOUTS, STRATEGIES, Placement, domain_violations, make
 
 __all__ = [  # LAYOUTS too is importable: the strategies' names without "auto"
     "STRATEGIES",
