@@ -25,7 +25,12 @@ def test_a_default_budget_shrinks_to_what_the_other_namespaces_leave_and_says_so
     assert budget == DEFAULT_FLOOR_BYTES and note  # four defaults: 30 + 30 + 1 GiB + 1 GiB, not 120%
 
 
-def test_an_explicit_budget_past_the_nodes_share_is_refused_naming_the_others():
+def test_an_explicit_budget_past_what_the_others_leave_is_refused_naming_them():
     assert choose(25 * GB, {"a": 35 * GB}, RAM, namespace="b") == (25 * GB, None)  # exactly 60%
-    with pytest.raises(MemoryBudgetError, match=r"host_memory_budget_bytes=26,000,000,000 .*'a' 35.00 GB.*60%"):
+    with pytest.raises(MemoryBudgetError, match=r"host_memory_budget_bytes=26,000,000,000 .*'a' 35.00 GB.*leave 25.00 GB"):
         choose(26 * GB, {"a": 35 * GB}, RAM, namespace="b")
+    # two default stores fill the share; a small explicit budget still fits (up to 1 GiB, as a default's)
+    full = {"a": 30 * GB, "b": 30 * GB}
+    assert choose(DEFAULT_FLOOR_BYTES, full, RAM, namespace="c") == (DEFAULT_FLOOR_BYTES, None)
+    with pytest.raises(MemoryBudgetError, match="leave 1.07 GB"):
+        choose(DEFAULT_FLOOR_BYTES + 1, full, RAM, namespace="c")

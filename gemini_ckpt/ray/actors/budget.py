@@ -1,14 +1,14 @@
 """A node's memory across namespaces: every job (namespace) has its own host store on a node,
 and detached stores outlive their jobs, so the budgets are judged together.
 
-- The stores of all namespaces on one node budget at most :data:`NODE_FRACTION` of its RAM.
-- A store without an explicit budget gets :data:`DEFAULT_FRACTION` of the RAM, or what the
-  other namespaces' stores there leave of the node's share, but never less than
-  :data:`DEFAULT_FLOOR_BYTES` (then with a warning that names them): a job is not refused for
-  a finished job's stores, and each store past the share adds at most that much.
-- An explicit budget (``CheckpointConfig.host_memory_budget_bytes``) that would take the node
-  past its share is refused (:class:`~gemini_ckpt.errors.MemoryBudgetError`, naming the others
-  and the fixes).
+- The stores of all namespaces on one node budget at most :data:`NODE_FRACTION` of its RAM;
+  a store may take what the other namespaces' stores there leave of that share, or
+  :data:`DEFAULT_FLOOR_BYTES` where they leave less: a job is not refused for a finished job's
+  stores, and each store past the share adds at most that much.
+- A store without an explicit budget gets :data:`DEFAULT_FRACTION` of the RAM, or less where
+  that is all it may take (then with a warning that names the others).
+- An explicit budget (``CheckpointConfig.host_memory_budget_bytes``) larger than it may take is
+  refused (:class:`~gemini_ckpt.errors.MemoryBudgetError`, naming the others and the fixes).
 
 The host store measures its node's RAM and is told the others' budgets (:func:`other_budgets`)
 by whoever starts it (:func:`gemini_ckpt.ray.actors.host_store.get_or_create_store`).
@@ -25,7 +25,7 @@ DEFAULT_FRACTION = 0.3
 NODE_FRACTION = 0.6
 """What the stores of every namespace on one node may budget together (two default stores)."""
 DEFAULT_FLOOR_BYTES = 1 << 30
-"""The least a store without an explicit budget gets, however much the others took."""
+"""What a store may take however much the others took (a default budget gets it then)."""
 
 
 def _gb(n: float) -> str:
@@ -42,16 +42,17 @@ def choose(requested: Optional[int], others: dict[str, int], ram_bytes: int, *,
     other namespaces' stores budget ``others`` (namespace -> bytes)."""
     share = int(NODE_FRACTION * ram_bytes)
     taken = sum(others.values())
+    room = max(share - taken, DEFAULT_FLOOR_BYTES)
     if requested is not None:
-        if requested + taken > share:
+        if requested > room:
             raise MemoryBudgetError(
-                f"host_memory_budget_bytes={requested:,} for namespace {namespace!r}: with the other namespaces' "
-                f"host stores on this node ({_others(others)}) the node's stores would budget {_gb(requested + taken)}, "
-                f"past {NODE_FRACTION:.0%} of its {_gb(ram_bytes)} of RAM. Give a smaller budget, or stop the stores of "
-                f"finished jobs (gemini_ckpt.ray.cluster.shutdown_host_stores(namespace); their versions go)")
+                f"host_memory_budget_bytes={requested:,} for namespace {namespace!r}: the other namespaces' host "
+                f"stores on this node ({_others(others)}) leave {_gb(room)} of the {NODE_FRACTION:.0%} of its "
+                f"{_gb(ram_bytes)} of RAM that all stores on a node may budget. Give a smaller budget, or stop the "
+                f"stores of finished jobs (gemini_ckpt.ray.cluster.shutdown_host_stores(namespace); their versions go)")
         return int(requested), None
     default = int(DEFAULT_FRACTION * ram_bytes)
-    budget = max(min(default, share - taken), min(default, DEFAULT_FLOOR_BYTES))
+    budget = min(default, room)
     if budget >= default:
         return budget, None
     return budget, (f"host store of namespace {namespace!r}: the other namespaces' stores on this node budget "
