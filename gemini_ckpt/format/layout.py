@@ -28,7 +28,6 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
-import pyarrow.fs as pafs
 
 from ..errors import DamagedFileError
 
@@ -65,14 +64,6 @@ def parse_step_dir(name: str) -> Optional[int]:
 def looks_like_step(name: str) -> bool:
     """A name that claims to be a version (``step_...``), whether or not we wrote it."""
     return name.startswith(STEP_PREFIX)
-
-
-def resolve_filesystem(uri: str, opener=None) -> tuple[pafs.FileSystem, str]:
-    """``(filesystem, root path)`` for a local path or a URI: through its scheme's backend
-    (:mod:`gemini_ckpt.format.backends`), or ``opener`` when given."""
-    from .backends import open_uri
-
-    return open_uri(uri, opener)
 
 
 def version_dir(root: str, step: int) -> str:

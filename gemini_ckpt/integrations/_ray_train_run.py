@@ -16,7 +16,7 @@ from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..retention import LeftToRayTrain
 from ..stores.durable import DurableTier
-from ..format.layout import resolve_filesystem
+from ..format.backends import open_uri
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -63,7 +63,7 @@ def _is_local(fs) -> bool:
 
 
 def _inside(uri: str, storage) -> bool:
-    fs, path = resolve_filesystem(uri)
+    fs, path = open_uri(uri)
     if type(fs) is not type(storage.storage_filesystem):
         return False
     run_dir = storage.experiment_fs_path.rstrip("/")

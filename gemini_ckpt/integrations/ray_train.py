@@ -83,7 +83,8 @@ from ..errors import CheckpointError, ConfigError, RecoveryGaveUpError
 from ..state.train_state import TrainState
 from ..stores.durable import DurableTier
 from ..retention import LeftToRayTrain
-from ..format.layout import parse_step_dir, resolve_filesystem, step_dir_name
+from ..format.backends import open_uri
+from ..format.layout import parse_step_dir, step_dir_name
 from ..ray.slots import HOST_LABEL
 from ._inplace_worker import recoverable, recovery_info
 from ._ray_train_callback import HostStores
@@ -276,7 +277,7 @@ class RayTrainCheckpointer(Checkpointer):
         self.reporting: Optional[RayTrainReporting] = None
         if reporting:
             uri = config.durable_uri or durable.uri
-            root = durable.store.root if durable is not None else resolve_filesystem(uri)[1]
+            root = durable.store.root if durable is not None else open_uri(uri)[1]
             self.reporting = RayTrainReporting(storage=storage, report_root=root, timeout_s=config.timeout_s)
         super().__init__(state, config, durable=durable,
                          durable_retention=LeftToRayTrain() if report and storage is not None else None,

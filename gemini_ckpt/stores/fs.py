@@ -30,7 +30,8 @@ import pyarrow.fs as pafs
 
 from ..errors import DamagedFileError, VerificationError, VersionNotFoundError
 from ..trust.manifest import check_marker, manifest_from_json, manifest_to_json
-from ..format.layout import (MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, resolve_filesystem, step_dir_name)
+from ..format.backends import open_uri
+from ..format.layout import MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, step_dir_name
 from .files import files_for
 from ..format.manifest import VersionManifest
 
@@ -46,7 +47,7 @@ class FsStore:
         if filesystem is not None:
             self.fs, self.root = filesystem, root or ""
         elif uri is not None:
-            self.fs, self.root = resolve_filesystem(uri)
+            self.fs, self.root = open_uri(uri)
         else:
             raise ValueError("FsStore needs a uri or a filesystem and root")
         self.files = files_for(self.fs, self.root)

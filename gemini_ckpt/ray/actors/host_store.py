@@ -117,8 +117,8 @@ class HostStore:
         return self.node_id
 
     def set_budget(self, budget_bytes: int, others: Optional[dict] = None) -> None:
-        """Set an explicit budget; MemoryBudgetError when it and ``others`` (the other namespaces'
-        stores on this node: namespace -> budget) would pass the node's share (:mod:`.budget`)."""
+        """Set an explicit budget; MemoryBudgetError when it is more than ``others`` (the other
+        namespaces' stores on this node: namespace -> budget) leave it (:mod:`.budget`)."""
         budget, _ = budget_rules.choose(int(budget_bytes), dict(others or {}), _ram_bytes(), namespace=self.namespace)
         with self.s.lock:
             self.s.table.pool.budget_bytes = budget
@@ -378,8 +378,9 @@ def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int
     if budget_bytes is not None and not judge:
         handle.set_budget.remote(budget_bytes)
     elif budget_bytes is not None:
-        created, others = others is not None, others if others is not None else \
-            budget_rules.other_budgets(namespace, node_id, timeout_s, named)
+        created = others is not None
+        if others is None:
+            others = budget_rules.other_budgets(namespace, node_id, timeout_s, named)
         try:
             ray.get(handle.set_budget.remote(budget_bytes, others), timeout=timeout_s)
         except MemoryBudgetError:

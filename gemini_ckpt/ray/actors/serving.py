@@ -111,7 +111,7 @@ class ShardServer:
         (its backend, :mod:`gemini_ckpt.format.backends`). Returns ``[offset, length, crc32c]`` per
         tensor item."""
         from ...stores.files import files_for
-        from ...format.layout import resolve_filesystem
+        from ...format.backends import open_uri
 
         with self.s.lock:
             shard = self.s.complete_shard(step, rank)
@@ -121,7 +121,7 @@ class ShardServer:
             problem = verify_copies(self.s, [shard])
             if problem:
                 raise ValueError(f"node {self.s.node_id[:12]}: {problem}; not persisted from this copy")
-            fs, root = resolve_filesystem(uri, opener)
+            fs, root = open_uri(uri, opener)
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
             # Created exclusively and never through a link planted in the version's directory
