@@ -23,7 +23,7 @@ import ray
 
 from gemini_ckpt import CheckpointConfig, ConfigError, MemoryBudgetError
 from gemini_ckpt.ray.cluster import find_store
-from gemini_ckpt.ray.fence import declared_dead
+from gemini_ckpt.ray.fence import ALIVE, DEAD, asker, declared_dead, gcs_address, second_look
 from gemini_ckpt.ray.resolve import resolve
 from gemini_ckpt.ray.slots import holders_for
 from ray_helpers import node_id_of_host, status, wait_for
@@ -280,6 +280,9 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
     new_node = node_id_of_host(1)
     # what a fenced host store asks the GCS (gemini_ckpt.ray.fence) reads the real node table right
     assert declared_dead(ray.nodes(), old_node) and not declared_dead(ray.nodes(), new_node)
+    assert asker(old_node)() and not asker(new_node)()  # and the one-node question it asks now
+    address, cluster = gcs_address()  # the second look, once a lease ran out: on new connections
+    assert second_look(address, cluster, old_node) == DEAD and second_look(address, cluster, new_node) == ALIVE
 
     ranks.restart("takeover")
     # Host 1's memory is gone; the replacement's store was given its copies by slot 0 when it
