@@ -47,9 +47,10 @@ from .errors import ConfigError
 HEALTHY, UNHEALTHY, UNCHECKED = "healthy", "unhealthy", "unchecked"
 STATUSES = (HEALTHY, UNHEALTHY, UNCHECKED)
 ON_UNHEALTHY = ("warn", "raise")
-CHECKS = ("finite", "metric", "validator")
+CHECKS = ("finite", "metric", "validator", "verdict")
 """Which check found a version unhealthy: ``finite`` (the tensor check), ``metric`` (a
-predicate on ``save(metrics=...)``), ``validator`` (the user's)."""
+predicate on ``save(metrics=...)``), ``validator`` (the user's), ``verdict`` (health checks were
+on, but a shard's verdict is missing: a missing verdict is never a healthy one)."""
 _MAX_TEXT = 1000  # a verdict's strings come from peers and storage: bounded
 
 
@@ -120,6 +121,13 @@ class Health:
 
 HEALTHY_VERDICT = Health(HEALTHY)
 UNCHECKED_VERDICT = Health(UNCHECKED)
+
+
+def no_verdict(detail: str, rank: Optional[int] = None) -> Health:
+    """What a version is when health checks were on but a verdict is missing (a host store that
+    did not check, as one of another gemini_ckpt version would not): unhealthy, never healthy
+    by default, so never the restore choice, persisted or reported."""
+    return Health(UNHEALTHY, "verdict", "", detail, rank)
 
 
 def combine(verdicts: Iterable[Optional[Health]]) -> Health:

@@ -37,8 +37,12 @@ class DirTier(MemoryTier):
     def give_back(self, segment: Segment) -> None:
         segment.close()
 
+    def record(self, step, plan, segment, blobs, verdict):
+        """The shard's record, as a host store makes it: checksums, the tensor check, the verdict."""
+        return make_record(plan, segment.array, blobs, epoch=0, step=step, verdict=verdict)
+
     def hand_off(self, step, plan, segment, blobs, *, persist=False, verdict=None) -> Future:
-        record = make_record(plan, segment.array, blobs, epoch=0, step=step, verdict=verdict)
+        record = self.record(step, plan, segment, blobs, verdict)
         d = self._dir(step)
         os.makedirs(d, exist_ok=True)
         for suffix, data in (("plan", plan.encode()), ("region", segment.array.tobytes()),

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from ..config import CheckpointConfig
 from ..errors import BackgroundError, CheckpointError, UnhealthyVersionError
 from ..faults import fire
-from ..health import HEALTHY_VERDICT, UNCHECKED_VERDICT, Health
+from ..health import UNCHECKED_VERDICT, Health, no_verdict
 from ..lineage import Lineage
 from ..persister import Persister
 from ..results import CheckpointStats, SaveHandle
@@ -128,8 +128,9 @@ class Background:
             handle = job.handle
             try:
                 outcome = self._hand_off(job)
-                health = outcome.health or (HEALTHY_VERDICT if self.config.health_check is not None
-                                            else UNCHECKED_VERDICT)
+                health = outcome.health or (UNCHECKED_VERDICT if self.config.health_check is None else no_verdict(
+                    "the host stores did not say that every shard carries a verdict, though health checks are on "
+                    "(a store of another gemini_ckpt version?)"))
                 self.stats.committed += 1
                 self.stats.last_commit_s = time.perf_counter() - job.t0
                 self.newest_committed = handle.step

@@ -41,7 +41,7 @@ from ..errors import (
     ReplicationError,
     VersionNotFoundError,
 )
-from ..health import Health
+from ..health import HEALTHY_VERDICT, Health
 from ..stores.views import MemoryVersion
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..format.commstate import CommState, Marker
@@ -255,8 +255,9 @@ class RayTier(MemoryTier):
                         except AttachError:
                             pass
             unhealthy = reply.get("unhealthy") or ""
-            try:
-                health = Health.from_text(unhealthy) if unhealthy else None
+            try:  # no verdict unless the stores say every shard has one: a missing verdict is never healthy
+                health = Health.from_text(unhealthy) if unhealthy else (
+                    HEALTHY_VERDICT if reply.get("checked") is True else None)
             except ValueError as exc:  # our own store's words: a version mismatch, not an attack
                 health = Health("unhealthy", "finite", "", f"the host store says so, unreadably ({exc})")
             done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", ""), health=health))

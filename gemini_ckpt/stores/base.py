@@ -57,8 +57,9 @@ class Capabilities:
 @dataclass(frozen=True)
 class Outcome:
     """How a version ended in its memory tier: committed, or not and why. ``health``: the
-    committed version's verdict when the tier knows one (None: healthy or unchecked, as the
-    Checkpointer's ``health_check`` says)."""
+    committed version's verdict (None: none was given. With ``health_check=None`` that is
+    ``unchecked``; with health checks on, a missing verdict is never a healthy one: the
+    Checkpointer counts the version unhealthy, check ``verdict``)."""
 
     step: int
     committed: bool

@@ -29,7 +29,7 @@ from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError, VerificationError
 from ..format.manifest import as_uint8
 from ..format.shards import ShardPlan, ShardRecord
-from ..health import UNCHECKED_VERDICT, Health, combine
+from ..health import UNCHECKED_VERDICT, Health, combine, no_verdict
 from ..save.plan import RawLocation
 from ..save.stager import torch_dtype
 from ..signing import canonical
@@ -92,7 +92,13 @@ class MemoryVersion:
 
     @property
     def health(self) -> Health:
-        """The version's verdict, from its shards' verified records (the first unhealthy one)."""
+        """The version's verdict, from its shards' verified records (the first unhealthy one). A
+        shard whose signed plan asks for the tensor check but whose record carries no verdict was
+        not checked by its store: the version is unhealthy (``verdict``), never healthy."""
+        for r in sorted(self.records):
+            if self.plans[r].checked and self.records[r].health is None:
+                return no_verdict(f"its record carries no verdict, though its plan asks for the finite check of "
+                                  f"{len(self.plans[r].checked)} items: its store did not check it", r)
         return combine(self.records[r].health for r in sorted(self.records))
 
     def _metadata(self) -> Metadata:

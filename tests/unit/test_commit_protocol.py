@@ -16,6 +16,7 @@ import placement
 from gemini_ckpt.ray.slots import holders_for
 from gemini_ckpt.ray.commit import (
     COORDINATOR,
+    Committed,
     DEFAULT_FANOUT,
     Coordinator,
     Decision,
@@ -195,6 +196,24 @@ def test_unhealthy_versions_commit_but_every_store_releases_them_alike_and_keeps
     # Every store let go of the same versions in the same order: 3 at once (2 began the run), 0
     # when 4 came, 2 when 5 began a new run, 1 when 6 came.
     assert {tuple(v.step for v in sim.released[s]) for s in live} == {(3, 0, 2, 1)}
+
+
+def test_every_participant_hears_whether_every_shard_carries_a_verdict_and_a_missing_one_is_never_assumed():
+    """Issue 40, finding 3: a store that gives no verdict for a shard (one of another gemini_ckpt
+    version, which leaves the field out: the message's default) makes the version unchecked at
+    every participant, never healthy; with every verdict present, every participant says so."""
+    hosts = 16
+    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "ring"), ranks_per_host=2, keep=2,
+                    seed=5)
+    for step, unchecked in ((0, ()), (1, (13,)), (2, ()), (3, (0, 31))):
+        report = sim.run_version(step, unchecked=unchecked)
+        decided_everywhere(sim, report)
+        assert report.outcome is True
+        v = VersionId(0, step)
+        at = {s for s, w in sim.checked_at if w == v}
+        assert at == (set() if unchecked else set(sim.stores) | {COORDINATOR}), (step, at)
+    assert ShardStaged(VersionId(0, 0), 0).checked is False and Vote(VersionId(0, 0), 0, frozenset(), True).checked == 0
+    assert Decision(VersionId(0, 0), True).checked is False and Committed(VersionId(0, 0)).checked is False
 
 
 def test_the_trainer_is_not_needed_after_staging():

@@ -527,3 +527,52 @@ def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_i
     assert cli(["ls", uri]) == 0
     out = capsys.readouterr().out
     assert "UNHEALTHY" in out and "unhealthy: rank 0: model.head.weight failed the finite check (forged)" in out
+
+
+# --- issue 40, finding 3: a missing verdict is never a healthy one -----------------------------------
+def test_a_store_that_gives_no_verdict_never_makes_a_version_healthy_for_the_trainer_or_for_restore(tmp_path):
+    """A store of another gemini_ckpt version (the one the audit ran) takes the shard but neither
+    checks it nor passes the trainer's verdict on: its records carry no verdict, its outcome
+    says nothing. On main 17f5790 a NaN step saved through it was ``healthy`` on the trainer and
+    the restore choice. Now the trainer counts each such version unhealthy (check ``verdict``),
+    and restore, which reads the signed plan asking for the finite check beside a record without
+    a verdict, never picks one (``restore(step=...)`` still loads it, with a warning). A store
+    that does check (the same tier, verdicts kept) makes the same versions healthy and NaN-free."""
+    import dataclasses
+
+    from dir_tier import DirTier
+
+    class UncheckingStore(DirTier):
+        def record(self, step, plan, segment, blobs, verdict):  # checks nothing, passes no verdict on
+            return super().record(step, dataclasses.replace(plan, checked=()), segment, blobs, None)
+
+    def run(store_cls, root):
+        model = nn.Linear(8, 4)
+        ckpt = Checkpointer(TrainState(model=model), CheckpointConfig(store="local"),
+                            store=store_cls(str(root), rank=0, world_size=1))
+        verdicts = [_saved(ckpt, 0).health.result()]
+        with torch.no_grad():
+            model.weight.view(-1)[5] = math.nan
+        verdicts.append(_saved(ckpt, 1).health.result())
+        ckpt.close()
+        fresh = nn.Linear(8, 4)
+        again = Checkpointer(TrainState(model=fresh), CheckpointConfig(store="local"),
+                             store=store_cls(str(root), rank=0, world_size=1))
+        return verdicts, again, fresh
+
+    verdicts, again, fresh = run(DirTier, tmp_path / "checking")
+    assert [v.status for v in verdicts] == ["healthy", "unhealthy"] and verdicts[1].check == "finite"
+    assert again.restore().step == 0 and torch.isfinite(fresh.weight).all()
+    again.close()
+
+    verdicts, again, fresh = run(UncheckingStore, tmp_path / "unchecking")
+    assert [(v.status, v.check) for v in verdicts] == [("unhealthy", "verdict")] * 2
+    assert "did not say that every shard carries a verdict" in verdicts[1].reason
+    with pytest.raises(UnhealthyVersionError, match="its record carries no verdict, though its plan asks for the "
+                                                    "finite check of 2 items"):
+        again.restore()
+    assert torch.isfinite(fresh.weight).all()
+    with pytest.warns(UnhealthyRestoreWarning):
+        assert again.restore(step=1).step == 1  # on purpose, by name
+    assert not torch.isfinite(fresh.weight).all()
+    again.close()

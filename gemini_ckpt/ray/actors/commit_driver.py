@@ -60,7 +60,7 @@ class CommitDriver:
             elif isinstance(a, Replicate):
                 pass  # the copies began when the shards were handed off (see _staged)
             elif isinstance(a, Committed):
-                self.decided(a.version, True, "", a.unhealthy)
+                self.decided(a.version, True, "", a.unhealthy, a.checked)
             elif isinstance(a, Aborted):
                 self.decided(a.version, False, a.reason)
             elif isinstance(a, Release):
@@ -69,7 +69,8 @@ class CommitDriver:
                     if v is not None and v.key == (a.version.epoch, a.version.step):
                         self.s.table.release(v)
 
-    def decided(self, vid: VersionId, committed: bool, reason: str, unhealthy: str = "") -> None:
+    def decided(self, vid: VersionId, committed: bool, reason: str, unhealthy: str = "",
+                checked: bool = False) -> None:
         with self.s.lock:
             v = self.s.table.versions.get(vid.step)
             if v is not None and v.key == (vid.epoch, vid.step):
@@ -80,7 +81,7 @@ class CommitDriver:
                     self.s.table.release(v, force=True)
             waiters = self.s.waiters.pop((vid.epoch, vid.step), [])
         for conn, _rank in waiters:
-            tell(conn, vid.step, committed, reason, unhealthy)
+            tell(conn, vid.step, committed, reason, unhealthy, checked)
         if not committed:
             log.info("node %s: step %d was not committed: %s", self.s.node_id[:12], vid.step, reason)
 

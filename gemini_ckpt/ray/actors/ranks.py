@@ -166,14 +166,18 @@ class RankPort:
             bad = record.health is not None and record.health.unhealthy
             if bad:  # the trainer says it loudly, once; here it is one line per shard
                 log.info("node %s: step %d is unhealthy: %s", self.s.node_id[:12], step, record.health.reason)
-            actions = self.s.commit.on_message(ShardStaged(vid, rank, record.health.to_text() if bad else "")) \
+            staged = ShardStaged(vid, rank, record.health.to_text() if bad else "", checked=record.health is not None)
+            actions = self.s.commit.on_message(staged) \
                 if self.s.commit is not None else []
         self.driver.apply(actions)
 
 
-def tell(conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "") -> None:
+def tell(conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "",
+         checked: bool = False) -> None:
+    """A rank's outcome: ``unhealthy`` (why; empty: not), and ``checked``, every shard of the
+    version carries a verdict (the trainer counts a version without as unchecked, never healthy)."""
     try:
         conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason,
-                   "unhealthy": unhealthy})
+                   "unhealthy": unhealthy, "checked": checked})
     except OSError:
         pass  # the rank is gone; its version's fate is in the store either way

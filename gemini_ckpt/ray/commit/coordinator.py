@@ -52,16 +52,17 @@ class Coordinator(Participant):
                 r.votes.add(message.sender)
                 r.below += message.shards
                 r.unhealthy = r.unhealthy or message.unhealthy
+                r.checked_below += message.checked
                 if not r.votes.issuperset(r.children):
                     pass
                 elif self.world_size is not None and r.below != self.world_size:
                     self._decide(v, r, False, f"{r.below} of {self.world_size} ranks' shards were staged: the "
                                               f"ranks of a host whose store died cannot save", out)
                 else:
-                    self._decide(v, r, True, "", out, unhealthy=r.unhealthy)
+                    self._decide(v, r, True, "", out, unhealthy=r.unhealthy, checked=r.checked_below == r.below)
         elif isinstance(message, Query):
             if r.outcome is not None:
-                out.append(Send(message.sender, Decision(v, r.outcome, r.reason, r.unhealthy)))
+                out.append(Send(message.sender, Decision(v, r.outcome, r.reason, r.unhealthy, r.checked)))
             else:
                 r.adoptees.add(message.sender)
                 self._decide(v, r, False, f"slot {message.sender} lost its path to the coordinator", out)

@@ -89,6 +89,8 @@ class HostCommit(Participant):
 
     def _on_message(self, v: VersionId, r: Round, message: Message, out: list) -> None:
         if isinstance(message, ShardStaged):
+            if message.rank not in r.staged:
+                r.checked_below += bool(message.checked)
             r.staged.add(message.rank)
             r.unhealthy = r.unhealthy or message.unhealthy
         elif isinstance(message, ReplicaAck):
@@ -108,6 +110,7 @@ class HostCommit(Participant):
                 r.votes.add(message.sender)
                 r.below += message.shards
                 r.unhealthy = r.unhealthy or message.unhealthy
+                r.checked_below += message.checked
         elif isinstance(message, Decision):
             self._on_decision(v, r, message, out)
         elif isinstance(message, Query):
@@ -185,7 +188,7 @@ class HostCommit(Participant):
                 and r.votes.issuperset(r.children)):
             r.voted = True
             out.append(Send(r.parent, Vote(v, self.slot, r.view, True, shards=r.shards + r.below,
-                                           unhealthy=r.unhealthy)))
+                                           unhealthy=r.unhealthy, checked=r.checked_below)))
 
     def _veto(self, v: VersionId, r: Round, reason: str, out: list) -> None:
         if r.outcome is not None or r.voted:
@@ -198,14 +201,14 @@ class HostCommit(Participant):
         if r.outcome is None:
             if d.commit and not r.voted:
                 raise CommitProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
-            self._decide(v, r, d.commit, d.reason, out, unhealthy=d.unhealthy)
+            self._decide(v, r, d.commit, d.reason, out, unhealthy=d.unhealthy, checked=d.checked)
         elif r.outcome != d.commit:
             raise CommitProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
                                 f"but a decision says {'commit' if d.commit else 'abort'}")
 
     def _on_query(self, v: VersionId, r: Round, q: Query, out: list) -> None:
         if r.outcome is not None:
-            out.append(Send(q.sender, Decision(v, r.outcome, r.reason, r.unhealthy)))
+            out.append(Send(q.sender, Decision(v, r.outcome, r.reason, r.unhealthy, r.checked)))
             return
         self._adopt(v, r, q.sender, out)
         if not r.voted:

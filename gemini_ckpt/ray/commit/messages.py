@@ -28,11 +28,14 @@ class VersionId:
 @dataclass(frozen=True)
 class ShardStaged:
     """A rank of this host staged its shard of ``version`` into this store (local input).
-    ``unhealthy``: why the shard failed its health checks (opaque text; empty: it did not)."""
+    ``unhealthy``: why the shard failed its health checks (opaque text; empty: it did not).
+    ``checked``: the shard's record carries a verdict (False: health checks off, or a store
+    that did not say: a missing verdict is never a healthy one)."""
 
     version: VersionId
     rank: int
     unhealthy: str = ""
+    checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,18 +61,21 @@ class Vote:
     reason: str = ""
     shards: int = 0  # shards staged in the sender's subtree (a yes vote)
     unhealthy: str = ""  # a yes vote: why a shard of the subtree is unhealthy (empty: none is)
+    checked: int = 0  # a yes vote: how many of the subtree's shards carry a verdict
 
 
 @dataclass(frozen=True)
 class Decision:
     """The outcome of ``version``, flowing down the tree (and to those who asked). A committed
     version that is ``unhealthy`` (the reason; empty: healthy) is kept by retention only for
-    inspection and never counts as one of the ``keep`` newest."""
+    inspection and never counts as one of the ``keep`` newest. ``checked``: every shard's record
+    carries a verdict (False: some shard's health is unknown)."""
 
     version: VersionId
     commit: bool
     reason: str = ""
     unhealthy: str = ""
+    checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,10 +112,11 @@ class Replicate:
 @dataclass(frozen=True)
 class Committed:
     """Mark ``version`` committed here: readers may trust its bytes (``unhealthy``: but not its
-    state, which failed its health checks; empty: healthy)."""
+    state, which failed its health checks; empty: healthy if ``checked``, else unchecked)."""
 
     version: VersionId
     unhealthy: str = ""
+    checked: bool = False
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class Round:
     outcome: Optional[bool] = None
     reason: str = ""
     unhealthy: str = ""  # why a shard is unhealthy (the subtree's, then the decision's); empty: none
+    checked_below: int = 0  # shards of the subtree (this store's included) whose records carry a verdict
+    checked: bool = False  # the decision's: every shard carries a verdict
     forwarded: bool = False
     adoptees: set = field(default_factory=set)  # orphans that asked for the decision
     asked: Optional[int] = None  # whom this participant asked for the decision
@@ -180,11 +182,11 @@ class Participant:
         return r
 
     def _decide(self, version: VersionId, r: Round, commit: bool, reason: str, out: list,
-                unhealthy: str = "") -> None:
+                unhealthy: str = "", checked: bool = False) -> None:
         r.outcome, r.reason = commit, reason
         if commit:
-            r.unhealthy = unhealthy
-            out.append(Committed(version, unhealthy))
+            r.unhealthy, r.checked = unhealthy, checked
+            out.append(Committed(version, unhealthy, checked))
             bisect.insort(self._unhealthy if unhealthy else self._committed, version)
             held = self._committed + self._unhealthy
             for doomed in self._retention.doomed(held, unhealthy=self._unhealthy):
@@ -199,7 +201,7 @@ class Participant:
         if r.forwarded or r.outcome is None:
             return
         r.forwarded = True
-        decision = Decision(version, r.outcome, r.reason, r.unhealthy)
+        decision = Decision(version, r.outcome, r.reason, r.unhealthy, r.checked)
         for to in (*r.children, *sorted(r.adoptees)):
             if to not in self.dead:
                 out.append(Send(to, decision))
@@ -208,7 +210,7 @@ class Participant:
         """``sender`` waits on this participant for the decision: send it now or once decided."""
         if r.outcome is not None:
             if sender not in r.adoptees:
-                out.append(Send(sender, Decision(version, r.outcome, r.reason, r.unhealthy)))
+                out.append(Send(sender, Decision(version, r.outcome, r.reason, r.unhealthy, r.checked)))
         r.adoptees.add(sender)
 
     def _forget_old(self) -> None:

@@ -73,6 +73,7 @@ class Simulator:
         self.dead: set = set()
         self.committed_at: set = set()  # (slot, version): stores that marked a version committed
         self.unhealthy_at: set = set()  # (slot, version): ... and said its state is unhealthy
+        self.checked_at: set = set()  # (slot, version): ... and said every shard carries a verdict
         self.released: dict = {}  # slot -> versions it let go of (retention), in order
         self.aborted: set = set()  # versions some participant aborted
         self._v = VersionId(epoch, -1)
@@ -92,14 +93,15 @@ class Simulator:
 
     def run_version(self, step: int, *, kill_after: Mapping[int, int] = (), unstaged: Mapping[int, int] = (),
                     rank_failures: Iterable[int] = (), replica_failures: Iterable[tuple] = (),
-                    unhealthy: Mapping[int, str] = ()) -> VersionReport:
+                    unhealthy: Mapping[int, str] = (), unchecked: Iterable[int] = ()) -> VersionReport:
         """Save ``VersionId(epoch, step)`` until every participant is quiet, then time out
         whatever is undecided. ``kill_after={slot: n}`` kills that store after ``n``
         deliveries of this version (0: before it starts); ``unstaged={slot: k}``: ``k`` ranks
         of that host die before staging (silently, or reported with ``on_local_failure``
         when the slot is in ``rank_failures``); ``replica_failures`` are ``(holder, owner)``
         pairs whose copy cannot be kept; ``unhealthy={rank: reason}`` stages those ranks' shards
-        as failing their health checks."""
+        as failing their health checks; ``unchecked`` ranks' shards carry no verdict (the
+        others' do)."""
         v = VersionId(self.epoch, step)
         self._v = v
         self._sent: dict = {}
@@ -122,7 +124,7 @@ class Simulator:
         starting = self.live
         self.coordinator.world_size = self.ranks_per_host * len(starting)  # ranks die with their host
         unstaged = dict(unstaged)
-        unhealthy = dict(unhealthy)
+        unhealthy, unchecked = dict(unhealthy), set(unchecked)
         self._plans: dict = {}
         for s in starting:
             plan = self._holders(s, frozenset(self.stores[s].dead))
@@ -130,7 +132,8 @@ class Simulator:
             self._queue.append(("start", s, plan))
             for rank in range(self.ranks_per_host - unstaged.get(s, 0)):
                 global_rank = s * self.ranks_per_host + rank
-                self._queue.append(("msg", None, s, ShardStaged(v, global_rank, unhealthy.get(global_rank, ""))))
+                self._queue.append(("msg", None, s, ShardStaged(v, global_rank, unhealthy.get(global_rank, ""),
+                                                                      checked=global_rank not in unchecked)))
             if unstaged.get(s) and s in set(rank_failures):
                 self._queue.append(("fail", s, f"{unstaged[s]} rank(s) died before staging"))
         pending_kills = sorted((n, s) for s, n in kill_after.items() if n > 0)
@@ -232,6 +235,8 @@ class Simulator:
                 self.committed_at.add((sender, a.version))
                 if a.unhealthy:
                     self.unhealthy_at.add((sender, a.version))
+                if a.checked:
+                    self.checked_at.add((sender, a.version))
             elif isinstance(a, Release):
                 self.released.setdefault(sender, []).append(a.version)
             elif isinstance(a, Aborted):
