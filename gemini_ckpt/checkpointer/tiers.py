@@ -8,7 +8,6 @@ an earlier run left incomplete, and the :class:`~gemini_ckpt.persister.Persister
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Callable
 
 import torch
@@ -21,6 +20,7 @@ from ..retention import KeepNewest
 from ..stores.base import MemoryTier
 from ..stores.durable import DurableTier
 from ..stores.memory import local_store
+from ..trust.manifest import ENV_KEY, resolve_key
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -36,11 +36,14 @@ def warm_up() -> None:
 
 
 def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> MemoryTier:
-    if config.signing_key is not None and config.namespace is None and rank == 0:
-        # a signature binds the namespace: every job left on the default one accepts the others' versions
-        warnings.warn(f"CheckpointConfig.signing_key is set but namespace is not: every job using the default "
-                      f"namespace {config.resolved_namespace!r} (and the same key) accepts the others' signed "
-                      f"versions as its own. Give each job its own CheckpointConfig.namespace", stacklevel=4)
+    if config.namespace is None and resolve_key(config.signing_key) is not None:
+        # a signature binds the namespace: every job left on the default one would accept the others' versions
+        raise ConfigError(
+            f"a signing key (CheckpointConfig.signing_key or ${ENV_KEY}) needs an explicit CheckpointConfig.namespace: "
+            f"a signature binds the namespace, and every job left on the default one "
+            f"({config.resolved_namespace!r}) with the same key would accept the others' signed versions as its own. "
+            f"Set namespace= to a name this run and its restarts alone use (gray.checkpointer names it after the "
+            f"Ray Train run)")
     if config.store == "local":
         if world_size > 1:
             raise ConfigError(

@@ -609,18 +609,23 @@ def test_ranks_agree_to_skip_a_version_only_one_rank_finds_damaged(versions, tmp
         assert all(torch.equal(got["params"][k], v) for k, v in versions[1][0].items())
 
 
-def test_a_signing_key_on_the_default_namespace_is_warned_about():
+def test_a_signing_key_needs_an_explicit_namespace(monkeypatch):
     """A signature binds the namespace: two jobs left on the default one would accept each
-    other's signed versions (issue 40, 9)."""
+    other's signed versions (issue 40, 9). A key, from the config or the environment, without a
+    namespace is refused before anything is saved; with one, the Checkpointer starts."""
     import warnings
 
     from torch import nn
 
-    from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+    from gemini_ckpt import CheckpointConfig, Checkpointer, ConfigError, TrainState
 
     state = TrainState(model=nn.Linear(2, 2), optimizer=None)
-    with pytest.warns(UserWarning, match="Give each job its own CheckpointConfig.namespace"):
-        Checkpointer(state, CheckpointConfig(store="local", signing_key=b"k" * 32)).start().close()
+    with pytest.raises(ConfigError, match="needs an explicit CheckpointConfig.namespace"):
+        Checkpointer(state, CheckpointConfig(store="local", signing_key=b"k" * 32)).start()
+    monkeypatch.setenv("GEMINI_CKPT_SIGNING_KEY", "from-the-environment")
+    with pytest.raises(ConfigError, match=r"\$GEMINI_CKPT_SIGNING_KEY\) needs an explicit"):
+        Checkpointer(state, CheckpointConfig(store="local")).start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Checkpointer(state, CheckpointConfig(store="local", signing_key=b"k" * 32, namespace="job-7")).start().close()
+        Checkpointer(state, CheckpointConfig(store="local", namespace="job-8")).start().close()
