@@ -22,7 +22,8 @@ from ..health import Health, HealthCheck, MetricHistory
 from ..results import CheckpointStats, SaveHandle, StageInfo
 from ..save.checked import checked_items
 from ..save.plan import adopt, adoptable, make_plan, signature
-from ..save.sources import Sources, flatten
+from ..save.sources import Sources
+from ..state.dcp import flatten
 from ..save.stager import Stager, check_saveable
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier

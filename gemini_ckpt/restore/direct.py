@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from ..checksum import checksum
 from ..errors import CheckpointError, ChecksumError, ReadNotStoppedError
 from ..format.manifest import as_uint8
-from ..save.plan import RawLocation, dtype_name
+from ..state.dcp import RawLocation, dtype_name
 from ..stores.views import MemoryVersion, ShardCopy
 from .loader import SafeLoadPlanner
 

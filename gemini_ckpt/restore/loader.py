@@ -25,8 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CheckpointError, ChecksumError, VerificationError
-from ..save.chunks import local_load_plan
-from ..save.plan import RawLocation
+from ..state.dcp import RawLocation, local_load_plan
 from ..state.torch_private import narrow_to_chunk, set_in_state_dict
 from ..trust.items import safe_opaque, torch_load_value
 

@@ -20,7 +20,7 @@ from ..config import CheckpointConfig
 from ..errors import (CheckpointError, ChecksumError, ConfigError, ReadNotStoppedError, StructureMismatchError,
                       UnhealthyCandidate, UnreadableCandidate)
 from ..results import RestoreResult
-from ..save.sources import flatten, live_storages
+from ..state.dcp import flatten, live_storages
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
 from ..trust.manifest import resolve_key
 from .direct import direct_load, direct_plan

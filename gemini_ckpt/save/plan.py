@@ -37,17 +37,8 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ..format.shards import ShardPlan, TensorItem, ValueItem, align
-from .chunks import local_save_plan
+from ..state.dcp import RawLocation, dtype_name, local_save_plan
 from .templates import template_for
-
-
-@dataclass(frozen=True)
-class RawLocation:
-    """``storage_data`` of an item in a memory version: item ``item`` of rank ``rank``'s shard
-    (tensor items first, then value items, each in plan order)."""
-
-    rank: int
-    item: int
 
 
 @dataclass
@@ -62,10 +53,6 @@ class SnapshotPlan:
     @property
     def plan_id(self) -> str:
         return self.shard.plan_id
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def digest(sig: tuple) -> str:

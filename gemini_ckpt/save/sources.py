@@ -25,10 +25,9 @@ import re
 from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed.tensor import DTensor
 
+from ..state.dcp import flatten, live_storages, local_tensor
 from ..state.train_state import GRADS, TrainState
 from ..trust.items import is_opaque_key
 from .plan import SnapshotPlan
@@ -36,17 +35,6 @@ from .plan import SnapshotPlan
 log = logging.getLogger("gemini_ckpt")
 
 _PARAM_GROUP = re.compile(r"optim\.param_groups\.(\d+)\.(.+)")
-
-
-def flatten(state_dict: dict) -> dict[str, Any]:
-    """The state dict flattened exactly as DCP's save planner flattens it."""
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
-    return planner.state_dict
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
@@ -58,11 +46,11 @@ def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
         out.append(len(m._modules))  # a submodule added or removed changes the tree
         for t in m._parameters.values():
             if t is not None:
-                local = _local(t)
+                local = local_tensor(t)
                 out.append((local.data_ptr(), local.shape))
         for t in m._buffers.values():
             if t is not None:
-                local = _local(t)
+                local = local_tensor(t)
                 out.append((local.data_ptr(), local.shape))
     for opt in state.optimizers:
         out.append(len(opt.param_groups))
@@ -71,24 +59,11 @@ def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
             for p in group["params"]:
                 for k, v in opt.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        local = _local(v)
+                        local = local_tensor(v)
                         out.append((k, local.data_ptr(), local.shape))
                     else:
                         out.append(k)
     return tuple(out)
-
-
-def live_storages(state: TrainState) -> set[int]:
-    """Storage addresses of every parameter, buffer and optimizer-state tensor of ``state``."""
-    found = set()
-    tensors = list(state.module.parameters()) + list(state.module.buffers())
-    for opt in state.optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                tensors.extend(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
-    for t in tensors:
-        found.add(_local(t).untyped_storage().data_ptr())
-    return found
 
 
 class Sources:
@@ -165,7 +140,7 @@ class Sources:
         storages = live_storages(self.state)
         grads = {i for i, _, _ in self._grads}
         for i, t in enumerate(self._tensors):
-            if i not in grads and _local(t).untyped_storage().data_ptr() not in storages:
+            if i not in grads and local_tensor(t).untyped_storage().data_ptr() not in storages:
                 return f"{self.plan.tensor_index[i].fqn} is not a parameter, buffer or optimizer state"
         getters = []
         for index, item in zip(self.plan.value_index, self.plan.shard.values):

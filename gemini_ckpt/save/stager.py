@@ -22,17 +22,11 @@ import torch
 
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
+from ..state.dcp import torch_dtype
 
 log = logging.getLogger("gemini_ckpt")
 
 COPY_CHUNK_BYTES = 8 << 20
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def segment_views(plan: ShardPlan, segment: Segment) -> list[torch.Tensor]:

@@ -30,8 +30,7 @@ from ..errors import CheckpointError, ChecksumError, VerificationError
 from ..format.manifest import as_uint8
 from ..format.shards import ShardPlan, ShardRecord
 from ..health import UNCHECKED_VERDICT, Health, combine, no_verdict
-from ..save.plan import RawLocation
-from ..save.stager import torch_dtype
+from ..state.dcp import RawLocation, torch_dtype
 from ..signing import canonical
 from ..trust.items import item_nbytes, safe_opaque, torch_load_value
 from ..trust.manifest import canonical_bytes

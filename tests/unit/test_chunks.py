@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from gemini_ckpt.save.chunks import local_load_plan, local_save_plan, shard_range
+from gemini_ckpt.state.dcp import local_load_plan, local_save_plan, shard_range
 
 SHAPES = [(10,), (7, 5), (3, 4, 6), (0, 4), (2,), (1, 9)]
 MESHES = [(1,), (4,), (2, 3), (3, 2, 2)]

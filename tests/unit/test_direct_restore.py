@@ -13,7 +13,7 @@ from torch import nn
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 from gemini_ckpt.toy import build_training, lm_loss
 from gemini_ckpt.save.plan import adoptable, signature
-from gemini_ckpt.save.sources import flatten
+from gemini_ckpt.state.dcp import flatten
 
 
 def _config() -> CheckpointConfig:

@@ -1,4 +1,14 @@
-"""Where a DTensor's local shard sits in the global tensor, without building index tensors.
+"""The DCP adapter: how a live training state meets DCP's types. One module that the snapshot
+(``save/``), the tiers' views (``stores/``) and restore (``restore/``) all import:
+
+- :func:`flatten`: a state dict flattened exactly as DCP's save planner flattens it;
+- :class:`RawLocation`: where an item of a memory version lives (DCP's ``storage_data``);
+- :func:`dtype_name` / :func:`torch_dtype`: a dtype as the format writes it, and back;
+- :func:`local_tensor` and :func:`live_storages`: the storages a live state's tensors use;
+- :func:`chunk_of`, :func:`local_save_plan`, :func:`local_load_plan`: DCP's local plans,
+  DTensor chunks computed without index tensors (below).
+
+Where a DTensor's local shard sits in the global tensor, without building index tensors.
 
 DCP's planners ask DTensor for its chunk (``__create_chunk_list__``, ``__create_write_items__``),
 and torch computes the chunk's offsets by materializing ``torch.arange`` over every local row
@@ -17,9 +27,11 @@ from :func:`chunk_of`; ``tests/unit/test_chunks.py`` holds them equal to DCP's.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
@@ -28,7 +40,56 @@ from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _c
                                                           create_read_items_for_chunk_list)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["shard_range", "chunk_of", "local_save_plan", "local_load_plan"]
+if TYPE_CHECKING:
+    from .train_state import TrainState
+
+__all__ = ["RawLocation", "chunk_of", "dtype_name", "flatten", "live_storages", "local_load_plan", "local_save_plan",
+           "local_tensor", "shard_range", "torch_dtype"]
+
+
+@dataclass(frozen=True)
+class RawLocation:
+    """``storage_data`` of an item in a memory version: item ``item`` of rank ``rank``'s shard
+    (tensor items first, then value items, each in plan order)."""
+
+    rank: int
+    item: int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def flatten(state_dict: dict) -> dict[str, Any]:
+    """The state dict flattened exactly as DCP's save planner flattens it."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
+    return planner.state_dict
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def live_storages(state: "TrainState") -> set[int]:
+    """Storage addresses of every parameter, buffer and optimizer-state tensor of ``state``."""
+    found = set()
+    tensors = list(state.module.parameters()) + list(state.module.buffers())
+    for opt in state.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                tensors.extend(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))
+    for t in tensors:
+        found.add(local_tensor(t).untyped_storage().data_ptr())
+    return found
 
 
 def shard_range(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int],
