@@ -61,11 +61,12 @@ MAX_PAYLOAD = 1 << 31
 MAX_FDS = 4
 _CONTEXT = b"gemini_ckpt attach v1\x00"
 
-PROTOCOL = 2
+PROTOCOL = 3
 """The attach channel's version. Host stores are detached and outlive jobs: a trainer of one
 gemini_ckpt version must not attach to a store left running by another (an older store that
 leaves the health verdict out of its records made a NaN step healthy). Each end names its
-version in the handshake and refuses another; change it with any change of the messages."""
+version in the handshake and refuses another; change it with any change of the messages
+(3: the outcome says whether every shard carries a verdict, ``checked``)."""
 
 RESTART_STORES = ("end the old host stores (they are detached Ray actors: `ray stop` on a cluster of your own, "
                   "or ray.kill() on each actor `gemini_ckpt status` lists) and run the job again")

@@ -40,7 +40,10 @@ on the first of:
    with one warning, looking again every :data:`ASK_EVERY_S`, until Ray's own limit
    (:func:`limit_s`: the longer of the lease and ``gcs_rpc_server_reconnect_timeout_s``, by
    which Ray's own processes give the GCS up). No answer at all (a timeout, an unreachable
-   network) is a partition: the process ends, as before.
+   network) is a partition: the process ends, as before. The look runs on a thread of its own,
+   so the raylet is still watched every tick. A refusal reads as a restarting GCS: behind a
+   firewall that rejects (a reset) rather than drops, a cut-off node serves on to the limit, or
+   until its link returns and the GCS, asked again, says it is dead.
 
 The question of check 2 is about this node only (the GCS's ``CheckAlive``, a few bytes), not
 the whole node table: at 1,024 hosts every 3 s that is ~340 small calls a second.
@@ -168,7 +171,9 @@ class Fence:
                  limit: Optional[float] = None) -> None:
         self.what, self.ask, self.lease, self._exit = what, ask, lease, exit
         self.reach, self.limit = reach, max(lease, limit if limit is not None else lease)
-        self._probed_at: Optional[float] = None  # when the GCS's machine was last asked, this silence
+        self._probed_at: Optional[float] = None  # when the last second look began, this silence
+        self._looking = False  # a second look is in flight (on its own thread: it takes seconds)
+        self._seen: Optional[str] = None  # what the last second look saw, until a step takes it
         self.serving_on = False  # the lease ran out, but the GCS's machine answers: a stalled GCS
         self.raylet_pid = raylet_pid
         self.raylet_identity: Optional[str] = None
@@ -212,8 +217,17 @@ class Fence:
             self._asking = False
 
     def idle(self) -> bool:
-        """No question in flight (tests wait for it)."""
-        return not self._asking
+        """No question and no second look in flight (tests wait for it)."""
+        return not self._asking and not self._looking
+
+    def _look_once(self) -> None:
+        seen = STALLED
+        try:
+            seen = self.reach()
+        except Exception:  # noqa: BLE001 - second_look does not raise; another reach might: not a partition
+            pass
+        finally:
+            self._seen, self._looking = seen, False
 
     def step(self, now: float, elapsed: float) -> Optional[str]:
         """Why this process must end now, or None. ``elapsed``: running time since the last step."""
@@ -223,7 +237,7 @@ class Fence:
             self._answer.clear()
             if self.serving_on:
                 log.warning("%s: the GCS answers again after %.0fs of silence", self.what, self.silent_s)
-            self.silent_s, self._probed_at, self.serving_on = 0.0, None, False
+            self.silent_s, self._probed_at, self.serving_on, self._seen = 0.0, None, False, None
             if self._dead:
                 return "the cluster declared this node dead"
         else:
@@ -250,10 +264,16 @@ class Fence:
             return silent
         if self.silent_s > self.limit:
             return f"{silent}; its machine answers, but Ray's own limit ({self.limit:.0f}s) is past"
-        if self._probed_at is not None and now - self._probed_at < ASK_EVERY_S:
+        seen, self._seen = self._seen, None
+        if seen is None:  # none yet: look (on its own thread, so the raylet is still watched each tick)
+            if not self._looking and (self._probed_at is None or now - self._probed_at >= ASK_EVERY_S):
+                self._looking, self._probed_at = True, now
+                try:
+                    threading.Thread(target=self._look_once, name="gemini-fence-look", daemon=True).start()
+                except BaseException:
+                    self._looking = False
+                    raise
             return None
-        self._probed_at = now
-        seen = self.reach()
         if seen == DEAD:
             return f"{silent}; asked on a new connection, the cluster declared this node dead"
         if seen == ALIVE:  # the old connection was stuck; a new one is answered: renewed
@@ -305,16 +325,23 @@ def declared_dead(nodes: list[dict], node_id: str) -> bool:
 def asker(node_id: str) -> Callable[[], bool]:
     """The question of check 2 for ``node_id``: the GCS's ``CheckAlive`` for this one node
     (False for a node it lists dead or no longer knows), with a deadline. Where this Ray's
-    client lacks it, the whole node table (:func:`declared_dead`), with a warning."""
+    client cannot ask that by node id (Ray before 2.49 asks by address), the whole node table
+    (:func:`declared_dead`), with a note in the log."""
     from ray._raylet import NodeID
 
     client = getattr(ray._private.worker.global_worker, "gcs_client", None)
     check = getattr(client, "check_alive", None)
-    if check is None:
-        log.warning("this Ray's GCS client has no check_alive: the fence asks for the whole node table every %.0fs",
-                    ASK_EVERY_S)
-        return lambda: declared_dead(ray.nodes(), node_id)
     node = NodeID.from_hex(node_id)
+    try:
+        if check is None:
+            raise TypeError("no check_alive")
+        check([node], timeout=PROBE_TIMEOUT_S)
+    except TypeError:
+        log.info("this Ray's GCS client cannot ask about one node by id: the fence asks for the whole node table "
+                 "every %.0fs", ASK_EVERY_S)
+        return lambda: declared_dead(ray.nodes(), node_id)
+    except Exception:  # noqa: BLE001 - a GCS slow to answer right now: the question itself is the right one
+        pass
     return lambda: not check([node], timeout=ASK_TIMEOUT_S)[0]
 
 
@@ -329,9 +356,16 @@ def fence_when_node_lost(what: str) -> threading.Thread:
     docstring). ``what`` names the process in the log line it leaves."""
     node_id = ray.get_runtime_context().get_node_id()
     pid = os.environ.get("RAY_RAYLET_PID", "")
-    (address, cluster), lease = gcs_address(), lease_s()
+    lease = lease_s()
+    try:
+        address, cluster = gcs_address()
+        reach: Optional[Callable[[], str]] = lambda: second_look(address, cluster, node_id)  # noqa: E731
+    except Exception as exc:  # noqa: BLE001 - a Ray whose client hides them: the lease alone decides, as before
+        log.warning("%s: the GCS's address is not known here (%s: %s): past the lease the fence takes no second look",
+                    what, type(exc).__name__, exc)
+        reach = None
     fence = Fence(what, asker(node_id), raylet_pid=int(pid) if pid.isdigit() else None, lease=lease,
-                  exit=_exit(what, node_id), reach=lambda: second_look(address, cluster, node_id), limit=limit_s(lease))
+                  exit=_exit(what, node_id), reach=reach, limit=limit_s(lease))
     thread = threading.Thread(target=fence.run, name="gemini-fence", daemon=True)
     thread.start()
     return thread

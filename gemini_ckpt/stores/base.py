@@ -119,7 +119,10 @@ class MemoryTier(Tier):
         version is committed or failed. ``persist``: keep it until :meth:`unpin`. ``verdict``:
         the trainer's health verdict (None: checks off); the tier records it with the shard's,
         from the tensor check of ``plan.checked``, and retains an unhealthy version as
-        :mod:`gemini_ckpt.retention` says."""
+        :mod:`gemini_ckpt.retention` says. The outcome carries the version's verdict
+        (``Outcome.health``, the records' as :func:`gemini_ckpt.format.shards.make_record` makes
+        them): with health checks on, an outcome without one counts as unhealthy (check
+        ``verdict``), never as healthy."""
 
     @abc.abstractmethod
     def unpin(self, step: int) -> None:

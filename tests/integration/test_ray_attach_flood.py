@@ -7,6 +7,7 @@ the fix) this test fails."""
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from ray_helpers import node_id_of_host
 FLOODER = r"""
 import socket, sys, time
 address = "\0" + sys.argv[1]
-held, tries, end = [], 0, time.monotonic() + float(sys.argv[2])
+held, tries, full, end = [], 0, False, time.monotonic() + float(sys.argv[2])
 print("flooding", flush=True)
 while time.monotonic() < end:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -27,6 +28,11 @@ while time.monotonic() < end:
     try:
         s.connect(address)
         held.append(s)
+    except BlockingIOError:  # EAGAIN: the store's listen queue is full, as a trainer's try would find it
+        s.close()
+        if not full:
+            full = True
+            print("full", flush=True)
     except OSError:
         s.close()
     if len(held) > 256:
@@ -51,7 +57,7 @@ def test_every_restart_attaches_and_commits_while_local_processes_flood_the_atta
     store = find_store(CheckpointConfig(namespace=namespace).resolved_namespace, node_id_of_host(0))
     address = ray.get(store.__ray_call__.remote(lambda self: self.s.attach.address), timeout=60)
     assert address.startswith("\0gemini-ckpt-")
-    flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, address[1:], "300"], stdout=subprocess.PIPE,
+    flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, address[1:], "240"], stdout=subprocess.PIPE,
                                  text=True) for _ in range(FLOODERS)]
     try:
         for f in flooders:
@@ -62,6 +68,8 @@ def test_every_restart_attaches_and_commits_while_local_processes_flood_the_atta
             out = ranks.train([restart])
             failed += [(restart, rank, r[0]["error"]) for rank, r in enumerate(out) if not r[0]["committed"]]
         assert all(f.poll() is None for f in flooders), "a flooder stopped early: the flood was not on throughout"
+        full = [f for f in flooders if select.select([f.stdout], [], [], 0)[0] and f.stdout.readline().strip() == "full"]
+        assert full, "no flooder ever found the attach queue full: the test flooded nothing"
         assert not failed, f"{len(failed)} rank-restarts of {RESTARTS * len(out)} failed under the flood: {failed[:3]}"
     finally:
         for f in flooders:

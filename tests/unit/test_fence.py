@@ -322,7 +322,7 @@ def test_a_stall_that_turns_into_a_partition_ends_the_process_at_the_next_look()
     gcs.mode = "unreachable"
     fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None,
                   reach=lambda: looks.pop(0), limit=600.0)
-    why, now = _steps(fence, int(LEASE / TICK_S) + 2 * int(ASK_EVERY_S / TICK_S) + 2)
+    why, now = _steps(fence, int(LEASE / TICK_S) + 3 * int(ASK_EVERY_S / TICK_S) + 2)
     assert why is not None and why.endswith("this node is cut off") and not looks
 
 
@@ -349,3 +349,32 @@ def test_ray_still_has_the_one_node_question_the_fence_asks():
     assert "address" in vars(InnerGcsClient)
     assert "worker.gcs_client = " in inspect.getsource(ray._private.worker.connect)
     assert NodeID.from_hex("ab" * 28).hex() == "ab" * 28
+
+
+def test_a_slow_second_look_does_not_keep_the_fence_from_watching_the_raylet():
+    """The second look takes seconds (a connect, then a question with its own deadline); it runs
+    on its own thread, so a raylet that exits meanwhile still ends the process at the next tick."""
+    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    release = threading.Event()
+    try:
+        gcs = _Gcs()
+        gcs.mode = "unreachable"
+
+        def slow_look():
+            release.wait(30)
+            return STALLED
+
+        fence = Fence("test", gcs, raylet_pid=raylet.pid, lease=LEASE, exit=lambda why: None, reach=slow_look,
+                      limit=60.0)
+        now = 0.0
+        for _ in range(int(LEASE / TICK_S) + 1):  # past the lease: the look begins, and hangs
+            now += TICK_S
+            assert fence.step(now, TICK_S) is None
+        assert not fence.idle()
+        raylet.kill()
+        raylet.wait(10)
+        assert fence.step(now + TICK_S, TICK_S) == f"its raylet (pid {raylet.pid}) is gone"
+    finally:
+        release.set()
+        raylet.kill()
+        raylet.wait(10)

@@ -15,7 +15,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 
-from ..commit import COORDINATOR, Aborted, Committed, Release, Replicate, Send, VersionId, Vote
+from ..commit import COORDINATOR, Aborted, Committed, Release, Replicate, Send, VersionId, VersionState, Vote
 from ..names import find_registry, find_store
 from .ranks import tell
 from .state import StoreState
@@ -75,7 +75,7 @@ class CommitDriver:
             v = self.s.table.versions.get(vid.step)
             if v is not None and v.key == (vid.epoch, vid.step):
                 v.mark("decided")
-                v.state = "committed" if committed else "aborted"
+                v.state = VersionState.COMMITTED if committed else VersionState.ABORTED
                 v.unhealthy = unhealthy if committed else ""
                 if not committed:
                     self.s.table.release(v, force=True)

@@ -48,7 +48,7 @@ from ...retention import KeepNewest
 from ..attach_server import AttachServer
 from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
-from ..commit import HostCommit, VersionId
+from ..commit import HostCommit, VersionId, VersionState
 from ...format.commstate import CommState
 from ...config import interleave_mode
 from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
@@ -150,10 +150,10 @@ class HostStore:
     def _new_epoch(self, epoch: int, cfg: EpochConfig) -> None:
         committed = {tuple(v) for v in cfg.committed}
         for v in list(self.s.table.versions.values()):
-            if v.state in ("pending", "prepared"):
+            if v.state in (VersionState.PENDING, VersionState.PREPARED):
                 # The coordinator of the earlier epoch decided it (or never will).
-                v.state = "committed" if v.key in committed else "aborted"
-            if v.state == "aborted":
+                v.state = VersionState.COMMITTED if v.key in committed else VersionState.ABORTED
+            if v.state == VersionState.ABORTED:
                 self.s.table.release(v, force=True)
         for waiters in self.s.waiters.values():
             for conn, _ in waiters:
@@ -172,7 +172,7 @@ class HostStore:
         else:
             self.s.attach.secret = secret
         self.s.channels, self.s.plans_sent, self.s.peers = {}, set(), {}
-        held = [v for v in self.s.table.versions.values() if v.state == "committed"]
+        held = [v for v in self.s.table.versions.values() if v.state == VersionState.COMMITTED]
         unhealthy = set(self.s.table.unhealthy_steps())
         self.s.commit = None if cfg.slot in cfg.idle else HostCommit(
             cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, keep=cfg.keep, dead=cfg.dead, idle=cfg.idle,
@@ -286,7 +286,7 @@ class HostStore:
             pool = self.s.table.pool
             states: dict[str, int] = {}
             for v in self.s.table.versions.values():
-                key = "committed" if v.state == "committed" else "pending"
+                key = "committed" if v.state == VersionState.COMMITTED else "pending"
                 states[key] = states.get(key, 0) + 1
             figures = dict(held=self.s.table.held_bytes(), reserved=pool.held + pool.pooled, budget=pool.budget_bytes,
                            versions=states, replicated=self.s.replicated_bytes)

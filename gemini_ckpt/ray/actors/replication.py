@@ -18,7 +18,7 @@ from ray.exceptions import RayActorError
 from ...errors import ShardFormatError
 from ...format.shards import ShardPlan, ShardRecord, check_record
 from ...timeouts import TIMEOUTS
-from ..commit import ReplicaAck, Send, VersionId
+from ..commit import ReplicaAck, Send, VersionId, VersionState
 from ..transport import Endpoint, Header, TransportError
 from .state import StoreState
 
@@ -240,7 +240,7 @@ class Replicator:
         with self.s.lock:
             v = self.s.table.versions.get(step)
             shard = v.shards.get(rank) if v is not None else None
-            if shard is None or not shard.complete or v.state != "committed":
+            if shard is None or not shard.complete or v.state != VersionState.COMMITTED:
                 raise LookupError(f"node {self.s.node_id[:12]} holds no committed copy of rank {rank}'s shard of "
                                   f"step {step}")
             _, plan_bytes = self.s.table.plans[(shard.plan_id, rank)]
@@ -330,7 +330,7 @@ class Replicator:
         problem = verify_copies(self.s, [shard]) if ok else "it arrived incomplete"
         with self.s.lock:
             if problem is None and self.s.table.versions.get(v.step) is v:
-                v.state = "committed"
+                v.state = VersionState.COMMITTED
                 v.mark(f"copy of rank {shard.rank} re-replicated")
                 return
             shard.received = False

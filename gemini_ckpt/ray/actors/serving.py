@@ -12,9 +12,7 @@ import time
 
 from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
-from ..commit import (
-    VersionId,
-)
+from ..commit import VersionId, VersionState
 from ..transport import Endpoint, Header, TransportError
 from .replication import verify_copies
 from .state import StoreState
@@ -37,9 +35,9 @@ class ShardServer:
             out = self.s.table.index()
             if self.s.commit is not None:
                 for step, entry in out.items():
-                    if entry["epoch"] == self.s.epoch and entry["state"] == "pending":
-                        entry["state"] = {"prepared": "prepared"}.get(
-                            self.s.commit.state(VersionId(self.s.epoch, step)), "pending")
+                    if entry["epoch"] == self.s.epoch and entry["state"] == VersionState.PENDING:
+                        prepared = self.s.commit.state(VersionId(self.s.epoch, step)) == VersionState.PREPARED
+                        entry["state"] = VersionState.PREPARED if prepared else VersionState.PENDING
             return out
 
     def shard_info(self, step: int, ranks: list[int]) -> dict[int, tuple[bytes, bytes]]:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..commit import HostCommit
+from ..commit import HostCommit, VersionState
 from .versions import VersionTable
 
 
@@ -87,6 +87,6 @@ class StoreState:
         """The complete shard of ``rank`` of ``step`` held here (the lock is held), else LookupError."""
         v = self.table.versions.get(step)
         shard = v.shards.get(rank) if v is not None else None
-        if shard is None or not shard.complete or v.state == "aborted":
+        if shard is None or not shard.complete or v.state == VersionState.ABORTED:
             raise LookupError(f"step {step} has no complete shard of rank {rank} on node {self.node_id[:12]}")
         return shard

@@ -24,6 +24,7 @@ from typing import Optional
 
 from ...format.segments import Segment, SegmentPool
 from ...format.shards import ShardPlan, ShardRecord
+from ..commit import VersionState
 
 
 @dataclass
@@ -59,7 +60,7 @@ class Version:
     epoch: int
     step: int
     shards: dict[int, Shard] = field(default_factory=dict)  # rank -> the copy kept here
-    state: str = "pending"  # pending | prepared | committed | aborted
+    state: VersionState = VersionState.PENDING
     unhealthy: str = ""  # committed, but its state failed its health checks: why (the decision's)
     persist: bool = False  # kept until the persister unpins it
     released: bool = False  # retention let it go while pinned

@@ -59,11 +59,12 @@ from .messages import (
     Send,
     ShardStaged,
     VersionId,
+    VersionState,
     Vote,
 )
 
 __all__ = [
     "COORDINATOR", "DEFAULT_FANOUT", "Aborted", "Action", "Committed", "Coordinator", "Decision",
     "HostCommit", "Message", "Query", "Release", "Replicate", "ReplicaAck", "Send",
-    "ShardStaged", "VersionId", "Vote",
+    "ShardStaged", "VersionId", "VersionState", "Vote",
 ]

@@ -17,6 +17,7 @@ from .messages import (
     Send,
     ShardStaged,
     VersionId,
+    VersionState,
     Vote,
 )
 from .participant import Participant, Round
@@ -51,15 +52,14 @@ class HostCommit(Participant):
             raise ValueError(f"replicas: expected an int in 1..{hosts}, got {replicas!r}")
         self.slot, self.replicas = slot, replicas
 
-    def state(self, version: VersionId) -> str:
-        """``committed``, ``aborted``, ``prepared`` (voted yes, decision not here yet: every
-        copy this store owns is acknowledged), ``pending`` or ``unknown``."""
+    def state(self, version: VersionId) -> VersionState:
+        """Where ``version`` stands here (:class:`VersionState`)."""
         r = self._rounds.get(version)
         if r is None:
-            return "committed" if version in self._committed else "unknown"
+            return VersionState.COMMITTED if version in self._committed else VersionState.UNKNOWN
         if r.outcome is not None:
-            return "committed" if r.outcome else "aborted"
-        return "prepared" if r.voted else "pending"
+            return VersionState.COMMITTED if r.outcome else VersionState.ABORTED
+        return VersionState.PREPARED if r.voted else VersionState.PENDING
 
     # --- inputs ----------------------------------------------------------------------------
     def start_version(self, version: VersionId, *, holders: tuple, shards: int) -> list:

@@ -4,6 +4,7 @@ the actions a participant answers with (see :mod:`gemini_ckpt.ray.commit`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Union
 
 COORDINATOR = -1
@@ -13,6 +14,19 @@ DEFAULT_FANOUT = 4
 """Children per node of the commit tree: 1,024 hosts are 5 levels deep."""
 
 HISTORY = 256  # decided versions a participant remembers, to answer late messages
+
+
+class VersionState(StrEnum):
+    """Where a version stands at one store: ``pending`` (its shards or copies not all there),
+    ``prepared`` (voted yes: every copy this store owns is acknowledged, no decision yet),
+    ``committed``, ``aborted``, or ``unknown`` (forgotten, or never heard of). A ``str``: the
+    status index and its JSON carry the plain words."""
+
+    PENDING = "pending"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True, order=True)
