@@ -48,7 +48,7 @@ from ..format.commstate import CommState, Marker
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
 from ..trust.manifest import resolve_key
-from .actors.state import EpochConfig
+from .actors.state import job_settings, store_config
 from .attach_client import AttachClient
 from .cluster import (
     current_node_id,
@@ -84,9 +84,7 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
     store = _start_local_store(config, node_id)
     key = resolve_key(config.signing_key)
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
-    job = {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
-           "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth,
-           "domain": config.failure_domain, "interleave": config.interleave_mode}
+    job = job_settings(config, key)
     try:
         joined = ray.get(registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
                          timeout=config.timeout_s + 10)
@@ -106,14 +104,12 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> "RayTier
             log.warning(warning)
         placement_for(hosts=table.hosts, replicas=config.replicas, strategy=config.placement,
                       domains=table.domains)  # warns here, once, when the domains cannot be honoured
-    epoch = EpochConfig(
-        epoch=table.epoch, slot=table.slot_of(node_id), nodes=tuple(table.nodes),
+    epoch = store_config(
+        job, epoch=table.epoch, slot=table.slot_of(node_id), nodes=tuple(table.nodes),
         ranks_here=tuple(sorted(int(r) for r, n in joined["ranks"].items() if n == node_id)), world_size=world_size,
-        replicas=config.replicas, strategy=config.placement, keep=config.keep_in_memory,
-        dead=frozenset(joined["dead"]), idle=frozenset(joined["idle"]), timeout_s=float(config.timeout_s),
-        committed=tuple(tuple(v) for v in joined["committed"]), secret=joined["secret"],
-        key=key.hex() if key else None, bandwidth=config.replication_bandwidth, domains=table.domains,
-        interleave=config.interleave_mode, metrics=config.metrics)
+        keep=config.keep_in_memory, timeout_s=config.timeout_s, dead=frozenset(joined["dead"]),
+        idle=frozenset(joined["idle"]), committed=tuple(tuple(v) for v in joined["committed"]),
+        secret=joined["secret"], domains=table.domains)
     try:
         attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
     except RayTaskError as exc:

@@ -16,11 +16,10 @@ import ray
 from ..names import alive_node_ids
 from ..resolve import resolve
 from ..slots import HOST_LABEL, holders_for
-from ...config import interleave_mode
 from .host_store import get_or_create_store
 from ...timeouts import TIMEOUTS
 from .registry_state import RegistryState
-from .state import EpochConfig
+from .state import EpochConfig, store_config
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -119,14 +118,11 @@ class Recovery:
         replacement adopted outside a rendezvous, or a live store whose ranks went elsewhere at
         one. It holds copies only, this epoch."""
         committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
-        return EpochConfig(
-            epoch=self.s.epoch, slot=slot, nodes=tuple(self.s.nodes),
-            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0, ranks_here=(),
-            replicas=int(self.s.job.get("replicas", 2)), strategy=self.s.job.get("strategy", "auto"),
-            keep=self.s.keep, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
-            timeout_s=float(self.s.timeout_s), committed=tuple((v.epoch, v.step) for v in committed),
-            secret=self.s.secret, key=self.s.job.get("key"), bandwidth=self.s.job.get("bandwidth"),
-            domains=self.s.domains, interleave=interleave_mode(self.s.job.get("interleave", "gate")))
+        return store_config(
+            self.s.job, epoch=self.s.epoch, slot=slot, nodes=tuple(self.s.nodes), ranks_here=(),
+            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0, keep=self.s.keep,
+            timeout_s=self.s.timeout_s, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
+            committed=tuple((v.epoch, v.step) for v in committed), secret=self.s.secret, domains=self.s.domains)
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
