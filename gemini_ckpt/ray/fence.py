@@ -247,13 +247,19 @@ class Fence:
                 if why is not None:
                     return why
         if not self._asking and (self._asked_at is None or now - self._asked_at >= ASK_EVERY_S):
-            self._asking, self._asked_at = True, now  # an unanswered call may hang: it gets its own thread
-            try:
-                threading.Thread(target=self._ask_once, name="gemini-fence-ask", daemon=True).start()
-            except BaseException:
-                self._asking = False
-                raise
+            self._asked_at = now  # an unanswered call may hang: it gets its own thread
+            self._in_thread("_asking", self._ask_once, "gemini-fence-ask")
         return None
+
+    def _in_thread(self, flag: str, target: Callable[[], None], name: str) -> None:
+        """Run ``target`` on a daemon thread with ``flag`` (an attribute) set until it clears it;
+        if no thread can be started, the flag is cleared again and the error raised."""
+        setattr(self, flag, True)
+        try:
+            threading.Thread(target=target, name=name, daemon=True).start()
+        except BaseException:
+            setattr(self, flag, False)
+            raise
 
     def _past_lease(self, now: float) -> Optional[str]:
         """The lease ran out: why this process must end, or None while the second look finds
@@ -267,12 +273,8 @@ class Fence:
         seen, self._seen = self._seen, None
         if seen is None:  # none yet: look (on its own thread, so the raylet is still watched each tick)
             if not self._looking and (self._probed_at is None or now - self._probed_at >= ASK_EVERY_S):
-                self._looking, self._probed_at = True, now
-                try:
-                    threading.Thread(target=self._look_once, name="gemini-fence-look", daemon=True).start()
-                except BaseException:
-                    self._looking = False
-                    raise
+                self._probed_at = now
+                self._in_thread("_looking", self._look_once, "gemini-fence-look")
             return None
         if seen == DEAD:
             return f"{silent}; asked on a new connection, the cluster declared this node dead"
