@@ -243,7 +243,8 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
     from ray.train.torch import TorchTrainer
 
     from gemini_ckpt import CheckpointConfig
-    from gemini_ckpt.integrations.ray_train import detection_env, host_stores, ranks_on_hosts, recoverable, torch_config
+    from gemini_ckpt.integrations.ray_train import (detection_env, host_stores, ranks_on_hosts, recoverable, torch_config,
+                                                   warm_runtime_env)
 
     name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
     progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
@@ -255,7 +256,10 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
                             host_memory_budget_bytes=max(1 << 30, 12 * mb << 20))
     config = {"mode": mode, "steps": steps, "mb": mb, "step_s": step_s, "interval": interval, "rate": rate,
               "root": os.path.join(workdir, name, "dcp"), "ckpt": ckpt, "progress": name}
-    run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1))
+    # every Train worker process imports torch and Ray Train as it starts (all modes alike): the
+    # in-place mode's warm spares are ready when a worker is replaced; a full restart starts new processes
+    run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1),
+                           worker_runtime_env=warm_runtime_env())
     # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
     scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
     # in place: Ray Train replaces only the failed worker (polled every 0.25 s); the others recover in
@@ -458,11 +462,6 @@ def main(argv=None) -> int:
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))
-    # every worker process imports torch and Ray Train as it starts (all modes alike): the in-place
-    # mode's warm spares are ready when a worker is replaced; a full restart starts new processes
-    from gemini_ckpt.integrations.ray_train import preload_env
-
-    os.environ.update(preload_env())
     cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
     rows, repeats = [], []
     try:

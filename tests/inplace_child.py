@@ -5,7 +5,9 @@ The training function, run under ``recoverable``: ``STEPS`` all-reduces of a cou
 current round. ``SCRIPT`` says what goes wrong, once per rank and attempt: ``kill@R:I`` (rank R
 SIGKILLs itself before all-reduce I of its first attempt), ``recv@R:P:I`` (rank R blocks in a
 receive from rank P, a survivor, at step I: only a cut of the round's connections wakes it), ``raise@R``
-(rank R raises a ValueError in every attempt). Each attempt appends a JSON line to ``OUT/<rank>``:
+(rank R raises a ValueError in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
+all-reduce I of its first attempt: the BackgroundError a version that did not commit raises, which
+names no peer). Each attempt appends a JSON line to ``OUT/<rank>``:
 pid, round, attempt, and how it ended.
 """
 
@@ -18,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gemini_ckpt.errors import BackgroundError
 from gemini_ckpt.integrations._inplace_worker import Session, recoverable
 
 STEPS = 30
@@ -47,6 +50,10 @@ def train() -> int:
                     and i == int(where.split(":")[2]):
                 note(event="blocked")
                 dist.recv(torch.zeros(1), src=int(where.split(":")[1]))
+            if what == "fail" and fresh and attempt["n"] == 1 and where == f"{rank}:{i}":
+                note(event="fail")
+                raise BackgroundError(f"rank {rank}: version {i} was not committed: CheckpointError: slot {rank}: "
+                                      f"the host store of slot 1 died")
             if what == "raise" and where == str(rank) and i == 3:
                 note(event="raise")
                 raise ValueError("the user's code fails here")

@@ -19,6 +19,10 @@ from .job import RAY_NAMESPACE, Progress, train_loop
 from .options import DemoOptions
 from .report import DemoReport, build_report, mb
 
+# what train_loop imports beyond torch, Ray Train and gemini_ckpt's integration (warm_runtime_env adds those)
+WARM_MODULES = ("torch.distributed.device_mesh", "torch.distributed.fsdp", "torchdata.stateful_dataloader",
+                "gemini_ckpt.toy", "gemini_ckpt.demo.job")
+
 OBJECT_STORE_BYTES = 96 << 20
 
 
@@ -49,10 +53,6 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
             where = "" if options.network == "loopback" else \
                 f", each in its own network namespace{f' on a {options.link} link' if options.link else ''}"
             echo(f"starting a local Ray cluster: head + {options.hosts} hosts{where} ...")
-            if options.in_place:  # every worker imports torch and Ray Train at its start: a warm spare is ready
-                from ..integrations.ray_train import preload_env
-
-                os.environ.setdefault("RAY_preload_python_modules", preload_env()["RAY_preload_python_modules"])
             cluster = start_cluster(options.hosts, network=options.network, link=options.link)
         try:
             events, t0, result = _train(options, run_name, cluster, echo)
@@ -90,7 +90,8 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..integrations.ray_train import detection_env, host_stores, ranks_on_hosts, recoverable, torch_config
+    from ..integrations.ray_train import (detection_env, host_stores, ranks_on_hosts, recoverable, torch_config,
+                                          warm_runtime_env)
 
     progress_name = f"{run_name}::progress"
     progress = (ray.remote(Progress).options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0,
@@ -106,6 +107,8 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
         # rank r on host r after every restart, so the replacement of a lost host restores from its memory
         scaling_config=ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts)),
         run_config=RunConfig(name=run_name, storage_path=os.path.abspath(options.out),
+                             # each Train worker (a warm spare too) imports what train_loop does as it starts
+                             worker_runtime_env=warm_runtime_env(*WARM_MODULES) if options.in_place else None,
                              failure_config=FailureConfig(max_failures=-1 if options.in_place else 3),
                              checkpoint_config=RayCheckpointConfig(num_to_keep=3)))
     echo(f"training {options.steps} steps on {options.hosts} workers; "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -158,7 +159,15 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                                      reform_timeout_s=config.reform_timeout_s)
             refs.append(worker.execute_async(_set_env, env))
         described = ray.get(refs, timeout=config.reform_timeout_s)
-        self._start_reapers(group.get_workers())
+        if isinstance(group, _ReplicaGroup) and _new_nodes(group, self._reapers):
+            # a replacement on a new host: its reaper starts later, so that its process start
+            # does not take a core from the recovery (until then Ray Train ends a failed
+            # worker there itself, seconds later)
+            timer = threading.Timer(_spares.REFILL_DELAY_S, self._start_reapers, args=(group.get_workers(),))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._start_reapers(group.get_workers())
         # a warm process for the next replacement on each of these hosts (a replacement took one)
         self._spares.learn(*described[0])
         if isinstance(group, _ReplicaGroup):
@@ -174,6 +183,11 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         # down, then several more for ray.kill); a stopped one would never answer a request to
         # destroy its process group, and the survivors' groups are theirs to end.
         if isinstance(group, _ReplicaGroup):
+            if self._server is not None:  # the survivors end their attempt now, whatever they saw
+                try:
+                    _rounds.worker_failed(self._server)
+                except Exception as exc:  # noqa: BLE001 - the store serves in this process; the replacement's start asks again
+                    log.warning("gemini_ckpt: asking for the next round at a worker's failure: %s", exc)
             self._reap(group.get_workers())
             if not self._shutting_others:
                 self._shut_other_failing(group)
@@ -206,7 +220,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         from ._reaper import Reaper
 
         for node in {w.metadata.node_id for w in workers} - set(self._reapers):
-            self._reapers[node] = ray.remote(num_cpus=0)(Reaper).options(
+            self._reapers[node] = ray.remote(num_cpus=0)(Reaper).options(  # (a timer's thread too: one assignment)
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
 
     def _reap(self, workers) -> None:
@@ -222,6 +236,10 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 outcome = f"{type(exc).__name__}"
             log.info("gemini_ckpt: failed worker of rank %d (pid %d): %s", worker.distributed_context.world_rank,
                      worker.metadata.pid, outcome)
+
+
+def _new_nodes(group, reapers: dict) -> set:
+    return {w.metadata.node_id for w in group.get_workers()} - set(reapers)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import time
 from typing import Callable, Optional
 
 from .. import attempts
-from ..errors import RoundTimeoutError
+from ..errors import AttachError, BackgroundError, CheckpointTimeoutError, ReplicationError, RoundTimeoutError
 from . import _rounds, _sever
 
 log = logging.getLogger("gemini_ckpt")
@@ -48,6 +48,12 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "Socket Timeout", "Timed out waiting", "timed out", "Read error", "Write error", "gloo/transport/tcp")
 
 
+# Errors of this library's that a peer's loss causes, often before anything names the peer: a
+# version whose copy to the lost host failed is not committed (a BackgroundError on the training
+# thread, at every rank at once), a wait for it times out, an attach finds a store gone.
+AFTERMATH = (BackgroundError, CheckpointTimeoutError, ReplicationError, AttachError)
+
+
 def _chain(exc: BaseException):
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -60,8 +66,10 @@ def peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says a peer process or its connection is gone."""
     import torch.distributed as dist
 
+    from ..ray.transport import PeerLostError
+
     for e in _chain(exc):
-        if isinstance(e, (dist.DistError, RoundTimeoutError)):
+        if isinstance(e, (dist.DistError, RoundTimeoutError, PeerLostError)):
             return True
         if isinstance(e, (RuntimeError, ConnectionError, OSError)) and any(m in str(e) for m in PEER_GONE):
             return True
@@ -210,12 +218,33 @@ class Session:
     def _recoverable(self, exc: BaseException) -> bool:
         if peer_failure(exc):
             return True
-        # Another error while a new round is already asked for: a peer's failure reached this
-        # rank in a form we do not recognise (a library thread's error, say); still a peer's.
         try:
-            return self.round is not None and _rounds.latest(self._store()) > self.round
+            # Another error while a new round is already asked for: a peer's failure reached this
+            # rank in a form we do not recognise (a library thread's error, say); still a peer's.
+            if self._newer_round_asked():
+                return True
+            # This library's error that a lost peer causes first: wait (bounded) for the
+            # controller to find the failed worker and ask for a round (``worker_failed``).
+            # Raising it at once would end every survivor with it, and Ray Train would replace
+            # the survivors (and fail the run on the dead worker it had not found yet).
+            if any(isinstance(e, AFTERMATH) for e in _chain(exc)):
+                return self._await_newer_round(self.told.grace_s)
         except Exception:  # noqa: BLE001 - the round store is gone: the run is ending
             return False
+        return False
+
+    def _newer_round_asked(self) -> bool:
+        return self.round is not None and _rounds.latest(self._store()) > self.round
+
+    def _await_newer_round(self, patience_s: float) -> bool:
+        deadline = time.monotonic() + patience_s
+        log.info("rank %d: checkpointing failed in round %d; waiting up to %.0fs for a failed peer to be found",
+                 self.told.rank, self.round if self.round is not None else -1, patience_s)
+        while time.monotonic() < deadline:
+            if self._newer_round_asked():
+                return True
+            time.sleep(WATCH_S)
+        return self._newer_round_asked()
 
     def _escaped(self, exc: BaseException) -> None:
         try:

@@ -5,7 +5,9 @@ Every process group the job forms is one *round*, numbered from 1. The keys, und
 
 - ``latest``: the newest round anyone has asked for. Ray Train's controller raises it by one
   each time it starts workers (the first group, a full restart, or one replacement), and gives
-  the new workers that number; a survivor of round ``n`` asks for ``n + 1``.
+  the new workers that number; it also asks for the round after the newest formed one as soon as
+  it shuts a failed worker down (:func:`worker_failed`); a survivor of round ``n`` asks for
+  ``n + 1``.
 - ``r{n}/arrived``: how many ranks arrived at round ``n``; the round forms when all have and no
   newer round was asked for meanwhile (whoever sees a newer one moves there, so every rank ends
   in the newest round: a second failure during a reform only moves everyone one round on).
@@ -36,6 +38,8 @@ PREFIX = "gemini/rounds/"
 POLL_S = 0.01
 FORM_S = 20.0  # how long a closed round waits for its members to connect before it is given up
 MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
+GRACE_S = 10.0  # how long a rank whose checkpointing failed (a version that did not commit, say)
+# waits for the controller to find a failed peer before it counts the error as its own
 
 
 def _int(store, key: str, default: int = -1) -> int:
@@ -63,6 +67,14 @@ def raise_latest(store, at_least: int) -> int:
         store.add(PREFIX + "latest", at_least - now)
         # two ranks raising at once overshoot by at most their difference: harmless, since every
         # rank follows ``latest`` and a round nobody arrives at is never waited for
+
+
+def worker_failed(store) -> int:
+    """The controller found a worker failed: ask for the round after the newest formed one now,
+    before its replacement starts. Every survivor then ends its attempt (its watcher cuts the
+    round's connections), including one whose own symptom of the loss came first and did not
+    name a peer (see ``GRACE_S``). Returns ``latest``."""
+    return raise_latest(store, formed(store) + 1)
 
 
 def formed(store) -> int:
@@ -262,11 +274,11 @@ class Attempts:
 
 def worker_env(*, host: str, port: int, round_: int, rank: int, world_size: int, local_rank: int,
                local_world_size: int, node_rank: int, backend: str, timeout_s: float,
-               reform_timeout_s: float) -> dict[str, str]:
+               reform_timeout_s: float, grace_s: float = GRACE_S) -> dict[str, str]:
     """What a worker is told (environment variables) to join the job's rounds."""
     return {"GEMINI_ROUNDS_ADDR": host, "GEMINI_ROUNDS_PORT": str(port), "GEMINI_ROUND": str(round_),
             "GEMINI_ROUNDS_BACKEND": backend, "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
-            "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s),
+            "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s), "GEMINI_ROUNDS_GRACE_S": str(grace_s),
             "MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
             "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size), "NODE_RANK": str(node_rank)}
 
@@ -283,6 +295,7 @@ class Told:
     backend: str
     timeout_s: float
     reform_timeout_s: float
+    grace_s: float = GRACE_S
 
     @staticmethod
     def from_env() -> Optional["Told"]:
@@ -291,4 +304,5 @@ class Told:
             return None
         return Told(env["GEMINI_ROUNDS_ADDR"], int(env["GEMINI_ROUNDS_PORT"]), int(env["GEMINI_ROUND"]),
                     int(env["RANK"]), int(env["WORLD_SIZE"]), env["GEMINI_ROUNDS_BACKEND"],
-                    float(env["GEMINI_ROUNDS_TIMEOUT_S"]), float(env["GEMINI_ROUNDS_REFORM_S"]))
+                    float(env["GEMINI_ROUNDS_TIMEOUT_S"]), float(env["GEMINI_ROUNDS_REFORM_S"]),
+                    float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)))

@@ -4,8 +4,9 @@ A replacement worker spends most of its start importing (torch, Ray Train, the t
 function's modules): seconds on a busy host, while the survivors wait. Each host's raylet can
 start idle worker processes ahead of need (its ``PrestartWorkers`` call): a process started with
 the Train workers' runtime env is the one the raylet hands to the next Train worker placed on
-that host, and it has already run the cluster's ``RAY_preload_python_modules``
-(:func:`gemini_ckpt.integrations.ray_train.preload_env`). Without a preload it still saves the
+that host, and it has already run their runtime env's warm-up hook
+(:func:`gemini_ckpt.integrations.ray_train.warm_runtime_env`) or the cluster's
+``RAY_preload_python_modules`` (``preload_env``). Without either it still saves the
 Ray worker's own start.
 
 The call is internal to Ray (2.60), like the rest of the in-place path: when it fails, spares are

@@ -86,6 +86,7 @@ from ..retention import LeftToRayTrain
 from ..format.backends import open_uri
 from ..format.layout import parse_step_dir, step_dir_name
 from ..ray.slots import HOST_LABEL
+from . import _warm
 from ._inplace_worker import recoverable, recovery_info
 from ._ray_train_callback import HostStores
 from ._ray_train_report import Reported, Reporter
@@ -93,7 +94,7 @@ from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_
 
 __all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RayTrainReporting", "RecoveryGaveUpError", "checkpointer",
            "detection_env", "host_stores", "preload_env", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
-           "stop_host_stores", "torch_config"]
+           "stop_host_stores", "torch_config", "warm_runtime_env"]
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -144,7 +145,8 @@ def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform
     the run ends with :class:`RecoveryGaveUpError` (the same failure again and again); every
     in-place replacement also counts against ``FailureConfig(max_failures)``. ``spares``: idle
     worker processes kept started on each host with a worker, so a replacement does not wait for a
-    new process and its imports (start Ray with :func:`preload_env` for the imports; 0: none).
+    new process and its imports (give the Train workers :func:`warm_runtime_env` for the imports;
+    0: none).
 
     The path relies on Ray Train internals (replica groups, Ray 2.60): on a Ray it was not tested
     with, or with ``in_place=False``, this returns Ray's plain ``TorchConfig`` (every failure
@@ -195,18 +197,31 @@ PRELOAD = ("torch", "torch.distributed.checkpoint", "ray.train.torch", "gemini_c
 def preload_env(*modules: str) -> dict[str, str]:
     """The environment that makes every Ray worker process import ``modules`` (and torch, Ray
     Train and gemini_ckpt) when it starts, before it is given work: set it where Ray starts
-    (``ray start`` on each host, or the driver before a local ``ray.init()``). With
-    :func:`torch_config`'s warm spares, a replacement worker then reaches the training function
-    without importing them (seconds of a recovery). Name the modules the training function's own
-    file imports, e.g. ``preload_env("transformers")``.
+    (``ray start`` on each host, or the driver before a local ``ray.init()``). Every worker pays
+    for it, host stores and Ray's own actors included: prefer :func:`warm_runtime_env`, which
+    warms only the Train workers.
 
     >>> preload_env("numpy")["RAY_preload_python_modules"].split(",")[-1]
     'numpy'
     """
-    for name in modules:
-        if not isinstance(name, str) or not name or not all(part.isidentifier() for part in name.split(".")):
-            raise ConfigError(f"preload_env({name!r}): a module name such as 'transformers'")
+    _warm.check_modules("preload_env", modules)
     return {"RAY_preload_python_modules": ",".join(dict.fromkeys(PRELOAD + modules))}
+
+
+def warm_runtime_env(*modules: str, runtime_env: Optional[dict] = None) -> dict:
+    """The runtime env for ``RunConfig(worker_runtime_env=...)`` that makes each Train worker
+    process import torch, DCP, Ray Train, gemini_ckpt and ``modules`` as it starts, before it is
+    given work. With :func:`torch_config`'s warm spares, a replacement worker then reaches the
+    training function without importing them (seconds of a recovery). Name the modules the
+    training function imports, e.g. ``warm_runtime_env("transformers")``; ``runtime_env``: a
+    runtime env of your own to add to (not changed). Only Train workers pay for the imports (see
+    :mod:`gemini_ckpt.integrations._warm`).
+
+    >>> sorted(warm_runtime_env("numpy", runtime_env={"env_vars": {"A": "1"}}).get("env_vars"))
+    ['A', 'GEMINI_CKPT_WARM_MODULES', '__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR']
+    """
+    _warm.check_modules("warm_runtime_env", modules)
+    return _warm.runtime_env(PRELOAD + modules, runtime_env)
 
 
 # --- worker side ---------------------------------------------------------------------------------

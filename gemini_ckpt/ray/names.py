@@ -19,8 +19,14 @@ import ray
 RAY_NAMESPACE = "gemini_ckpt"
 _STORE, _REGISTRY = "::store::", "::registry"
 
-ACTOR_ENV = {"RAY_task_events_report_interval_ms": "0", "MALLOC_ARENA_MAX": "2"}
-"""The environment of host-store and registry processes. They make and take a few Ray calls per
+SETUP_HOOK_VAR = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"  # Ray's (ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR)
+
+ACTOR_ENV = {"RAY_task_events_report_interval_ms": "0", "MALLOC_ARENA_MAX": "2", SETUP_HOOK_VAR: ""}
+"""The environment of host-store and registry processes. No setup hook: an actor inherits the
+runtime env of the worker that creates it, and a Ray Train worker's may name a warm-up hook
+(:func:`gemini_ckpt.integrations.ray_train.warm_runtime_env`) that imports torch and Ray Train,
+~4 s of CPU a host store has no use for (it starts in ~1 s without them), taken from the
+replacement worker it serves while a replacement host starts. They make and take a few Ray calls per
 version for as long as the job runs, and Ray's per-call bookkeeping grew their private memory
 without end: an actor sending 20,000 small calls grew 59.7 -> 134.8 MB, ~3 KB per call, and kept
 growing. Measured on Ray 2.60: without task events (nothing of ours reads them; the state API

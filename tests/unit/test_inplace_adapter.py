@@ -12,7 +12,8 @@ import pytest
 
 from gemini_ckpt import ConfigError
 from gemini_ckpt.integrations import _inplace_backend as adapter
-from gemini_ckpt.integrations.ray_train import detection_env, preload_env, torch_config
+from gemini_ckpt.integrations.ray_train import detection_env, preload_env, torch_config, warm_runtime_env
+from gemini_ckpt.ray.names import ACTOR_ENV, SETUP_HOOK_VAR
 
 
 def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():
@@ -97,6 +98,34 @@ def test_ray_still_has_the_prestart_call_warm_spares_use():
     assert {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"} <= fields
     assert "serialized_runtime_env" in RuntimeEnvInfo.DESCRIPTOR.fields_by_name
     assert "worker_preload_modules" in inspect.getsource(default_worker)
+
+
+def test_ray_still_runs_the_setup_hook_named_in_a_workers_environment():
+    """``warm_runtime_env`` names its hook through the variable Ray's worker reads at its start,
+    and gemini_ckpt's actors clear it (they would inherit it from a Train worker)."""
+    import ray._private.ray_constants as constants
+    import ray._private.workers.default_worker as default_worker
+
+    assert constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR == SETUP_HOOK_VAR
+    source = inspect.getsource(default_worker)
+    assert "WORKER_PROCESS_SETUP_HOOK_ENV_VAR" in source and "load_and_execute_setup_hook" in source
+    assert ACTOR_ENV[SETUP_HOOK_VAR] == ""
+
+
+def test_warm_runtime_env_adds_to_the_users_own():
+    mine = {"env_vars": {"A": "1"}, "pip": ["x"]}
+    env = warm_runtime_env("numpy", runtime_env=mine)
+    assert mine == {"env_vars": {"A": "1"}, "pip": ["x"]}  # not changed
+    assert env["pip"] == ["x"] and env["env_vars"]["A"] == "1"
+    assert env["env_vars"][SETUP_HOOK_VAR] == "gemini_ckpt.integrations._warm.warm_up"
+    modules = env["env_vars"]["GEMINI_CKPT_WARM_MODULES"].split(",")
+    assert modules[0] == "torch" and modules[-1] == "numpy" and "ray.train.torch" in modules
+    with pytest.raises(ConfigError, match="module name"):
+        warm_runtime_env("not a module")
+    with pytest.raises(ConfigError, match="setup hook"):
+        warm_runtime_env(runtime_env={"env_vars": {SETUP_HOOK_VAR: "mine.hook"}})
+    with pytest.raises(ConfigError, match="runtime env dict"):
+        warm_runtime_env(runtime_env="conda-env")
 
 
 SPARES_WITHOUT_RAY = """

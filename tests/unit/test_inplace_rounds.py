@@ -22,11 +22,14 @@ WORLD = 3
 class Job:
     """The controller's part: a round store, and a new round for every start of workers."""
 
-    def __init__(self, tmp_path, script: str, *, reform_s: float = 60.0) -> None:
+    def __init__(self, tmp_path, script: str, *, reform_s: float = 60.0, grace_s: float = _rounds.GRACE_S,
+                 notice_s: float = 0.0) -> None:
         self.store = _rounds.server("127.0.0.1", timeout_s=30)
         self.out = str(tmp_path)
         self.script = script
-        self.reform_s = reform_s
+        self.reform_s, self.grace_s = reform_s, grace_s
+        self.notice_s = notice_s  # how long after a death the controller finds it (Ray Train's polls)
+        self.dead_at: dict[int, float] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.replaced: list[int] = []
         first = _rounds.open_round(self.store)
@@ -37,7 +40,8 @@ class Job:
         env = dict(os.environ, GEMINI_TEST_FRESH="1" if fresh else "0",
                    **_rounds.worker_env(host="127.0.0.1", port=self.store.port, round_=round_, rank=rank,
                                         world_size=WORLD, local_rank=rank, local_world_size=WORLD, node_rank=0,
-                                        backend="gloo", timeout_s=120, reform_timeout_s=self.reform_s))
+                                        backend="gloo", timeout_s=120, reform_timeout_s=self.reform_s,
+                                        grace_s=self.grace_s))
         self.procs[rank] = subprocess.Popen([sys.executable, CHILD, self.script, self.out], env=env,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -51,7 +55,11 @@ class Job:
                 code = proc.poll()
                 if code is None or rank in codes:
                     continue
-                if code == -9:  # killed: Ray Train would start a replacement at the same rank
+                if code == -9:  # killed: Ray Train shuts it down and starts a replacement at the same rank
+                    if time.monotonic() - self.dead_at.setdefault(rank, time.monotonic()) < self.notice_s:
+                        continue
+                    del self.dead_at[rank]
+                    _rounds.worker_failed(self.store)  # as the in-place backend's on_shutdown does
                     self.replaced.append(rank)
                     self.start(rank, _rounds.open_round(self.store), fresh=False)
                 else:
@@ -88,6 +96,35 @@ def test_a_killed_rank_is_replaced_and_the_survivors_form_the_next_round_in_thei
     second = [x for x in lines[0] if x["event"] == "start"][1]
     assert second["t"] - blocked["t"] < 30, "rank 0 waited for its group's timeout instead of being cut free"
     assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.multiproc
+def test_survivors_whose_checkpointing_failed_first_wait_for_the_failed_peer_to_be_found(tmp_path):
+    # A host's loss reaches the survivors first as a version that did not commit (their copies to
+    # it failed), before any collective names the peer, and before the controller finds the dead
+    # worker. They must not end with that error: Ray Train would replace the survivors and fail
+    # the run on the dead worker it had not found yet.
+    job = Job(tmp_path, "kill@1:8,fail@0:8,fail@2:8", notice_s=1.5)
+    codes = job.run()
+    assert codes == {0: 0, 1: 0, 2: 0}, {r: p.stderr.read().decode()[-1500:] for r, p in job.procs.items()}
+    assert job.replaced == [1]
+    lines = job.lines()
+    for rank in (0, 2):
+        assert len({x["pid"] for x in lines[rank]}) == 1  # the survivor kept its process
+        failed = next(x for x in lines[rank] if x["event"] == "fail")
+        second = [x for x in lines[rank] if x["event"] == "start"][1]
+        assert second["t"] - failed["t"] >= 1.0  # it waited for the controller to find rank 1 dead
+    assert {x["counter"] for r in range(WORLD) for x in lines[r] if x["event"] == "done"} == {float(WORLD * 30)}
+
+
+@pytest.mark.multiproc
+def test_a_checkpointing_error_with_no_failed_peer_ends_the_rank_after_the_grace(tmp_path):
+    job = Job(tmp_path, "fail@2:3", reform_s=8.0, grace_s=2.0)
+    codes = job.run()
+    assert codes[2] != 0 and b"BackgroundError" in job.procs[2].stderr.read()
+    lines = job.lines()
+    assert len([x for x in lines[2] if x["event"] == "start"]) == 1  # not run again
+    assert "rank 2: BackgroundError" in _rounds.escaped(job.store)
 
 
 @pytest.mark.multiproc
