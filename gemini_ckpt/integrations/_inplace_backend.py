@@ -123,6 +123,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._whole = None  # the WorkerGroup (a replica group is a slice of it)
         self._attempts: Optional[_rounds.Attempts] = None
         self._reapers: dict = {}  # node id -> its Reaper actor
+        self._reapers_lock = None  # made in the controller (this object is pickled to it)
         self._shutting_others = False
         self._spares: Optional[_spares.Spares] = None
 
@@ -130,6 +131,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         import ray
 
         if self._server is None:
+            self._reapers_lock = threading.Lock()
             self._host = ray.util.get_node_ip_address()
             self._server = _rounds.server(self._host, timeout_s=config.reform_timeout_s)
             self._attempts = _rounds.Attempts(max_stuck=config.max_stuck,
@@ -159,7 +161,8 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                                      reform_timeout_s=config.reform_timeout_s)
             refs.append(worker.execute_async(_set_env, env))
         described = ray.get(refs, timeout=config.reform_timeout_s)
-        if isinstance(group, _ReplicaGroup) and _new_nodes(group, self._reapers):
+        nodes = {w.metadata.node_id for w in group.get_workers()}
+        if isinstance(group, _ReplicaGroup) and nodes - set(self._reapers):
             # a replacement on a new host: its reaper starts later, so that its process start
             # does not take a core from the recovery (until then Ray Train ends a failed
             # worker there itself, seconds later)
@@ -171,10 +174,9 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         # a warm process for the next replacement on each of these hosts (a replacement took one)
         self._spares.learn(*described[0])
         if isinstance(group, _ReplicaGroup):
-            self._spares.start({w.metadata.node_id for w in group.get_workers()}, count=1,
-                               delay_s=_spares.REFILL_DELAY_S)
+            self._spares.start(nodes, count=1, delay_s=_spares.REFILL_DELAY_S)
         else:
-            self._spares.start({w.metadata.node_id for w in group.get_workers()})
+            self._spares.start(nodes)
         log.info("gemini_ckpt: %s, round %d", f"replacement for rank {group.get_workers()[0].distributed_context.world_rank}"
                  if isinstance(group, _ReplicaGroup) else f"group of {len(workers)} workers started", round_)
 
@@ -219,9 +221,10 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
 
         from ._reaper import Reaper
 
-        for node in {w.metadata.node_id for w in workers} - set(self._reapers):
-            self._reapers[node] = ray.remote(num_cpus=0)(Reaper).options(  # (a timer's thread too: one assignment)
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        with self._reapers_lock:  # a timer's thread may start them too: one reaper per node
+            for node in {w.metadata.node_id for w in workers} - set(self._reapers):
+                self._reapers[node] = ray.remote(num_cpus=0)(Reaper).options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
 
     def _reap(self, workers) -> None:
         import ray
@@ -236,10 +239,6 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 outcome = f"{type(exc).__name__}"
             log.info("gemini_ckpt: failed worker of rank %d (pid %d): %s", worker.distributed_context.world_rank,
                      worker.metadata.pid, outcome)
-
-
-def _new_nodes(group, reapers: dict) -> set:
-    return {w.metadata.node_id for w in group.get_workers()} - set(reapers)
 
 
 @dataclass

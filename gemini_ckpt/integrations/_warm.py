@@ -30,7 +30,6 @@ from ..ray.names import SETUP_HOOK_VAR
 
 log = logging.getLogger("gemini_ckpt")
 
-HOOK_VAR = SETUP_HOOK_VAR
 MODULES_VAR = "GEMINI_CKPT_WARM_MODULES"
 HOOK = "gemini_ckpt.integrations._warm.warm_up"
 
@@ -60,10 +59,10 @@ def runtime_env(modules: tuple[str, ...], base: Optional[dict]) -> dict:
                           f"{{'env_vars': {{...}}}}, or None")
     out = dict(base or {})
     env_vars = dict(out.get("env_vars") or {})
-    if env_vars.get(HOOK_VAR, HOOK) != HOOK:
+    if env_vars.get(SETUP_HOOK_VAR, HOOK) != HOOK:
         raise ConfigError(f"warm_runtime_env: runtime_env's env_vars already name a setup hook "
-                          f"({env_vars[HOOK_VAR]!r}); call it from a hook of your own instead")
-    env_vars[HOOK_VAR] = HOOK
+                          f"({env_vars[SETUP_HOOK_VAR]!r}); call it from a hook of your own instead")
+    env_vars[SETUP_HOOK_VAR] = HOOK
     env_vars[MODULES_VAR] = ",".join(dict.fromkeys(modules))
     out["env_vars"] = env_vars
     return out
