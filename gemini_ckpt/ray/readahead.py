@@ -174,19 +174,21 @@ class PeerCopy:
             for tag in tags:
                 self.reads.sink.forget(tag)
             raise
-        return _Received(self, _Pending(ref, None, tuple(tags)), [into for _, into in ranges])
+        return _Received(self, _Pending(ref, None, tuple(tags), sum(into.nbytes for _, into in ranges)),
+                         [into for _, into in ranges])
 
     def _push(self, offset: int, length: int) -> "_Pending":
         endpoint = self.reads.endpoint()
         tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
         self.reads.sink.expect(tag, into)
-        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,))
+        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,),
+                        length)
 
     def _resolve(self, pending: "_Pending") -> np.ndarray:
         """Wait for a push; on any failure it is cancelled first (see :meth:`_cancel`), so when
         this returns or raises, nothing writes into its buffers any more."""
         try:
-            ray.get(pending.ref, timeout=self.reads.timeout_s)
+            landed = ray.get(pending.ref, timeout=self.reads.timeout_s)
         except RayActorError:
             self.reads.lost(self.slot, "died")
             error = LookupError(f"the host store of slot {self.slot} died while sending")
@@ -199,9 +201,13 @@ class PeerCopy:
             self._cancel(pending)
             raise
         else:
-            for tag in pending.tags:  # the store returned: every range landed, nothing writes any more
-                self.reads.sink.forget(tag)
-            return pending.into
+            if landed == pending.nbytes:
+                for tag in pending.tags:  # the store returned: every range landed, nothing writes any more
+                    self.reads.sink.forget(tag)
+                return pending.into
+            # Refused here (a tag no longer expected): never read a buffer that was not filled.
+            error = LookupError(f"{self.reads.describe(self.slot)} sent {landed} of the {pending.nbytes} bytes "
+                                f"asked for (this reader refused the rest)")
         self._cancel(pending)
         raise error
 
@@ -217,6 +223,7 @@ class _Pending:
     ref: Any
     into: Optional[np.ndarray]
     tags: tuple
+    nbytes: int  # what the store sends when every range lands
 
 
 @dataclass(frozen=True)

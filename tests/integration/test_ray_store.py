@@ -110,15 +110,9 @@ def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(
         tier.close()
 
 
-@pytest.mark.ray
-def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_cluster):
-    """The reader jumps past blocks it asked for ahead while a slow peer (a bandwidth cap) still
-    sends them, and back: every range it reads is exact, and no push it wants fails. (Written
-    while looking for the cause of a rare "the channel ... was closed" in the test above under
-    load: this path does not produce it.)"""
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.readahead import PeerCopy
-
+def _save_4mib(tier, step: int) -> int:
+    """Hand ``step`` to ``tier``: one 4 MiB tensor (a read at a 1 MiB/s cap takes seconds); wait
+    for its commit; returns the shard's region size."""
     import pickle
 
     import torch
@@ -126,16 +120,27 @@ def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_clus
     from gemini_ckpt.save.plan import make_plan
     from gemini_ckpt.save.stager import Stager
 
+    w = torch.arange(1 << 20, dtype=torch.float32)
+    state = {"model": {"w": w}, "rank_local": {"0": {"extra": pickle.dumps({})}}}
+    plan, _ = make_plan(state, rank=0, world_size=1, group=None, job={"test": True})
+    seg = tier.segment(plan.shard)
+    Stager().stage(plan.shard, seg, [w])
+    assert tier.hand_off(step, plan.shard, seg, [state["rank_local"]["0"]["extra"]]).result(timeout=120).committed
+    return plan.shard.region_bytes
+
+
+@pytest.mark.ray
+def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_cluster):
+    """The reader jumps past blocks it asked for ahead while a slow peer (a bandwidth cap) still
+    sends them, and back: every range it reads is exact, and no push it wants fails (the blocks
+    it skipped are refused, and that must not close the channel the wanted ones share)."""
+    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.ray.readahead import PeerCopy
+
     tier = connect(CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120,
                                     replication_bandwidth=1 << 20), rank=0, world_size=1)
     try:
-        w = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: blocks of 256 KiB take ~0.25 s each at the cap
-        state = {"model": {"w": w}, "rank_local": {"0": {"extra": pickle.dumps({})}}}
-        plan, _ = make_plan(state, rank=0, world_size=1, group=None, job={"test": True})
-        seg = tier.segment(plan.shard)
-        Stager().stage(plan.shard, seg, [w])
-        assert tier.hand_off(5, plan.shard, seg, [state["rank_local"]["0"]["extra"]]).result(timeout=120).committed
-        size = plan.shard.region_bytes
+        size = _save_4mib(tier, 5)  # blocks of 256 KiB take ~0.25 s each at the cap
         local = tier.open(5)
         expected = np.asarray(local.copies[0][0].fetch(0, size)).copy()
         local.close()
@@ -146,6 +151,39 @@ def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_clus
             for offset, length in [(0, 10), (size - 7, 7), (3 * block, 10), (size - 1, 1), (0, 5)]:
                 got = np.asarray(peer.fetch(offset, length))
                 assert got.tobytes() == expected[offset : offset + length].tobytes(), (offset, length)
+    finally:
+        tier.close()
+
+
+@pytest.mark.ray
+def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster):
+    """A reader's pushes share one channel from the store. The reader refuses a range it no
+    longer wants (its buffer is gone: a skipped read-ahead block) while another is still being
+    sent at a bandwidth cap: the refused push reports nothing landed, and the other one lands,
+    exact. (Before, the refusal closed the shared channel and failed the wanted push: the rare
+    "the channel ... was closed" of the read-ahead tests.)"""
+    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.ray.readahead import PeerCopy
+
+    tier = connect(CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120,
+                                    replication_bandwidth=1 << 20), rank=0, world_size=1)
+    try:
+        size = _save_4mib(tier, 5)  # ~4 s at the cap
+        local = tier.open(5)
+        expected = np.asarray(local.copies[0][0].fetch(0, size)).copy()
+        local.close()
+        slot = tier.reads.where(5).copies[0][0]
+        peer = PeerCopy(tier.peer_reads, slot, tier.hosts.live()[slot], 5, 0, size)
+        assert np.asarray(peer.fetch(0, 8)).tobytes() == expected[:8].tobytes()  # the channel is made
+        wanted = np.zeros(size, np.uint8)
+        landing = peer.receive_into([(0, wanted)])
+        time.sleep(0.3)  # the wanted push is being sent
+        refused = peer.receive_into([(0, np.empty(1024, np.uint8))])
+        refused.buffers.clear()  # the reader lets go of that buffer at once: the range is refused
+        landing.result()
+        assert wanted.tobytes() == expected.tobytes()
+        with pytest.raises(LookupError, match="sent 0 of the 1024 bytes"):
+            refused.result()
     finally:
         tier.close()
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import threading
 import time
 
 from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
 from ..commit import VersionId, VersionState
-from ..transport import Endpoint, Header, TransportError
+from ..transport import ChecksumMismatchError, Endpoint, Header, TransferRejectedError, TransportError
 from .replication import verify_copies
 from .state import StoreState
 
@@ -25,6 +26,7 @@ class ShardServer:
 
     def __init__(self, state: StoreState) -> None:
         self.s = state
+        self._connecting = threading.Lock()  # one connect per reader, however many pushes want it
 
     # --- reading ------------------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
@@ -55,17 +57,22 @@ class ShardServer:
 
     def push_range(self, step: int, rank: int, offset: int, length: int, reader: Endpoint, tag: str) -> int:
         """Send bytes ``[offset, offset + length)`` of a shard's region to a reader's
-        data-plane listener; returns once the reader has them."""
+        data-plane listener; returns once the reader has them (``length``), or 0 when it
+        refused them."""
         return self.push_ranges(step, rank, [(offset, length, tag)], reader)
 
     def push_ranges(self, step: int, rank: int, ranges: list, reader: Endpoint) -> int:
         """Send several ranges ``[(offset, length, tag), ...]`` of a shard's region to a reader's
-        data-plane listener, one transfer each, all in flight at once; returns once the reader
-        has every one (the direct restore: each range lands in its own live tensor).
+        data-plane listener, one transfer each, all in flight at once; returns once each has
+        landed or been refused, with the bytes that landed (the direct restore: each range lands
+        in its own live tensor).
 
-        A reader that refuses one (it gave up on them: the tag is no longer expected) or drops
-        the connection has given up on this store: the channel is closed at once, so nothing
-        more of these ranges (or of any other push to that reader) is sent."""
+        A reader refuses a range it no longer wants (its tag is no longer expected: a read-ahead
+        block it skipped). That is the reader's answer for that range alone: the channel to it
+        stays open, because the reader's other pushes share it, and the reader counts the bytes
+        it was sent. A reader that drops the connection has given up on this store: the channel
+        is closed at once, so nothing more of these ranges (or of any other push to that reader)
+        is sent."""
         with self.s.lock:
             shard = self.s.complete_shard(step, rank)
             for offset, length, _ in ranges:
@@ -73,21 +80,26 @@ class ShardServer:
                     raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
                                      f"({shard.seg.nbytes} bytes)")
             self.s.table.use(shard)
-            transport, key = self.s.transport, (reader.host, reader.port)
-            channel = self.s.readers.get(key)
+        channel = None
         try:
-            if channel is None:
-                channel = transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
-                with self.s.lock:
-                    self.s.readers[key] = channel
-            sent = [channel.send_async(Header(self.s.namespace, step, f"region/{rank}", offset, length,
-                                              total=shard.seg.nbytes, put_id=tag),
-                                       shard.seg.array[offset : offset + length])
+            channel = self._reader_channel(reader)
+            sent = [(channel.send_async(Header(self.s.namespace, step, f"region/{rank}", offset, length,
+                                               total=shard.seg.nbytes, put_id=tag),
+                                        shard.seg.array[offset : offset + length]), length)
                     for offset, length, tag in ranges]
             deadline = time.monotonic() + TIMEOUTS.serve_s
-            for fut in sent:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            landed = 0
+            for fut, length in sent:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TransferRejectedError as exc:
+                    if isinstance(exc, ChecksumMismatchError):
+                        raise
+                    continue  # the reader no longer wants this range
+                landed += length
+            return landed
         except (TransportError, TimeoutError) as exc:
+            key = (reader.host, reader.port)
             with self.s.lock:
                 if self.s.readers.get(key) is channel:
                     del self.s.readers[key]
@@ -97,7 +109,19 @@ class ShardServer:
         finally:
             with self.s.lock:
                 self.s.table.done_with(shard)
-        return sum(length for _, length, _ in ranges)
+
+    def _reader_channel(self, reader: Endpoint):
+        """The one channel to a reader's listener, shared by every push to it (the pushes of one
+        read run at once, on the actor's threads: the first connects, the others wait for it)."""
+        key = (reader.host, reader.port)
+        with self._connecting:
+            with self.s.lock:
+                channel = self.s.readers.get(key)
+            if channel is None:
+                channel = self.s.transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
+                with self.s.lock:
+                    self.s.readers[key] = channel
+            return channel
 
     # --- the durable tier ----------------------------------------------------------------------------
     def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes,
