@@ -44,8 +44,8 @@ def free_port() -> int:
 
 def start_cluster(hosts: int, plasma_bytes: int):
     """A head (1 CPU) plus ``hosts`` simulated hosts with the library's health checks
-    (:class:`gemini_ckpt.ray.local.LocalCluster`), this process connected."""
-    from gemini_ckpt.ray.local import LocalCluster
+    (:class:`gemini_ckpt.testing.cluster.LocalCluster`), this process connected."""
+    from gemini_ckpt.testing.cluster import LocalCluster
 
     return LocalCluster(hosts, head_cpus=1, object_store_bytes=plasma_bytes).start()
 

@@ -392,9 +392,9 @@ def main(argv=None) -> int:
         args.timeout = min(args.timeout, 120)
         args.qos, args.configs = True, args.configs + ("n" if "n" not in args.configs else "")
 
-    from gemini_ckpt.ray import netns
+    from gemini_ckpt.testing import netns
     from gemini_ckpt.ray.cluster import shutdown_host_stores
-    from gemini_ckpt.ray.local import LocalCluster
+    from gemini_ckpt.testing.cluster import LocalCluster
 
     machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}
     reason = netns.unavailable_reason()

@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     kill_at = interval + interval // 2  # the midpoint of the second durable interval
     steps = kill_at + max(6, interval // 2)
 
-    from gemini_ckpt.ray.local import LocalCluster
+    from gemini_ckpt.testing.cluster import LocalCluster
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         args.mb, args.steps = 16, 1
 
     from gemini_ckpt.ray.cluster import shutdown_host_stores
-    from gemini_ckpt.ray.local import LocalCluster
+    from gemini_ckpt.testing.cluster import LocalCluster
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
     cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network=args.network,

@@ -117,7 +117,7 @@ def main() -> None:
         ray.init(address=args.address)
         hosts = len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")])
     else:
-        from gemini_ckpt.ray.local import LocalCluster
+        from gemini_ckpt.testing.cluster import LocalCluster
 
         cluster = LocalCluster(args.local_hosts, head_cpus=0, cpus_per_host=max(1, args.workers // args.local_hosts))
         cluster.start()

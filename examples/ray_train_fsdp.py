@@ -108,7 +108,7 @@ def main() -> None:
         hosts = len([n for n in ray.nodes() if n["Alive"]])
     else:
         # One Ray node per simulated host; the head runs Ray Train's controller, not workers.
-        from gemini_ckpt.ray.local import LocalCluster
+        from gemini_ckpt.testing.cluster import LocalCluster
 
         cluster = LocalCluster(args.local_hosts, head_cpus=0, cpus_per_host=max(1, args.workers // args.local_hosts))
         cluster.start(log_to_driver=True)

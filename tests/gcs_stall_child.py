@@ -19,7 +19,7 @@ from tier_contract import save_filled  # noqa: E402
 from gemini_ckpt import CheckpointConfig  # noqa: E402
 from gemini_ckpt.ray.client import connect  # noqa: E402
 from gemini_ckpt.ray.cluster import start_host_stores  # noqa: E402
-from gemini_ckpt.ray.local import LocalCluster  # noqa: E402
+from gemini_ckpt.testing.cluster import LocalCluster  # noqa: E402
 
 
 def main(stall_s: float) -> None:

@@ -1,5 +1,5 @@
 """Training ranks as Ray actors, for the multi-host tests (on the session's
-:class:`gemini_ckpt.ray.local.LocalCluster`, the ``ray_cluster`` fixture of
+:class:`gemini_ckpt.testing.cluster.LocalCluster`, the ``ray_cluster`` fixture of
 ``tests/integration/conftest.py``).
 
 - :class:`Ranks`: one :class:`RankWorker` actor per host (rank ``i`` pinned to ``host{i}``), each

@@ -4,7 +4,7 @@ when a test runs long (the watchdog, before pytest-timeout stops it), and list t
 incidents (hosts that died without a test removing them) at the end of the session.
 
 ``describe`` is set by the integration tier's cluster fixture: a function that returns the
-cluster's state as text (:meth:`gemini_ckpt.ray.local.LocalCluster.describe`).
+cluster's state as text (:meth:`gemini_ckpt.testing.cluster.LocalCluster.describe`).
 """
 
 from __future__ import annotations

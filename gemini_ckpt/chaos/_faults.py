@@ -234,7 +234,7 @@ class SlowLink:
     rate: str = "10mbit"
 
     def __post_init__(self) -> None:
-        from ..ray.netns import parse_rate
+        from ..testing.netns import parse_rate
 
         nonneg_int("SlowLink.host", self.host)
         try:
@@ -250,7 +250,7 @@ class SlowLink:
 class FlappingLink:
     """Host ``host``'s link down for ``down_s``, up for ``up_s``, ``outages`` times, while the job
     trains up to the fault. Each outage is shorter than Ray's dead-node threshold (~15 s,
-    :data:`gemini_ckpt.ray.local.HEALTH_CHECKS`): the host must not be declared dead, versions
+    :data:`gemini_ckpt.testing.cluster.HEALTH_CHECKS`): the host must not be declared dead, versions
     commit (late) or fail cleanly, and training goes on."""
 
     host: int = 2

@@ -42,7 +42,7 @@ class Harness:
     ``job``: the default :class:`~gemini_ckpt.chaos.TrainJob` (an instance or a class; default
     :class:`~gemini_ckpt.chaos.TinyJob`); ``run_scenario(..., job=...)`` may use another. The
     harness starts its own Ray cluster (this process must not be connected to Ray yet), or uses
-    ``cluster`` (a running :class:`~gemini_ckpt.ray.local.LocalCluster` of ``config.hosts``
+    ``cluster`` (a running :class:`~gemini_ckpt.testing.cluster.LocalCluster` of ``config.hosts``
     hosts, left running by ``close``), and adds and removes hosts from the thread that called
     ``start``; ``close`` stops what it started.
     """
@@ -65,7 +65,7 @@ class Harness:
     def start(self) -> "Harness":
         if self.sim is not None:
             return self
-        from ..ray.local import LocalCluster
+        from ..testing.cluster import LocalCluster
         from ._sim import RAY_NAMESPACE, RankPool
 
         t0 = time.perf_counter()

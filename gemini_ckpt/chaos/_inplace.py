@@ -265,8 +265,8 @@ def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float
 
 def run_inplace(scenarios=SCENARIOS, *, cluster=None, log: Optional[Callable[[str], None]] = None) -> list:
     """Run ``scenarios`` (plus one uninterrupted reference run) on ``cluster`` (a running
-    :class:`~gemini_ckpt.ray.local.LocalCluster`, this process connected) or a new one."""
-    from ..ray.local import LocalCluster
+    :class:`~gemini_ckpt.testing.cluster.LocalCluster`, this process connected) or a new one."""
+    from ..testing.cluster import LocalCluster
 
     log = log or (lambda message: print(message, flush=True))
     own = cluster is None

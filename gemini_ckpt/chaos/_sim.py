@@ -1,5 +1,5 @@
 """The pool of training ranks on a local cluster of simulated hosts
-(:class:`gemini_ckpt.ray.local.LocalCluster`: ``remove_hosts`` is a machine loss, ``add_host``
+(:class:`gemini_ckpt.testing.cluster.LocalCluster`: ``remove_hosts`` is a machine loss, ``add_host``
 brings a replacement with the same ``host{i}`` resource).
 
 - :class:`RankPool`: at most one :class:`~gemini_ckpt.chaos._worker.RankWorker` per host, reused
@@ -19,7 +19,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 from ray.exceptions import GetTimeoutError, RayError  # noqa: E402
 
-from ..ray.local import LocalCluster  # noqa: E402
+from ..testing.cluster import LocalCluster  # noqa: E402
 from ._worker import RankWorker  # noqa: E402
 
 RAY_NAMESPACE = "gemini_chaos"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..ray.netns import parse_rate
+from ..testing.netns import parse_rate
 from ..stores.durable import EveryNSteps
 from ._faults import (
     CONDITION_TYPES,
@@ -140,7 +140,7 @@ class ChaosConfig:
     node gets the label ``rack=<label>`` and the job runs with ``CheckpointConfig(failure_domain=
     "rack")``, so copies are spread over racks, and ``kill-rack-*`` scenarios join the matrix.
     ``network``: ``"loopback"`` (every host on this machine's one interface) or ``"netns"`` (each
-    host's Ray node in its own network namespace, :mod:`gemini_ckpt.ray.netns`; needs root), where
+    host's Ray node in its own network namespace, :mod:`gemini_ckpt.testing.netns`; needs root), where
     the network scenarios (``partition-host``, ``slow-link``, ...) join the matrix; ``link``: each
     host's link rate with ``"netns"`` (``"1gbit"``; None: unshaped).
     """

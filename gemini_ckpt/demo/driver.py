@@ -30,9 +30,9 @@ OBJECT_STORE_BYTES = 96 << 20
 def start_cluster(hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES, network: str = "loopback",
                   link: str | None = None):
     """A head node (no CPUs: it runs Ray Train's controller and the registry, never a worker)
-    plus ``hosts`` simulated hosts with one CPU each (:class:`~gemini_ckpt.ray.local.LocalCluster`),
+    plus ``hosts`` simulated hosts with one CPU each (:class:`~gemini_ckpt.testing.cluster.LocalCluster`),
     this process connected."""
-    from ..ray.local import LocalCluster
+    from ..testing.cluster import LocalCluster
 
     return LocalCluster(hosts, head_cpus=0, object_store_bytes=object_store_bytes, network=network,
                         link=link).start()
@@ -41,7 +41,7 @@ def start_cluster(hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES, n
 # --- the driver ----------------------------------------------------------------------------------
 def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, cluster=None) -> DemoReport:
     """Run the demo end to end. Starts and stops its own local cluster, unless ``cluster`` is
-    given (a running :class:`~gemini_ckpt.ray.local.LocalCluster` of at least ``options.hosts``
+    given (a running :class:`~gemini_ckpt.testing.cluster.LocalCluster` of at least ``options.hosts``
     hosts, this process connected to it); then it is left running (with the replacement host in it)."""
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     started = time.time()

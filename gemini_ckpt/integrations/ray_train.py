@@ -108,7 +108,7 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
     restart a rank may start on a host that does not keep its shards (observed: ranks swapped
     between surviving hosts) and read them from a peer. The hosts are the nodes labelled
     :data:`HOST_LABEL` (``ray start --labels gemini-ckpt.io/host=0``; every simulated host of
-    :class:`~gemini_ckpt.ray.local.LocalCluster` carries it); a replacement machine started
+    :class:`~gemini_ckpt.testing.cluster.LocalCluster` carries it); a replacement machine started
     with the lost one's label takes over its slot and is given its copies before the workers
     start, so its rank restores from local memory too. A worker group waits until every
     labelled host is there, so give each lost host a replacement (or leave the selectors out).

@@ -21,18 +21,8 @@ connection is a stranger's and gets little: a process of another uid is refused 
 descriptors passed with the hello are closed whatever it proves. Refusals are logged at most
 once per ten seconds, with a count.
 
-Messages (trainer -> store, each with an ``id`` the reply carries):
-
-- ``plan``: payload = an encoded ShardPlan of this rank; reply ``{}``;
-- ``segment`` ``{plan_id}``: a free segment for a version of that plan; reply ``{seg, nbytes}``
-  (with the memfd the first time this connection sees that segment);
-- ``staged`` ``{step, seg, persist, lengths}``, payload = the value blobs: the shard is the
-  store's now; no reply, but later an ``outcome`` ``{step, committed, reason}`` (id 0);
-- ``give_back`` ``{seg}``: a segment not staged after all;
-- ``comm``: the page this rank marks its collectives in (:mod:`gemini_ckpt.format.commstate`);
-  reply ``{slot, nbytes}`` + memfd (the store clears the slot when the connection closes);
-- ``map`` ``{step, rank}``: read access to a shard this store holds; reply ``{nbytes}`` + memfd
-  (the shard is pinned until ``unmap`` ``{step, rank}`` or the connection closes).
+Messages carry an ``id`` the reply carries (0: none wanted, and the store's unasked
+outcome of a version); what they say is typed in :mod:`gemini_ckpt.ray.attach_messages`.
 
 This module holds what both ends share: the framing (:class:`Connection`) and the proof. The
 store's end is :mod:`gemini_ckpt.ray.attach_server`, the trainer's :mod:`gemini_ckpt.ray.attach_client`.

@@ -15,12 +15,13 @@ from typing import Optional
 
 from ..errors import AttachError
 from .attach import MAX_HELLO, PROTOCOL, RESTART_STORES, Connection, close_all, proof
+from .attach_messages import VersionOutcome
 
 
 def connect_until(address: str, deadline: float) -> socket.socket:
     """A connected socket to ``address``, trying again until ``deadline`` (monotonic) while the
     listener's queue is full (EAGAIN: a burst of connections, or another local user flooding the
-    socket; issue 40, finding 2). The last error past the deadline."""
+    socket). The last error past the deadline."""
     pause = 0.01
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -146,7 +147,7 @@ class AttachClient:
                 with self._lock:
                     if rid:
                         fut = self._replies.pop(rid, None)
-                    elif header.get("type") == "outcome":
+                    elif header.get("type") == VersionOutcome.TYPE:
                         step = int(header["step"])
                         fut = self._outcomes.get(step)
                         if fut is None:

@@ -49,7 +49,9 @@ from ..format.segments import Segment
 from ..format.shards import ShardPlan
 from ..trust.manifest import resolve_key
 from .actors.state import job_settings, store_config
+from .attach import close_all
 from .attach_client import AttachClient
+from .attach_messages import AskComm, AskSegment, CommPage, GiveBack, SegmentLent, SendPlan, Staged, VersionOutcome
 from .cluster import (
     current_node_id,
     ensure_ray,
@@ -195,42 +197,46 @@ class RayTier(MemoryTier):
     def segment(self, plan: ShardPlan) -> Segment:
         try:
             if plan.plan_id not in self._plans:
-                self._attach.request({"type": "plan"}, plan.encode())
+                self._attach.request(SendPlan().to_wire(), plan.encode())
                 self._plans.add(plan.plan_id)
             with self._lock:
                 ahead = self._ahead.pop(plan.plan_id, None)
             if ahead is not None:
                 reply, fds = self._attach.reply(ahead)
             else:
-                reply, fds = self._attach.request({"type": "segment", "plan_id": plan.plan_id})
+                reply, fds = self._attach.request(AskSegment(plan.plan_id).to_wire())
         except MemoryError as exc:
             raise MemoryBudgetError(f"rank {self.rank}: {exc}") from None
         except (AttachError, OSError) as exc:
             raise ReplicationError(f"rank {self.rank}: the host store of this node is unreachable: {exc}") from None
-        for seg_id in reply.get("forget", []):
+        try:
+            lent = SegmentLent.from_wire(reply)
+        except ValueError as exc:
+            close_all(fds)
+            raise ReplicationError(f"rank {self.rank}: the host store's answer is malformed: {exc}") from None
+        for seg_id in lent.forget:
             old = self._segments.pop(seg_id, None)
             if old is not None:
                 old.close()
-        seg_id = int(reply["seg"])
-        seg = self._segments.get(seg_id)
+        seg = self._segments.get(lent.seg)
         if seg is None:
             if not fds:
-                raise ReplicationError(f"rank {self.rank}: the host store lent segment {seg_id} without its memory")
-            seg = self._segments[seg_id] = Segment(int(reply["nbytes"]), fd=fds[0], seg_id=seg_id)
+                raise ReplicationError(f"rank {self.rank}: the host store lent segment {lent.seg} without its memory")
+            seg = self._segments[lent.seg] = Segment(lent.nbytes, fd=fds[0], seg_id=lent.seg)
         return seg
 
     def give_back(self, segment: Segment) -> None:
         try:
-            self._attach.send({"type": "give_back", "seg": segment.id})
+            self._attach.send(GiveBack(segment.id).to_wire())
         except (AttachError, OSError):
             pass
 
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
                  persist: bool = False, verdict: Optional[Health] = None) -> "concurrent.futures.Future[Outcome]":
         outcome = self._attach.outcome(step)
-        self._attach.send({"type": "staged", "step": step, "plan_id": plan.plan_id, "seg": segment.id,
-                           "persist": persist, "lengths": [len(b) for b in blobs],
-                           "verdict": None if verdict is None else verdict.to_json()}, b"".join(blobs))
+        staged = Staged(step, plan.plan_id, segment.id, persist=persist, lengths=tuple(len(b) for b in blobs),
+                        verdict=None if verdict is None else verdict.to_json())
+        self._attach.send(staged.to_wire(), b"".join(blobs))
         done: concurrent.futures.Future = concurrent.futures.Future()
 
         def finish(fut) -> None:
@@ -239,24 +245,29 @@ class RayTier(MemoryTier):
             if exc is not None:
                 done.set_result(Outcome(step, False, str(exc), ReplicationError(f"rank {self.rank}: {exc}")))
                 return
-            reply = fut.result()
-            if reply["committed"]:
+            try:
+                reply = VersionOutcome.from_wire(fut.result())
+            except ValueError as exc:
+                done.set_result(Outcome(step, False, f"the host store's outcome is malformed: {exc}",
+                                        ReplicationError(f"rank {self.rank}: the host store's outcome is malformed: "
+                                                         f"{exc}")))
+                return
+            if reply.committed:
                 # The segment for the next save, asked for now (the version just released one):
                 # save() then takes it without a round trip.
                 with self._lock:
                     if plan.plan_id not in self._ahead:
                         try:
                             self._ahead[plan.plan_id] = self._attach.request_async(
-                                {"type": "segment", "plan_id": plan.plan_id})
+                                AskSegment(plan.plan_id).to_wire())
                         except AttachError:
                             pass
-            unhealthy = reply.get("unhealthy") or ""
             try:  # no verdict unless the stores say every shard has one: a missing verdict is never healthy
-                health = Health.from_text(unhealthy) if unhealthy else (
-                    HEALTHY_VERDICT if reply.get("checked") is True else None)
+                health = Health.from_text(reply.unhealthy) if reply.unhealthy else (
+                    HEALTHY_VERDICT if reply.checked else None)
             except ValueError as exc:  # our own store's words: a version mismatch, not an attack
                 health = Health("unhealthy", "finite", "", f"the host store says so, unreadably ({exc})")
-            done.set_result(Outcome(step, bool(reply["committed"]), reply.get("reason", ""), health=health))
+            done.set_result(Outcome(step, reply.committed, reply.reason, health=health))
 
         outcome.add_done_callback(finish)
         return done
@@ -330,13 +341,14 @@ class RayTier(MemoryTier):
         with self._lock:
             if self._marker is None and not self._no_marker:
                 try:
-                    reply, fds = self._attach.request({"type": "comm"})
+                    reply, fds = self._attach.request(AskComm().to_wire())
                     for fd in fds[1:]:
                         os.close(fd)
                     if not fds:
                         raise AttachError("the host store sent no comm-state segment")
-                    self._comm = CommState.open(fds[0], int(reply["nbytes"]))
-                    self._marker = self._comm.marker(int(reply["slot"]))
+                    page = CommPage.from_wire(reply)
+                    self._comm = CommState.open(fds[0], page.nbytes)
+                    self._marker = self._comm.marker(page.slot)
                 except (AttachError, LookupError, ValueError, OSError) as exc:
                     # an optimization, never a reason to stop training: say so once, mark nothing
                     self._no_marker = True

@@ -3,7 +3,7 @@
 A machine cut off from the cluster (a switch failure) is declared dead by the GCS and replaced;
 when its link comes back, its old host store and rank processes must not live on beside the
 replacement. Ray ends a worker whose raylet is gone (it checks the raylet's pid every second),
-but in the chaos matrix under network namespaces (issue 24):
+but in the chaos matrix under network namespaces (docs/chaos.md, `partition-host`):
 
 - once, a returning machine's raylet exited at once (the GCS told it it was dead), yet its host
   store and rank process ran on for more than 30 s and never logged Ray's shutdown;

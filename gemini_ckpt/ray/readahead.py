@@ -25,6 +25,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..format.segments import Segment
 from ..errors import AttachError
+from .attach import close_all
+from .attach_messages import MapShard, ShardMapped, Unmap
 from .transport import Endpoint, Header
 
 READ_BLOCK_BYTES = 16 << 20
@@ -79,10 +81,17 @@ class LocalCopy:
 
     def _map_now(self) -> Segment:
         try:
-            reply, fds = self.attach.request({"type": "map", "step": self.step, "rank": self.rank})
+            reply, fds = self.attach.request(MapShard(self.step, self.rank).to_wire())
         except (LookupError, AttachError) as exc:
             raise LookupError(f"this node's store has no copy of rank {self.rank}'s shard: {exc}") from None
-        return Segment(int(reply["nbytes"]), fd=fds[0], seg_id=int(reply["seg"]), writable=False, populate=True)
+        try:
+            mapped = ShardMapped.from_wire(reply)
+            if not fds:
+                raise ValueError("no memory came with it")
+        except ValueError as exc:
+            close_all(fds)
+            raise LookupError(f"this node's store mapped rank {self.rank}'s shard unreadably: {exc}") from None
+        return Segment(mapped.nbytes, fd=fds[0], seg_id=mapped.seg, writable=False, populate=True)
 
     def _map(self) -> Segment:
         if self.seg is None:
@@ -109,7 +118,7 @@ class LocalCopy:
         except BaseException:  # noqa: BLE001 - never mapped: nothing to let go of
             return
         try:
-            self.attach.request({"type": "unmap", "seg": seg.id})
+            self.attach.request(Unmap(seg.id).to_wire())
         except (AttachError, OSError, LookupError, TimeoutError):
             pass
         seg.close()

@@ -28,7 +28,7 @@ domains than ``replicas``, a warning, once, and the rule without domains. With n
 every slot in its own domain, the placement is exactly the one without domains.
 
 **The host label.** A node started with the label :data:`HOST_LABEL` (``ray start --labels
-gemini-ckpt.io/host=3``; :class:`~gemini_ckpt.ray.local.LocalCluster` sets it on every simulated
+gemini-ckpt.io/host=3``; :class:`~gemini_ckpt.testing.cluster.LocalCluster` sets it on every simulated
 host) names the host it is. Ray Train can then place rank ``r`` on the same host after every
 restart (:func:`gemini_ckpt.ray_train.ranks_on_hosts`), and a replacement started with a dead
 host's label takes over that host's slot: the registry gives its store the dead host's copies

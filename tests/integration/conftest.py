@@ -1,5 +1,5 @@
 """The one Ray cluster of the integration tier: a head node (no CPUs) plus ``HOSTS`` simulated
-hosts (:class:`gemini_ckpt.ray.local.LocalCluster`, each labelled ``rack=i // 2``), started once per
+hosts (:class:`gemini_ckpt.testing.cluster.LocalCluster`, each labelled ``rack=i // 2``), started once per
 session.
 
 Every test module gets the cluster whole (hosts a previous module removed are added back) and
@@ -27,7 +27,7 @@ def ray_cluster():
 
     import ray_helpers
     import watch
-    from gemini_ckpt.ray.local import LocalCluster
+    from gemini_ckpt.testing.cluster import LocalCluster
 
     # Hosts 0, 1 in rack "0", hosts 2, 3 in rack "1" (only jobs with failure_domain="rack" look).
     cluster = LocalCluster(HOSTS, head_cpus=0, namespace="gemini_tests", labels=lambda i: {"rack": str(i // 2)}).start()

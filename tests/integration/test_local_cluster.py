@@ -1,4 +1,4 @@
-"""The local cluster tells a dead host from a busy one (:data:`gemini_ckpt.ray.local.HEALTH_CHECKS`),
+"""The local cluster tells a dead host from a busy one (:data:`gemini_ckpt.testing.cluster.HEALTH_CHECKS`),
 and the test session heals a host that died without being removed."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from gemini_ckpt.ray import netns
+from gemini_ckpt.testing import netns
 
 REASON = netns.unavailable_reason()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Simulated hosts with their own network (:mod:`gemini_ckpt.ray.netns`): namespaces, addresses,
+"""Simulated hosts with their own network (:mod:`gemini_ckpt.testing.netns`): namespaces, addresses,
 shaped links, partitions, and that only what a network made is removed, also after its owner
 was killed. Where namespaces can't be made (no CAP_NET_ADMIN, no ``ip``), the tests that need
 them skip with the reason; the configuration checks run everywhere.
@@ -21,8 +21,8 @@ import time
 import pytest
 
 from gemini_ckpt.errors import ConfigError
-from gemini_ckpt.ray import netns
-from gemini_ckpt.ray.local import LocalCluster
+from gemini_ckpt.testing import netns
+from gemini_ckpt.testing.cluster import LocalCluster
 
 REASON = netns.unavailable_reason()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces unavailable: {REASON}")
@@ -83,7 +83,7 @@ def test_a_wrong_network_setting_names_the_field_and_the_fix():
 def test_without_the_ip_tool_the_error_says_why_and_what_to_use(tmp_path):
     child = textwrap.dedent("""
         from gemini_ckpt.errors import NetworkUnavailable
-        from gemini_ckpt.ray.local import LocalCluster
+        from gemini_ckpt.testing.cluster import LocalCluster
         try:
             LocalCluster(2, network="netns").start()
         except NetworkUnavailable as exc:
@@ -241,7 +241,7 @@ def test_a_replacement_host_is_reachable_at_once_at_the_same_address():
 
 _CRASHING_OWNER = textwrap.dedent("""
     import os, sys
-    from gemini_ckpt.ray import netns
+    from gemini_ckpt.testing import netns
     net = netns.Network.create(link="1gbit")
     net.add_host(0)
     sleeper = net.exec(0, ["sleep", "600"])
@@ -275,7 +275,7 @@ def test_what_a_killed_owner_left_is_removed_by_the_next_create_and_nothing_else
 
 _RAY_HOSTS = textwrap.dedent("""
     import json, time, ray
-    from gemini_ckpt.ray.local import LocalCluster
+    from gemini_ckpt.testing.cluster import LocalCluster
     cluster = LocalCluster(2, network="netns", link="1gbit", namespace="netns-test").start()
     out = {"index": cluster.net.index}
     try:

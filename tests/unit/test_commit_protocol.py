@@ -29,7 +29,7 @@ from gemini_ckpt.ray.commit import (
     Vote,
 )
 from gemini_ckpt.ray.commit.participant import Tree
-from gemini_ckpt.ray.commit.sim import Simulator
+from gemini_ckpt.testing.commit_sim import Simulator
 
 HOSTS = 1024
 C = 2  # per-participant bound: C * (replicas + ceil(log2 hosts)) control messages per version

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ("gemini_ckpt", "placement")
-NEEDS_A_CLUSTER = ("ray", "gemini_ckpt.ray.local", "gemini_ckpt.chaos", "lightning", "transformers")
+NEEDS_A_CLUSTER = ("ray", "gemini_ckpt.testing.cluster", "gemini_ckpt.chaos", "lightning", "transformers")
 
 
 def _blocks() -> list[tuple[str, int, str]]:

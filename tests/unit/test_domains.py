@@ -178,7 +178,7 @@ def test_kill_rack_must_be_the_whole_domain():
 
 # --- the commit protocol with the same rule --------------------------------------------------------------
 def test_the_commit_simulator_with_domains_commits_across_racks_after_a_store_dies():
-    from gemini_ckpt.ray.commit.sim import Simulator
+    from gemini_ckpt.testing.commit_sim import Simulator
 
     plans = []
 

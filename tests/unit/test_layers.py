@@ -35,8 +35,9 @@ LAYERS = [
     {"checkpointer"},
     # what users call: the package facade, Ray Train, the command line
     {"__init__", "integrations", "cli"},
-    # the toy training setup the tools, examples, tests and benchmarks share (torch only)
-    {"toy"},
+    # the toy training setup the tools, examples, tests and benchmarks share (torch only); the
+    # rig only they use (a local cluster, network namespaces, the commit simulator)
+    {"toy", "testing"},
     # tools built on all of it
     {"chaos", "demo", "__main__"},
 ]

@@ -15,6 +15,21 @@ import time
 from ...health import Health
 from ...format.shards import ShardPlan, make_record
 from ..attach import Connection
+from ..attach_messages import (
+    AskComm,
+    AskSegment,
+    CommPage,
+    Done,
+    GiveBack,
+    MapShard,
+    VersionOutcome,
+    SegmentLent,
+    SendPlan,
+    ShardMapped,
+    Staged,
+    Unmap,
+    request_from_wire,
+)
 from ..commit import (
     ShardStaged,
     VersionId,
@@ -31,54 +46,61 @@ class RankPort:
 
     def __init__(self, state: StoreState, driver, replicator) -> None:
         self.s, self.driver, self.replicator = state, driver, replicator
+        self._handlers = {SendPlan: self._plan, AskSegment: self._segment, GiveBack: self._give_back,
+                          Staged: self.staged, AskComm: self._comm, MapShard: self._map, Unmap: self._unmap}
 
     def on_attach(self, conn: Connection, rank: int, header: dict, payload: bytes, fds: list):
+        """Answer one message of a rank: ``(reply header, payload, fds)``, or None for none."""
         for fd in fds:
             os.close(fd)
-        kind = header.get("type")
-        if kind == "plan":
-            plan = ShardPlan.decode(payload)
-            with self.s.lock:
-                self.s.table.add_plan(plan, payload)
-            return {}, b"", ()
-        if kind == "segment":
-            with self.s.lock:
-                plan = self.s.table.plan(header["plan_id"], rank)
-                lent = self.s.table.lend(rank, plan.region_bytes)
-                sent = self.s.sent_fds.setdefault(conn, set())
-                fds_out = () if lent.seg.id in sent else (lent.seg.fd,)
-                sent.add(lent.seg.id)
-                forget = self.s.table.forgotten.pop(rank, [])
-            return {"seg": lent.seg.id, "nbytes": lent.seg.nbytes, "forget": forget}, b"", fds_out
-        if kind == "give_back":
-            with self.s.lock:
-                self.s.table.give_back(int(header["seg"]))
-            return None
-        if kind == "staged":
-            self.staged(conn, rank, header, payload)
-            return None
-        if kind == "comm":  # the page this rank marks its collectives in (docs/interleave.md)
-            with self.s.lock:
-                comm = self.s.comm
-            if comm is None:
-                raise LookupError("this host store has no comm state yet (its data plane is not started)")
-            return {"slot": comm.slot_for(rank), "nbytes": comm.nbytes}, b"", (comm.fd,)
-        if kind == "map":
-            with self.s.lock:
-                shard = self.s.complete_shard(int(header["step"]), int(header["rank"]))
-                self.s.table.use(shard)
-                self.s.maps.setdefault(conn, []).append(shard)
-            # the reader checks every item it copies out of it against the record
-            return {"nbytes": shard.seg.nbytes, "seg": shard.seg.id}, b"", (shard.seg.fd,)
-        if kind == "unmap":
-            with self.s.lock:
-                mapped = self.s.maps.get(conn, [])
-                shard = next((s for s in mapped if s.seg.id == int(header["seg"])), None)
-                if shard is not None:
-                    mapped.remove(shard)
-                    self.s.table.done_with(shard)
-            return {}, b"", ()
-        raise ValueError(f"unknown attach message {kind!r}")
+        message = request_from_wire(header)
+        return self._handlers[type(message)](conn, rank, message, payload)
+
+    def _plan(self, conn: Connection, rank: int, message: SendPlan, payload: bytes):
+        plan = ShardPlan.decode(payload)
+        with self.s.lock:
+            self.s.table.add_plan(plan, payload)
+        return _reply(Done())
+
+    def _segment(self, conn: Connection, rank: int, message: AskSegment, payload: bytes):
+        with self.s.lock:
+            plan = self.s.table.plan(message.plan_id, rank)
+            lent = self.s.table.lend(rank, plan.region_bytes)
+            sent = self.s.sent_fds.setdefault(conn, set())
+            fds_out = () if lent.seg.id in sent else (lent.seg.fd,)
+            sent.add(lent.seg.id)
+            forget = self.s.table.forgotten.pop(rank, [])
+        return _reply(SegmentLent(lent.seg.id, lent.seg.nbytes, tuple(forget)), fds_out)
+
+    def _give_back(self, conn: Connection, rank: int, message: GiveBack, payload: bytes):
+        with self.s.lock:
+            self.s.table.give_back(message.seg)
+        return None
+
+    def _comm(self, conn: Connection, rank: int, message: AskComm, payload: bytes):
+        """The page this rank marks its collectives in (docs/interleave.md)."""
+        with self.s.lock:
+            comm = self.s.comm
+        if comm is None:
+            raise LookupError("this host store has no comm state yet (its data plane is not started)")
+        return _reply(CommPage(comm.slot_for(rank), comm.nbytes), (comm.fd,))
+
+    def _map(self, conn: Connection, rank: int, message: MapShard, payload: bytes):
+        with self.s.lock:
+            shard = self.s.complete_shard(message.step, message.rank)
+            self.s.table.use(shard)
+            self.s.maps.setdefault(conn, []).append(shard)
+        # the reader checks every item it copies out of it against the record
+        return _reply(ShardMapped(shard.seg.id, shard.seg.nbytes), (shard.seg.fd,))
+
+    def _unmap(self, conn: Connection, rank: int, message: Unmap, payload: bytes):
+        with self.s.lock:
+            mapped = self.s.maps.get(conn, [])
+            shard = next((s for s in mapped if s.seg.id == message.seg), None)
+            if shard is not None:
+                mapped.remove(shard)
+                self.s.table.done_with(shard)
+        return _reply(Done())
 
     def on_detach(self, conn: Connection, rank: int) -> None:
         actions = []
@@ -97,16 +119,16 @@ class RankPort:
                                                                   f"it staged its shard")
         self.driver.apply(actions)
 
-    def staged(self, conn: Connection, rank: int, header: dict, payload: bytes) -> None:
+    def staged(self, conn: Connection, rank: int, message: Staged, payload: bytes) -> None:
         """A rank handed off its shard of a step: copies to the other holders start at once,
         while this thread checksums the shard into its record and checks its health in the same
         pass (the trainer's ``verdict`` on metrics and validator comes with the hand-off); the
         rank's part of the version is done (``ShardStaged``, with the verdict) once the record is
         made."""
-        step, seg_id = int(header["step"]), int(header["seg"])
+        step, seg_id = message.step, message.seg
         received = time.time()
         blobs, at = [], 0
-        for n in header.get("lengths", []):
+        for n in message.lengths:
             blobs.append(payload[at : at + n])
             at += n
         with self.s.lock:
@@ -114,12 +136,12 @@ class RankPort:
             self.s.waiters.setdefault((epoch, step), []).append((conn, rank))
             vid = VersionId(epoch, step)
             try:
-                plan = self.s.table.plan(header["plan_id"], rank)
+                plan = self.s.table.plan(message.plan_id, rank)
                 v = self.s.table.version(epoch, step, world_size=cfg.world_size)
                 if v is None:
                     raise ValueError(f"step {step} was saved again by a newer epoch")
                 v.marks.setdefault("staged", received)
-                v.persist |= bool(header.get("persist"))
+                v.persist |= message.persist
                 shard = self.s.table.stage(v, rank, seg_id, plan, owner=cfg.slot)
                 self.s.table.use(shard)
                 holders: tuple = ()
@@ -138,7 +160,7 @@ class RankPort:
         for holder in holders[1:]:  # the protocol allows copies to start before it says Replicate
             self.s.pool.submit(self.replicator.copy, vid, holder, shard, len(cfg.ranks_here))
         try:
-            verdict = Health.from_json(header["verdict"]) if header.get("verdict") is not None else None
+            verdict = Health.from_json(message.verdict) if message.verdict is not None else None
             # With copies to make, the tensor check is fused with the CRC32C (the region read once,
             # the least CPU): the copies take longer than both. Without (replicas=1), the record is
             # the version's time-to-safe: the check runs beside the CRC32C, on a pool thread.
@@ -177,7 +199,10 @@ def tell(conn: Connection, step: int, committed: bool, reason: str = "", unhealt
     """A rank's outcome: ``unhealthy`` (why; empty: not), and ``checked``, every shard of the
     version carries a verdict (the trainer counts a version without as unchecked, never healthy)."""
     try:
-        conn.send({"type": "outcome", "id": 0, "step": step, "committed": committed, "reason": reason,
-                   "unhealthy": unhealthy, "checked": checked})
+        conn.send({**VersionOutcome(step, committed, reason, unhealthy, checked).to_wire(), "id": 0})
     except OSError:
         pass  # the rank is gone; its version's fate is in the store either way
+
+
+def _reply(message, fds: tuple = ()) -> tuple:
+    return message.to_wire(), b"", fds

@@ -30,7 +30,7 @@ and :mod:`gemini_ckpt.errors` (:class:`~gemini_ckpt.errors.CommitProtocolError`)
 Health (:mod:`gemini_ckpt.health`) rides along as opaque text: a store says a shard is unhealthy
 in :class:`ShardStaged`, yes votes carry the first such reason up, and the decision carries it
 down, so every participant releases the same versions: an unhealthy version commits but never
-counts as one of the ``keep`` newest. :class:`gemini_ckpt.ray.commit.sim.Simulator` runs a whole cluster of them in-process
+counts as one of the ``keep`` newest. :class:`gemini_ckpt.testing.commit_sim.Simulator` runs a whole cluster of them in-process
 (tests, benchmarks).
 
 Example (two hosts, two copies, one rank each)::

@@ -1,6 +1,6 @@
 """Simulated hosts with their own network: one Linux network namespace per host, joined to a
 bridge by a veth pair, with an address from the benchmarking range 198.18.0.0/15 and its link
-shaped in both directions (``tc tbf``; ``tc htb`` with ``qos``). :class:`~gemini_ckpt.ray.local.LocalCluster` with
+shaped in both directions (``tc tbf``; ``tc htb`` with ``qos``). :class:`~gemini_ckpt.testing.cluster.LocalCluster` with
 ``network="netns"`` runs each host's Ray node (raylet, workers, host store) inside one, so
 replication, training collectives and Ray's own traffic between hosts cross real (virtual)
 links: a link has a rate, traffic on it contends, and a host can be cut off while alive.
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import ConfigError, NetworkUnavailable
-from .transport import LOWER_EFFORT_DSCP
+from ..ray.transport import LOWER_EFFORT_DSCP
 
 log = logging.getLogger("gemini_ckpt")
 

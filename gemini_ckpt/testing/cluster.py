@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional
 from ..errors import ConfigError
 from .netns import Network, parse_rate
 from .netns_node import NetnsNode
-from .slots import HOST_LABEL
+from ..ray.slots import HOST_LABEL
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -57,7 +57,7 @@ stopped for 3 s dead after 1.5 s, and a busy test suite lost healthy hosts."""
 DEFAULT_OBJECT_STORE_BYTES = 120 << 20
 NETWORKS = ("loopback", "netns")
 """``loopback``: every host on this machine's one interface (the default). ``netns``: each host in
-its own network namespace with its own address and link (:mod:`gemini_ckpt.ray.netns`)."""
+its own network namespace with its own address and link (:mod:`gemini_ckpt.testing.netns`)."""
 
 
 class LocalCluster:
@@ -82,7 +82,7 @@ class LocalCluster:
         self.labels = labels  # host i -> extra Ray node labels, e.g. lambda i: {"rack": str(i // 2)}
         self.object_store_bytes, self.namespace = object_store_bytes, namespace
         self.network, self.link = network, link
-        self.net = None  # a gemini_ckpt.ray.netns.Network with network="netns"
+        self.net = None  # a gemini_ckpt.testing.netns.Network with network="netns"
         self.cluster = None
         self._nodes: dict[int, object] = {}
         self._netns_of: dict[int, int] = {}  # host -> the namespace its node runs in (network="netns")
@@ -271,7 +271,7 @@ class LocalCluster:
         namespaces that had some."""
         import ray
 
-        from .cluster import named_actors, shutdown_host_stores
+        from ..ray.cluster import named_actors, shutdown_host_stores
 
         if not ray.is_initialized():
             return []

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
-from ...errors import CommitProtocolError
-from . import (
+from ..errors import CommitProtocolError
+from ..ray.commit import (
     COORDINATOR,
     DEFAULT_FANOUT,
     Aborted,

@@ -1,6 +1,6 @@
 """A Ray node inside a simulated host's network namespace (``LocalCluster(network="netns")``).
 
-``ray start --block`` runs inside the namespace (:meth:`gemini_ckpt.ray.netns.Network.exec`)
+``ray start --block`` runs inside the namespace (:meth:`gemini_ckpt.testing.netns.Network.exec`)
 with the host's own address, joins the head on the bridge, and the raylet, the workers and
 the host store it starts all live there. Losing the machine is SIGKILL to every process in
 the namespace and the namespace removed (:meth:`NetnsNode.kill`). Nodes start one at a

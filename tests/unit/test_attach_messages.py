@@ -1,0 +1,87 @@
+"""The attach channel's typed messages: each survives its JSON wire form, and a header that is
+not one of them (unknown type, a field missing or of the wrong kind) is refused by name, before
+the host store's ranks port touches any state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gemini_ckpt.ray.actors.ranks import RankPort
+from gemini_ckpt.ray.actors.state import StoreState
+from gemini_ckpt.ray.actors.versions import VersionTable
+from gemini_ckpt.ray.attach_messages import (
+    AskComm,
+    AskSegment,
+    CommPage,
+    Done,
+    GiveBack,
+    MapShard,
+    SegmentLent,
+    SendPlan,
+    ShardMapped,
+    Staged,
+    Unmap,
+    VersionOutcome,
+    request_from_wire,
+)
+from gemini_ckpt.save.plan import make_plan
+
+REQUESTS = [SendPlan(), AskSegment("p1"), GiveBack(3), AskComm(), MapShard(7, 2), Unmap(4),
+            Staged(12, "p1", 3, persist=True, lengths=(5, 0, 9), verdict={"status": "healthy"})]
+ANSWERS = [Done(), SegmentLent(3, 4096, (1, 2)), CommPage(1, 64), ShardMapped(5, 8192),
+           VersionOutcome(12, True, "", "loss is NaN", checked=True)]
+
+
+@pytest.mark.parametrize("message", REQUESTS + ANSWERS, ids=lambda m: type(m).__name__)
+def test_every_message_survives_its_wire_form(message):
+    wire = json.loads(json.dumps(message.to_wire()))
+    assert wire["type"] == message.TYPE
+    assert type(message).from_wire(wire) == message
+    if message in REQUESTS:
+        assert request_from_wire(wire) == message
+
+
+@pytest.mark.parametrize("header, says", [
+    ({"type": "format_disk"}, "unknown attach message 'format_disk'"),
+    ({}, "unknown attach message None"),
+    ({"type": "segment"}, "'segment' has no 'plan_id'"),
+    ({"type": "segment", "plan_id": 7}, "'plan_id' is not str"),
+    ({"type": "map", "step": True, "rank": 0}, "'step' is not int (bool)"),
+    ({"type": "map", "step": "1", "rank": 0}, "'step' is not int (str)"),
+    ({"type": "give_back", "seg": 1.5}, "'seg' is not int (float)"),
+    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "lengths": [1, "2"]}, "'lengths' is not tuple"),
+    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "persist": 1}, "'persist' is not bool"),
+    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "verdict": "healthy"}, "'verdict' is not Optional"),
+])
+def test_a_header_that_is_no_message_is_refused_by_name(header, says):
+    with pytest.raises(ValueError) as raised:
+        request_from_wire(header)
+    assert says in str(raised.value)
+
+
+def test_the_ranks_port_answers_typed_messages_and_refuses_malformed_ones_untouched():
+    state = StoreState("ns", "node-a", VersionTable(1 << 20, node="node-a"))
+    port = RankPort(state, driver=None, replicator=None)
+    conn = object()  # the port keys what a connection holds by it; nothing is sent on it here
+    model = {"w": torch.arange(64, dtype=torch.float32)}
+    plan, _ = make_plan({"model": model}, rank=0, world_size=1, group=None, job={"test": True})
+    assert port.on_attach(conn, 0, SendPlan().to_wire(), plan.shard.encode(), []) == ({"type": "done"}, b"", ())
+    reply, payload, fds = port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])
+    lent = SegmentLent.from_wire(reply)
+    assert lent.nbytes >= plan.shard.region_bytes and len(fds) == 1 and payload == b""
+    again = SegmentLent.from_wire(port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])[0])
+    assert again.seg != lent.seg  # the first is still lent
+    assert port.on_attach(conn, 0, GiveBack(lent.seg).to_wire(), b"", []) is None
+    with pytest.raises(LookupError, match="no comm state"):
+        port.on_attach(conn, 0, AskComm().to_wire(), b"", [])
+    with pytest.raises(ValueError, match="'seg' is not int"):
+        port.on_attach(conn, 0, {"type": "give_back", "seg": str(again.seg)}, b"", [])
+    with pytest.raises(ValueError, match="unknown attach message"):
+        port.on_attach(conn, 0, {"type": "staged_v2"}, b"", [])
+    assert state.sent_fds[conn] == {lent.seg, again.seg}
+    asked = [SegmentLent.from_wire(port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])[0]).seg
+             for _ in range(2)]
+    assert again.seg not in asked  # the malformed give-back gave nothing back
