@@ -52,7 +52,7 @@ def start_cluster(hosts: int, plasma_bytes: int):
 
 def stop_cluster(cluster, namespaces=()) -> None:
     """Stop ``cluster`` (its gemini_ckpt actors first, ``namespaces`` included)."""
-    from gemini_ckpt.ray.cluster import shutdown_host_stores
+    from gemini_ckpt.hoststore.cluster import shutdown_host_stores
 
     for ns in namespaces:
         try:

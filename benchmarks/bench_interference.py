@@ -298,7 +298,7 @@ class NetRank:
 
 def _store_timeline(namespace: str, step: int, saved_at: float) -> dict:
     """Per host store, when each phase of ``step`` happened, in seconds after its ``save()``."""
-    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
+    from gemini_ckpt.hoststore.cluster import alive_node_ids, find_store
 
     out = {}
     for node in alive_node_ids():
@@ -311,7 +311,7 @@ def _store_timeline(namespace: str, step: int, saved_at: float) -> dict:
 
 def _gate_counters(namespace: str) -> dict:
     """Each host store's interleaving counters (pieces, waits, chunk size, measured rate)."""
-    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
+    from gemini_ckpt.hoststore.cluster import alive_node_ids, find_store
 
     out = {}
     for node in alive_node_ids():
@@ -393,7 +393,7 @@ def main(argv=None) -> int:
         args.qos, args.configs = True, args.configs + ("n" if "n" not in args.configs else "")
 
     from gemini_ckpt.testing import netns
-    from gemini_ckpt.ray.cluster import shutdown_host_stores
+    from gemini_ckpt.hoststore.cluster import shutdown_host_stores
     from gemini_ckpt.testing.cluster import LocalCluster
 
     machine = {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}

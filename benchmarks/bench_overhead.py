@@ -135,7 +135,7 @@ def main() -> None:
         # where the training math runs on the device and the host's cores are mostly idle).
         configs = [measure(args, t, "ray") for t in dict.fromkeys((torch.get_num_threads(), max(1, cores - 1)))]
     finally:
-        from gemini_ckpt.ray.cluster import named_actors, shutdown_host_stores
+        from gemini_ckpt.hoststore.cluster import named_actors, shutdown_host_stores
 
         for ns in named_actors():
             if ns.startswith("bench-overhead-"):

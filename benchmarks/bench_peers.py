@@ -536,7 +536,7 @@ def _corrupt_own_copy(namespace: str, host: int, step: int, rank: int) -> int:
     import ray
 
     from gemini_ckpt.chaos import damage_copy
-    from gemini_ckpt.ray.cluster import find_store
+    from gemini_ckpt.hoststore.cluster import find_store
     from gemini_ckpt.format.shards import ShardPlan
 
     store = find_store(namespace, _node_id_of_host(host))

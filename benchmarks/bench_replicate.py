@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.mb, args.steps = 16, 1
 
-    from gemini_ckpt.ray.cluster import shutdown_host_stores
+    from gemini_ckpt.hoststore.cluster import shutdown_host_stores
     from gemini_ckpt.testing.cluster import LocalCluster
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
 def _store_timeline(namespace: str, step: int) -> dict:
     """Per host store, when each phase of ``step`` happened, in seconds after the first store
     had a shard staged (where the time after the stall goes)."""
-    from gemini_ckpt.ray.cluster import alive_node_ids, find_store
+    from gemini_ckpt.hoststore.cluster import alive_node_ids, find_store
 
     marks = {}
     for node in alive_node_ids():
@@ -312,7 +312,7 @@ def _store_timeline(namespace: str, step: int) -> dict:
 def _raw_tcp_round(ranks, replicas: int, nbytes: int) -> float:
     """Every host sends ``nbytes`` to each other holder of its shard (one stream each), as the
     host stores do; seconds until the slowest host's sends are all acknowledged."""
-    from gemini_ckpt.ray.slots import holders_for
+    from gemini_ckpt.hoststore.slots import holders_for
 
     holders = [holders_for(r, hosts=HOSTS, replicas=replicas)[1:] for r in range(HOSTS)]
     expect = [sum(h in hs for hs in holders) for h in range(HOSTS)]

@@ -141,7 +141,7 @@ def _store_pids(namespace: str, node_ids: list[str]) -> dict[str, int]:
     """Process ids of the live host stores of ``namespace`` (from the GCS actor table)."""
     from ray._private import state  # the actor table's Pid; the public state API needs the dashboard
 
-    from gemini_ckpt.ray.cluster import store_name
+    from gemini_ckpt.hoststore.cluster import store_name
 
     wanted = {store_name(namespace, n): n for n in node_ids}
     pids = {}
@@ -174,7 +174,7 @@ def _grow(cluster, hosts: int, plasma: int) -> None:
 
 def measure(cluster, hosts: int, args, plasma: int) -> dict:
     from gemini_ckpt import CheckpointConfig, cluster_status
-    from gemini_ckpt.ray.cluster import shutdown_host_stores, start_host_stores
+    from gemini_ckpt.hoststore.cluster import shutdown_host_stores, start_host_stores
 
     _grow(cluster, hosts, plasma)
     ns = f"bench-scaling-{os.getpid()}-h{hosts}"

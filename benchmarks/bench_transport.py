@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-_TRANSPORT_DIR = Path(__file__).resolve().parent.parent / "gemini_ckpt" / "ray" / "transport"
+_TRANSPORT_DIR = Path(__file__).resolve().parent.parent / "gemini_ckpt" / "dataplane"
 SECRET = b"bench-transport-secret-0123456789"
 NAMESPACE = "bench-transport"
 

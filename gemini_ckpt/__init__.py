@@ -14,7 +14,7 @@ Example::
 
 The public names are loaded on first use (PEP 562): importing the package itself imports
 neither torch nor Ray, so the host-store actors, which import only the data-plane transport
-(``gemini_ckpt.ray.transport``, standard library only), start in about a second.
+(``gemini_ckpt.dataplane``, standard library only), start in about a second.
 """
 
 from __future__ import annotations

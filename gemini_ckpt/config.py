@@ -78,7 +78,7 @@ class CheckpointConfig:
             with an error naming it; see :mod:`gemini_ckpt.save.overlap`).
         host_memory_budget_bytes: per-host memory budget for kept shards; None = 30% of the
             node's RAM, less where other namespaces' stores on the node take their 60% share
-            (see :mod:`gemini_ckpt.ray.actors.budget`).
+            (see :mod:`gemini_ckpt.hoststore.actors.budget`).
         world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
             with a warning) or ``error``.
         timeout_s: limit for every blocking call (waits, collectives, store calls).

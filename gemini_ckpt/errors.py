@@ -3,7 +3,7 @@
 Every error derives from :class:`CheckpointError` and, where one fits, from a built-in
 (``ValueError``, ``TimeoutError``, ``LookupError``) so callers can catch what they already know.
 All of them pickle, so they survive crossing a Ray actor boundary intact. The one exception to
-"all errors live here": the data plane's (:mod:`gemini_ckpt.ray.transport`), a package that is
+"all errors live here": the data plane's (:mod:`gemini_ckpt.dataplane`), a package that is
 shipped to the host stores by value and imports nothing of ours; the stores turn them into
 :class:`ReplicationError` before a user sees one.
 """

@@ -13,7 +13,7 @@ unhealthy version of the latest run of them (where the state went bad), while it
 the oldest healthy version kept; every other unhealthy version goes at once. So a run that keeps
 saving poisoned versions can never push its last good ones out, and holds at most one bad version
 more than ``count``. The same rule decides in the host stores' commit protocol
-(:mod:`gemini_ckpt.ray.commit`), on version ids instead of steps. The durable tier never holds
+(:mod:`gemini_ckpt.commit`), on version ids instead of steps. The durable tier never holds
 an unhealthy version (they are not persisted), so its retention is told of none.
 """
 

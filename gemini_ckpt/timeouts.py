@@ -2,7 +2,7 @@
 treated as a failure. The user sets one of them (``CheckpointConfig.timeout_s``: a version's
 whole replication and commit); the others are the library's, chosen as each docstring says.
 
-The data plane (:mod:`gemini_ckpt.ray.transport`) keeps its own pre-authentication deadlines:
+The data plane (:mod:`gemini_ckpt.dataplane`) keeps its own pre-authentication deadlines:
 it is a self-contained package shipped to the host stores by value.
 """
 

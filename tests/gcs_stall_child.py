@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tier_contract import save_filled  # noqa: E402
 
 from gemini_ckpt import CheckpointConfig  # noqa: E402
-from gemini_ckpt.ray.client import connect  # noqa: E402
-from gemini_ckpt.ray.cluster import start_host_stores  # noqa: E402
+from gemini_ckpt.hoststore.client import connect  # noqa: E402
+from gemini_ckpt.hoststore.cluster import start_host_stores  # noqa: E402
 from gemini_ckpt.testing.cluster import LocalCluster  # noqa: E402
 
 

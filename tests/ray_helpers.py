@@ -319,7 +319,7 @@ def status(namespace: str):
 
 def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: str = "auto",
                       dead: Optional[set] = None) -> tuple[int, ...]:
-    from gemini_ckpt.ray.slots import holders_for
+    from gemini_ckpt.hoststore.slots import holders_for
 
     return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead or ())
 
@@ -328,7 +328,7 @@ def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
     """Flip one byte inside the biggest tensor item of host ``host``'s copy of rank ``rank``'s
     shard of ``step``; returns the item's key."""
     from gemini_ckpt.chaos import damage_copy
-    from gemini_ckpt.ray.cluster import find_store
+    from gemini_ckpt.hoststore.cluster import find_store
     from gemini_ckpt.format.shards import ShardPlan
 
     store = find_store(namespace, node_id_of_host(host))
@@ -340,7 +340,7 @@ def corrupt_shard_copy(namespace: str, host: int, step: int, rank: int) -> str:
 
 def holds_own_shard(namespace: str, host: int, step: int) -> bool:
     """Whether host ``host``'s store holds a complete copy of its own rank's shard of ``step``."""
-    from gemini_ckpt.ray.cluster import find_store
+    from gemini_ckpt.hoststore.cluster import find_store
 
     index = ray.get(find_store(namespace, node_id_of_host(host)).index.remote())
     shard = index.get(step, {}).get("shards", {}).get(host)

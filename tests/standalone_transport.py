@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-TRANSPORT_DIR = Path(__file__).resolve().parents[1] / "gemini_ckpt" / "ray" / "transport"
+TRANSPORT_DIR = Path(__file__).resolve().parents[1] / "gemini_ckpt" / "dataplane"
 SECRET = b"test-namespace-secret-0123456789"
 NS = "ns-transport"
 NAME = "_standalone_gemini_transport"

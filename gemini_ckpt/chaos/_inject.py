@@ -30,7 +30,7 @@ from ._spec import (
 
 
 def store_of(namespace: str, node_id: str):
-    from ..ray.cluster import find_store
+    from ..hoststore.cluster import find_store
 
     handle = find_store(namespace, node_id)
     if handle is None:
@@ -108,7 +108,7 @@ def let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in
 
 
 def _wait_known_dead(namespace: str, slots, timeout: float) -> None:
-    from ..ray.cluster import find_registry
+    from ..hoststore.cluster import find_registry
 
     registry = find_registry(namespace)
     deadline = time.monotonic() + timeout
@@ -149,7 +149,7 @@ def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committ
     """Apply the faults; returns what was corrupted (memory: step -> owner -> slots; durable steps)."""
     import ray
 
-    from ..ray.cluster import find_store
+    from ..hoststore.cluster import find_store
     from ..format.layout import data_file_name, step_dir_name
 
     corrupt_memory: dict[int, dict[int, set]] = {}
@@ -182,7 +182,7 @@ def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committ
                     ray.kill(handle, no_restart=True)
     first = tuple(x for f in s.faults if isinstance(f, RemoveHosts) and f.at_fault for x in f.hosts)
     later = [f for f in s.faults if isinstance(f, RemoveHosts) and f.during_rereplication]
-    from ..ray.cluster import find_registry
+    from ..hoststore.cluster import find_registry
 
     registry = find_registry(job.namespace) if later else None
     if registry is not None:

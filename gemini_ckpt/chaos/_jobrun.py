@@ -144,7 +144,7 @@ class JobRun:
         """Stop the job whatever state it is in: its ranks leave the process group (or, with
         ``kill`` or when they cannot, their processes are killed), the rendezvous port is
         released, the namespace's host stores and the durable directory are removed."""
-        from ..ray.cluster import shutdown_host_stores
+        from ..hoststore.cluster import shutdown_host_stores
 
         try:
             present = tuple(h for h in hosts if h in self.h.pool.workers)

@@ -24,7 +24,7 @@ DECLARED_DEAD_TIMEOUT_S = DEAD_AFTER_S * 4
 """How long a cut-off host may stay alive in Ray's eyes before the scenario gives up."""
 OURS_EXIT_S = 10.0
 """How long a partitioned host's old host store and rank process get to exit once its link is
-back. They hold shards and train, and they fence themselves (:mod:`gemini_ckpt.ray.fence`):
+back. They hold shards and train, and they fence themselves (:mod:`gemini_ckpt.hoststore.fence`):
 the lease ends them while the link is still down, the raylet's exit at once."""
 RAY_EXIT_S = 60.0
 """How long the rest of its old processes (the raylet and Ray's agents: Ray's own) get. They end
@@ -154,7 +154,7 @@ class Links:
         """Note when each of the cut-off machine's processes exits (a thread, every 0.5 s, until
         all have or :data:`RAY_EXIT_S` after the link came back). A process has exited when its
         pid runs no more, is a zombie, or is another process now (its start time)."""
-        from gemini_ckpt.ray.fence import process_identity
+        from gemini_ckpt.hoststore.fence import process_identity
 
         c = self.cut[host]
         c["names"] = {pid: _names([pid]) for pid in c["pids"]}

@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, Optional
 
 import placement
 
-from ..ray.slots import placement_for
+from ..hoststore.slots import placement_for
 from ._faults import DurableWriteOutage
 from ._phases import STEP
 from ._spec import ChaosConfig, Scenario

@@ -34,7 +34,7 @@ class RankWorker:
         import torch
 
         import gemini_ckpt  # noqa: F401  (imported now: a restart should not pay for it)
-        from gemini_ckpt.ray.fence import fence_when_node_lost
+        from gemini_ckpt.hoststore.fence import fence_when_node_lost
 
         # a trainer's supervisor ends a process whose node the cluster gave up (Ray's own check of
         # the raylet's pid was seen to miss it once): the old machine's rank process must not train on

@@ -51,7 +51,7 @@ def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> Memor
                 f"{world_size} ranks; use store='ray' (host stores) for multi-process jobs"
             )
         return local_store(config.resolved_namespace).attach(keep=KeepNewest(config.keep_in_memory))
-    from ..ray.client import connect  # Ray is imported only when it is used
+    from ..hoststore.client import connect  # Ray is imported only when it is used
 
     return connect(config, rank=rank, world_size=world_size)
 

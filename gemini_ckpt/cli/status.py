@@ -2,7 +2,7 @@
 
 Read-only: asks the registry and every host store of a namespace (actors in the Ray namespace
 ``gemini_ckpt``) and the Ray GCS which nodes are alive. A version's ``state`` follows the
-rule restore uses (:mod:`gemini_ckpt.ray.resolve`):
+rule restore uses (:mod:`gemini_ckpt.hoststore.resolve`):
 
 - ``committed``: a live store committed it and every rank's shard has a complete copy on a
   live store;
@@ -147,7 +147,7 @@ def cluster_status(namespace: Optional[str] = None, *, address: Optional[str] = 
 
     import ray
 
-    from ..ray import cluster as _cluster
+    from ..hoststore import cluster as _cluster
 
     if not ray.is_initialized():
         _cluster.ensure_ray(address or os.environ.get("RAY_ADDRESS") or "auto")
@@ -159,7 +159,7 @@ def cluster_status(namespace: Optional[str] = None, *, address: Optional[str] = 
 def _namespace_status(namespace: str, found: dict, timeout_s: float) -> NamespaceStatus:
     import ray
 
-    from ..ray import cluster as _cluster
+    from ..hoststore import cluster as _cluster
 
     registry = _cluster.find_registry(namespace) if found.get("registry") else None
     table, failures, events = None, [], []
@@ -203,7 +203,7 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
 
 
 def _versions(index: dict[int, dict]) -> tuple[VersionStatus, ...]:
-    from ..ray.resolve import resolve  # the rule restore uses
+    from ..hoststore.resolve import resolve  # the rule restore uses
 
     out = []
     for step, resolved in resolve(index).items():

@@ -66,7 +66,7 @@ def peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) says a peer process or its connection is gone."""
     import torch.distributed as dist
 
-    from ..ray.transport import PeerLostError
+    from ..dataplane import PeerLostError
 
     for e in _chain(exc):
         if isinstance(e, (dist.DistError, RoundTimeoutError, PeerLostError)):

@@ -80,7 +80,7 @@ class HostStores(*_BASES):  # type: ignore[misc]
 
     # ControllerCallback
     def after_controller_start(self, train_run_context) -> None:
-        from ..ray.cluster import start_host_stores
+        from ..hoststore.cluster import start_host_stores
 
         self._resolved, _ = resolve_config(self.config, run_name=train_run_context.run_config.name)
         self.namespace = self._resolved.resolved_namespace
@@ -98,7 +98,7 @@ class HostStores(*_BASES):  # type: ignore[misc]
     def after_worker_group_start(self, worker_group) -> None:
         # Workers exist but the training function has not started: every node of this group
         # (a replacement node included) gets its store, with the job's budget, before a rank uses it.
-        from ..ray.cluster import start_host_stores
+        from ..hoststore.cluster import start_host_stores
 
         nodes = sorted({w.metadata.node_id for w in worker_group.get_workers()})
         start_host_stores(self._resolved, node_ids=nodes)

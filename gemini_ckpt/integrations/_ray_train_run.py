@@ -75,7 +75,7 @@ def _inside(uri: str, storage) -> bool:
 def stop_host_stores(namespace: str) -> list[str]:
     """Stop the host stores and registry of ``namespace`` (a run's name); their versions are gone.
     Returns the names of the actors stopped. Needs a connected Ray (the driver after ``fit()``)."""
-    from ..ray.cluster import shutdown_host_stores
+    from ..hoststore.cluster import shutdown_host_stores
 
     killed = shutdown_host_stores(namespace)
     log.info("gemini_ckpt: stopped %d host-store actor(s) of namespace %r", len(killed), namespace)
@@ -137,6 +137,6 @@ def _connected() -> bool:
 def _namespaces() -> set[str]:
     if not _connected():
         return set()
-    from ..ray.cluster import named_actors
+    from ..hoststore.cluster import named_actors
 
     return set(named_actors())

@@ -15,7 +15,7 @@ The hook is named through Ray's environment variable for it (a runtime env's
 ``worker_process_setup_hook`` is read only from the job's runtime env, not from an actor's),
 internal to Ray 2.60 like the rest of the in-place path; ``test_inplace_adapter`` checks it.
 An actor a Train worker creates inherits its runtime env, hook included; gemini_ckpt's own
-actors clear it (:data:`gemini_ckpt.ray.names.ACTOR_ENV`).
+actors clear it (:data:`gemini_ckpt.hoststore.names.ACTOR_ENV`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 from typing import Optional
 
 from ..errors import ConfigError
-from ..ray.names import SETUP_HOOK_VAR
+from ..hoststore.names import SETUP_HOOK_VAR
 
 log = logging.getLogger("gemini_ckpt")
 

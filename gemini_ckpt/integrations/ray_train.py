@@ -85,7 +85,7 @@ from ..stores.durable import DurableTier
 from ..retention import LeftToRayTrain
 from ..format.backends import open_uri
 from ..format.layout import parse_step_dir, step_dir_name
-from ..ray.slots import HOST_LABEL
+from ..hoststore.slots import HOST_LABEL
 from . import _warm
 from ._inplace_worker import recoverable, recovery_info
 from ._ray_train_callback import HostStores

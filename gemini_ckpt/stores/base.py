@@ -160,7 +160,7 @@ class MemoryTier(Tier):
     def recovery(self) -> tuple[dict, ...]:
         """What the tier did about host losses since the job last started (host stores: when the
         loss was noticed, when Ray declared the node dead, when the copies were made again and a
-        replacement seeded; see :meth:`gemini_ckpt.ray.actors.registry.Registry.recovery`)."""
+        replacement seeded; see :meth:`gemini_ckpt.hoststore.actors.registry.Registry.recovery`)."""
         return ()
 
     def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes],

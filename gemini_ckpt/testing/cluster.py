@@ -3,7 +3,7 @@ the tests and the benchmarks (``ray.cluster_utils.Cluster``).
 
 A head node plus ``hosts`` nodes; host ``i`` carries the custom resource ``host{i}`` (so a
 rank or worker is pinned with ``resources={"host{i}": 1}``) and the label
-``gemini-ckpt.io/host=i`` (:data:`~gemini_ckpt.ray.slots.HOST_LABEL`: Ray Train's workers are
+``gemini-ckpt.io/host=i`` (:data:`~gemini_ckpt.hoststore.slots.HOST_LABEL`: Ray Train's workers are
 pinned with ``ScalingConfig(label_selector=gemini_ckpt.ray_train.ranks_on_hosts(n))``; a
 replacement added with :meth:`LocalCluster.add_host` carries the label of the host it replaces). Node health checks
 (:data:`HEALTH_CHECKS`) tell a dead host from a busy one: a removed host is known dead in about
@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Optional
 from ..errors import ConfigError
 from .netns import Network, parse_rate
 from .netns_node import NetnsNode
-from ..ray.slots import HOST_LABEL
+from ..hoststore.slots import HOST_LABEL
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -271,7 +271,7 @@ class LocalCluster:
         namespaces that had some."""
         import ray
 
-        from ..ray.cluster import named_actors, shutdown_host_stores
+        from ..hoststore.cluster import named_actors, shutdown_host_stores
 
         if not ray.is_initialized():
             return []

@@ -1,6 +1,6 @@
 """An in-process cluster of commit-protocol participants, for tests and benchmarks.
 
-See :mod:`gemini_ckpt.ray.commit` for the protocol; :class:`Simulator` delivers every message
+See :mod:`gemini_ckpt.commit` for the protocol; :class:`Simulator` delivers every message
 in a seeded random order (no FIFO assumed), kills stores on cue, and checks as it runs that no
 store commits before the coordinator decided COMMIT and that no two participants disagree.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import CommitProtocolError
-from ..ray.commit import (
+from ..commit import (
     COORDINATOR,
     DEFAULT_FANOUT,
     Aborted,
@@ -57,7 +57,7 @@ class Simulator:
     seeded random order (no FIFO assumed). Checks as it runs that no store commits before the
     coordinator decided COMMIT and that no two participants decide differently.
 
-    ``holders(slot, dead)`` is the placement rule (``gemini_ckpt.ray.slots.holders_for``).
+    ``holders(slot, dead)`` is the placement rule (``gemini_ckpt.hoststore.slots.holders_for``).
     """
 
     def __init__(self, *, hosts: int, replicas: int, holders: Callable, ranks_per_host: int = 1,

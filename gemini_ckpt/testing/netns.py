@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..errors import ConfigError, NetworkUnavailable
-from ..ray.transport import LOWER_EFFORT_DSCP
+from ..dataplane import LOWER_EFFORT_DSCP
 
 log = logging.getLogger("gemini_ckpt")
 

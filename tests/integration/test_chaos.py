@@ -79,7 +79,7 @@ def _acknowledges_without_copying(config, rank, world_size):
     "forgets" the peers)."""
     import dataclasses
 
-    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.hoststore.client import connect
 
     return connect(dataclasses.replace(config, replicas=1), rank=rank, world_size=world_size)
 

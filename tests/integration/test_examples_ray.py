@@ -26,7 +26,7 @@ def _run(args: list[str], cwd: str, timeout: float) -> str:
 def test_ray_train_fsdp_runs_on_a_cluster_without_a_run_name(ray_cluster, tmp_path):
     """No ``--name``: Ray names the run, and the example's ``host_stores(run_config=...)``
     stops that run's stores when ``fit()`` ends."""
-    from gemini_ckpt.ray.cluster import named_actors
+    from gemini_ckpt.hoststore.cluster import named_actors
 
     before = set(named_actors())
     out = _run([os.path.join(EXAMPLES, "ray_train_fsdp.py"), "--address", ray_cluster.address, "--workers", "2",

@@ -2,7 +2,7 @@
 attach socket with connects (the audit's four connect loops made 4 of 5 job restarts fail with
 ``AttachError ... [Errno 11] Resource temporarily unavailable``). Every restart of the job must
 still attach and commit: the trainer's connect retries a full queue until its deadline
-(``gemini_ckpt.ray.attach_client.connect_until``). With a single try instead (the code before
+(``gemini_ckpt.hoststore.attach_client.connect_until``). With a single try instead (the code before
 the fix) this test fails."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ FLOODERS = 4
 @pytest.mark.ci  # four busy flooders take both cores for a minute: CI runs it after the default suite
 def test_every_restart_attaches_and_commits_while_local_processes_flood_the_attach_socket(ray_cluster, ranks):
     from gemini_ckpt import CheckpointConfig
-    from gemini_ckpt.ray.names import find_store
+    from gemini_ckpt.hoststore.names import find_store
 
     namespace = "attach-flood"
     ranks.restart(namespace)

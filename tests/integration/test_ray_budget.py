@@ -1,5 +1,5 @@
 """Host stores of several namespaces on one node share its memory: their budgets together stay
-within 60% of its RAM (gemini_ckpt.ray.actors.budget), judged on a real cluster with the stores
+within 60% of its RAM (gemini_ckpt.hoststore.actors.budget), judged on a real cluster with the stores
 that are there."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from gemini_ckpt import CheckpointConfig, MemoryBudgetError
-from gemini_ckpt.ray.cluster import alive_node_ids, find_store, shutdown_host_stores, start_host_stores
+from gemini_ckpt.hoststore.cluster import alive_node_ids, find_store, shutdown_host_stores, start_host_stores
 
 
 @pytest.mark.ray

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from gemini_ckpt.ray.slots import holders_for
+from gemini_ckpt.hoststore.slots import holders_for
 from ray_helpers import status
 
 pytestmark = pytest.mark.ray

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from gemini_ckpt.ray.slots import holders_for
+from gemini_ckpt.hoststore.slots import holders_for
 from ray_helpers import node_id_of_host, status, wait_for
 
 pytestmark = pytest.mark.ray

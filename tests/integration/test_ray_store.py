@@ -22,10 +22,10 @@ import pytest
 import ray
 
 from gemini_ckpt import CheckpointConfig, ConfigError, MemoryBudgetError
-from gemini_ckpt.ray.cluster import find_store
-from gemini_ckpt.ray.fence import ALIVE, DEAD, asker, declared_dead, gcs_address, second_look
-from gemini_ckpt.ray.resolve import resolve
-from gemini_ckpt.ray.slots import holders_for
+from gemini_ckpt.hoststore.cluster import find_store
+from gemini_ckpt.hoststore.fence import ALIVE, DEAD, asker, declared_dead, gcs_address, second_look
+from gemini_ckpt.hoststore.resolve import resolve
+from gemini_ckpt.hoststore.slots import holders_for
 from ray_helpers import node_id_of_host, status, wait_for
 
 HOSTS = 4
@@ -72,7 +72,7 @@ def test_a_step_counts_only_when_committed_somewhere_with_every_shard_on_a_live_
 # --- Ray: one rank and its store ------------------------------------------------------------------
 @pytest.mark.ray
 def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
-    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.hoststore.client import connect
     from tier_contract import check_tier_contract
 
     tier = connect(CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120),
@@ -88,8 +88,8 @@ def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
 
 @pytest.mark.ray
 def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(ray_cluster):
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.readahead import PeerCopy
+    from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.hoststore.readahead import PeerCopy
     from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120), rank=0, world_size=1)
@@ -134,8 +134,8 @@ def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_clus
     """The reader jumps past blocks it asked for ahead while a slow peer (a bandwidth cap) still
     sends them, and back: every range it reads is exact, and no push it wants fails (the blocks
     it skipped are refused, and that must not close the channel the wanted ones share)."""
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.readahead import PeerCopy
+    from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.hoststore.readahead import PeerCopy
 
     tier = connect(CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120,
                                     replication_bandwidth=1 << 20), rank=0, world_size=1)
@@ -162,8 +162,8 @@ def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster)
     sent at a bandwidth cap: the refused push reports nothing landed, and the other one lands,
     exact. (Before, the refusal closed the shared channel and failed the wanted push: the rare
     "the channel ... was closed" of the read-ahead tests.)"""
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.readahead import PeerCopy
+    from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.hoststore.readahead import PeerCopy
 
     tier = connect(CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120,
                                     replication_bandwidth=1 << 20), rank=0, world_size=1)
@@ -190,7 +190,7 @@ def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster)
 
 @pytest.mark.ray
 def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray_cluster):
-    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.hoststore.client import connect
     from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="budget", replicas=1, keep_in_memory=1,
@@ -237,7 +237,7 @@ def test_the_footprint_is_known_before_the_first_save_and_over_budget_is_refused
 
 @pytest.mark.ray
 def test_start_and_shutdown_host_stores(ray_cluster):
-    from gemini_ckpt.ray.cluster import alive_node_ids, named_actors, shutdown_host_stores, start_host_stores
+    from gemini_ckpt.hoststore.cluster import alive_node_ids, named_actors, shutdown_host_stores, start_host_stores
 
     handles = start_host_stores(CheckpointConfig(namespace="started", host_memory_budget_bytes=1 << 20,
                                                  timeout_s=120))
@@ -356,7 +356,7 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
     assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == old_node)
     ray_cluster.add_host(1)
     new_node = node_id_of_host(1)
-    # what a fenced host store asks the GCS (gemini_ckpt.ray.fence) reads the real node table right
+    # what a fenced host store asks the GCS (gemini_ckpt.hoststore.fence) reads the real node table right
     assert declared_dead(ray.nodes(), old_node) and not declared_dead(ray.nodes(), new_node)
     assert asker(old_node)() and not asker(new_node)()  # and the one-node question it asks now
     address, cluster = gcs_address()  # the second look, once a lease ran out: on new connections
@@ -382,9 +382,9 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
 @pytest.mark.ray
 def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
     from gemini_ckpt.errors import AttachError
-    from gemini_ckpt.ray.attach_client import AttachClient
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.transport import AuthenticationError, Header, PeerLostError, TcpTransport
+    from gemini_ckpt.hoststore.attach_client import AttachClient
+    from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.dataplane import AuthenticationError, Header, PeerLostError, TcpTransport
     from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60), rank=0, world_size=1)
@@ -416,9 +416,9 @@ def test_an_authenticated_peer_cannot_make_a_store_allocate_past_its_limits(ray_
     """Plans and records land in buffers of their own, not budgeted segments: one past
     MAX_META_TRANSFER_BYTES, a piece of one, or an unknown kind is refused before a byte of
     it is allocated, and the store goes on with the job's versions."""
-    from gemini_ckpt.ray.actors.replication import MAX_META_TRANSFER_BYTES
-    from gemini_ckpt.ray.client import connect
-    from gemini_ckpt.ray.transport import Header, TcpTransport, TransferRejectedError
+    from gemini_ckpt.hoststore.actors.replication import MAX_META_TRANSFER_BYTES
+    from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.dataplane import Header, TcpTransport, TransferRejectedError
     from tier_contract import save_filled
 
     tier = connect(CheckpointConfig(namespace="dataplane-meta", replicas=1, timeout_s=60), rank=0, world_size=1)
@@ -452,7 +452,7 @@ def test_ranks_with_different_signing_keys_are_refused_when_they_connect(ray_clu
     unreadable to another, found out only at restore: the rendezvous refuses it at once."""
     import concurrent.futures
 
-    from gemini_ckpt.ray.client import connect
+    from gemini_ckpt.hoststore.client import connect
 
     def join(rank: int, key):
         cfg = CheckpointConfig(namespace="mixed-keys", replicas=1, timeout_s=60, signing_key=key)

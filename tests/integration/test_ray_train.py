@@ -73,7 +73,7 @@ def _gemini_actors(namespace: str, timeout: float = 10.0) -> dict:
     """The namespace's live gemini_ckpt actors, once none are left (or after ``timeout``)."""
     import time
 
-    from gemini_ckpt.ray.cluster import named_actors
+    from gemini_ckpt.hoststore.cluster import named_actors
 
     deadline = time.monotonic() + timeout
     while (found := named_actors().get(namespace, {})) and time.monotonic() < deadline:

@@ -21,7 +21,7 @@ class _TrainLike:
         return {m: m in sys.modules for m in modules}
 
     def start_store(self, namespace: str, node_id: str) -> int:
-        from gemini_ckpt.ray.actors.host_store import get_or_create_store
+        from gemini_ckpt.hoststore.actors.host_store import get_or_create_store
 
         store = get_or_create_store(namespace, node_id, 64 << 20)
         ray.get(store.index.remote(), timeout=60)

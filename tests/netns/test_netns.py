@@ -113,7 +113,7 @@ _SEND = textwrap.dedent("""
     c = socket.create_connection((sys.argv[1], int(sys.argv[5]) if len(sys.argv) > 5 else 5201),
                                  timeout=float(sys.argv[3]))
     if len(sys.argv) > 4 and sys.argv[4] != "-":
-        from gemini_ckpt.ray.transport._tcp import mark
+        from gemini_ckpt.dataplane._tcp import mark
         mark(c, int(sys.argv[4]))
     data = b"x" * (1 << 16)
     for _ in range(int(sys.argv[2]) >> 16): c.sendall(data)

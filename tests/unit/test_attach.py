@@ -12,10 +12,10 @@ import time
 import pytest
 
 from gemini_ckpt.errors import AttachError
-from gemini_ckpt.ray.attach_client import AttachClient
-from gemini_ckpt.ray.attach_server import AttachServer
+from gemini_ckpt.hoststore.attach_client import AttachClient
+from gemini_ckpt.hoststore.attach_server import AttachServer
 from gemini_ckpt.format.segments import Segment
-from gemini_ckpt.ray.attach import Connection
+from gemini_ckpt.hoststore.attach import Connection
 from gemini_ckpt.timeouts import TIMEOUTS
 
 SECRET = os.urandom(32)

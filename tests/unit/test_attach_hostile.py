@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from gemini_ckpt.ray import attach_server
+from gemini_ckpt.hoststore import attach_server
 from gemini_ckpt.errors import AttachError
-from gemini_ckpt.ray.attach_client import AttachClient
-from gemini_ckpt.ray.attach_server import AttachServer
+from gemini_ckpt.hoststore.attach_client import AttachClient
+from gemini_ckpt.hoststore.attach_server import AttachServer
 from gemini_ckpt.timeouts import TIMEOUTS
 
 SECRET = os.urandom(32)
@@ -208,7 +208,7 @@ def test_received_fds_are_not_inherited_by_child_processes(tmp_path):
     import subprocess
     import sys
 
-    from gemini_ckpt.ray.attach import Connection, close_all
+    from gemini_ckpt.hoststore.attach import Connection, close_all
 
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     path = tmp_path / "segment"
@@ -234,8 +234,8 @@ def test_a_store_of_another_version_is_refused_with_a_clear_error(store, monkeyp
     """Detached host stores outlive jobs: a trainer must not attach to one an older (or newer)
     gemini_ckpt left running (issue 40, finding 3: an old store's records without verdicts made
     a NaN step healthy). Both ends name the attach protocol and refuse another."""
-    from gemini_ckpt.ray import attach_client
-    from gemini_ckpt.ray.attach import PROTOCOL
+    from gemini_ckpt.hoststore import attach_client
+    from gemini_ckpt.hoststore.attach import PROTOCOL
 
     # An old store: its greeting names no protocol.
     old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -268,7 +268,7 @@ def test_a_store_of_another_version_is_refused_with_a_clear_error(store, monkeyp
 
 
 def test_the_store_refuses_a_hello_without_its_protocol(store):
-    from gemini_ckpt.ray.attach import proof
+    from gemini_ckpt.hoststore.attach import proof
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
@@ -308,7 +308,7 @@ def test_a_trainer_attaches_once_a_full_attach_queue_drains():
     failing the job's start (issue 40, finding 2: 4 of 5 restarts failed under a flood)."""
     import threading
 
-    from gemini_ckpt.ray.attach_client import connect_until
+    from gemini_ckpt.hoststore.attach_client import connect_until
 
     address = f"\0gemini-ckpt-test-queue-{os.getpid()}-{time.monotonic_ns()}"
     listener, fillers = _full_queue(address)

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from gemini_ckpt.ray.actors.ranks import RankPort
-from gemini_ckpt.ray.actors.state import StoreState
-from gemini_ckpt.ray.actors.versions import VersionTable
-from gemini_ckpt.ray.attach_messages import (
+from gemini_ckpt.hoststore.actors.ranks import RankPort
+from gemini_ckpt.hoststore.actors.state import StoreState
+from gemini_ckpt.hoststore.actors.versions import VersionTable
+from gemini_ckpt.hoststore.attach_messages import (
     AskComm,
     AskSegment,
     CommPage,

@@ -1,5 +1,5 @@
 """The host stores of every namespace on one node budget at most 60% of its RAM together
-(gemini_ckpt.ray.actors.budget): a default budget shrinks to what the others leave (never
+(gemini_ckpt.hoststore.actors.budget): a default budget shrinks to what the others leave (never
 below 1 GiB, with a warning naming them); an explicit one past the share is refused."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gemini_ckpt import MemoryBudgetError
-from gemini_ckpt.ray.actors.budget import DEFAULT_FLOOR_BYTES, choose
+from gemini_ckpt.hoststore.actors.budget import DEFAULT_FLOOR_BYTES, choose
 
 GB = 10**9
 RAM = 100 * GB

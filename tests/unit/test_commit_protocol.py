@@ -1,4 +1,4 @@
-"""The commit protocol among host stores (``gemini_ckpt.ray.commit``), in-process, no Ray.
+"""The commit protocol among host stores (``gemini_ckpt.commit``), in-process, no Ray.
 
 1,024 simulated stores per run; messages are delivered in a seeded random order. The
 simulator itself raises ``CommitProtocolError`` if a store marks a version committed before the
@@ -13,8 +13,8 @@ import random
 import pytest
 
 import placement
-from gemini_ckpt.ray.slots import holders_for
-from gemini_ckpt.ray.commit import (
+from gemini_ckpt.hoststore.slots import holders_for
+from gemini_ckpt.commit import (
     COORDINATOR,
     Committed,
     DEFAULT_FANOUT,
@@ -28,7 +28,7 @@ from gemini_ckpt.ray.commit import (
     VersionId,
     Vote,
 )
-from gemini_ckpt.ray.commit.participant import Tree
+from gemini_ckpt.commit.participant import Tree
 from gemini_ckpt.testing.commit_sim import Simulator
 
 HOSTS = 1024
@@ -368,9 +368,9 @@ def test_a_step_of_the_wall_clock_does_not_fail_the_versions_in_flight(monkeypat
     and driver); its parent is a fake peer that records what it is sent."""
     import time as time_module
 
-    from gemini_ckpt.ray.actors.commit_driver import CommitDriver
-    from gemini_ckpt.ray.actors.state import EpochConfig, StoreState
-    from gemini_ckpt.ray.actors.versions import VersionTable
+    from gemini_ckpt.hoststore.actors.commit_driver import CommitDriver
+    from gemini_ckpt.hoststore.actors.state import EpochConfig, StoreState
+    from gemini_ckpt.hoststore.actors.versions import VersionTable
 
     class Peer:
         def __init__(self):

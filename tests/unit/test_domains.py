@@ -1,5 +1,5 @@
 """Failure domains at runtime: ``CheckpointConfig.failure_domain``, the domain-aware holders rule
-(:func:`gemini_ckpt.ray.slots.holders_for`, the one rule the client, the host stores, recovery,
+(:func:`gemini_ckpt.hoststore.slots.holders_for`, the one rule the client, the host stores, recovery,
 the commit simulator and the chaos predictor use), ``placement`` with the same domains, and the
 chaos harness's ``kill-rack`` (pure: no Ray cluster)."""
 
@@ -18,8 +18,8 @@ import placement
 from gemini_ckpt import CheckpointConfig, ConfigError
 from gemini_ckpt.chaos import ChaosConfig, RemoveHosts, Scenario, At, ScenarioError, full_matrix, ci_matrix, kill_rack
 from gemini_ckpt.chaos import plan_scenario
-from gemini_ckpt.ray import slots
-from gemini_ckpt.ray.slots import SlotTable, holders_for, node_domains, placement_for, unlabelled
+from gemini_ckpt.hoststore import slots
+from gemini_ckpt.hoststore.slots import SlotTable, holders_for, node_domains, placement_for, unlabelled
 
 ROOT = Path(__file__).resolve().parents[2]
 RACKS = ["0", "0", "1", "1"]

@@ -18,7 +18,7 @@ ERRORS = [obj for _, obj in inspect.getmembers(errors, inspect.isclass)
 
 # Exception classes that may live elsewhere, and why.
 ELSEWHERE = {
-    "ray/transport/": "the data plane is a self-contained package shipped to the stores by value",
+    "dataplane/": "the data plane is a self-contained package shipped to the stores by value",
     "chaos/": "the chaos harness's own failures (bad scenario, broken infrastructure), not the library's",
 }
 

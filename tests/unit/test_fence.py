@@ -1,4 +1,4 @@
-"""The fence of a host store or rank process whose node is lost (gemini_ckpt.ray.fence), one step
+"""The fence of a host store or rank process whose node is lost (gemini_ckpt.hoststore.fence), one step
 at a time: a real process stands in for the raylet (killed with a real signal, left a zombie,
 then reaped); the GCS's answers are a callable that answers, raises (unreachable) or hangs."""
 
@@ -14,7 +14,7 @@ import threading
 import time
 
 
-from gemini_ckpt.ray.fence import (ALIVE, ASK_EVERY_S, CUT_OFF, DEAD, LEASE_MARGIN_S, STALLED, TICK_S, Fence,
+from gemini_ckpt.hoststore.fence import (ALIVE, ASK_EVERY_S, CUT_OFF, DEAD, LEASE_MARGIN_S, STALLED, TICK_S, Fence,
                                   declared_dead, head_answers, limit_s, process_identity, second_look)
 
 LEASE = 20.0
@@ -118,7 +118,7 @@ def test_without_a_raylet_pid_only_the_gcs_decides():
 
 
 def _lease_in_a_process(env):
-    out = subprocess.run([sys.executable, "-c", "from gemini_ckpt.ray.fence import lease_s; print(lease_s())"],
+    out = subprocess.run([sys.executable, "-c", "from gemini_ckpt.hoststore.fence import lease_s; print(lease_s())"],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -171,7 +171,7 @@ def test_a_worker_whose_raylet_is_killed_knows_it_at_the_next_check(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(
         "import os, sys, time\n"
-        "from gemini_ckpt.ray.fence import Fence\n"
+        "from gemini_ckpt.hoststore.fence import Fence\n"
         "f = Fence('child', lambda: False, raylet_pid=os.getppid(), lease=1e9, exit=print)\n"
         "assert f.child_of_raylet and not f.raylet_gone()\n"
         "print('ready', flush=True)\n"

@@ -13,7 +13,7 @@ import pytest
 from gemini_ckpt import ConfigError
 from gemini_ckpt.integrations import _inplace_backend as adapter
 from gemini_ckpt.integrations.ray_train import detection_env, preload_env, torch_config, warm_runtime_env
-from gemini_ckpt.ray.names import ACTOR_ENV, SETUP_HOOK_VAR
+from gemini_ckpt.hoststore.names import ACTOR_ENV, SETUP_HOOK_VAR
 
 
 def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():

@@ -18,7 +18,7 @@ import pytest
 from gemini_ckpt.config import CheckpointConfig, interleave_mode
 from gemini_ckpt.errors import ConfigError
 from gemini_ckpt.format.commstate import CommState
-from gemini_ckpt.ray.transport._interleave import unsent_bytes
+from gemini_ckpt.dataplane._interleave import unsent_bytes
 from standalone_transport import NS, SECRET, load_standalone
 
 T = load_standalone()
@@ -284,7 +284,7 @@ def test_interleave_is_on_by_default_and_validated():
 
 
 def test_a_marked_socket_carries_the_lower_effort_class_and_bulk_priority():
-    from gemini_ckpt.ray.transport._tcp import LOWER_EFFORT_DSCP, TcpConfig, tune
+    from gemini_ckpt.dataplane._tcp import LOWER_EFFORT_DSCP, TcpConfig, tune
 
     with socket.socket() as marked, socket.socket() as plain, socket.socket() as receiving:
         tune(marked, TcpConfig(dscp=LOWER_EFFORT_DSCP))
@@ -444,8 +444,8 @@ def test_interleave_refuses_a_model_it_cannot_hook():
 def test_recovery_channels_go_unmarked_where_replication_is_marked():
     """Under ``interleave="network"`` only replication yields: a channel opened with
     ``marked=False`` (restore pushes, re-replication) keeps the normal class."""
-    from gemini_ckpt.ray import transport as T
-    from gemini_ckpt.ray.transport._tcp import LOWER_EFFORT_DSCP
+    from gemini_ckpt import dataplane as T
+    from gemini_ckpt.dataplane._tcp import LOWER_EFFORT_DSCP
 
     class Sink(T.Sink):
         def buffer_for(self, header):

@@ -17,6 +17,8 @@ LAYERS = [
     # base: stdlib (and numpy) only, no torch, nothing of ours above
     {"errors", "_version", "faults", "events", "attempts", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
      "timeouts", "config"},
+    # the data plane (authenticated TCP streams, stdlib only) and the commit protocol (sans-I/O)
+    {"dataplane", "commit"},
     # the format: shard plans and records, segments, checksums with the health check, DCP framing,
     # the manifest and the durable layout; torch-free
     {"format"},
@@ -30,8 +32,8 @@ LAYERS = [
     {"stores"},
     # persisting a memory version as a DCP checkpoint
     {"persister"},
-    # restoring, seeding from stock checkpoints, the Ray host stores
-    {"restore", "init_from", "ray"},
+    # restoring, seeding from stock checkpoints, the host stores (their client side and actors)
+    {"restore", "init_from", "hoststore"},
     {"checkpointer"},
     # what users call: the package facade, Ray Train, the command line
     {"__init__", "integrations", "cli"},
@@ -164,9 +166,10 @@ def test_no_package_imports_itself_back():
 def test_the_graph_is_read_the_way_python_imports():
     # the reader must see relative, absolute, function-level and TYPE_CHECKING imports alike
     graph = _imports(_modules())
-    assert "gemini_ckpt.ray.names" in graph["gemini_ckpt.ray.cluster"]  # from .names import (...)
-    assert "gemini_ckpt.errors" in graph["gemini_ckpt.ray.commit.host"]  # from ...errors import
-    assert "gemini_ckpt.ray.client" in graph["gemini_ckpt.checkpointer.tiers"]  # inside a function
+    assert "gemini_ckpt.hoststore.names" in graph["gemini_ckpt.hoststore.cluster"]  # from .names import (...)
+    assert "gemini_ckpt.errors" in graph["gemini_ckpt.commit.host"]  # from ..errors import
+    assert "gemini_ckpt.timeouts" in graph["gemini_ckpt.hoststore.actors.serving"]  # from ...timeouts import
+    assert "gemini_ckpt.hoststore.client" in graph["gemini_ckpt.checkpointer.tiers"]  # inside a function
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

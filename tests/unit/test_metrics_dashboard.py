@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_the_grafana_dashboard_queries_only_exported_metrics():
-    from gemini_ckpt.ray.metrics import STORE, TRAINER
+    from gemini_ckpt.hoststore.metrics import STORE, TRAINER
 
     with open(os.path.join(ROOT, "docs", "grafana", "gemini_ckpt.json")) as f:
         board = json.load(f)

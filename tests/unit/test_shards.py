@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from gemini_ckpt.ray.actors.versions import VersionTable
+from gemini_ckpt.hoststore.actors.versions import VersionTable
 from gemini_ckpt.format.framing import Template
 from gemini_ckpt.errors import ShardFormatError
 from gemini_ckpt.format.shards import ALIGN, ShardPlan, ShardRecord, TensorItem, ValueItem, make_record

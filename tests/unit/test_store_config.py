@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from gemini_ckpt import CheckpointConfig
-from gemini_ckpt.ray.actors.state import EpochConfig, job_settings, store_config
+from gemini_ckpt.hoststore.actors.state import EpochConfig, job_settings, store_config
 
 FACTS = dict(epoch=3, slot=1, nodes=("a" * 56, "b" * 56, "c" * 56), ranks_here=(1,), world_size=3, keep=2,
              timeout_s=45, dead=frozenset({2}), idle=frozenset(), committed=((2, 9),), secret="ab" * 16,

@@ -13,8 +13,8 @@ import time
 
 from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
-from ..commit import VersionId, VersionState
-from ..transport import ChecksumMismatchError, Endpoint, Header, TransferRejectedError, TransportError
+from ...commit import VersionId, VersionState
+from ...dataplane import ChecksumMismatchError, Endpoint, Header, TransferRejectedError, TransportError
 from .replication import verify_copies
 from .state import StoreState
 

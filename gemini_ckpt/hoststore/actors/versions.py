@@ -11,7 +11,7 @@ A segment is never reused while anything still uses it: a transfer writing into 
 sending from it, a reader that mapped it, or a persist (``writers``/``pins``); a release
 then only marks it, and the last user frees it.
 
-The owner (:class:`~gemini_ckpt.ray.actors.host_store.HostStore`) holds its lock around
+The owner (:class:`~gemini_ckpt.hoststore.actors.host_store.HostStore`) holds its lock around
 every call.
 """
 
@@ -24,7 +24,7 @@ from typing import Optional
 
 from ...format.segments import Segment, SegmentPool
 from ...format.shards import ShardPlan, ShardRecord
-from ..commit import VersionState
+from ...commit import VersionState
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ...errors import ConfigError
 from ...timeouts import TIMEOUTS
-from ..commit import Coordinator
+from ...commit import Coordinator
 from ..names import alive_node_ids, find_store
 from ..slots import node_domains, unlabelled
 from .recovery import Recovery

@@ -30,7 +30,7 @@ from ..attach_messages import (
     Unmap,
     request_from_wire,
 )
-from ..commit import (
+from ...commit import (
     ShardStaged,
     VersionId,
 )

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional
 
 from ...timeouts import TIMEOUTS
-from ..commit import Coordinator
+from ...commit import Coordinator
 from ..names import find_store
 
 log = logging.getLogger("gemini_ckpt")

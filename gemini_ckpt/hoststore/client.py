@@ -1,20 +1,20 @@
 """``store="ray"``: one rank's view of its namespace's host stores (a memory tier).
 
 Per version (the :class:`~gemini_ckpt.stores.base.MemoryTier` call order), everything goes
-through the attach channel to this node's store (:mod:`gemini_ckpt.ray.attach`): the plan once,
+through the attach channel to this node's store (:mod:`gemini_ckpt.hoststore.attach`): the plan once,
 a lent segment (mapped here once), then one ``staged`` message with the value blobs; the
 outcome comes back on the same channel. The training process sends no bytes to peers and
 makes no Ray call per version.
 
 Reading (restore, persist): every live store's ``index`` says which steps are committed and
-where each shard's copies are (:mod:`gemini_ckpt.ray.resolve`); a shard held on this node is
+where each shard's copies are (:mod:`gemini_ckpt.hoststore.resolve`); a shard held on this node is
 mapped (no transfer), one held only by peers is pushed by a peer over the data plane into a
 buffer here, 16 MiB blocks at a time, a few ahead of the reader (:mod:`.readahead`).
 
 :class:`RayTier` is a facade: it does the writes itself and hands the rest to its collaborators,
-the host stores and their liveness (:class:`~gemini_ckpt.ray.hosts.HostStores`), the read side
-(:class:`~gemini_ckpt.ray.reads.TierReads`) and persist with failover
-(:func:`~gemini_ckpt.ray.persist.persist_files`).
+the host stores and their liveness (:class:`~gemini_ckpt.hoststore.hosts.HostStores`), the read side
+(:class:`~gemini_ckpt.hoststore.reads.TierReads`) and persist with failover
+(:func:`~gemini_ckpt.hoststore.persist.persist_files`).
 
 Call :func:`connect` on every rank (``Checkpointer.start`` does): it is the rendezvous that
 fixes the host slots and opens the epoch, which fences an earlier attempt's writes.
@@ -166,7 +166,7 @@ class RayTier(MemoryTier):
 
     def footprint(self, sizes: dict[int, int], versions: int) -> dict[str, int]:
         """Per host: ``versions`` versions of the shards it will hold (its own ranks' and the
-        copies placement sends it, :func:`~gemini_ckpt.ray.slots.holders_for`), checked against
+        copies placement sends it, :func:`~gemini_ckpt.hoststore.slots.holders_for`), checked against
         its store's budget and told to the store (``gemini_ckpt status`` shows it)."""
         dead = self.hosts.dead()
         shards: dict[int, int] = {}
@@ -324,7 +324,7 @@ class RayTier(MemoryTier):
         return self.hosts.live()[slot]
 
     def listeners(self) -> list:
-        """This rank's metrics (``CheckpointConfig.metrics``; :mod:`gemini_ckpt.ray.metrics`)."""
+        """This rank's metrics (``CheckpointConfig.metrics``; :mod:`gemini_ckpt.hoststore.metrics`)."""
         if not self.config.metrics:
             return []
         from .metrics import trainer_metrics

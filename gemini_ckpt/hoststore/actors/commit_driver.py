@@ -1,6 +1,6 @@
 """The host store's part in a version's commit: the protocol's messages in and out (fire-and-forget
 Ray calls to peers and the registry's coordinator), the actions they lead to, deadlines, and the
-chaos harness's held votes. The protocol itself is sans-I/O (:mod:`gemini_ckpt.ray.commit`);
+chaos harness's held votes. The protocol itself is sans-I/O (:mod:`gemini_ckpt.commit`);
 roles and messages in ``docs/commit.md``.
 
 One of the host store's collaborators (:mod:`.host_store`); the state they share is :class:`.state.StoreState`.
@@ -15,7 +15,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 
-from ..commit import COORDINATOR, Aborted, Committed, Release, Replicate, Send, VersionId, VersionState, Vote
+from ...commit import COORDINATOR, Aborted, Committed, Release, Replicate, Send, VersionId, VersionState, Vote
 from ..names import find_registry, find_store
 from .ranks import tell
 from .state import StoreState

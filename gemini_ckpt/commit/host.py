@@ -1,10 +1,10 @@
-"""The commit protocol as a host store runs it (see :mod:`gemini_ckpt.ray.commit`)."""
+"""The commit protocol as a host store runs it (see :mod:`gemini_ckpt.commit`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ...errors import CommitProtocolError
+from ..errors import CommitProtocolError
 from .messages import (
     COORDINATOR,
     DEFAULT_FANOUT,

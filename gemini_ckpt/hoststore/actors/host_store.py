@@ -3,12 +3,12 @@
 Its part of a version (see ``docs/dataplane.md``; roles and messages in ``docs/commit.md``):
 
 1. **Take the shards of this host's ranks.** A rank stages into a segment the store lent it
-   and says so over the attach channel (:mod:`gemini_ckpt.ray.attach`); the store computes
+   and says so over the attach channel (:mod:`gemini_ckpt.hoststore.attach`); the store computes
    the shard's record (a CRC32C of every item), and the version begins here
-   (:meth:`~gemini_ckpt.ray.commit.HostCommit.start_version`, one ``ShardStaged`` per rank).
+   (:meth:`~gemini_ckpt.commit.HostCommit.start_version`, one ``ShardStaged`` per rank).
 2. **Replicate.** Once all of its ranks' shards are staged, the commit protocol says
    ``Replicate``: the store sends each shard (plan once per peer, region, record) to the other
-   holders over the data plane (:mod:`gemini_ckpt.ray.transport`), straight into their
+   holders over the data plane (:mod:`gemini_ckpt.dataplane`), straight into their
    segments. A holder verifies every item's CRC32C against the record and acknowledges to the
    owner (``ReplicaAck``, a Ray call); a refused or broken transfer vetoes the version.
 3. **Commit among the stores.** Votes go up a tree of stores to the registry's coordinator, the
@@ -48,10 +48,10 @@ from ...retention import KeepNewest
 from ..attach_server import AttachServer
 from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
-from ..commit import HostCommit, VersionId, VersionState
+from ...commit import HostCommit, VersionId, VersionState
 from ...format.commstate import CommState
 from ...config import interleave_mode
-from ..transport import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
+from ...dataplane import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
 from .replication import Replicator, ReplicaSink
@@ -361,7 +361,7 @@ def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int
     missing. An existing store keeps its budget unless ``budget_bytes`` is given. Budgets are
     judged with the other namespaces' stores on the node (:mod:`.budget`): an explicit one that
     would pass the node's share raises MemoryBudgetError. ``named``: the cluster's gemini_ckpt
-    actors (:func:`~gemini_ckpt.ray.names.named_actors`), when the caller looked them up once for many nodes.
+    actors (:func:`~gemini_ckpt.hoststore.names.named_actors`), when the caller looked them up once for many nodes.
     ``judge=False`` (the registry's event loop, placing a running job's store on a replacement
     node): no blocking call, the budget set without the other namespaces' (the job was admitted)."""
     others = None

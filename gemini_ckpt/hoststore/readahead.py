@@ -6,7 +6,7 @@ shard's items in offset order, so transfers overlap its checksums and copies).
 :class:`LocalCopy` and :class:`PeerCopy` are the ``fetch`` of a
 :class:`~gemini_ckpt.stores.views.ShardCopy`; :class:`ReadSink` is where the transport lands pushed
 ranges. A :class:`LocalCopy` talks to this node's store through the reader's attach channel; a
-:class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.ray.reads.TierReads`) as
+:class:`PeerCopy` gets what it needs of the reader (:class:`~gemini_ckpt.hoststore.reads.TierReads`) as
 one :class:`PeerReads`.
 """
 
@@ -27,7 +27,7 @@ from ..format.segments import Segment
 from ..errors import AttachError
 from .attach import close_all
 from .attach_messages import MapShard, ShardMapped, Unmap
-from .transport import Endpoint, Header
+from ..dataplane import Endpoint, Header
 
 READ_BLOCK_BYTES = 16 << 20
 READ_AHEAD_BLOCKS = 4
@@ -51,7 +51,7 @@ class PeerReads:
 
 class LocalCopy:
     """A shard held by this node's store, mapped read-only through the attach channel
-    (``attach``: the reader's :class:`~gemini_ckpt.ray.attach_client.AttachClient`).
+    (``attach``: the reader's :class:`~gemini_ckpt.hoststore.attach_client.AttachClient`).
 
     Mapping a shard sets up a page-table entry per page (populated at once: a fault per page on
     first touch costs more) and unmapping tears them down, together about as long as copying

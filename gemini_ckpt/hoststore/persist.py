@@ -1,7 +1,7 @@
 """Persist with failover: the host stores write a version's data files from their memory, each
 rank's file by a store holding an intact copy, the owner's host first (so each host writes its
 own ranks' shards) and the next holder when one fails. Used by
-:meth:`~gemini_ckpt.ray.client.RayTier.persist_files`.
+:meth:`~gemini_ckpt.hoststore.client.RayTier.persist_files`.
 """
 
 from __future__ import annotations

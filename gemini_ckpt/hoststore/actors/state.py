@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ...config import CheckpointConfig, interleave_mode
-from ..commit import HostCommit, VersionState
+from ...commit import HostCommit, VersionState
 from .versions import VersionTable
 
 
@@ -37,7 +37,7 @@ class EpochConfig:
     bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
     domains: Optional[tuple] = None  # slot -> failure domain (CheckpointConfig.failure_domain), fixed per epoch
     interleave: str = "gate"  # CheckpointConfig.interleave_mode: "gate", "network" or "off"
-    metrics: bool = True  # CheckpointConfig.metrics: this store publishes its gauges (gemini_ckpt.ray.metrics)
+    metrics: bool = True  # CheckpointConfig.metrics: this store publishes its gauges (gemini_ckpt.hoststore.metrics)
 
     @property
     def hosts(self) -> int:

@@ -1,4 +1,4 @@
-"""The commit protocol's one decider, run by the registry (see :mod:`gemini_ckpt.ray.commit`)."""
+"""The commit protocol's one decider, run by the registry (see :mod:`gemini_ckpt.commit`)."""
 
 from __future__ import annotations
 

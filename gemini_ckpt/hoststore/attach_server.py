@@ -1,4 +1,4 @@
-"""The store's end of the attach channel (:mod:`gemini_ckpt.ray.attach`): who may connect (the
+"""The store's end of the attach channel (:mod:`gemini_ckpt.hoststore.attach`): who may connect (the
 kernel's word on the peer's uid), the handshake a connection must pass before it is served, and
 the accept and serve threads that hand each trainer's messages to the host store.
 
@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 from ..errors import AttachError
 from ..timeouts import TIMEOUTS
 from .attach import MAX_HELLO, PROTOCOL, RESTART_STORES, Connection, close_all, proof
-from .transport._tcp import LogThrottle
+from ..dataplane._tcp import LogThrottle
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -1,4 +1,4 @@
-"""The trainer's end of the attach channel (:mod:`gemini_ckpt.ray.attach`): it proves the
+"""The trainer's end of the attach channel (:mod:`gemini_ckpt.hoststore.attach`): it proves the
 namespace's secret, then sends requests, matches replies to them, and collects each version's
 outcome, on a reader thread of its own.
 
@@ -46,7 +46,7 @@ class _Skew(Exception):
 
 # --- the trainer's side ------------------------------------------------------------------------
 class AttachClient:
-    """A training process's channel to its host store (see :mod:`gemini_ckpt.ray.attach`)."""
+    """A training process's channel to its host store (see :mod:`gemini_ckpt.hoststore.attach`)."""
 
     def __init__(self, address: str, secret: bytes, *, rank: int, epoch: int, timeout_s: float) -> None:
         self.rank, self.epoch, self.timeout_s = rank, epoch, timeout_s

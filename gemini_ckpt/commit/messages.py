@@ -1,5 +1,5 @@
 """The commit protocol's vocabulary: version ids, control messages between participants, and
-the actions a participant answers with (see :mod:`gemini_ckpt.ray.commit`)."""
+the actions a participant answers with (see :mod:`gemini_ckpt.commit`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What every participant of the commit protocol shares: the tree over the live slots, one
-round per version, dead slots, retention (see :mod:`gemini_ckpt.ray.commit`).
+round per version, dead slots, retention (see :mod:`gemini_ckpt.commit`).
 
 Retention follows :class:`gemini_ckpt.retention.KeepNewest` (its one home, standard library
 only): the newest ``keep`` healthy committed versions, plus the first unhealthy version of the
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ...retention import KeepNewest
+from ..retention import KeepNewest
 from .messages import (
     COORDINATOR,
     HISTORY,

@@ -1,10 +1,10 @@
 """The registry: one small actor per namespace, on the head node.
 
 - **Slots.** The rendezvous (:meth:`Registry.join`) assigns host slots (the rule is in
-  :mod:`gemini_ckpt.ray.slots`) and opens a new *epoch*: which slots are dead (their node or
+  :mod:`gemini_ckpt.hoststore.slots`) and opens a new *epoch*: which slots are dead (their node or
   store is gone) and which are idle (no rank this time) are fixed for the epoch, so every
   participant builds the same commit tree.
-- **The coordinator** of the commit protocol (:class:`~gemini_ckpt.ray.commit.Coordinator`):
+- **The coordinator** of the commit protocol (:class:`~gemini_ckpt.commit.Coordinator`):
   the root of every version's tree and the one that decides COMMIT (:meth:`commit_message`).
   The versions it committed are carried into the next epoch, so a store that voted and
   never heard the decision learns it when the job comes back.
@@ -30,7 +30,7 @@ from typing import Optional
 
 import ray
 
-from ..commit import COORDINATOR, Send
+from ...commit import COORDINATOR, Send
 from ..names import ACTOR_ENV, RAY_NAMESPACE, registry_name
 from .host_store import configure_logging
 from .recovery import Recovery

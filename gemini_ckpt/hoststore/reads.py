@@ -1,7 +1,7 @@
 """The tier's read side (restore, persist, holders): which steps the live host stores hold
 committed and where each shard's copies are (every store's ``index``, resolved by
-:mod:`gemini_ckpt.ray.resolve`), a version opened for reading, and this reader's data-plane
-listener, where peers push the ranges :mod:`gemini_ckpt.ray.readahead` asks for
+:mod:`gemini_ckpt.hoststore.resolve`), a version opened for reading, and this reader's data-plane
+listener, where peers push the ranges :mod:`gemini_ckpt.hoststore.readahead` asks for
 (:attr:`TierReads.peer_reads`). A shard held on this node is mapped (no transfer); one held only
 by peers is pushed by a peer into a buffer here.
 """
@@ -25,7 +25,7 @@ from .attach_client import AttachClient
 from .hosts import HostStores
 from .readahead import LocalCopy, PeerCopy, PeerReads, ReadSink
 from .resolve import Resolved, resolve
-from .transport import Endpoint, TcpConfig, TcpTransport, TransportError
+from ..dataplane import Endpoint, TcpConfig, TcpTransport, TransportError
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -22,10 +22,10 @@ descriptors passed with the hello are closed whatever it proves. Refusals are lo
 once per ten seconds, with a count.
 
 Messages carry an ``id`` the reply carries (0: none wanted, and the store's unasked
-outcome of a version); what they say is typed in :mod:`gemini_ckpt.ray.attach_messages`.
+outcome of a version); what they say is typed in :mod:`gemini_ckpt.hoststore.attach_messages`.
 
 This module holds what both ends share: the framing (:class:`Connection`) and the proof. The
-store's end is :mod:`gemini_ckpt.ray.attach_server`, the trainer's :mod:`gemini_ckpt.ray.attach_client`.
+store's end is :mod:`gemini_ckpt.hoststore.attach_server`, the trainer's :mod:`gemini_ckpt.hoststore.attach_client`.
 
 Standard library only.
 """

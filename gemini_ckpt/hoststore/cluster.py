@@ -1,7 +1,7 @@
 """Host stores on a Ray cluster: starting (or finding) a job's host stores and registry, and
-stopping them. Names, lookup and the actors' environment are in :mod:`gemini_ckpt.ray.names`
-(re-exported here); making one actor is :func:`~gemini_ckpt.ray.actors.host_store.get_or_create_store`
-and :func:`~gemini_ckpt.ray.actors.registry.get_or_create_registry`.
+stopping them. Names, lookup and the actors' environment are in :mod:`gemini_ckpt.hoststore.names`
+(re-exported here); making one actor is :func:`~gemini_ckpt.hoststore.actors.host_store.get_or_create_store`
+and :func:`~gemini_ckpt.hoststore.actors.registry.get_or_create_registry`.
 """
 
 from __future__ import annotations

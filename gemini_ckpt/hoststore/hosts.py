@@ -1,7 +1,7 @@
 """The host stores of a namespace as one rank sees them: each slot's actor handle, which ones
 are unusable (and why), one call on every live store at once, and what an actor's exception
 means in the library's terms (:func:`cause`). The tier's writes, reads, persist and discards
-(:class:`~gemini_ckpt.ray.client.RayTier`) share one :class:`HostStores`, so a store found dead
+(:class:`~gemini_ckpt.hoststore.client.RayTier`) share one :class:`HostStores`, so a store found dead
 by one is skipped by all.
 """
 

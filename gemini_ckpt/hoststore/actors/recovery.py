@@ -27,7 +27,7 @@ log = logging.getLogger("gemini_ckpt")
 def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
     """Whether a node ``candidate`` can stand in for the ``dead`` one (both as ``ray.nodes()``
     describes a node): the same resource names, apart from the ones Ray names after the node
-    itself, and, when the dead node carried the host label (:data:`~gemini_ckpt.ray.slots.HOST_LABEL`),
+    itself, and, when the dead node carried the host label (:data:`~gemini_ckpt.hoststore.slots.HOST_LABEL`),
     the same host label (the ranks pinned to that host will be placed on it)."""
     if dead is None or candidate is None:
         return False
@@ -126,7 +126,7 @@ class Recovery:
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
-        them with the live hosts of now (:func:`~gemini_ckpt.ray.slots.holders_for`), each copy
+        them with the live hosts of now (:func:`~gemini_ckpt.hoststore.slots.holders_for`), each copy
         sent by a store that holds one. A copy becomes visible only once its new holder checked
         it, so a version is never half-copied to a reader. Runs until nothing is missing (or
         nothing missing can be fixed: no live copy)."""

@@ -18,8 +18,8 @@ from ray.exceptions import RayActorError
 from ...errors import ShardFormatError
 from ...format.shards import ShardPlan, ShardRecord, check_record
 from ...timeouts import TIMEOUTS
-from ..commit import ReplicaAck, Send, VersionId, VersionState
-from ..transport import Endpoint, Header, TransportError
+from ...commit import ReplicaAck, Send, VersionId, VersionState
+from ...dataplane import Endpoint, Header, TransportError
 from .state import StoreState
 
 log = logging.getLogger("gemini_ckpt")
