@@ -81,7 +81,7 @@ def test_the_ranks_port_answers_typed_messages_and_refuses_malformed_ones_untouc
         port.on_attach(conn, 0, {"type": "give_back", "seg": str(again.seg)}, b"", [])
     with pytest.raises(ValueError, match="unknown attach message"):
         port.on_attach(conn, 0, {"type": "staged_v2"}, b"", [])
-    assert state.sent_fds[conn] == {lent.seg, again.seg}
+    assert port.sent_fds[conn] == {lent.seg, again.seg}
     asked = [SegmentLent.from_wire(port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])[0]).seg
              for _ in range(2)]
     assert again.seg not in asked  # the malformed give-back gave nothing back

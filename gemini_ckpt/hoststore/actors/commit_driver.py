@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import ray
 from ray.exceptions import RayActorError
@@ -28,7 +28,12 @@ class CommitDriver:
 
     def __init__(self, state: StoreState) -> None:
         self.s = state
-        self.replicator = None  # set by the host store (a copy that fails calls back)
+        # The driver's own, under the store's lock:
+        self.registry = None  # the registry's actor handle, once looked up
+        self.peers: dict[int, Any] = {}  # slot -> actor handle
+        self.refs: list[tuple[Any, int]] = []  # fire-and-forget control calls (ref, to whom)
+        self.vote_hold: Optional[int] = None  # fault injection: see hold_vote
+        self.held_votes: list = []
 
     # --- the commit protocol ---------------------------------------------------------------------
     def commit_message(self, message) -> None:
@@ -40,11 +45,15 @@ class CommitDriver:
         self.apply(actions)
 
     def peer_dead(self, slot: int) -> None:
-        """The registry saw the host store of ``slot`` die."""
-        self.replicator.drop_channel(slot)
+        """The registry saw the host store of ``slot`` die (the host store drops its channel)."""
         with self.s.lock:
             actions = self.s.commit.on_peer_dead(slot) if self.s.commit is not None else []
         self.apply(actions)
+
+    def new_epoch(self) -> None:
+        """A new epoch: its peers' handles and the registry's are looked up afresh."""
+        with self.s.lock:
+            self.peers, self.registry = {}, None
 
     def apply(self, actions: list) -> None:
         if actions and log.isEnabledFor(logging.DEBUG):
@@ -95,22 +104,22 @@ class CommitDriver:
             self.suspect(to, f"{type(exc).__name__}: {exc}")
             return
         with self.s.lock:
-            self.s.refs.append((ref, to))
+            self.refs.append((ref, to))
 
     def peer(self, slot: int):
         with self.s.lock:
-            handle = self.s.peers.get(slot)
+            handle = self.peers.get(slot)
             cfg = self.s.cfg
         if handle is None and cfg is not None:
             handle = find_store(self.s.namespace, cfg.nodes[slot])
             with self.s.lock:
-                self.s.peers[slot] = handle
+                self.peers[slot] = handle
         return handle
 
     def registry_handle(self):
-        if self.s.registry is None:
-            self.s.registry = find_registry(self.s.namespace)
-        return self.s.registry
+        if self.registry is None:
+            self.registry = find_registry(self.s.namespace)
+        return self.registry
 
     def suspect(self, slot: int, why: str) -> None:
         if slot == COORDINATOR:
@@ -136,7 +145,7 @@ class CommitDriver:
 
     def check_refs(self) -> None:
         with self.s.lock:
-            refs, self.s.refs = self.s.refs, []
+            refs, self.refs = self.refs, []
         if not refs:
             return
         ready, _ = ray.wait([r for r, _ in refs], num_returns=len(refs), timeout=0)
@@ -153,7 +162,7 @@ class CommitDriver:
             except Exception:  # noqa: BLE001 - a peer's own error is its business
                 pass
         with self.s.lock:
-            self.s.refs = keep + self.s.refs
+            self.refs = keep + self.refs
 
     # --- fault injection (the chaos harness) ----------------------------------------------------------
     def hold_vote(self, step: int) -> None:
@@ -161,23 +170,23 @@ class CommitDriver:
         :meth:`release_vote`, so a fault lands after every copy is acknowledged and before the
         coordinator decides."""
         with self.s.lock:
-            self.s.vote_hold, self.s.held_votes = step, []
+            self.vote_hold, self.held_votes = step, []
 
     def held(self) -> Optional[int]:
         """The step whose vote is being held, once it is (else None)."""
         with self.s.lock:
-            return self.s.vote_hold if self.s.held_votes else None
+            return self.vote_hold if self.held_votes else None
 
     def release_vote(self) -> None:
         with self.s.lock:
-            held, self.s.held_votes, self.s.vote_hold = self.s.held_votes, [], None
+            held, self.held_votes, self.vote_hold = self.held_votes, [], None
         self.apply(held)
 
     def hold(self, action: Send) -> bool:
         message = action.message
         with self.s.lock:
-            if (self.s.vote_hold is None or not isinstance(message, Vote) or not message.ok
-                    or message.version.step != self.s.vote_hold):
+            if (self.vote_hold is None or not isinstance(message, Vote) or not message.ok
+                    or message.version.step != self.vote_hold):
                 return False
-            self.s.held_votes.append(action)
+            self.held_votes.append(action)
             return True

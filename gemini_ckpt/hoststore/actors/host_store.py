@@ -17,10 +17,10 @@ Its part of a version (see ``docs/dataplane.md``; roles and messages in ``docs/c
 4. **Serve.** Readers map a shard of this node (attach ``map``) or have it pushed to them
    (:meth:`push_range`); the persister has it written as a DCP data file (:meth:`persist_shard`).
 
-The actor is a thin facade (this module: configuration per epoch, housekeeping, status) over
-named collaborators sharing one :class:`.state.StoreState` (the version table, the lock, the
-epoch's configuration): :class:`.ranks.RankPort` (step 1, this node's ranks on the attach
-channel), :class:`.replication.Replicator` (step 2, copies between stores),
+The actor is a thin facade (this module: configuration per epoch, the data plane, status) over
+named parts that share one small :class:`.state.StoreState` and own the rest of their state:
+:class:`.ranks.RankPort` (step 1, this node's ranks on the attach channel),
+:class:`.replication.Replicator` (step 2, copies between stores),
 :class:`.commit_driver.CommitDriver` (step 3, the protocol's messages and deadlines) and
 :class:`.serving.ShardServer` (step 4).
 
@@ -103,9 +103,16 @@ class HostStore:
         if note and not budget_bytes:
             log.warning("gemini_ckpt: %s", note)
         self.s = StoreState(namespace, node_id, VersionTable(budget, node=node_id))
+        # The facade's own (under the store's lock): the data plane's settings and listener.
+        self.started_unix = time.time()
+        self.footprint_bytes = 0  # what the job's plan will take here (expect)
+        self.bandwidth: Optional[int] = None
+        self.interleave = "off"  # the data plane's mode: "gate" (sends go through the gate), "network", "off"
+        self.gate = None  # the transport's IdleGate reading the comm state, when interleaving
+        self.listener = self.attach = None  # where peers' copies come in; the AttachServer of this node's ranks
+        self.secret, self.stopped = b"", False  # the namespace's, this epoch (the data plane's and attach's)
         self.driver = CommitDriver(self.s)
         self.replicator = Replicator(self.s, self.driver)
-        self.driver.replicator = self.replicator
         self.ranks = RankPort(self.s, self.driver, self.replicator)
         self.server = ShardServer(self.s)
         self._metrics = None  # StoreMetrics, made at the first tick after a job asked for them (False: failed)
@@ -130,7 +137,7 @@ class HostStore:
     def expect(self, footprint_bytes: int) -> None:
         """The memory the job's plan will take here (computed by the trainer before its first save)."""
         with self.s.lock:
-            self.s.footprint_bytes = int(footprint_bytes)
+            self.footprint_bytes = int(footprint_bytes)
 
     def attach(self, epoch: int, cfg: EpochConfig) -> dict:
         """A rank of rendezvous ``epoch`` on this node: the first one sets the epoch up
@@ -145,7 +152,7 @@ class HostStore:
                 if not isinstance(cfg, EpochConfig) or cfg.epoch != epoch:
                     raise TypeError(f"attach(epoch={epoch}) needs that epoch's EpochConfig, got {cfg!r}")
                 self._new_epoch(epoch, cfg)
-            return {"attach": self.s.attach.address, "endpoint": self.s.listener.endpoint, "slot": self.s.cfg.slot}
+            return {"attach": self.attach.address, "endpoint": self.listener.endpoint, "slot": self.s.cfg.slot}
 
     def _new_epoch(self, epoch: int, cfg: EpochConfig) -> None:
         committed = {tuple(v) for v in cfg.committed}
@@ -164,21 +171,21 @@ class HostStore:
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
         bandwidth, interleave = cfg.bandwidth, interleave_mode(cfg.interleave)
-        if (secret != self.s.secret or self.s.listener is None or bandwidth != self.s.bandwidth
-                or interleave != self.s.interleave):
+        if (secret != self.secret or self.listener is None or bandwidth != self.bandwidth
+                or interleave != self.interleave):
             self._start_data_plane(secret, bandwidth, interleave)
-        if self.s.attach is None:
-            self.s.attach = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
+        if self.attach is None:
+            self.attach = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
         else:
-            self.s.attach.secret = secret
-        self.s.channels, self.s.plans_sent, self.s.peers = {}, set(), {}
+            self.attach.secret = secret
+        self.driver.new_epoch()
+        self.replicator.new_epoch()
         held = [v for v in self.s.table.versions.values() if v.state == VersionState.COMMITTED]
         unhealthy = set(self.s.table.unhealthy_steps())
         self.s.commit = None if cfg.slot in cfg.idle else HostCommit(
             cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, keep=cfg.keep, dead=cfg.dead, idle=cfg.idle,
             committed=sorted(VersionId(v.epoch, v.step) for v in held if v.step not in unhealthy),
             unhealthy=sorted(VersionId(v.epoch, v.step) for v in held if v.step in unhealthy))
-        self.s.registry = None
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
 
@@ -188,26 +195,26 @@ class HostStore:
         so is its gate (``CheckpointConfig.interleave`` ``"gate"``): sends wait while this node's
         ranks are inside a collective (docs/interleave.md). Under ``"network"`` its sockets are
         marked lower-effort (DSCP CS1) instead."""
-        old = self.s.listener
-        self.s.secret, self.s.bandwidth, self.s.interleave = secret, bandwidth, interleave
+        old = self.listener
+        self.secret, self.bandwidth, self.interleave = secret, bandwidth, interleave
         if self.s.comm is None:
             self.s.comm = CommState.create()
-        self.s.gate = IdleGate(self.s.comm) if interleave == "gate" else None
+        self.gate = IdleGate(self.s.comm) if interleave == "gate" else None
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
                                                         max_send_bytes_per_s=bandwidth,
                                                         dscp=LOWER_EFFORT_DSCP if interleave == "network" else None),
-                                       gate=self.s.gate)
-        self.s.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
-        self.s.readers = {}
+                                       gate=self.gate)
+        self.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
+        self.server.forget_readers()
         if old is not None:
             old.close()
 
     def endpoint(self) -> Endpoint:
         with self.s.lock:
-            if self.s.listener is None:
+            if self.listener is None:
                 raise LookupError(f"the data plane of node {self.node_id[:12]} is not started")
-            return self.s.listener.endpoint
+            return self.listener.endpoint
 
     # --- the collaborators' Ray methods ------------------------------------------------------------
     def commit_message(self, message) -> None:
@@ -216,6 +223,7 @@ class HostStore:
 
     def peer_dead(self, slot: int) -> None:
         """The registry saw the host store of ``slot`` die."""
+        self.replicator.drop_channel(slot)
         self.driver.peer_dead(slot)
 
     def send_copy(self, step: int, rank: int, target: Endpoint) -> int:
@@ -257,7 +265,7 @@ class HostStore:
 
     # --- housekeeping ----------------------------------------------------------------------------------
     def _tick(self) -> None:
-        while not self.s.stopped:
+        while not self.stopped:
             time.sleep(TICK_S)
             try:
                 self.driver.check_timeouts()
@@ -289,7 +297,7 @@ class HostStore:
                 key = "committed" if v.state == VersionState.COMMITTED else "pending"
                 states[key] = states.get(key, 0) + 1
             figures = dict(held=self.s.table.held_bytes(), reserved=pool.held + pool.pooled, budget=pool.budget_bytes,
-                           versions=states, replicated=self.s.replicated_bytes)
+                           versions=states, replicated=self.replicator.replicated_bytes)
         self._metrics.update(**figures)
 
     def _retain_copies(self) -> None:
@@ -312,12 +320,12 @@ class HostStore:
             pool = self.s.table.pool
             return {
                 "namespace": self.namespace, "node_id": self.node_id, "budget_bytes": pool.budget_bytes,
-                "footprint_bytes": self.s.footprint_bytes,
+                "footprint_bytes": self.footprint_bytes,
                 "held_bytes": self.s.table.held_bytes(), "reserved_bytes": pool.held + pool.pooled,
                 "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
                          "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self.s.table.lent.values())},
                 "memory": self.s.table.memory(),
-                "started_unix": self.s.started_unix, "epoch": self.s.epoch, "interleave": self._interleave_stats(),
+                "started_unix": self.started_unix, "epoch": self.s.epoch, "interleave": self._interleave_stats(),
                 "slot": self.s.cfg.slot if self.s.cfg else None,
                 "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],
                                     "unhealthy": e["unhealthy"],
@@ -331,10 +339,10 @@ class HostStore:
         counters (seconds waited for idle, pieces, pieces forced after patience, the piece size
         it would choose now, the measured link rate) and the ranks' collectives (count, busy
         seconds, the running mean duration the piece size comes from)."""
-        out = {"enabled": self.s.gate is not None, "mode": self.s.interleave,
+        out = {"enabled": self.gate is not None, "mode": self.interleave,
                "dscp": self.s.transport.config.dscp if self.s.transport is not None else None}
-        if self.s.gate is not None:
-            out.update(self.s.gate.stats())
+        if self.gate is not None:
+            out.update(self.gate.stats())
         if self.s.comm is not None:
             out.update(self.s.comm.stats())
         return out

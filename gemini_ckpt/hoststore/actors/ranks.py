@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 
 from ...health import Health
@@ -46,6 +47,9 @@ class RankPort:
 
     def __init__(self, state: StoreState, driver, replicator) -> None:
         self.s, self.driver, self.replicator = state, driver, replicator
+        # The port's own, under the store's lock:
+        self.sent_fds: dict[Any, set[int]] = {}  # Connection -> segments whose memfd a trainer has
+        self.maps: dict[Any, list] = {}  # Connection -> shards a local reader mapped
         self._handlers = {SendPlan: self._plan, AskSegment: self._segment, GiveBack: self._give_back,
                           Staged: self.staged, AskComm: self._comm, MapShard: self._map, Unmap: self._unmap}
 
@@ -66,7 +70,7 @@ class RankPort:
         with self.s.lock:
             plan = self.s.table.plan(message.plan_id, rank)
             lent = self.s.table.lend(rank, plan.region_bytes)
-            sent = self.s.sent_fds.setdefault(conn, set())
+            sent = self.sent_fds.setdefault(conn, set())
             fds_out = () if lent.seg.id in sent else (lent.seg.fd,)
             sent.add(lent.seg.id)
             forget = self.s.table.forgotten.pop(rank, [])
@@ -89,13 +93,13 @@ class RankPort:
         with self.s.lock:
             shard = self.s.complete_shard(message.step, message.rank)
             self.s.table.use(shard)
-            self.s.maps.setdefault(conn, []).append(shard)
+            self.maps.setdefault(conn, []).append(shard)
         # the reader checks every item it copies out of it against the record
         return _reply(ShardMapped(shard.seg.id, shard.seg.nbytes), (shard.seg.fd,))
 
     def _unmap(self, conn: Connection, rank: int, message: Unmap, payload: bytes):
         with self.s.lock:
-            mapped = self.s.maps.get(conn, [])
+            mapped = self.maps.get(conn, [])
             shard = next((s for s in mapped if s.seg.id == message.seg), None)
             if shard is not None:
                 mapped.remove(shard)
@@ -105,9 +109,9 @@ class RankPort:
     def on_detach(self, conn: Connection, rank: int) -> None:
         actions = []
         with self.s.lock:
-            for shard in self.s.maps.pop(conn, []):
+            for shard in self.maps.pop(conn, []):
                 self.s.table.done_with(shard)
-            self.s.sent_fds.pop(conn, None)
+            self.sent_fds.pop(conn, None)
             if self.s.comm is not None:  # it may have died inside a collective: never wait for it
                 self.s.comm.clear(rank)
             if self.s.commit is None or self.s.cfg is None:

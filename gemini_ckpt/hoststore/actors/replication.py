@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import crc32c
 import ray
@@ -38,11 +38,24 @@ class Replicator:
 
     def __init__(self, state: StoreState, driver) -> None:
         self.s, self.driver = state, driver
+        # Replication's own, read and written under the store's lock like what it shares:
+        self.channels: dict[int, Any] = {}  # slot -> data-plane Channel
+        self.plans_sent: set[tuple[int, str, int]] = set()  # (slot, plan id, rank) sent on its channel
+        self.replicated_bytes = 0  # sent to peers as copies (the metrics' counter)
+        self.incoming: dict[tuple, Any] = {}  # transfer -> what it fills
+        self.early_records: dict[tuple, tuple] = {}  # (epoch, step, rank) -> a record whose region is not here yet
+        self.copy_channels: dict[tuple, Any] = {}  # (host, port) of a store re-replicated to -> channel
+        self.copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
+
+    def new_epoch(self) -> None:
+        """A new epoch's slots: the channels by slot and the plans sent on them start afresh."""
+        with self.s.lock:
+            self.channels, self.plans_sent = {}, set()
 
     def drop_channel(self, slot: int) -> None:
         """Forget (and close) the channel to ``slot`` (its store died)."""
         with self.s.lock:
-            channel = self.s.channels.pop(slot, None)
+            channel = self.channels.pop(slot, None)
         if channel is not None:
             channel.close()
 
@@ -59,11 +72,11 @@ class Replicator:
             meta = json.dumps({"epoch": vid.epoch, "owner": self.s.cfg.slot, "rank": shard.rank, "shards": count,
                                "plan_id": shard.plan_id}).encode()
             key = (holder, shard.plan_id, shard.rank)
-            if key not in self.s.plans_sent:
+            if key not in self.plans_sent:
                 _, encoded = self.s.table.plans[(shard.plan_id, shard.rank)]
                 channel.send(self.header(vid, f"plan/{shard.rank}", encoded, meta), encoded,
                              timeout=self.s.cfg.timeout_s)
-                self.s.plans_sent.add(key)
+                self.plans_sent.add(key)
             if v is not None:
                 v.mark("replicating")
             region = channel.send_async(self.header(vid, f"region/{shard.rank}", shard.seg.array, meta),
@@ -76,7 +89,7 @@ class Replicator:
             region.result(timeout=self.s.cfg.timeout_s)
             record.result(timeout=self.s.cfg.timeout_s)
             with self.s.lock:
-                self.s.replicated_bytes += shard.seg.nbytes
+                self.replicated_bytes += shard.seg.nbytes
                 if v is not None:
                     v.mark("sent")
         except Exception as exc:  # noqa: BLE001 - any failed copy vetoes the version
@@ -91,7 +104,7 @@ class Replicator:
 
     def channel(self, slot: int):
         with self.s.lock:
-            channel = self.s.channels.get(slot)
+            channel = self.channels.get(slot)
         if channel is not None:
             return channel
         peer = self.driver.peer(slot)
@@ -100,14 +113,14 @@ class Replicator:
         endpoint = ray.get(peer.endpoint.remote(), timeout=self.s.cfg.timeout_s)
         channel = self.s.transport.connect(endpoint)
         with self.s.lock:
-            self.s.channels[slot] = channel
-            self.s.plans_sent = {k for k in self.s.plans_sent if k[0] != slot}
+            self.channels[slot] = channel
+            self.plans_sent = {k for k in self.plans_sent if k[0] != slot}
         return channel
 
     def copy_failed(self, vid: VersionId, holder: int, exc: BaseException) -> None:
         reason = f"the copy to slot {holder} failed: {type(exc).__name__}: {exc}"
         with self.s.lock:
-            channel = self.s.channels.pop(holder, None)
+            channel = self.channels.pop(holder, None)
             actions = self.s.commit.on_local_failure(vid, reason) if self.s.commit is not None else []
         if channel is not None:
             channel.close()
@@ -135,14 +148,14 @@ class Replicator:
                     raise ValueError(f"step {header.step} was saved again by a newer epoch")
                 shard = self.s.table.receive(v, rank, owner, header.total)
                 shard.plan_id = meta["plan_id"]
-                early = self.s.early_records.pop((epoch, header.step, rank), None)
+                early = self.early_records.pop((epoch, header.step, rank), None)
                 if early is not None:  # the record's transfer overtook the region's
                     shard.record, shard.record_bytes = early
                 self.s.table.use(shard)
-                self.s.incoming[key] = ("region", shard, meta)
+                self.incoming[key] = ("region", shard, meta)
                 return memoryview(shard.seg.array)[header.offset : header.offset + header.length]
             buf = self.meta_buffer(header, kind)
-            self.s.incoming[key] = (kind, buf, meta)
+            self.incoming[key] = (kind, buf, meta)
             return memoryview(buf)
 
     def meta_buffer(self, header: Header, kind: str) -> bytearray:
@@ -157,8 +170,8 @@ class Replicator:
         if n > MAX_META_TRANSFER_BYTES:
             raise ValueError(f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes is refused (at most "
                              f"{MAX_META_TRANSFER_BYTES:,})")
-        arriving = sum(len(x[1]) for x in self.s.incoming.values() if x[0] != "region")
-        arriving += sum(len(b) for b in self.s.copies_in.values() if isinstance(b, bytearray))
+        arriving = sum(len(x[1]) for x in self.incoming.values() if x[0] != "region")
+        arriving += sum(len(b) for b in self.copies_in.values() if isinstance(b, bytearray))
         if arriving + n > MAX_META_ARRIVING_BYTES or not self.s.table.pool.fits(arriving + n):
             raise MemoryError(f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes with {arriving:,} bytes of plans "
                               f"and records still arriving would pass this store's room")
@@ -171,7 +184,7 @@ class Replicator:
             return
         key = (header.step, header.name, meta["owner"])
         with self.s.lock:
-            kind, target, meta = self.s.incoming.pop(key, (None, None, None))
+            kind, target, meta = self.incoming.pop(key, (None, None, None))
         if kind is None:
             return
         vid = VersionId(int(meta["epoch"]), header.step)
@@ -191,10 +204,10 @@ class Replicator:
                 v = self.s.table.versions.get(vid.step)
                 shard = v.shards.get(rank) if v is not None and v.key == (vid.epoch, vid.step) else None
                 if shard is None or shard.lent:
-                    self.s.early_records[(vid.epoch, vid.step, rank)] = (record, bytes(target))
-                    del_old = [k for k in self.s.early_records if k[0] < self.s.epoch]
+                    self.early_records[(vid.epoch, vid.step, rank)] = (record, bytes(target))
+                    del_old = [k for k in self.early_records if k[0] < self.s.epoch]
                     for k in del_old:
-                        del self.s.early_records[k]
+                        del self.early_records[k]
                     return
                 shard.record, shard.record_bytes = record, bytes(target)
         if ok:
@@ -256,7 +269,7 @@ class Replicator:
                 channel.send(self.header(vid, name, data, meta), data, timeout=timeout)
         except (TransportError, TimeoutError, OSError) as exc:
             with self.s.lock:
-                channel = self.s.copy_channels.pop((target.host, target.port), None)
+                channel = self.copy_channels.pop((target.host, target.port), None)
             if channel is not None:
                 channel.close()
             raise ConnectionError(f"node {self.s.node_id[:12]}: the copy of rank {rank}'s shard of step {step} to "
@@ -269,14 +282,14 @@ class Replicator:
     def copy_channel(self, target: Endpoint):
         key = (target.host, target.port)
         with self.s.lock:
-            channel = self.s.copy_channels.get(key)
+            channel = self.copy_channels.get(key)
             transport = self.s.transport
         if channel is None:
             if transport is None:
                 raise LookupError(f"the data plane of node {self.s.node_id[:12]} is not started")
             channel = transport.connect(target, marked=False)  # recovery: never yields to other traffic
             with self.s.lock:
-                self.s.copy_channels[key] = channel
+                self.copy_channels[key] = channel
         return channel
 
     def incoming_copy(self, header: Header, meta: dict, kind: str, epoch: int, owner: int, rank: int) -> memoryview:
@@ -289,9 +302,9 @@ class Replicator:
                                       f"{self.s.epoch}")
             if kind != "region":
                 buf = self.meta_buffer(header, kind)
-                self.s.copies_in[(key, kind)] = buf
+                self.copies_in[(key, kind)] = buf
                 return memoryview(buf)
-            record = self.s.copies_in.pop((key, "record"), None)
+            record = self.copies_in.pop((key, "record"), None)
             if record is None:
                 raise ValueError(f"node {self.s.node_id[:12]}: the region of a copy came before its record")
             v = self.s.table.version(epoch, header.step, world_size=int(meta["world_size"]))
@@ -301,14 +314,14 @@ class Replicator:
             shard.plan_id = meta["plan_id"]
             shard.record, shard.record_bytes = record
             self.s.table.use(shard)
-            self.s.copies_in[(key, "region")] = (v, shard)
+            self.copies_in[(key, "region")] = (v, shard)
             return memoryview(shard.seg.array)[header.offset : header.offset + header.length]
 
     def copy_done(self, header: Header, meta: dict, ok: bool) -> None:
         kind, _, rank = header.name.partition("/")
         key = (int(meta["epoch"]), header.step, int(rank))
         with self.s.lock:
-            got = self.s.copies_in.pop((key, kind), None)
+            got = self.copies_in.pop((key, kind), None)
         if got is None:
             return
         if kind == "plan":
@@ -321,7 +334,7 @@ class Replicator:
             if ok:
                 record = ShardRecord.decode(bytes(got), self.s.key)
                 with self.s.lock:
-                    self.s.copies_in[(key, "record")] = (record, bytes(got))
+                    self.copies_in[(key, "record")] = (record, bytes(got))
             return
         v, shard = got
         with self.s.lock:

@@ -10,6 +10,7 @@ import logging
 import posixpath
 import threading
 import time
+from typing import Any
 
 from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
@@ -26,6 +27,7 @@ class ShardServer:
 
     def __init__(self, state: StoreState) -> None:
         self.s = state
+        self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel (the store's lock)
         self._connecting = threading.Lock()  # one connect per reader, however many pushes want it
 
     # --- reading ------------------------------------------------------------------------------------
@@ -101,8 +103,8 @@ class ShardServer:
         except (TransportError, TimeoutError) as exc:
             key = (reader.host, reader.port)
             with self.s.lock:
-                if self.s.readers.get(key) is channel:
-                    del self.s.readers[key]
+                if self.readers.get(key) is channel:
+                    del self.readers[key]
             if channel is not None:
                 channel.close()
             raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
@@ -110,17 +112,22 @@ class ShardServer:
             with self.s.lock:
                 self.s.table.done_with(shard)
 
+    def forget_readers(self) -> None:
+        """The data plane started again: the channels to readers went with the old one."""
+        with self.s.lock:
+            self.readers = {}
+
     def _reader_channel(self, reader: Endpoint):
         """The one channel to a reader's listener, shared by every push to it (the pushes of one
         read run at once, on the actor's threads: the first connects, the others wait for it)."""
         key = (reader.host, reader.port)
         with self._connecting:
             with self.s.lock:
-                channel = self.s.readers.get(key)
+                channel = self.readers.get(key)
             if channel is None:
                 channel = self.s.transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
                 with self.s.lock:
-                    self.s.readers[key] = channel
+                    self.readers[key] = channel
             return channel
 
     # --- the durable tier ----------------------------------------------------------------------------

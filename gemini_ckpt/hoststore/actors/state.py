@@ -4,10 +4,9 @@ configuration, the commit state and the data plane (see :mod:`.host_store`)."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from ...config import CheckpointConfig, interleave_mode
 from ...commit import HostCommit, VersionState
@@ -67,44 +66,26 @@ def store_config(job: dict, *, epoch: int, slot: int, nodes: tuple, ranks_here: 
 
 
 class StoreState:
-    """One host store's shared state. Every field is read and written under ``lock``."""
+    """What a host store's parts share, and only that: the version table, the epoch and what
+    it was told (``cfg``), its commit participant, the comm page, the signing key, the data
+    plane's transport, the ranks waiting for outcomes and a thread pool. Every field is read
+    and written under ``lock``; each part keeps the rest of its state itself (under the same
+    lock): the facade its data plane's settings and listener, the ranks port what each
+    connection holds, the replicator its channels and the copies arriving, the driver the
+    peers' handles, the server its channels to readers."""
 
     def __init__(self, namespace: str, node_id: str, table: VersionTable) -> None:
         self.namespace, self.node_id = namespace, node_id
-        self.started_unix = time.time()
         self.lock = threading.RLock()
         self.table = table
         self.epoch = 0
-        self.footprint_bytes = 0  # what the job's plan will take here (HostStore.expect)
         self.cfg: Optional[EpochConfig] = None
         self.commit: Optional[HostCommit] = None  # None: this store holds copies only this epoch
-        self.secret = b""
-        self.bandwidth: Optional[int] = None
-        self.interleave = "off"  # the data plane's mode: "gate" (sends go through the gate), "network", "off"
         self.comm = None  # the CommState this node's ranks mark their collectives in (format.commstate)
-        self.gate = None  # the transport's IdleGate reading it, when interleaving
         self.key: Optional[bytes] = None  # the signing key, when the job has one
         self.transport = None  # this store's TcpTransport (its sends share its bandwidth cap)
-        self.listener = None  # where peers' copies and restoring readers' requests come in
-        self.attach = None  # the AttachServer of this node's ranks
-        self.registry = None  # the registry's actor handle, once looked up
-        self.peers: dict[int, Any] = {}  # slot -> actor handle
-        self.channels: dict[int, Any] = {}  # slot -> data-plane Channel
-        self.plans_sent: set[tuple[int, str, int]] = set()  # (slot, plan id, rank) sent on its channel
         self.waiters: dict[tuple[int, int], list] = {}  # version -> local ranks told: [(Connection, rank)]
-        self.sent_fds: dict[Any, set[int]] = {}  # Connection -> segments whose memfd a trainer has
-        self.maps: dict[Any, list] = {}  # Connection -> shards a local reader mapped
-        self.incoming: dict[tuple, Any] = {}  # transfer -> what it fills
-        self.early_records: dict[tuple, tuple] = {}  # (epoch, step, rank) -> a record whose region is not here yet
-        self.refs: list[tuple[Any, int]] = []  # fire-and-forget control calls (ref, to whom)
-        self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel
-        self.copy_channels: dict[tuple, Any] = {}  # (host, port) of a store re-replicated to -> channel
-        self.copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
-        self.replicated_bytes = 0  # sent to peers as copies (the metrics' counter)
-        self.vote_hold: Optional[int] = None  # fault injection: see CommitDriver.hold_vote
-        self.held_votes: list = []
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gemini-store")
-        self.stopped = False
 
     def complete_shard(self, step: int, rank: int):
         """The complete shard of ``rank`` of ``step`` held here (the lock is held), else LookupError."""
