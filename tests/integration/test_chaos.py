@@ -4,8 +4,9 @@ harness notices when the library misbehaves (a store that acknowledges copies it
 
 One harness for the module, on the session's cluster (head + 4 simulated hosts; rank actors
 reused across scenarios), runs the reduced CI matrix (``gemini_ckpt.chaos.CI_SCENARIOS``);
-the pure parts are in ``tests/unit/test_chaos_plans.py``. Run:
-``python -m pytest tests/integration/test_chaos.py -q``
+the pure parts are in ``tests/unit/test_chaos_plans.py``. Every test here is ``slow`` and
+``ci``: CI runs them after the default suite, on one harness. Run:
+``python -m pytest tests/integration/test_chaos.py -q -m "slow or not slow"``
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def _acknowledges_without_copying(config, rank, world_size):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci  # with the CI matrix: one harness cluster for all, after the default run
 def test_the_harness_reports_a_store_that_skips_replication(harness):
     s = Scenario(name="buggy-store-host-lost", at=At(step=2), faults=(RemoveHosts((1,)),))
     result = run_scenario(s, harness, store_factory=_acknowledges_without_copying)
@@ -129,6 +132,8 @@ class _UserJob:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci  # with the CI matrix: one harness cluster for all, after the default run
 def test_a_user_job_runs_under_the_harness(harness):
     s = Scenario(name="user-job-kill-worker", at=At(step=2, phase="committed", rank=2), faults=(KillWorker((2,)),))
     result = run_scenario(s, harness, job=_UserJob())
@@ -137,6 +142,8 @@ def test_a_user_job_runs_under_the_harness(harness):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci  # with the CI matrix: one harness cluster for all, after the default run
 def test_ranks_join_the_process_group_through_the_drivers_bound_store(harness):
     hosts = tuple(range(CONFIG.hosts))
     job = JobRun(harness, "rendezvous-port", job=TinyJob(), persist=False)
@@ -182,6 +189,8 @@ class _LosesItsRendezvousOnce(TinyJob):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci  # with the CI matrix: one harness cluster for all, after the default run
 def test_a_scenario_that_fails_at_setup_is_an_infra_error_and_the_next_one_passes(harness, tmp_path):
     job = _LosesItsRendezvousOnce(str(tmp_path / "builds-of-rank-1"))
     scenarios = [Scenario(name="fails-at-setup", at=At(step=2), faults=(KillStore((1,)),)),

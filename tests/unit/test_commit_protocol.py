@@ -362,7 +362,7 @@ def test_slots_without_ranks_hold_copies_and_take_no_part_in_the_vote():
 
 
 def test_a_step_of_the_wall_clock_does_not_fail_the_versions_in_flight(monkeypatch):
-    """Issue 40, finding 6: a host store times its versions on the monotonic clock. A wall clock
+    """A host store times its versions on the monotonic clock. A wall clock
     stepped an hour ahead (NTP, an operator) fails nothing; an hour of real waiting does, with a
     veto sent up the tree. The store's real parts (its state, version table, commit participant
     and driver); its parent is a fake peer that records what it is sent."""
@@ -385,19 +385,19 @@ def test_a_step_of_the_wall_clock_does_not_fail_the_versions_in_flight(monkeypat
     state.cfg = EpochConfig(epoch=0, slot=1, nodes=("a" * 56, "b" * 56), ranks_here=(1,), world_size=2, replicas=2,
                             strategy="group", keep=2, dead=frozenset(), idle=frozenset(), timeout_s=60.0)
     state.commit = HostCommit(1, hosts=2, replicas=2)
-    coordinator = state.registry = Peer()
-    state.peers[0] = Peer()
     driver = CommitDriver(state)
+    coordinator = driver.registry = Peer()
+    peer = driver.peers[0] = Peer()
     v = VersionId(0, 5)
     state.table.version(0, 5, world_size=2)
     driver.apply(state.commit.start_version(v, holders=(1, 0), shards=1))
     real_time, real_mono = time_module.time, time_module.monotonic
     monkeypatch.setattr(time_module, "time", lambda: real_time() + 3600.0)
     driver.check_timeouts()
-    assert state.commit.outcome(v) is None and not coordinator.sent and not state.peers[0].sent
+    assert state.commit.outcome(v) is None and not coordinator.sent and not peer.sent
     monkeypatch.setattr(time_module, "monotonic", lambda: real_mono() + 61.0)
     driver.check_timeouts()
     assert state.commit.outcome(v) is False
-    sent = coordinator.sent + state.peers[0].sent
+    sent = coordinator.sent + peer.sent
     assert any(isinstance(m, Vote) and not m.ok and "timed out" in m.reason for m in sent), sent
     state.pool.shutdown(wait=False)
