@@ -218,10 +218,11 @@ def advise(
     replicas = tuple(replicas)
     for m in replicas:
         check_int("replicas", m, minimum=1, fix="copies in memory, the local one included")
-    return _advise(model, costs, cap_s, replicas)
+    return advise_models(model, costs, cap_s, replicas)
 
 
-def _advise(model: FailureModel, costs: Costs, cap_s: float, replicas: tuple[int, ...]) -> Advice:
+def advise_models(model: FailureModel, costs: Costs, cap_s: float, replicas: tuple[int, ...]) -> Advice:
+    """:func:`advise` on checked models (the command line builds them itself)."""
     cache: dict[tuple[int, str], Survival] = {}
 
     def price(setting: Setting) -> Estimate:

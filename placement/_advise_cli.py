@@ -9,7 +9,8 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from ._advise import Advice, _advise
+from ._advise import Advice, advise_models
+from ._advise_args import commit_seconds, count, count_or_zero, number, number_or_zero, replica_counts
 from ._bench import BENCH_FIELDS, BenchCosts, read_bench
 from ._errors import PlacementError
 from ._inputs import DOMAIN_LAYOUTS, HOUR, Costs, FailureModel, check_number
@@ -45,57 +46,57 @@ def add_parser(sub: Any) -> None:
         "memory survives.  Every input but --hosts has a default (docs/advise.md).",
     )
     d_fail, d_cost = FailureModel(hosts=1), Costs()
-    p.add_argument("--hosts", type=_count, required=True, help="number of hosts N")
-    p.add_argument("--ranks-per-host", type=_count, help=f"default {d_fail.ranks_per_host}")
-    p.add_argument("--step-time", type=_number, metavar="S",
+    p.add_argument("--hosts", type=count, required=True, help="number of hosts N")
+    p.add_argument("--ranks-per-host", type=count, help=f"default {d_fail.ranks_per_host}")
+    p.add_argument("--step-time", type=number, metavar="S",
                    help=f"seconds per training step without checkpointing (default {d_cost.step_s:g})")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--host-mtbf", type=_number, metavar="H",
+    rate.add_argument("--host-mtbf", type=number, metavar="H",
                       help=f"hours between losses of one host (default {d_fail.host_mtbf_h:g})")
-    rate.add_argument("--failures-per-day", type=_number, metavar="F",
+    rate.add_argument("--failures-per-day", type=number, metavar="F",
                       help="host losses per host per day (instead of --host-mtbf)")
-    p.add_argument("--process-mtbf", type=_number_or_zero, metavar="H",
+    p.add_argument("--process-mtbf", type=number_or_zero, metavar="H",
                    help="hours between crashes of a host's training processes while the host "
                    f"lives; 0 = none (default {d_fail.process_mtbf_h:g})")
-    p.add_argument("--domain-size", type=_count, metavar="HOSTS",
+    p.add_argument("--domain-size", type=count, metavar="HOSTS",
                    help="hosts per correlated failure domain (e.g. a rack); needs --domain-mtbf")
-    p.add_argument("--domain-mtbf", type=_number, metavar="H",
+    p.add_argument("--domain-mtbf", type=number, metavar="H",
                    help="hours between failures of one whole domain")
     p.add_argument("--domain-layout", choices=DOMAIN_LAYOUTS,
                    help="contiguous: slots in rank order, a domain's hosts adjacent (the library "
                    "without failure_domain; default); spread: copies kept in different domains "
                    "(CheckpointConfig(failure_domain=...))")
     costs = p.add_argument_group("costs, in seconds (--from-bench reads measured ones)")
-    costs.add_argument("--stall", type=_number_or_zero, metavar="S",
+    costs.add_argument("--stall", type=number_or_zero, metavar="S",
                        help=f"training stall of one save() (default {d_cost.stall_s:g})")
-    costs.add_argument("--commit-time", type=_commit, metavar="S|M=S,...",
+    costs.add_argument("--commit-time", type=commit_seconds, metavar="S|M=S,...",
                        help="save() to committed in memory; one value, or per replicas "
                        "(default " + ",".join(f"{m}={c:g}" for m, c in
                                               enumerate(d_cost.commit_s, 1)) + ")")
-    costs.add_argument("--persist-time", type=_number_or_zero, metavar="S",
+    costs.add_argument("--persist-time", type=number_or_zero, metavar="S",
                        help=f"committed to durable (default {d_cost.persist_s:g})")
-    costs.add_argument("--persist-stall", type=_number_or_zero, metavar="S",
+    costs.add_argument("--persist-stall", type=number_or_zero, metavar="S",
                        help=f"extra stall per persisted version (default {d_cost.persist_stall_s:g})")
     for flag, name in (("--restore-local", "restore_local_s"), ("--restore-peer", "restore_peer_s"),
                        ("--restore-durable", "restore_durable_s"),
                        ("--restart-process", "restart_process_s"),
                        ("--restart-host", "restart_host_s")):
-        costs.add_argument(flag, type=_number_or_zero, metavar="S",
+        costs.add_argument(flag, type=number_or_zero, metavar="S",
                            help=f"default {getattr(d_cost, name):g}")
-    costs.add_argument("--durable-save", type=_number_or_zero, metavar="S",
+    costs.add_argument("--durable-save", type=number_or_zero, metavar="S",
                        help="stall of one blocking durable checkpoint, the durable-only "
                        f"baseline's cost C (default {d_cost.durable_save_s:g})")
     costs.add_argument("--from-bench", action="append", metavar="PATH",
                        help="JSON written by `python -m benchmarks`, or its results directory; "
                        "repeatable; flags given explicitly win")
-    p.add_argument("--max-persist-hours", type=_number, metavar="H", default=3.0,
+    p.add_argument("--max-persist-hours", type=number, metavar="H", default=3.0,
                    help="longest persist interval considered (default 3)")
-    p.add_argument("--replicas", type=_replicas, default=(1, 2, 3), metavar="M,M,...",
+    p.add_argument("--replicas", type=replica_counts, default=(1, 2, 3), metavar="M,M,...",
                    help="copy counts to compare (default 1,2,3)")
-    p.add_argument("--simulate", type=_count_or_zero, default=20000, metavar="EVENTS",
+    p.add_argument("--simulate", type=count_or_zero, default=20000, metavar="EVENTS",
                    help="Monte-Carlo check of the recommended and durable-only settings, "
                    "failures replayed each (default 20000; 0 = off)")
-    p.add_argument("--seed", type=_count_or_zero, default=0, help="Monte-Carlo seed (default 0)")
+    p.add_argument("--seed", type=count_or_zero, default=0, help="Monte-Carlo seed (default 0)")
     p.add_argument("--durable-uri", default="runs/my-job", help="for the CheckpointConfig line")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw ETTR vs hosts (16..4096) to this PNG (needs matplotlib)")
@@ -120,7 +121,7 @@ def _run(args: argparse.Namespace) -> str:
     bench = read_bench(args.from_bench) if args.from_bench else None
     model, costs, origin = _inputs(args, bench)
     cap_s = check_number("max_persist_h", args.max_persist_hours, fix="hours") * HOUR
-    advice = _advise(model, costs, cap_s, args.replicas)
+    advice = advise_models(model, costs, cap_s, args.replicas)
     sims = {}
     if args.simulate:  # the pick and the baseline, replayed through the planner
         for name, est in (("recommended", advice.recommended), ("durable_only", advice.durable_only)):
@@ -323,7 +324,7 @@ def _plot(args: argparse.Namespace, model: FailureModel, costs: Costs, cap_s: fl
     for n in hosts:
         fm = FailureModel(**{**{f.name: getattr(model, f.name) for f in fields(FailureModel)},
                              "hosts": n})
-        a = _advise(fm, costs, cap_s, args.replicas)
+        a = advise_models(fm, costs, cap_s, args.replicas)
         local = [e.ettr for e in a.candidates if e.setting.replicas == 1]
         series["durable only (optimal interval)"].append(a.durable_only.ettr)
         series["in memory, replicas=1"].append(max(local) if local else math.nan)
@@ -345,72 +346,3 @@ def _plot(args: argparse.Namespace, model: FailureModel, costs: Costs, cap_s: fl
     fig.savefig(args.plot, dpi=100)
     plt.close(fig)
     return str(args.plot)
-
-
-# ---- argument types -------------------------------------------------------------
-
-
-def _number(text: str) -> float:
-    return _parse_float(text, allow_zero=False)
-
-
-def _number_or_zero(text: str) -> float:
-    return _parse_float(text, allow_zero=True)
-
-
-def _parse_float(text: str, *, allow_zero: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'}, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    return _parse_int(text, minimum=1)
-
-
-def _count_or_zero(text: str) -> int:
-    return _parse_int(text, minimum=0)
-
-
-def _parse_int(text: str, *, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-    return value
-
-
-def _commit(text: str) -> float | dict[int, float]:
-    if "=" not in text:
-        return _number_or_zero(text)
-    out: dict[int, float] = {}
-    for part in text.split(","):
-        m, sep, seconds = part.partition("=")
-        try:
-            out[int(m)] = _number_or_zero(seconds)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise argparse.ArgumentTypeError(
-                f"expected seconds or REPLICAS=SECONDS,... like 1=1,2=3,3=5, got {text!r}"
-            ) from None
-        if int(m) < 1:
-            raise argparse.ArgumentTypeError(f"replicas must be >= 1 in {text!r}")
-    return out
-
-
-def _replicas(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected copy counts like 1,2,3, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"copy counts must be >= 1, got {text!r}")
-    return values
-

@@ -1,6 +1,6 @@
 """Monte-Carlo replay of the advise model, failure by failure, through the real planner.
 
-The analytic estimate in ``_advise`` integrates over failure phases and counts failure
+The analytic estimate in ``advise_models`` integrates over failure phases and counts failure
 sets; this replays the same rules one event at a time instead: draw when the next failure
 strikes and what it hits, draw the hosts that also fail within its recovery window, ask
 :func:`~placement.survives` whether memory still holds every shard, and move the work

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
+
+import pytest
 
 import gemini_ckpt
 
 PACKAGE = pathlib.Path(gemini_ckpt.__file__).parent
 NAME = "gemini_ckpt"
+PLACEMENT = PACKAGE.parent / "placement"  # the planner: pure, a package of its own
 
 LAYERS = [
     # base: stdlib (and numpy) only, no torch, nothing of ours above
@@ -45,18 +49,18 @@ LAYERS = [
 ]
 
 
-def _modules() -> dict[str, pathlib.Path]:
+def _modules(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = (NAME,) + path.relative_to(PACKAGE).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = (package.name,) + path.relative_to(package).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
-    """module -> the modules of ours it imports, anywhere in its text."""
+def _imports(modules: dict[str, pathlib.Path], name_of: str = NAME) -> dict[str, set[str]]:
+    """module -> the modules of ours (``name_of``'s) it imports, anywhere in its text."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -78,7 +82,7 @@ def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 # a package's own ``__init__`` runs before any of its modules anyway: not an edge
-                if target.startswith(NAME + ".") and target != name and not name.startswith(target + "."):
+                if target.startswith(name_of + ".") and target != name and not name.startswith(target + "."):
                     targets.add(target)
         graph[name] = targets
     return graph
@@ -138,9 +142,26 @@ def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-def test_no_module_imports_itself_back():
-    circles = _circles(_imports(_modules()))
+@pytest.mark.parametrize("package", [PACKAGE, PLACEMENT], ids=lambda p: p.name)
+def test_no_module_imports_itself_back(package):
+    circles = _circles(_imports(_modules(package), package.name))
     assert not circles, f"import circles: {circles}"
+
+
+def test_the_planner_imports_nothing_but_the_standard_library_and_itself():
+    # placement/ is pure: the planner and advise run where neither torch nor Ray is installed
+    allowed = set(sys.stdlib_module_names) | {"placement", "matplotlib"}  # matplotlib: --plot only, imported late
+    found = []
+    for name, path in _modules(PLACEMENT).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            found += [f"{name}: {root}" for root in roots if root not in allowed]
+    assert not found, f"placement/ imports outside the standard library: {found}"
 
 
 def test_every_package_has_a_layer():
@@ -173,18 +194,19 @@ def test_the_graph_is_read_the_way_python_imports():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_private_name_is_imported_from_another_module():
+@pytest.mark.parametrize("package", [PACKAGE, PLACEMENT], ids=lambda p: p.name)
+def test_no_private_name_is_imported_from_another_module(package):
     # ``from .dcp import _uint8`` couples two modules through a name the first may change at will;
     # a private module of a package (``from . import _wire``) is that package's business
-    modules = _modules()
+    modules = _modules(package)
     found = []
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(NAME)):
-                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(package.name)):
+                here = name if path.name == "__init__.py" else name.rpartition(".")[0]
                 base = node.module or ""
                 if node.level:
-                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
                 for alias in node.names:
                     private = alias.name.startswith("_") and not alias.name.startswith("__")
@@ -196,8 +218,9 @@ def test_no_private_name_is_imported_from_another_module():
 MAX_LINES = 400
 
 
-def test_no_library_module_over_400_lines():
+@pytest.mark.parametrize("package", [PACKAGE, PLACEMENT], ids=lambda p: p.name)
+def test_no_library_module_over_400_lines(package):
     # a module past this holds more than one job (split it by concept, not by count)
-    long = sorted(f"{path.relative_to(PACKAGE)}: {n}" for path in PACKAGE.rglob("*.py")
+    long = sorted(f"{path.relative_to(package)}: {n}" for path in package.rglob("*.py")
                   if (n := len(path.read_text().splitlines())) > MAX_LINES)
     assert not long, f"modules over {MAX_LINES} lines: {long}"
