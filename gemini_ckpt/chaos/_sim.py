@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -23,15 +22,6 @@ from ..testing.cluster import LocalCluster  # noqa: E402
 from ._worker import RankWorker  # noqa: E402
 
 RAY_NAMESPACE = "gemini_chaos"
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"chaos: timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 class RankPool:
