@@ -12,6 +12,7 @@ import difflib
 import inspect
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
 
 from placement import LAYOUTS
@@ -26,16 +27,27 @@ PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 STAGINGS = ("copy", "overlap")
-INTERLEAVE_MODES = ("gate", "network", "off")  # CheckpointConfig.interleave; True is "gate", False is "off"
+class Interleave(StrEnum):
+    """How replication shares the network with training (``CheckpointConfig.interleave``, see
+    docs/interleave.md): ``gate`` (a host store sends only while its ranks are not inside a
+    collective), ``network`` (its traffic marked lower-effort), ``off``. A ``str``: it travels
+    and compares as its word."""
+
+    GATE = "gate"
+    NETWORK = "network"
+    OFF = "off"
 
 
-def interleave_mode(value) -> str:
+INTERLEAVE_MODES = tuple(Interleave)  # CheckpointConfig.interleave; True is "gate", False is "off"
+
+
+def interleave_mode(value) -> Interleave:
     """``CheckpointConfig.interleave``, or what a registry or a client of another version passed
-    on for it, as one of :data:`INTERLEAVE_MODES`: ``True`` is ``"gate"``, ``False`` is
-    ``"off"``, anything unknown ``"gate"`` (the default)."""
+    on for it, as an :class:`Interleave`: ``True`` is ``gate``, ``False`` is ``off``, anything
+    unknown ``gate`` (the default). The one place the setting is normalized."""
     if value is True or value is False:
-        return "gate" if value else "off"
-    return value if value in INTERLEAVE_MODES else "gate"
+        return Interleave.GATE if value else Interleave.OFF
+    return Interleave(value) if value in INTERLEAVE_MODES else Interleave.GATE
 
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
@@ -199,8 +211,8 @@ class CheckpointConfig:
                               f"got {self.failure_domain!r}")
 
     @property
-    def interleave_mode(self) -> str:
-        """``interleave`` as one of ``"gate"``, ``"network"``, ``"off"``."""
+    def interleave_mode(self) -> Interleave:
+        """``interleave`` as an :class:`Interleave`."""
         return interleave_mode(self.interleave)
 
     @property

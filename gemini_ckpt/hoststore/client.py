@@ -32,7 +32,7 @@ from typing import Optional
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..config import CheckpointConfig
+from ..config import CheckpointConfig, Interleave
 from ..errors import (
     AttachError,
     CheckpointTimeoutError,
@@ -336,7 +336,7 @@ class RayTier(MemoryTier):
         """This rank's slot in its host store's comm state (asked for once; None unless
         ``interleave`` is ``True``/``"gate"``): marks in it hold the store's sends back
         (docs/interleave.md)."""
-        if self.config.interleave_mode != "gate":
+        if self.config.interleave_mode != Interleave.GATE:
             return None
         with self._lock:
             if self._marker is None and not self._no_marker:

@@ -5,6 +5,7 @@ stale mark."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gemini_ckpt.config import CheckpointConfig, interleave_mode
+from gemini_ckpt.config import CheckpointConfig, Interleave, interleave_mode
 from gemini_ckpt.errors import ConfigError
 from gemini_ckpt.format.commstate import CommState
 from gemini_ckpt.dataplane._interleave import unsent_bytes
@@ -279,6 +280,9 @@ def test_interleave_is_on_by_default_and_validated():
     # what a store gets from a registry or client of another version: a bool, or a mode it knows
     assert [interleave_mode(v) for v in (True, False, "network", "off", "later")] == ["gate", "off", "network",
                                                                                      "off", "gate"]
+    # one type wherever it is read: the enum, which compares and travels as its word
+    assert all(type(interleave_mode(v)) is Interleave for v in (True, False, "network", "later"))
+    assert type(CheckpointConfig().interleave_mode) is Interleave and json.dumps(interleave_mode("off")) == '"off"'
     with pytest.raises(ConfigError, match="interleave.*'network'"):
         CheckpointConfig(interleave="yes")
 

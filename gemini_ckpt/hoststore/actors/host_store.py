@@ -50,7 +50,7 @@ from ..fence import fence_when_node_lost
 from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ...commit import HostCommit, VersionId, VersionState
 from ...format.commstate import CommState
-from ...config import interleave_mode
+from ...config import Interleave
 from ...dataplane import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
@@ -107,7 +107,7 @@ class HostStore:
         self.started_unix = time.time()
         self.footprint_bytes = 0  # what the job's plan will take here (expect)
         self.bandwidth: Optional[int] = None
-        self.interleave = "off"  # the data plane's mode: "gate" (sends go through the gate), "network", "off"
+        self.interleave = Interleave.OFF  # the data plane's mode (gate: its sends go through the gate)
         self.gate = None  # the transport's IdleGate reading the comm state, when interleaving
         self.listener = self.attach = None  # where peers' copies come in; the AttachServer of this node's ranks
         self.secret, self.stopped = b"", False  # the namespace's, this epoch (the data plane's and attach's)
@@ -170,7 +170,7 @@ class HostStore:
         self.s.epoch, self.s.cfg = epoch, cfg
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
-        bandwidth, interleave = cfg.bandwidth, interleave_mode(cfg.interleave)
+        bandwidth, interleave = cfg.bandwidth, cfg.interleave  # store_config normalized it
         if (secret != self.secret or self.listener is None or bandwidth != self.bandwidth
                 or interleave != self.interleave):
             self._start_data_plane(secret, bandwidth, interleave)
@@ -189,7 +189,7 @@ class HostStore:
         log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
                  list(cfg.ranks_here))
 
-    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: str = "off") -> None:
+    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: Interleave = Interleave.OFF) -> None:
         """The listener for copies, and the transport this store sends with: its bandwidth cap
         (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends, and
         so is its gate (``CheckpointConfig.interleave`` ``"gate"``): sends wait while this node's
@@ -199,11 +199,11 @@ class HostStore:
         self.secret, self.bandwidth, self.interleave = secret, bandwidth, interleave
         if self.s.comm is None:
             self.s.comm = CommState.create()
-        self.gate = IdleGate(self.s.comm) if interleave == "gate" else None
+        self.gate = IdleGate(self.s.comm) if interleave == Interleave.GATE else None
         self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
                                        config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
                                                         max_send_bytes_per_s=bandwidth,
-                                                        dscp=LOWER_EFFORT_DSCP if interleave == "network" else None),
+                                                        dscp=LOWER_EFFORT_DSCP if interleave == Interleave.NETWORK else None),
                                        gate=self.gate)
         self.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.server.forget_readers()

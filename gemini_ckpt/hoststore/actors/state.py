@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ...config import CheckpointConfig, interleave_mode
+from ...config import CheckpointConfig, Interleave, interleave_mode
 from ...commit import HostCommit, VersionState
 from .versions import VersionTable
 
@@ -35,7 +35,7 @@ class EpochConfig:
     key: Optional[str] = field(default=None, repr=False)  # the signing key (hex), if any
     bandwidth: Optional[int] = None  # CheckpointConfig.replication_bandwidth
     domains: Optional[tuple] = None  # slot -> failure domain (CheckpointConfig.failure_domain), fixed per epoch
-    interleave: str = "gate"  # CheckpointConfig.interleave_mode: "gate", "network" or "off"
+    interleave: Interleave = Interleave.GATE  # CheckpointConfig.interleave_mode
     metrics: bool = True  # CheckpointConfig.metrics: this store publishes its gauges (gemini_ckpt.hoststore.metrics)
 
     @property
@@ -62,7 +62,7 @@ def store_config(job: dict, *, epoch: int, slot: int, nodes: tuple, ranks_here: 
         replicas=int(job.get("replicas", 2)), strategy=job.get("strategy", "auto"), keep=keep,
         dead=frozenset(dead), idle=frozenset(idle), timeout_s=float(timeout_s), committed=tuple(committed),
         secret=secret, key=job.get("key"), bandwidth=job.get("bandwidth"), domains=domains,
-        interleave=interleave_mode(job.get("interleave", "gate")), metrics=bool(job.get("metrics", True)))
+        interleave=interleave_mode(job.get("interleave", Interleave.GATE)), metrics=bool(job.get("metrics", True)))
 
 
 class StoreState:
