@@ -234,7 +234,7 @@ class RayTier(MemoryTier):
     def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
                  persist: bool = False, verdict: Optional[Health] = None) -> "concurrent.futures.Future[Outcome]":
         outcome = self._attach.outcome(step)
-        staged = Staged(step, plan.plan_id, segment.id, persist=persist, lengths=tuple(len(b) for b in blobs),
+        staged = Staged(step, plan.plan_id, segment.id, persist=bool(persist), lengths=tuple(len(b) for b in blobs),
                         verdict=None if verdict is None else verdict.to_json())
         self._attach.send(staged.to_wire(), b"".join(blobs))
         done: concurrent.futures.Future = concurrent.futures.Future()

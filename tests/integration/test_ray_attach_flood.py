@@ -55,7 +55,7 @@ def test_every_restart_attaches_and_commits_while_local_processes_flood_the_atta
     ranks.restart(namespace)
     assert all(r[0]["committed"] for r in ranks.train([0])), "the job before the flood"
     store = find_store(CheckpointConfig(namespace=namespace).resolved_namespace, node_id_of_host(0))
-    address = ray.get(store.__ray_call__.remote(lambda self: self.attach.address), timeout=60)
+    address = ray.get(store.__ray_call__.remote(lambda self: self.attach_server.address), timeout=60)
     assert address.startswith("\0gemini-ckpt-")
     flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, address[1:], "240"], stdout=subprocess.PIPE,
                                  text=True) for _ in range(FLOODERS)]

@@ -175,7 +175,8 @@ def progress():
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow), 0])  # CI: rank 0 (and chaos: 2, 3)
+@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow),
+                                    pytest.param(0, marks=[pytest.mark.slow, pytest.mark.ci])])  # CI: rank 0, after the default run (and chaos: 2, 3)
 def test_in_place_a_killed_worker_is_replaced_alone_and_every_rank_rolls_back_in_its_own_process(
         reference, tmp_path, progress, monkeypatch, killed):
     """Rank ``killed`` SIGKILLs itself after saving step 7; Ray Train replaces only it (same rank,

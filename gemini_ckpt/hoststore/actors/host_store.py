@@ -109,7 +109,7 @@ class HostStore:
         self.bandwidth: Optional[int] = None
         self.interleave = Interleave.OFF  # the data plane's mode (gate: its sends go through the gate)
         self.gate = None  # the transport's IdleGate reading the comm state, when interleaving
-        self.listener = self.attach = None  # where peers' copies come in; the AttachServer of this node's ranks
+        self.listener = self.attach_server = None  # where peers' copies come in; this node's ranks' AttachServer
         self.secret, self.stopped = b"", False  # the namespace's, this epoch (the data plane's and attach's)
         self.driver = CommitDriver(self.s)
         self.replicator = Replicator(self.s, self.driver)
@@ -152,7 +152,7 @@ class HostStore:
                 if not isinstance(cfg, EpochConfig) or cfg.epoch != epoch:
                     raise TypeError(f"attach(epoch={epoch}) needs that epoch's EpochConfig, got {cfg!r}")
                 self._new_epoch(epoch, cfg)
-            return {"attach": self.attach.address, "endpoint": self.listener.endpoint, "slot": self.s.cfg.slot}
+            return {"attach": self.attach_server.address, "endpoint": self.listener.endpoint, "slot": self.s.cfg.slot}
 
     def _new_epoch(self, epoch: int, cfg: EpochConfig) -> None:
         committed = {tuple(v) for v in cfg.committed}
@@ -174,10 +174,10 @@ class HostStore:
         if (secret != self.secret or self.listener is None or bandwidth != self.bandwidth
                 or interleave != self.interleave):
             self._start_data_plane(secret, bandwidth, interleave)
-        if self.attach is None:
-            self.attach = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
+        if self.attach_server is None:
+            self.attach_server = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
         else:
-            self.attach.secret = secret
+            self.attach_server.secret = secret
         self.driver.new_epoch()
         self.replicator.new_epoch()
         held = [v for v in self.s.table.versions.values() if v.state == VersionState.COMMITTED]

@@ -28,7 +28,7 @@ class ShardServer:
     def __init__(self, state: StoreState) -> None:
         self.s = state
         self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel (the store's lock)
-        self._connecting = threading.Lock()  # one connect per reader, however many pushes want it
+        self._connecting: dict[tuple, threading.Lock] = {}  # reader -> its one connect, however many pushes want it
 
     # --- reading ------------------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
@@ -103,7 +103,7 @@ class ShardServer:
         except (TransportError, TimeoutError) as exc:
             key = (reader.host, reader.port)
             with self.s.lock:
-                if self.readers.get(key) is channel:
+                if channel is not None and self.readers.get(key) is channel:
                     del self.readers[key]
             if channel is not None:
                 channel.close()
@@ -115,13 +115,19 @@ class ShardServer:
     def forget_readers(self) -> None:
         """The data plane started again: the channels to readers went with the old one."""
         with self.s.lock:
-            self.readers = {}
+            self.readers, self._connecting = {}, {}
 
     def _reader_channel(self, reader: Endpoint):
         """The one channel to a reader's listener, shared by every push to it (the pushes of one
-        read run at once, on the actor's threads: the first connects, the others wait for it)."""
+        read run at once, on the actor's threads: the first connects, the others to that reader
+        wait for it; pushes to other readers do not)."""
         key = (reader.host, reader.port)
-        with self._connecting:
+        with self.s.lock:
+            channel = self.readers.get(key)
+            if channel is not None:
+                return channel
+            connecting = self._connecting.setdefault(key, threading.Lock())
+        with connecting:
             with self.s.lock:
                 channel = self.readers.get(key)
             if channel is None:
