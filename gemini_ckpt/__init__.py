@@ -49,7 +49,7 @@ _EXPORTS = {
     "VersionNotFoundError": ".errors",
     "cluster_status": ".cli.status",
     "interleave": ".integrations.interleave",
-    "register_durable_backend": ".format.backends",
+    "register_durable_backend": ".durable.backends",
 }
 _MODULES = {"ray_train": ".integrations.ray_train"}  # ``from gemini_ckpt import ray_train as gray``
 
@@ -104,7 +104,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .checkpointer import Checkpointer
     from .events import CheckpointEvent, CheckpointListener
-    from .format.backends import register_durable_backend
+    from .durable.backends import register_durable_backend
     from .cli.status import cluster_status
     from .config import CheckpointConfig
     from .errors import (

@@ -40,9 +40,9 @@ from .restore import check_structure
 from .results import RestoreResult
 from .restore.loader import load as dcp_load
 from .state.train_state import MODEL, OPTIM, TrainState
-from .stores.fs import MAX_UNRECORDED_METADATA_BYTES
-from .format.layout import METADATA_FILE, path_parts
-from .stores.files import LocalFiles
+from .durable.fs import MAX_UNRECORDED_METADATA_BYTES
+from .durable.layout import METADATA_FILE, path_parts
+from .durable.files import LocalFiles
 from .trust.items import item_nbytes, safe_opaque, torch_load_value
 from .trust.metadata import metadata_loads
 

@@ -8,7 +8,7 @@ import torch
 
 from gemini_ckpt.chaos import faulty_filesystem
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import build_training, lm_loss
 
 root, refs = sys.argv[1], sys.argv[2]

@@ -27,7 +27,7 @@ def corrupt_durable_item(root, step: int, fqn: str) -> None:
     """Flip one byte inside item ``fqn`` of a durable version under the local directory ``root``."""
     import os
 
-    from gemini_ckpt.stores.durable import DurableTier
+    from gemini_ckpt.durable.tier import DurableTier
 
     view = DurableTier(str(root)).open(step)
     info = next(info for index, info in view.metadata.storage_data.items() if index.fqn == fqn)

@@ -150,7 +150,7 @@ def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committ
     import ray
 
     from ..hoststore.cluster import find_store
-    from ..format.layout import data_file_name, step_dir_name
+    from ..durable.layout import data_file_name, step_dir_name
 
     corrupt_memory: dict[int, dict[int, set]] = {}
     corrupt_durable: set[int] = set()

@@ -71,7 +71,7 @@ def _committed_on_all(records: dict[int, list[dict]]) -> list[int]:
 
 
 def _durable_steps(root: str) -> list[int]:
-    from ..stores.fs import FsStore
+    from ..durable.fs import FsStore
 
     if not os.path.isdir(root):
         return []

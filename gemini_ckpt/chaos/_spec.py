@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..testing.netns import parse_rate
-from ..stores.durable import EveryNSteps
+from ..durable.tier import EveryNSteps
 from ._faults import (
     CONDITION_TYPES,
     FAULT_TYPES,

@@ -75,7 +75,7 @@ class RankWorker:
 
         from .. import CheckpointConfig, Checkpointer
         from ..faults import set_hook
-        from ..stores.durable import DurableTier
+        from ..durable.tier import DurableTier
 
         self.teardown()
         stage = self._stage = "rendezvous"

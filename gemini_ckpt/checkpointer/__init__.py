@@ -16,7 +16,7 @@ The life of a version, on the trainer's side:
    the checksums are computed, not here.
 2. The background thread waits for the version's outcome, its health included.
 3. A committed, healthy version due for the durable tier goes to the
-   :class:`~gemini_ckpt.persister.Persister`. An unhealthy one is never persisted; the first is
+   :class:`~gemini_ckpt.durable.writer.Persister`. An unhealthy one is never persisted; the first is
    logged loudly, and with ``on_unhealthy="raise"`` each is raised at the next ``save``.
 
 The modules, one step each: :mod:`.facade` (``Checkpointer``, the methods users call),

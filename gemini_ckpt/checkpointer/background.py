@@ -3,7 +3,7 @@
 ``save()`` queues a :class:`Job` (its handle, the memory tier's outcome future, whether it is
 due for the durable tier); the thread waits for the outcome, resolves the handle's futures,
 judges the verdict (an unhealthy version is never persisted) and queues a committed, healthy,
-due version with the :class:`~gemini_ckpt.persister.Persister`. What fails is stored in the
+due version with the :class:`~gemini_ckpt.durable.writer.Persister`. What fails is stored in the
 :class:`~.inflight.InFlight` errors and raised on the caller's thread.
 """
 
@@ -21,10 +21,10 @@ from ..errors import BackgroundError, CheckpointError, UnhealthyVersionError
 from ..faults import fire
 from ..health import UNCHECKED_VERDICT, Health, no_verdict
 from ..lineage import Lineage
-from ..persister import Persister
+from ..durable.writer import Persister
 from ..results import CheckpointStats, SaveHandle
 from ..stores.base import MemoryTier
-from ..stores.durable import DurableTier
+from ..durable.tier import DurableTier
 from .inflight import InFlight
 
 log = logging.getLogger("gemini_ckpt")

@@ -25,7 +25,7 @@ from ..faults import fire
 from ..format.commstate import Marker
 from ..health import MetricHistory
 from ..lineage import Lineage, survey
-from ..persister import Persister
+from ..durable.writer import Persister
 from ..retention import KeepNewest, Retention
 from ..results import CheckpointStats, RestoreResult, SaveHandle
 from ..save.sources import Sources
@@ -33,7 +33,7 @@ from ..save.stager import Stager
 from ..restore.peek import Peeked, peek_newest
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier
-from ..stores.durable import DurableTier, persist_policy
+from ..durable.tier import DurableTier, persist_policy
 from ..unpickle import no_gc
 from .background import Background, Job
 from ..events import CheckpointListener, Events

@@ -18,7 +18,7 @@ from ..restore import restore_newest
 from ..results import RestoreResult
 from ..state.train_state import RandomState, TrainState, capture_rng, restore_rng_state
 from ..stores.base import MemoryTier
-from ..stores.durable import DurableTier
+from ..durable.tier import DurableTier
 
 log = logging.getLogger("gemini_ckpt")
 

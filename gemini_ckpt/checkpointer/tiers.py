@@ -2,7 +2,7 @@
 
 The memory tier is a process-local store (``store="local"``) or the connection to the host
 stores (``store="ray"``; Ray is imported only then). With a durable tier, rank 0 cleans up what
-an earlier run left incomplete, and the :class:`~gemini_ckpt.persister.Persister` starts.
+an earlier run left incomplete, and the :class:`~gemini_ckpt.durable.writer.Persister` starts.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError
-from ..persister import Persister
+from ..durable.writer import Persister
 from ..results import CheckpointStats
 from ..retention import KeepNewest
 from ..stores.base import MemoryTier
-from ..stores.durable import DurableTier
+from ..durable.tier import DurableTier
 from ..stores.memory import local_store
 from ..trust.manifest import ENV_KEY, resolve_key
 

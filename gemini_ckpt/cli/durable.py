@@ -14,7 +14,7 @@ import json
 import time
 
 from ..health import UNCHECKED, Health
-from ..stores.durable import DurableTier
+from ..durable.tier import DurableTier
 from ..trust.manifest import resolve_key
 from ..trust.metadata import load_metadata
 

@@ -12,7 +12,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..errors import ReplicationError
-from ..format.layout import data_file_name
+from ..durable.layout import data_file_name
 from .hosts import HostStores
 from .resolve import Resolved
 

@@ -15,8 +15,8 @@ from typing import Any, Iterator, Optional
 from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..retention import LeftToRayTrain
-from ..stores.durable import DurableTier
-from ..format.backends import open_uri
+from ..durable.tier import DurableTier
+from ..durable.backends import open_uri
 
 log = logging.getLogger("gemini_ckpt")
 

@@ -81,10 +81,10 @@ from ..events import CheckpointListener
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError, RecoveryGaveUpError
 from ..state.train_state import TrainState
-from ..stores.durable import DurableTier
+from ..durable.tier import DurableTier
 from ..retention import LeftToRayTrain
-from ..format.backends import open_uri
-from ..format.layout import parse_step_dir, step_dir_name
+from ..durable.backends import open_uri
+from ..durable.layout import parse_step_dir, step_dir_name
 from ..hoststore.slots import HOST_LABEL
 from . import _warm
 from ._inplace_worker import recoverable, recovery_info

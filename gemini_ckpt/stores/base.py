@@ -5,8 +5,8 @@ Two kinds of tier hold versions:
 - a **memory tier** (:class:`MemoryTier`: this process's memory, ``store="local"``; or the host
   stores, ``store="ray"``) takes each version's shards as they are staged and decides when a
   version is committed;
-- the **durable tier** (:class:`gemini_ckpt.stores.fs.FsStore` under
-  :class:`gemini_ckpt.stores.durable.DurableTier`) holds persisted versions as DCP directories.
+- the **durable tier** (:class:`gemini_ckpt.durable.fs.FsStore` under
+  :class:`gemini_ckpt.durable.tier.DurableTier`) holds persisted versions as DCP directories.
 
 Both answer the reader's questions the same way (:class:`Tier`): which steps are committed,
 and a verified, item-by-item view of one (:mod:`gemini_ckpt.stores.views`). What a memory tier
@@ -168,6 +168,6 @@ class MemoryTier(Tier):
         """With ``capabilities.persists_itself``: write each rank's data file of ``step`` under
         ``uri``/``directory`` from the stores' memory, ``sections[rank]`` (the non-tensor items,
         already ``torch.save``-d) first; ``opener``: the URI's backend, when it is not pyarrow's
-        own (:mod:`gemini_ckpt.format.backends`). Returns rank -> list of (offset, length, crc32c)
+        own (:mod:`gemini_ckpt.durable.backends`). Returns rank -> list of (offset, length, crc32c)
         of its tensor items."""
         raise NotImplementedError(f"{type(self).__name__} does not persist by itself")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState, register_durable_backend
-from gemini_ckpt.format.backends import unregister_durable_backend
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.backends import unregister_durable_backend
+from gemini_ckpt.durable.tier import DurableTier
 
 
 def _vault(base: str, seen: str):

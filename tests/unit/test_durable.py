@@ -21,7 +21,7 @@ from gemini_ckpt.chaos import faulty_filesystem
 from helpers import corrupt_item, local_tier
 from rendezvous import join_group, master_store
 from gemini_ckpt import BackgroundError, CheckpointConfig, CheckpointError, Checkpointer, TrainState
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import TinyLM, build_training, lm_loss
 
 HERE = Path(__file__).resolve().parents[1]  # tests/: the support modules

@@ -1,4 +1,4 @@
-"""Durable backends by URI scheme (gemini_ckpt.format.backends): a scheme registered in this
+"""Durable backends by URI scheme (gemini_ckpt.durable.backends): a scheme registered in this
 process, one an installed package declares as an entry point, pyarrow's own, and the errors of
 a scheme nobody opens and of a backend that returns something else."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gemini_ckpt import CheckpointConfig, Checkpointer, ConfigError, TrainState, register_durable_backend
-from gemini_ckpt.format.backends import open_uri, unregister_durable_backend
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.backends import open_uri, unregister_durable_backend
+from gemini_ckpt.durable.tier import DurableTier
 
 OPENED: list[str] = []
 
@@ -102,7 +102,7 @@ def test_an_installed_package_declares_a_backend_by_entry_point(tmp_path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-backend\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[gemini_ckpt.durable_backends]\nacme = acme_backend:open_acme\n"
                                            "bad = acme_backend:missing\n")
-    code = ("from gemini_ckpt.format.backends import open_uri\n"
+    code = ("from gemini_ckpt.durable.backends import open_uri\n"
             "from gemini_ckpt import ConfigError\n"
             "fs, root = open_uri('acme://bucket/run')\n"
             "print(type(fs).__name__, root)\n"

@@ -38,7 +38,7 @@ from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer, TrainSt
 from gemini_ckpt import faults
 from gemini_ckpt.checksum import checksum
 from gemini_ckpt.toy import build_training, lm_loss
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.stores.memory import drop_local_store
 
 NAMESPACE = "hostile-" + uuid.uuid4().hex

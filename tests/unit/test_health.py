@@ -34,7 +34,7 @@ from gemini_ckpt.health import Finite, NoSpike
 from gemini_ckpt.restore import UnhealthyRestoreWarning
 from gemini_ckpt.retention import KeepNewest
 from gemini_ckpt.state.digest import digest
-from gemini_ckpt.stores.durable import DurableTier
+from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.format.finite import CHUNK, NAN_BITS, checksum_items
 from gemini_ckpt.format.manifest import ItemChecksum, VersionManifest
 from gemini_ckpt.stores.memory import drop_local_store

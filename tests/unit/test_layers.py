@@ -24,7 +24,7 @@ LAYERS = [
     # the data plane (authenticated TCP streams, stdlib only) and the commit protocol (sans-I/O)
     {"dataplane", "commit"},
     # the format: shard plans and records, segments, checksums with the health check, DCP framing,
-    # the manifest and the durable layout; torch-free
+    # the durable tier's manifest; torch-free
     {"format"},
     # the live training state; the broadcast from rank 0
     {"state", "collective"},
@@ -34,8 +34,9 @@ LAYERS = [
     {"save"},
     # the tiers' storage and the verified views restore reads
     {"stores"},
-    # persisting a memory version as a DCP checkpoint
-    {"persister"},
+    # the durable tier: backends by URI scheme, the layout and its atomic commit, the tier restore
+    # reads, the writer that persists a memory version as a DCP checkpoint
+    {"durable"},
     # restoring, seeding from stock checkpoints, the host stores (their client side and actors)
     {"restore", "init_from", "hoststore"},
     {"checkpointer"},

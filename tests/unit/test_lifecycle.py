@@ -26,8 +26,8 @@ from gemini_ckpt import (
     TrainState,
 )
 from gemini_ckpt import faults as _faults
-from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.format.layout import IN_PROGRESS_FILE
+from gemini_ckpt.durable.tier import DurableTier
+from gemini_ckpt.durable.layout import IN_PROGRESS_FILE
 from gemini_ckpt.toy import build_training, lm_loss
 
 

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError, TrainState
 from gemini_ckpt.__main__ import main as cli
-from gemini_ckpt.stores.durable import DurableTier
-from gemini_ckpt.format.layout import parse_step_dir
+from gemini_ckpt.durable.tier import DurableTier
+from gemini_ckpt.durable.layout import parse_step_dir
 from gemini_ckpt.stores.views import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier, drop_local_store
 from gemini_ckpt.errors import ShardFormatError, VerificationError

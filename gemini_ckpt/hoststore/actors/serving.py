@@ -143,10 +143,10 @@ class ShardServer:
         ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
         persister), then every tensor item framed as ``torch.save`` frames it. The copy is
         checked against its record first; ``uri`` is opened with ``opener`` when the trainer sent one
-        (its backend, :mod:`gemini_ckpt.format.backends`). Returns ``[offset, length, crc32c]`` per
+        (its backend, :mod:`gemini_ckpt.durable.backends`). Returns ``[offset, length, crc32c]`` per
         tensor item."""
-        from ...stores.files import files_for
-        from ...format.backends import open_uri
+        from ...durable.files import files_for
+        from ...durable.backends import open_uri
 
         with self.s.lock:
             shard = self.s.complete_shard(step, rank)
@@ -160,7 +160,7 @@ class ShardServer:
             target = posixpath.join(root, directory)
             fs.create_dir(target, recursive=True)
             # Created exclusively and never through a link planted in the version's directory
-            # (stores/files.py): a writer of the durable root cannot aim this write elsewhere.
+            # (durable/files.py): a writer of the durable root cannot aim this write elsewhere.
             with files_for(fs, root).create(posixpath.join(directory, name)) as out:
                 out.write(section)
                 placed = write_tensors(out, shard.seg.array,

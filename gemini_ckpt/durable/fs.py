@@ -14,7 +14,7 @@ before anything is unpickled (see :mod:`gemini_ckpt.trust`). Only directory name
 writes count as versions (``step_`` and ASCII digits, exactly our width for that step), and only
 real directories (a link planted under a version's name is never followed).
 
-Every read goes through :mod:`gemini_ckpt.format.layout`'s :class:`~gemini_ckpt.format.layout.Files`:
+Every read goes through :mod:`gemini_ckpt.durable.layout`'s :class:`~gemini_ckpt.durable.layout.Files`:
 the marker is read with a cap and checked (with a key, its signature too) before ``.metadata``,
 which is then read only if it has exactly the size the marker records; a data file only if it has
 exactly its recorded size. Links, FIFOs and devices are refused before they are opened.
@@ -30,8 +30,8 @@ import pyarrow.fs as pafs
 
 from ..errors import DamagedFileError, VerificationError, VersionNotFoundError
 from ..trust.manifest import check_marker, manifest_from_json, manifest_to_json
-from ..format.backends import open_uri
-from ..format.layout import MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, step_dir_name
+from .backends import open_uri
+from .layout import MARKER_FILE, METADATA_FILE, looks_like_step, parse_step_dir, step_dir_name
 from .files import files_for
 from ..format.manifest import VersionManifest
 

@@ -18,7 +18,7 @@ opens the tier. A directory with neither marker was not written by us (a stock `
 say): it is never deleted, only reported.
 
 Every file is created exclusively and the ones readers trust (``.metadata``, the marker,
-``latest``) renamed into place (:class:`~gemini_ckpt.format.layout.Files`), so a crash or a full
+``latest``) renamed into place (:class:`~gemini_ckpt.durable.layout.Files`), so a crash or a full
 disk never leaves a torn marker. A marker that is torn or unreadable anyway (damage, an older
 version of this library) means "not complete": such a version never counts for retention, and
 is removed when it carries our in-progress marker (else reported: it cannot be shown to be ours).
@@ -41,10 +41,10 @@ from ..trust.items import item_nbytes, safe_opaque, torch_load_value
 from ..trust.manifest import resolve_key
 from ..trust.metadata import load_metadata
 from ..trust.values import check_torch_bytes
-from .base import Tier
+from ..stores.base import Tier
 from .fs import FsStore
-from ..format.backends import opener_for
-from ..format.layout import IN_PROGRESS_FILE, LATEST_FILE, MARKER_FILE, read_latest, step_dir_name, write_latest
+from .backends import opener_for
+from .layout import IN_PROGRESS_FILE, LATEST_FILE, MARKER_FILE, read_latest, step_dir_name, write_latest
 from ..format.manifest import VersionManifest
 
 log = logging.getLogger("gemini_ckpt")
@@ -199,7 +199,7 @@ class DurableTier(Tier):
     def open(self, step: int, *, key: Optional[bytes] = None):
         """A verified view of a complete version (marker, ``.metadata`` checksum, signature
         with ``key``, ``.metadata`` through the allow-list)."""
-        from .views import DurableVersion  # torch: only a reader needs it (status, retention do not)
+        from ..stores.views import DurableVersion  # torch: only a reader needs it (status, retention do not)
 
         manifest = self.store.manifest(step, key=key)
         metadata = load_metadata(manifest, key)

@@ -34,21 +34,21 @@ from typing import Callable, Optional
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 
-from .checksum import checksum
-from .errors import BackgroundError, CheckpointError, CheckpointTimeoutError
-from .faults import fire
-from .results import CheckpointStats, SaveHandle
-from .format.framing import FileItem, value_section, write_tensors
-from .save.plan import DCP_VERSION
-from .save.templates import torch_save_bytes
-from .state.torch_private import default_store
-from .stores.base import MemoryTier
-from .stores.durable import DurableTier
-from .format.layout import data_file_name
-from .format.manifest import ItemChecksum, VersionManifest
-from .trust.manifest import resolve_key, sign
-from .trust.metadata import metadata_loads
-from .trust.values import value_loads
+from ..checksum import checksum
+from ..errors import BackgroundError, CheckpointError, CheckpointTimeoutError
+from ..faults import fire
+from ..results import CheckpointStats, SaveHandle
+from ..format.framing import FileItem, value_section, write_tensors
+from ..save.plan import DCP_VERSION
+from ..save.templates import torch_save_bytes
+from ..state.torch_private import default_store
+from ..stores.base import MemoryTier
+from .tier import DurableTier
+from .layout import data_file_name
+from ..format.manifest import ItemChecksum, VersionManifest
+from ..trust.manifest import resolve_key, sign
+from ..trust.metadata import metadata_loads
+from ..trust.values import value_loads
 
 log = logging.getLogger("gemini_ckpt")
 

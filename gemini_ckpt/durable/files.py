@@ -1,6 +1,6 @@
 """Opening what is under a durable root, safely: :class:`LocalFiles` (file descriptors, on the
 local filesystem) and :class:`ArrowFiles` (any other ``pyarrow.fs`` filesystem), both the
-:class:`~gemini_ckpt.format.layout.Files` the durable layout reads and writes through
+:class:`~gemini_ckpt.durable.layout.Files` the durable layout reads and writes through
 (:func:`files_for` picks one)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 import pyarrow.fs as pafs
 
 from ..errors import DamagedFileError
-from ..format.layout import Entry, Files, path_parts
+from .layout import Entry, Files, path_parts
 
 log = logging.getLogger("gemini_ckpt")
 
