@@ -83,8 +83,13 @@ class Rank:
 
         from gemini_ckpt.toy import linear_stack
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=900))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=900),
+        )
         self.rank, self.world_size = rank, world_size
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
@@ -104,8 +109,7 @@ class Rank:
 
         if self.ckpt is not None:
             self.ckpt.close()
-        self.ckpt = Checkpointer(TrainState(model=self.model),
-                                 CheckpointConfig(store="ray", timeout_s=900, **config))
+        self.ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(store="ray", timeout_s=900, **config))
         return self.ckpt
 
     def close(self) -> None:
@@ -131,9 +135,16 @@ class Rank:
         result = ckpt.restore()
         wall = time.perf_counter() - t0
         self.close()
-        return {"wall_s": wall, "seconds": result.seconds, "source": result.source,
-                "where": result.sources[self.rank], "bytes_read": result.bytes_read, "step": result.step,
-                "path": result.path, "stages": result.stage_seconds()}
+        return {
+            "wall_s": wall,
+            "seconds": result.seconds,
+            "source": result.source,
+            "where": result.sources[self.rank],
+            "bytes_read": result.bytes_read,
+            "step": result.step,
+            "path": result.path,
+            "stages": result.stage_seconds(),
+        }
 
     def copy_floor(self, repeats: int = 2) -> float:
         """The floor of a restore from memory: one plain copy of this rank's bytes from a buffer
@@ -200,11 +211,16 @@ class Rank:
             step += 1
             h1.persisted.result(timeout=900)
             t_persist = (done[0] if done else time.perf_counter()) - t0
-            out.append({"memory_stall_s": h0.staged.result().stall_s,
-                        "persist_step_stall_s": h1.staged.result().stall_s,
-                        "stall_during_persist_s": h2.staged.result().stall_s,
-                        "save_to_committed_s": t_commit, "save_to_persisted_s": t_persist,
-                        "committed_to_persisted_s": t_persist - t_commit})
+            out.append(
+                {
+                    "memory_stall_s": h0.staged.result().stall_s,
+                    "persist_step_stall_s": h1.staged.result().stall_s,
+                    "stall_during_persist_s": h2.staged.result().stall_s,
+                    "save_to_committed_s": t_commit,
+                    "save_to_persisted_s": t_persist,
+                    "committed_to_persisted_s": t_persist - t_commit,
+                }
+            )
         self.close()
         return out
 
@@ -221,8 +237,10 @@ def make_ranks(hosts: int, mb: int, *, rotate: int = 0, fill: bool = True):
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own copy: cloudpickle is not ours
-    ranks = [ray.remote(Rank).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
-             for i in range(hosts)]
+    ranks = [
+        ray.remote(Rank).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
+        for i in range(hosts)
+    ]
     port = free_port()
     shard = ray.get([r.setup.remote(i, hosts, port, mb, fill) for i, r in enumerate(ranks)])
     return ranks, int(statistics.mean(shard))
@@ -272,7 +290,7 @@ class TcpEnd:
         view = memoryview(self.buffer)
 
         def run(i: int) -> None:
-            part, pos = view[bounds[i]:bounds[i + 1]], 0
+            part, pos = view[bounds[i] : bounds[i + 1]], 0
             while pos < len(part):
                 k = socks[i].recv_into(part[pos:])
                 if not k:
@@ -301,7 +319,7 @@ class TcpEnd:
         t0 = time.perf_counter()
 
         def run(i: int) -> None:
-            socks[i].sendall(memoryview(data)[bounds[i]:bounds[i + 1]])
+            socks[i].sendall(memoryview(data)[bounds[i] : bounds[i + 1]])
             socks[i].recv(1)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
@@ -320,9 +338,13 @@ def tcp_floor(pairs: list[tuple[int, int]], nbytes: int) -> float:
     import sys
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ends = [(ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{s}": 0.01}, max_concurrency=2).remote(),
-             ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{r}": 0.01}, max_concurrency=2).remote())
-            for s, r in pairs]
+    ends = [
+        (
+            ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{s}": 0.01}, max_concurrency=2).remote(),
+            ray.remote(TcpEnd).options(num_cpus=0, resources={f"host{r}": 0.01}, max_concurrency=2).remote(),
+        )
+        for s, r in pairs
+    ]
     try:
         addresses = ray.get([recv.listen.remote(nbytes) for _, recv in ends], timeout=300)
         received = [recv.receive.remote() for _, recv in ends]

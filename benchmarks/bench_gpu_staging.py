@@ -62,8 +62,9 @@ def main() -> int:
     raw()
     t_floor = timed(raw)
 
-    ckpt = Checkpointer(TrainState(model=model), CheckpointConfig(store="local", namespace=uuid.uuid4().hex,
-                                                                  keep_in_memory=1))
+    ckpt = Checkpointer(
+        TrainState(model=model), CheckpointConfig(store="local", namespace=uuid.uuid4().hex, keep_in_memory=1)
+    )
     stalls = []
     for step in range(args.repeats + 1):
         torch.cuda.synchronize()
@@ -77,19 +78,28 @@ def main() -> int:
     for _ in range(args.repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fut = dcp.async_save(model.state_dict(), checkpoint_id=f"/tmp/bench_gpu_async_{uuid.uuid4().hex}",
-                             no_dist=True)
+        fut = dcp.async_save(model.state_dict(), checkpoint_id=f"/tmp/bench_gpu_async_{uuid.uuid4().hex}", no_dist=True)
         blocking.append(time.perf_counter() - t0)
         getattr(fut, "upload_completion", fut).result()
     t_async = sorted(blocking)[len(blocking) // 2]
 
     gbs = lambda s: nbytes / s / 1e9  # noqa: E731
-    rows = [["floor: pinned D2H copy", t_floor, gbs(t_floor), 1.0],
-            ["gemini_ckpt save() stall", t_ours, gbs(t_ours), t_ours / t_floor],
-            ["dcp.async_save (blocking part)", t_async, gbs(t_async), t_async / t_floor]]
+    rows = [
+        ["floor: pinned D2H copy", t_floor, gbs(t_floor), 1.0],
+        ["gemini_ckpt save() stall", t_ours, gbs(t_ours), t_ours / t_floor],
+        ["dcp.async_save (blocking part)", t_async, gbs(t_async), t_async / t_floor],
+    ]
     print(table(["what", "seconds", "GB/s", "x floor"], rows))
-    write_results("gpu_staging", {"device": name, "bytes": nbytes, "seconds": {r[0]: r[1] for r in rows},
-                                  "ratio_to_floor": t_ours / t_floor, "target_ratio": 1.25})
+    write_results(
+        "gpu_staging",
+        {
+            "device": name,
+            "bytes": nbytes,
+            "seconds": {r[0]: r[1] for r in rows},
+            "ratio_to_floor": t_ours / t_floor,
+            "target_ratio": 1.25,
+        },
+    )
     return 0
 
 

@@ -81,8 +81,13 @@ def main() -> None:
     ckpts, res = {}, {name: {"stall": [], "safe": []} for name in configs}
     for name, check in configs.items():
         model, opt = build(args.layers, args.dim)
-        cfg = CheckpointConfig(store="local", namespace=f"health-{name}-{uuid.uuid4().hex[:6]}", keep_in_memory=1,
-                               timeout_s=300, health_check=check)
+        cfg = CheckpointConfig(
+            store="local",
+            namespace=f"health-{name}-{uuid.uuid4().hex[:6]}",
+            keep_in_memory=1,
+            timeout_s=300,
+            health_check=check,
+        )
         ckpts[name] = Checkpointer(TrainState(model=model, optimizer=opt), cfg)
     warmup = 2
     staged, last = alternate(ckpts, res, args.saves, warmup)
@@ -95,15 +100,29 @@ def main() -> None:
     med = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in res.items()}
     ratios = {k: med["on"][k] / med["off"][k] for k in ("stall", "safe")}
     met = all(r <= TARGET for r in ratios.values())
-    print(f"state: {staged / 2**30:.3f} GiB per version, {args.saves} saves per config after {warmup} warm-up, "
-          f"alternating")
-    rows = [[what, med["off"][k], med["on"][k], f"{ratios[k]:.3f}", f"<= {TARGET}", "yes" if ratios[k] <= TARGET else "NO"]
-            for what, k in (("save() stall", "stall"), ("time to safe (committed)", "safe"))]
+    print(
+        f"state: {staged / 2**30:.3f} GiB per version, {args.saves} saves per config after {warmup} warm-up, "
+        f"alternating"
+    )
+    rows = [
+        [what, med["off"][k], med["on"][k], f"{ratios[k]:.3f}", f"<= {TARGET}", "yes" if ratios[k] <= TARGET else "NO"]
+        for what, k in (("save() stall", "stall"), ("time to safe (committed)", "safe"))
+    ]
     print(table(["seconds (median)", "check off", "default check", "on / off", "target", "met"], rows))
-    path = write_results("health", {
-        "staged_bytes": staged, "saves": args.saves, "quick": args.quick, "median_s": med,
-        "samples_s": res, "ratio_on_off": ratios, "target_ratio": TARGET, "target_met": met,
-        "note": "single process, store='local'; the check runs beside the checksums on the tier's threads"})
+    path = write_results(
+        "health",
+        {
+            "staged_bytes": staged,
+            "saves": args.saves,
+            "quick": args.quick,
+            "median_s": med,
+            "samples_s": res,
+            "ratio_on_off": ratios,
+            "target_ratio": TARGET,
+            "target_met": met,
+            "note": "single process, store='local'; the check runs beside the checksums on the tier's threads",
+        },
+    )
     print(f"wrote {path}")
 
 

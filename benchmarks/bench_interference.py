@@ -111,8 +111,14 @@ class NetRank:
 
         import torch.distributed as dist
 
-        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, world_size, is_master=True,
-                                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.store = dist.TCPStore(
+            ray.util.get_node_ip_address(),
+            0,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
         return ray.util.get_node_ip_address(), self.store.port
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float = 600) -> None:
@@ -121,13 +127,24 @@ class NetRank:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = self.store if rank == 0 else dist.TCPStore(master[0], master[1], world_size, is_master=False,
-                                                           timeout=timeout)
+        store = (
+            self.store
+            if rank == 0
+            else dist.TCPStore(master[0], master[1], world_size, is_master=False, timeout=timeout)
+        )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
 
-    def build(self, kind: str, layers: int, dim: int, batch: int, device_ms: float = 0.0,
-              comm_dtype: str = "fp32", amsgrad: bool = False) -> int:
+    def build(
+        self,
+        kind: str,
+        layers: int,
+        dim: int,
+        batch: int,
+        device_ms: float = 0.0,
+        comm_dtype: str = "fp32",
+        amsgrad: bool = False,
+    ) -> int:
         """The model to train (``ddp``, ``fsdp2``) or to save (``stack``: FSDP2, no optimizer);
         returns the bytes this rank's checkpoint holds. With ``device_ms``, each layer is followed
         by an emulated accelerator: a step's forward and backward take ``device_ms`` (1:2) with the
@@ -154,7 +171,8 @@ class NetRank:
         if kind == "ddp":
             per_layer_mb = dim * dim * 4 / MIB
             model = nn.parallel.DistributedDataParallel(
-                model, **({"bucket_cap_mb": per_layer_mb} if device_ms > 0 else {}))
+                model, **({"bucket_cap_mb": per_layer_mb} if device_ms > 0 else {})
+            )
         elif comm_dtype == "bf16":  # mixed precision: gathered and reduced in bf16, kept in fp32
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -166,8 +184,8 @@ class NetRank:
             fully_shard_layers(model, mesh, layers=blocks)
             if device_ms > 0:
                 for i, block in enumerate(blocks):
-                    block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
-                    block.set_modules_to_backward_prefetch(blocks[max(0, i - 1):i])
+                    block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+                    block.set_modules_to_backward_prefetch(blocks[max(0, i - 1) : i])
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, amsgrad=amsgrad)
         self.batch = torch.rand(batch, dim, generator=torch.Generator().manual_seed(self.rank))
@@ -182,17 +200,27 @@ class NetRank:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def _checkpointer(self, namespace: str, cap: int | None, interleave: bool, replicas: int = 2,
-                      staging: str = "copy"):
+    def _checkpointer(
+        self, namespace: str, cap: int | None, interleave: bool, replicas: int = 2, staging: str = "copy"
+    ):
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 
         fields = CheckpointConfig.__dataclass_fields__
         extra = {"interleave": interleave} if "interleave" in fields else {}
         if "staging" in fields:
             extra["staging"] = staging
-        ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt), CheckpointConfig(
-            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=self.timeout_s,
-            replication_bandwidth=cap, **extra))
+        ckpt = Checkpointer(
+            TrainState(model=self.model, optimizer=self.opt),
+            CheckpointConfig(
+                store="ray",
+                namespace=namespace,
+                replicas=replicas,
+                keep_in_memory=1,
+                timeout_s=self.timeout_s,
+                replication_bandwidth=cap,
+                **extra,
+            ),
+        )
         if interleave is True:  # the gate: the library's hooks mark the collectives
             import gemini_ckpt
 
@@ -204,8 +232,10 @@ class NetRank:
         """Seconds from ``save()`` to committed, ``saves`` times after one warm-up save."""
         from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
 
-        ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
-            store="ray", namespace=namespace, replicas=2, keep_in_memory=1, timeout_s=self.timeout_s))
+        ckpt = Checkpointer(
+            TrainState(model=self.model),
+            CheckpointConfig(store="ray", namespace=namespace, replicas=2, keep_in_memory=1, timeout_s=self.timeout_s),
+        )
         out = []
         try:
             for step in range(saves + 1):
@@ -217,8 +247,17 @@ class NetRank:
             ckpt.close()
         return out
 
-    def train(self, steps: int, warmup: int, namespace: str | None, cap: int | None,
-              interleave: bool, replicas: int = 2, staging: str = "copy", timeline: bool = False) -> dict:
+    def train(
+        self,
+        steps: int,
+        warmup: int,
+        namespace: str | None,
+        cap: int | None,
+        interleave: bool,
+        replicas: int = 2,
+        staging: str = "copy",
+        timeline: bool = False,
+    ) -> dict:
         """Step times (training + save) and each version's save -> committed seconds; with
         ``timeline`` (rank 0 only: it perturbs its steps), each version's host-store phases in
         seconds after its ``save()``, fetched during the next step."""
@@ -231,6 +270,7 @@ class NetRank:
             def record(_future) -> None:
                 with lock:
                     safe.append(time.perf_counter() - t0)
+
             return record
 
         try:
@@ -256,8 +296,13 @@ class NetRank:
             raise
         if ckpt is not None:
             ckpt.close()
-        return {"step_s": times, "safe_s": safe, "save_s": stalls, "wall_s": time.perf_counter() - begun,
-                "timeline": phases}
+        return {
+            "step_s": times,
+            "safe_s": safe,
+            "save_s": stalls,
+            "wall_s": time.perf_counter() - begun,
+            "timeline": phases,
+        }
 
     # --- the floor: raw TCP between the same hosts over the same links ---------------------------
     def raw_listen(self, nbytes: int) -> tuple[str, int]:
@@ -352,40 +397,73 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=None, help="default 64 computed on the CPU, 8 with --device-ms")
-    ap.add_argument("--device-ms", type=float, nargs="+", default=[0.0, 300.0],
-                    help="workloads to run: 0 computes on the shared CPU cores; MS > 0 emulates an accelerator, "
-                         "a step's forward+backward taking MS with the CPU released and the collectives issued "
-                         "ahead (default: 0 300)")
-    ap.add_argument("--comm-dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="FSDP2's all-gathers and reduce-scatters in this dtype (bf16: mixed precision, the "
-                         "state kept in fp32); DDP always fp32")
-    ap.add_argument("--amsgrad", action="store_true",
-                    help="AdamW with amsgrad: a third fp32 moment, 16 bytes of checkpoint per parameter instead "
-                         "of 12 (as mixed precision's 16 with bf16 weights or an EMA beside the fp32 master), "
-                         "for the same bytes on the wire per step")
+    ap.add_argument(
+        "--device-ms",
+        type=float,
+        nargs="+",
+        default=[0.0, 300.0],
+        help="workloads to run: 0 computes on the shared CPU cores; MS > 0 emulates an accelerator, "
+        "a step's forward+backward taking MS with the CPU released and the collectives issued "
+        "ahead (default: 0 300)",
+    )
+    ap.add_argument(
+        "--comm-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="FSDP2's all-gathers and reduce-scatters in this dtype (bf16: mixed precision, the "
+        "state kept in fp32); DDP always fp32",
+    )
+    ap.add_argument(
+        "--amsgrad",
+        action="store_true",
+        help="AdamW with amsgrad: a third fp32 moment, 16 bytes of checkpoint per parameter instead "
+        "of 12 (as mixed precision's 16 with bf16 weights or an EMA beside the fp32 master), "
+        "for the same bytes on the wire per step",
+    )
     ap.add_argument("--steps", type=int, default=30, help="timed training steps per configuration")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--configs", default="luci",
-                    help="which to run besides no checkpoint: l no copies, u uncapped, c capped, i interleaved (the "
-                         "gate), n interleaved by the network (marked, no gate; with --qos), m no copies with the "
-                         "collectives marked (default luci)")
-    ap.add_argument("--staging", choices=["copy", "overlap"], default="copy",
-                    help="CheckpointConfig.staging for every checkpointing row (overlap: the parameters' and "
-                         "optimizer state's copy runs during the next forward and backward)")
-    ap.add_argument("--qos", action="store_true",
-                    help="links that honour priority (LocalCluster(qos=True): DSCP CS1 goes only when other traffic "
-                         "leaves the link idle), as a switch with a scavenger class; unmarked traffic shares one queue "
-                         "per link as without it")
-    ap.add_argument("--timeline", action="store_true",
-                    help="diagnosis: rank 0 fetches each version's host-store phases during the next step (its "
-                         "step times then include the Ray calls)")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds a collective may wait for the other ranks and a version for its commit (quick: 120)")
+    ap.add_argument(
+        "--configs",
+        default="luci",
+        help="which to run besides no checkpoint: l no copies, u uncapped, c capped, i interleaved (the "
+        "gate), n interleaved by the network (marked, no gate; with --qos), m no copies with the "
+        "collectives marked (default luci)",
+    )
+    ap.add_argument(
+        "--staging",
+        choices=["copy", "overlap"],
+        default="copy",
+        help="CheckpointConfig.staging for every checkpointing row (overlap: the parameters' and "
+        "optimizer state's copy runs during the next forward and backward)",
+    )
+    ap.add_argument(
+        "--qos",
+        action="store_true",
+        help="links that honour priority (LocalCluster(qos=True): DSCP CS1 goes only when other traffic "
+        "leaves the link idle), as a switch with a scavenger class; unmarked traffic shares one queue "
+        "per link as without it",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="diagnosis: rank 0 fetches each version's host-store phases during the next step (its "
+        "step times then include the Ray calls)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds a collective may wait for the other ranks and a version for its commit (quick: 120)",
+    )
     ap.add_argument("--cap", type=float, default=0.5, help="replication_bandwidth as a fraction of the link")
     ap.add_argument("--quick", action="store_true", help="16 MiB time to safe, 2 layers, 8 steps, --qos, row n too")
-    ap.add_argument("--out", default=os.path.join(
-        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        "interference.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+            "interference.json",
+        ),
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.safe_mb, args.saves, args.layers, args.steps, args.warmup, args.device_ms = 16, 1, 2, 8, 2, [300.0]
@@ -404,14 +482,16 @@ def main(argv=None) -> int:
     link_bits = netns.parse_rate(args.link)
     link_bytes = link_bits / 8
     plasma = 256 * MIB
-    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network="netns", link=args.link,
-                           qos=args.qos).start()
+    cluster = LocalCluster(
+        HOSTS, head_cpus=1, object_store_bytes=plasma, network="netns", link=args.link, qos=args.qos
+    ).start()
     namespaces = []
     try:
-        ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
-                 for i in range(HOSTS)]
+        ranks = [ray.remote(NetRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(HOSTS)]
         master = _gather([ranks[0].serve_rendezvous.remote(HOSTS, args.timeout)], args.timeout, "start")[0]
-        _gather([r.setup.remote(i, HOSTS, master, args.timeout) for i, r in enumerate(ranks)], args.timeout, "rendezvous")
+        _gather(
+            [r.setup.remote(i, HOSTS, master, args.timeout) for i, r in enumerate(ranks)], args.timeout, "rendezvous"
+        )
 
         # 1. time to safe without training
         safe_row = None
@@ -419,53 +499,91 @@ def main(argv=None) -> int:
             layers = max(1, round(args.safe_mb * MIB * HOSTS / (1024 * 1024 * 4)))
             shard = _gather([r.build.remote("stack", layers, 1024, 0) for r in ranks], args.timeout, "build")[0]
             namespaces.append("bench-net-safe")
-            safe = _slowest(_gather([r.safe.remote("bench-net-safe", args.saves) for r in ranks], 3 * args.timeout,
-                                    "time to safe"))
+            safe = _slowest(
+                _gather([r.safe.remote("bench-net-safe", args.saves) for r in ranks], 3 * args.timeout, "time to safe")
+            )
             shutdown_host_stores("bench-net-safe")
             addrs = _gather([r.raw_listen.remote(shard) for r in ranks], args.timeout, "raw TCP listen")
-            raw = max(_gather([r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)],
-                              args.timeout, "raw TCP"))
+            raw = max(
+                _gather(
+                    [r.raw_send.remote(addrs[(i + 1) % HOSTS], shard) for i, r in enumerate(ranks)],
+                    args.timeout,
+                    "raw TCP",
+                )
+            )
             floor = shard / link_bytes
-            safe_row = {"shard_bytes": shard, "replicas": 2, "link_floor_s": floor, "raw_tcp_s": raw,
-                        "save_to_committed_s": statistics.median(safe), "raw": safe,
-                        "vs_floor": statistics.median(safe) / floor, "raw_vs_floor": raw / floor}
-            print(f"time to safe: {safe_row['save_to_committed_s']:.3f}s for {shard / MIB:.0f} MiB per host, "
-                  f"link floor {floor:.3f}s ({safe_row['vs_floor']:.2f}x), raw TCP {raw:.3f}s", flush=True)
+            safe_row = {
+                "shard_bytes": shard,
+                "replicas": 2,
+                "link_floor_s": floor,
+                "raw_tcp_s": raw,
+                "save_to_committed_s": statistics.median(safe),
+                "raw": safe,
+                "vs_floor": statistics.median(safe) / floor,
+                "raw_vs_floor": raw / floor,
+            }
+            print(
+                f"time to safe: {safe_row['save_to_committed_s']:.3f}s for {shard / MIB:.0f} MiB per host, "
+                f"link floor {floor:.3f}s ({safe_row['vs_floor']:.2f}x), raw TCP {raw:.3f}s",
+                flush=True,
+            )
 
         # 2. interference
         cap = int(args.cap * link_bytes)
         # (label, namespace tag, cap, interleave, replicas); replicas=1 saves every step without
         # sending a byte: the CPU cost of checkpointing on these shared cores, apart from the links
-        configs = [("no checkpoint", None, None, False, 2), ("every step, no copies (replicas=1)", "l", None, False, 1),
-                   ("every step, uncapped", "u", None, False, 2),
-                   (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
-                   ("every step, interleaved", "i", None, True, 2),
-                   # no gate, the data plane marked lower-effort (CS1): on links that honour
-                   # priority (--qos) the network interleaves it packet by packet
-                   ("every step, interleaved by the network (CS1, no gate)", "n", None, "network", 2),
-                   # marked but nothing to send: the collectives' own durations, for comparison
-                   ("every step, no copies, collectives marked", "m", None, True, 1)]
+        configs = [
+            ("no checkpoint", None, None, False, 2),
+            ("every step, no copies (replicas=1)", "l", None, False, 1),
+            ("every step, uncapped", "u", None, False, 2),
+            (f"every step, capped {args.cap:.0%} of link", "c", cap, False, 2),
+            ("every step, interleaved", "i", None, True, 2),
+            # no gate, the data plane marked lower-effort (CS1): on links that honour
+            # priority (--qos) the network interleaves it packet by packet
+            ("every step, interleaved by the network (CS1, no gate)", "n", None, "network", 2),
+            # marked but nothing to send: the collectives' own durations, for comparison
+            ("every step, no copies, collectives marked", "m", None, True, 1),
+        ]
         configs = [c for c in configs if c[1] is None or c[1] in args.configs]
         rows = []
         for device_ms, kind in [(d, k) for d in args.device_ms for k in args.kinds]:
             batch = args.batch or (8 if device_ms else 64)
-            state = _gather([r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype, args.amsgrad)
-                             for r in ranks], args.timeout, f"build {kind}")
+            state = _gather(
+                [
+                    r.build.remote(kind, args.layers, args.dim, batch, device_ms, args.comm_dtype, args.amsgrad)
+                    for r in ranks
+                ],
+                args.timeout,
+                f"build {kind}",
+            )
             base = None
             for label, tag, limit, inter, replicas in configs:
                 ns = None if tag is None else f"bench-net-{kind}-{device_ms:.0f}-{tag}"
                 if ns:
                     namespaces.append(ns)
-                out = _gather([r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging,
-                                              args.timeline) for r in ranks], 3 * args.timeout, f"{kind} {label}")
+                out = _gather(
+                    [
+                        r.train.remote(args.steps, args.warmup, ns, limit, inter, replicas, args.staging, args.timeline)
+                        for r in ranks
+                    ],
+                    3 * args.timeout,
+                    f"{kind} {label}",
+                )
                 steps = _slowest([o["step_s"] for o in out])
                 safe_s = [s for o in out for s in o["safe_s"]]
-                row = {"kind": kind, "device_ms": device_ms, "batch": batch, "config": label,
-                       "state_bytes_per_rank": max(state),
-                       "p50_s": statistics.median(steps), "p95_s": _pct(steps, 0.95), "raw": steps,
-                       "safe_p50_s": statistics.median(safe_s) if safe_s else None,
-                       # save(): the copy, plus any wait for the previous version (back-pressure)
-                       "save_p50_s": statistics.median(_slowest([o["save_s"] for o in out])) if ns else None}
+                row = {
+                    "kind": kind,
+                    "device_ms": device_ms,
+                    "batch": batch,
+                    "config": label,
+                    "state_bytes_per_rank": max(state),
+                    "p50_s": statistics.median(steps),
+                    "p95_s": _pct(steps, 0.95),
+                    "raw": steps,
+                    "safe_p50_s": statistics.median(safe_s) if safe_s else None,
+                    # save(): the copy, plus any wait for the previous version (back-pressure)
+                    "save_p50_s": statistics.median(_slowest([o["save_s"] for o in out])) if ns else None,
+                }
                 if base is None:
                     base = row
                 row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
@@ -481,70 +599,114 @@ def main(argv=None) -> int:
                 if safe_s and replicas > 1:
                     row["safe_vs_floor"] = row["safe_p50_s"] / (max(state) / link_bytes)
                 rows.append(row)
-                print(f"{kind} device_ms={device_ms:.0f} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
-                      f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})"
-                      + (f", time to safe {row['safe_vs_floor']:.2f}x floor" if row.get("safe_vs_floor") else ""),
-                      flush=True)
+                print(
+                    f"{kind} device_ms={device_ms:.0f} {label}: p50 {row['p50_s'] * 1e3:.0f} ms ({row['p50_overhead']:+.1%}), "
+                    f"p95 {row['p95_s'] * 1e3:.0f} ms ({row['p95_overhead']:+.1%})"
+                    + (f", time to safe {row['safe_vs_floor']:.2f}x floor" if row.get("safe_vs_floor") else ""),
+                    flush=True,
+                )
                 if ns:
                     shutdown_host_stores(ns)
             # the baseline again at the end, pooled with the first (a noisy minute on a shared
             # machine moves one run of it; every cost is against both)
-            again = _slowest([o["step_s"] for o in _gather(
-                [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks], 3 * args.timeout,
-                f"{kind} no checkpoint, again")])
+            again = _slowest(
+                [
+                    o["step_s"]
+                    for o in _gather(
+                        [r.train.remote(args.steps, args.warmup, None, None, False) for r in ranks],
+                        3 * args.timeout,
+                        f"{kind} no checkpoint, again",
+                    )
+                ]
+            )
             base["raw"] = base["raw"] + again
             base["p50_s"], base["p95_s"] = statistics.median(base["raw"]), _pct(base["raw"], 0.95)
             for row in rows:
                 if row["kind"] == kind and row["device_ms"] == device_ms:
                     row["p50_overhead"] = row["p50_s"] / base["p50_s"] - 1
                     row["p95_overhead"] = row["p95_s"] / base["p95_s"] - 1
-            print(f"{kind} device_ms={device_ms:.0f} no checkpoint, both runs: p50 {base['p50_s'] * 1e3:.0f} ms, "
-                  f"p95 {base['p95_s'] * 1e3:.0f} ms", flush=True)
+            print(
+                f"{kind} device_ms={device_ms:.0f} no checkpoint, both runs: p50 {base['p50_s'] * 1e3:.0f} ms, "
+                f"p95 {base['p95_s'] * 1e3:.0f} ms",
+                flush=True,
+            )
         _gather([r.teardown.remote() for r in ranks], 120, "teardown")
     finally:
         stop_cluster(cluster, namespaces)
 
-    result = {"question": "replication on shaped links: time to safe vs the link floor; training interference",
-              "hosts": HOSTS, "link": args.link, "link_bits_per_s": link_bits, "layers": args.layers,
-              "dim": args.dim, "comm_dtype": args.comm_dtype, "amsgrad": args.amsgrad, "staging": args.staging, "qos": args.qos, "device_ms": args.device_ms, "steps": args.steps, "cap_fraction": args.cap,
-              "machine": machine, "safe": safe_row, "interference": rows}
+    result = {
+        "question": "replication on shaped links: time to safe vs the link floor; training interference",
+        "hosts": HOSTS,
+        "link": args.link,
+        "link_bits_per_s": link_bits,
+        "layers": args.layers,
+        "dim": args.dim,
+        "comm_dtype": args.comm_dtype,
+        "amsgrad": args.amsgrad,
+        "staging": args.staging,
+        "qos": args.qos,
+        "device_ms": args.device_ms,
+        "steps": args.steps,
+        "cap_fraction": args.cap,
+        "machine": machine,
+        "safe": safe_row,
+        "interference": rows,
+    }
     return write_report(args.out, result, _markdown(result))
 
 
 def _markdown(result: dict) -> str:
     s = result["safe"]
     shaper = "tc htb honouring DSCP CS1 as lower-effort" if result.get("qos") else "tc tbf"
-    lines = [f"{result['hosts']} hosts, each in its own network namespace on a {result['link']} link "
-             f"({shaper}, both ways), {result['machine']['cpus']} cores shared"
-             + (f", staging={result['staging']}" if result.get("staging", "copy") != "copy" else ""), ""]
+    lines = [
+        f"{result['hosts']} hosts, each in its own network namespace on a {result['link']} link "
+        f"({shaper}, both ways), {result['machine']['cpus']} cores shared"
+        + (f", staging={result['staging']}" if result.get("staging", "copy") != "copy" else ""),
+        "",
+    ]
     if s:
-        lines += ["| time to safe | seconds | vs link floor |", "|---|---|---|",
-                  f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",
-                  f"| raw TCP, same hosts, same time | {s['raw_tcp_s']:.3f} | {s['raw_vs_floor']:.2f}x |",
-                  f"| gemini_ckpt save -> committed | {s['save_to_committed_s']:.3f} | {s['vs_floor']:.2f}x |", ""]
+        lines += [
+            "| time to safe | seconds | vs link floor |",
+            "|---|---|---|",
+            f"| link floor ({s['shard_bytes'] / MIB:.0f} MiB per host, replicas=2) | {s['link_floor_s']:.3f} | 1.00x |",
+            f"| raw TCP, same hosts, same time | {s['raw_tcp_s']:.3f} | {s['raw_vs_floor']:.2f}x |",
+            f"| gemini_ckpt save -> committed | {s['save_to_committed_s']:.3f} | {s['vs_floor']:.2f}x |",
+            "",
+        ]
     for device_ms in dict.fromkeys(r.get("device_ms", 0) for r in result["interference"]):
         rows = [r for r in result["interference"] if r.get("device_ms", 0) == device_ms]
         lines += [
             f"Training ({result['layers']} x {result['dim']}^2 linears, batch {rows[0].get('batch')}, AdamW"
             + (" with amsgrad" if result.get("amsgrad") else "")
             + (f", {result['comm_dtype']} collectives" if result.get("comm_dtype", "fp32") != "fp32" else "")
-            + (f", an emulated accelerator: {device_ms:.0f} ms forward+backward per step with the CPU released"
-               if device_ms else ", computed on the shared CPU cores")
-            + f"), {result['steps']} steps, slowest rank:", "",
+            + (
+                f", an emulated accelerator: {device_ms:.0f} ms forward+backward per step with the CPU released"
+                if device_ms
+                else ", computed on the shared CPU cores"
+            )
+            + f"), {result['steps']} steps, slowest rank:",
+            "",
             "| model | checkpointing | state per rank (MiB) | step p50 (ms) | p50 cost | step p95 (ms) | p95 cost "
-            "| save() p50 (ms) | time to safe p50 (s) |", "|---|---|---|---|---|---|---|---|---|"]
+            "| save() p50 (ms) | time to safe p50 (s) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             safe = f"{r['safe_p50_s']:.3f}" if r.get("safe_p50_s") is not None else "-"
             if r.get("safe_vs_floor") is not None:
                 safe += f" ({r['safe_vs_floor']:.2f}x floor)"
             save = f"{r['save_p50_s'] * 1e3:.0f}" if r.get("save_p50_s") is not None else "-"
-            lines.append(f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
-                         f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {save} "
-                         f"| {safe} |")
+            lines.append(
+                f"| {r['kind']} | {r['config']} | {r['state_bytes_per_rank'] / MIB:.1f} | {r['p50_s'] * 1e3:.0f} "
+                f"| {r['p50_overhead']:+.1%} | {r['p95_s'] * 1e3:.0f} | {r['p95_overhead']:+.1%} | {save} "
+                f"| {safe} |"
+            )
         busy = [r for r in rows if r.get("collectives_busy_fraction") is not None]
         if busy:
-            lines += ["", "collectives in flight (interleaved runs): " + ", ".join(
-                f"{r['kind']} {r['collectives_busy_fraction']:.0%} of the time" for r in busy)]
+            lines += [
+                "",
+                "collectives in flight (interleaved runs): "
+                + ", ".join(f"{r['kind']} {r['collectives_busy_fraction']:.0%} of the time" for r in busy),
+            ]
         lines.append("")
     return "\n".join(lines)
 

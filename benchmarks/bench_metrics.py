@@ -55,8 +55,14 @@ def main() -> None:
         ckpts, res = {}, {name: {"stall": [], "safe": []} for name in ("off", "on", "control")}
         for name in res:
             model, opt = build(args.layers, args.dim)
-            cfg = CheckpointConfig(store="ray", namespace=f"metrics-{name}-{uuid.uuid4().hex[:6]}", replicas=1,
-                                   keep_in_memory=1, timeout_s=300, metrics=name == "on" and not args.control)
+            cfg = CheckpointConfig(
+                store="ray",
+                namespace=f"metrics-{name}-{uuid.uuid4().hex[:6]}",
+                replicas=1,
+                keep_in_memory=1,
+                timeout_s=300,
+                metrics=name == "on" and not args.control,
+            )
             ckpts[name] = Checkpointer(TrainState(model=model, optimizer=opt), cfg)
         warmup = 2
         staged, _ = alternate(ckpts, res, args.saves, warmup)
@@ -71,17 +77,53 @@ def main() -> None:
     ratios = {k: med["on"][k] / med["off"][k] for k in ("stall", "safe")}
     control = {k: med["control"][k] / med["off"][k] for k in ("stall", "safe")}
     met = ratios["stall"] <= TARGET
-    print(f"state: {staged / 2**20:.0f} MiB per version, {args.saves} saves per config after {warmup} warm-up, "
-          f"alternating; store='ray', one node")
-    rows = [[what, med["off"][k], med["on"][k], med["control"][k], f"{ratios[k]:.3f}", f"{control[k]:.3f}",
-             f"<= {TARGET}" if k == "stall" else "-", ("yes" if ratios[k] <= TARGET else "NO") if k == "stall" else "-"]
-            for what, k in (("save() stall", "stall"), ("time to safe (committed)", "safe"))]
-    print(table(["seconds (median)", "metrics off", "metrics on", "off again (control)", "on / off",
-                 "control / off", "target", "met"], rows))
-    path = write_results("metrics", {
-        "staged_bytes": staged, "saves": args.saves, "quick": args.quick, "median_s": med, "samples_s": res,
-        "ratio_on_off": ratios, "ratio_control_off": control, "target_ratio": TARGET, "target_met": met,
-        "note": "one process, store='ray' on one Ray node, replicas=1; metrics recorded off the training thread"})
+    print(
+        f"state: {staged / 2**20:.0f} MiB per version, {args.saves} saves per config after {warmup} warm-up, "
+        f"alternating; store='ray', one node"
+    )
+    rows = [
+        [
+            what,
+            med["off"][k],
+            med["on"][k],
+            med["control"][k],
+            f"{ratios[k]:.3f}",
+            f"{control[k]:.3f}",
+            f"<= {TARGET}" if k == "stall" else "-",
+            ("yes" if ratios[k] <= TARGET else "NO") if k == "stall" else "-",
+        ]
+        for what, k in (("save() stall", "stall"), ("time to safe (committed)", "safe"))
+    ]
+    print(
+        table(
+            [
+                "seconds (median)",
+                "metrics off",
+                "metrics on",
+                "off again (control)",
+                "on / off",
+                "control / off",
+                "target",
+                "met",
+            ],
+            rows,
+        )
+    )
+    path = write_results(
+        "metrics",
+        {
+            "staged_bytes": staged,
+            "saves": args.saves,
+            "quick": args.quick,
+            "median_s": med,
+            "samples_s": res,
+            "ratio_on_off": ratios,
+            "ratio_control_off": control,
+            "target_ratio": TARGET,
+            "target_met": met,
+            "note": "one process, store='ray' on one Ray node, replicas=1; metrics recorded off the training thread",
+        },
+    )
     print(f"wrote {path}")
 
 

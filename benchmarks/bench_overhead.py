@@ -61,8 +61,11 @@ def copy_cpu_s(state: TrainState, repeats: int = 10) -> float:
     from gemini_ckpt.save.stager import copy_parallel
 
     tensors = [t for t in _tensors(state.tensor_state())]
-    pairs = [(torch.empty_like(t).reshape(-1).view(torch.uint8).numpy(), t.detach().reshape(-1).view(torch.uint8).numpy())
-             for t in tensors if t.numel() and t.is_contiguous()]
+    pairs = [
+        (torch.empty_like(t).reshape(-1).view(torch.uint8).numpy(), t.detach().reshape(-1).view(torch.uint8).numpy())
+        for t in tensors
+        if t.numel() and t.is_contiguous()
+    ]
     copy_parallel(pairs)
     c0 = threads_cpu_s()
     for _ in range(repeats):
@@ -86,8 +89,10 @@ def measure(args, threads: int, store: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, 256, (args.batch, 65))
     state = TrainState(model=model, optimizer=opt)
-    ckpt = Checkpointer(state, CheckpointConfig(store=store, namespace=f"bench-overhead-{uuid.uuid4().hex[:8]}",
-                                                replicas=1, keep_in_memory=2))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(store=store, namespace=f"bench-overhead-{uuid.uuid4().hex[:8]}", replicas=1, keep_in_memory=2),
+    )
     run(model, opt, batch, 3, ckpt)  # warm-up: plans, lends the segments
     # Per version with training idle: wall time to committed, and the training process's CPU.
     c0, t0 = threads_cpu_s(), time.perf_counter()
@@ -105,12 +110,20 @@ def measure(args, threads: int, store: str) -> dict:
     state_mb = ckpt.stats.staging_bytes / 2**20
     ckpt.close()
     step_s = 1 / statistics.median(never)
-    return {"store": store, "train_threads": threads, "state_mib": state_mb, "step_s": step_s,
-            "stall_s": statistics.median(stalls), "background_s": background_s,
-            "trainer_cpu_per_version_s": cpu_per_version, "copy_cpu_s": copy_cpu,
-            "trainer_cpu_outside_copy_s": max(0.0, cpu_per_version - copy_cpu),
-            "throughput_never": never, "throughput_every_step": every,
-            "ratio": statistics.median(every) / statistics.median(never)}
+    return {
+        "store": store,
+        "train_threads": threads,
+        "state_mib": state_mb,
+        "step_s": step_s,
+        "stall_s": statistics.median(stalls),
+        "background_s": background_s,
+        "trainer_cpu_per_version_s": cpu_per_version,
+        "copy_cpu_s": copy_cpu,
+        "trainer_cpu_outside_copy_s": max(0.0, cpu_per_version - copy_cpu),
+        "throughput_never": never,
+        "throughput_every_step": every,
+        "ratio": statistics.median(every) / statistics.median(never),
+    }
 
 
 def main() -> None:
@@ -144,26 +157,61 @@ def main() -> None:
     rows = []
     for c in configs:
         label = f"{c['train_threads']} training thread(s) on {cores} cores"
-        rows.append([label, f"{c['step_s'] * 1e3:.0f}", f"{c['stall_s'] * 1e3:.1f}", f"{c['background_s'] * 1e3:.0f}",
-                     f"{c['trainer_cpu_outside_copy_s'] * 1e3:.2f}", f"{statistics.median(c['throughput_never']):.2f}",
-                     f"{statistics.median(c['throughput_every_step']):.2f}", f"{c['ratio']:.3f}"])
+        rows.append(
+            [
+                label,
+                f"{c['step_s'] * 1e3:.0f}",
+                f"{c['stall_s'] * 1e3:.1f}",
+                f"{c['background_s'] * 1e3:.0f}",
+                f"{c['trainer_cpu_outside_copy_s'] * 1e3:.2f}",
+                f"{statistics.median(c['throughput_never']):.2f}",
+                f"{statistics.median(c['throughput_every_step']):.2f}",
+                f"{c['ratio']:.3f}",
+            ]
+        )
     main_cfg, free = configs[0], configs[-1]
-    print(f"state {main_cfg['state_mib']:.0f} MiB; step {main_cfg['step_s'] * 1e3:.0f} ms = "
-          f"{main_cfg['step_s'] / main_cfg['stall_s']:.1f}x the median save stall")
-    print(table(["training", "ms/step (never)", "save stall ms", "save -> committed ms",
-                 "trainer CPU ms/version outside the copy", "steps/s never", "steps/s every step", "ratio"], rows))
+    print(
+        f"state {main_cfg['state_mib']:.0f} MiB; step {main_cfg['step_s'] * 1e3:.0f} ms = "
+        f"{main_cfg['step_s'] / main_cfg['stall_s']:.1f}x the median save stall"
+    )
+    print(
+        table(
+            [
+                "training",
+                "ms/step (never)",
+                "save stall ms",
+                "save -> committed ms",
+                "trainer CPU ms/version outside the copy",
+                "steps/s never",
+                "steps/s every step",
+                "ratio",
+            ],
+            rows,
+        )
+    )
     cpu = max(c["trainer_cpu_outside_copy_s"] for c in configs)
-    print(f"throughput ratio (every step / never): {main_cfg['ratio']:.3f} with every core training (target >= 0.85); "
-          f"{free['ratio']:.3f} with one core free (target >= 0.97); trainer CPU per version outside the copy "
-          f"{cpu * 1e3:.2f} ms (target < 5 ms)")
-    write_results("overhead", {"state_mib": main_cfg["state_mib"], "step_s": main_cfg["step_s"],
-                               "stall_s": main_cfg["stall_s"], "step_over_stall": main_cfg["step_s"] / main_cfg["stall_s"],
-                               "throughput_never": main_cfg["throughput_never"],
-                               "throughput_every_step": main_cfg["throughput_every_step"],
-                               "ratio": main_cfg["ratio"], "ratio_one_core_free": free["ratio"], "configs": configs,
-                               "trainer_cpu_outside_copy_s": cpu,
-                               "targets": {"all_cores": 0.85, "one_core_free": 0.97, "cpu_s": 0.005},
-                               "target_met": main_cfg["ratio"] >= 0.85 and free["ratio"] >= 0.97 and cpu < 0.005})
+    print(
+        f"throughput ratio (every step / never): {main_cfg['ratio']:.3f} with every core training (target >= 0.85); "
+        f"{free['ratio']:.3f} with one core free (target >= 0.97); trainer CPU per version outside the copy "
+        f"{cpu * 1e3:.2f} ms (target < 5 ms)"
+    )
+    write_results(
+        "overhead",
+        {
+            "state_mib": main_cfg["state_mib"],
+            "step_s": main_cfg["step_s"],
+            "stall_s": main_cfg["stall_s"],
+            "step_over_stall": main_cfg["step_s"] / main_cfg["stall_s"],
+            "throughput_never": main_cfg["throughput_never"],
+            "throughput_every_step": main_cfg["throughput_every_step"],
+            "ratio": main_cfg["ratio"],
+            "ratio_one_core_free": free["ratio"],
+            "configs": configs,
+            "trainer_cpu_outside_copy_s": cpu,
+            "targets": {"all_cores": 0.85, "one_core_free": 0.97, "cpu_s": 0.005},
+            "target_met": main_cfg["ratio"] >= 0.85 and free["ratio"] >= 0.97 and cpu < 0.005,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HOSTS = 4
 PG_TIMEOUT_S = 600
-INSTALL_HINT = ('lm-resiliency is not installed; to compare against it run:  pip install -e ".[peers]"  '
-                "(or: pip install -c constraints.txt lm-resiliency==0.2.0)")
+INSTALL_HINT = (
+    'lm-resiliency is not installed; to compare against it run:  pip install -e ".[peers]"  '
+    "(or: pip install -c constraints.txt lm-resiliency==0.2.0)"
+)
 
 
 # --- shared by both harnesses --------------------------------------------------------------------
@@ -228,10 +230,18 @@ def _lmr_enable(model, opt, folder: str, run_id: str):
     import torch
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
-    cfg = InMemoryCkptConfig(disk_flush_interval=0, disk_folder=folder, run_id=run_id, pin_memory=False,
-                             verify_integrity=True)
-    return enable_resiliency(model, opt, interval=1, enable_detection=False, checkpoint=cfg,
-                             device=torch.device("cpu"), recovery_mode="latest")
+    cfg = InMemoryCkptConfig(
+        disk_flush_interval=0, disk_folder=folder, run_id=run_id, pin_memory=False, verify_integrity=True
+    )
+    return enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        enable_detection=False,
+        checkpoint=cfg,
+        device=torch.device("cpu"),
+        recovery_mode="latest",
+    )
 
 
 def _lmr_phases(model, opt, rank: int, world: int, args) -> dict:
@@ -272,8 +282,11 @@ def _lmr_phases(model, opt, rank: int, world: int, args) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     step = handle.try_recover(mode="latest")
-    res["restore_memory"] = {"wall_s": time.perf_counter() - t0, "step": step,
-                             "digest_ok": digest(model, opt) == expect}
+    res["restore_memory"] = {
+        "wall_s": time.perf_counter() - t0,
+        "step": step,
+        "digest_ok": digest(model, opt) == expect,
+    }
 
     # The restart path: SIGTERM-style flush of own + peer buffers to node-local disk.
     dist.barrier()
@@ -401,12 +414,40 @@ def _lmr_corrupt_file(model, opt, rank: int, world: int, args) -> dict:
 def run_peer(args, workdir: str, timeout: float) -> tuple[dict, dict]:
     """Run the torchrun job; (per-rank results aggregated, log tail)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(HOSTS), "--max-restarts", "0",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), os.path.abspath(__file__), "--worker",
-           "--mb", str(args.mb), "--saves", str(args.saves), "--workdir", workdir, "--run-tag", str(os.getpid())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(HOSTS),
+        "--max-restarts",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        os.path.abspath(__file__),
+        "--worker",
+        "--mb",
+        str(args.mb),
+        "--saves",
+        str(args.saves),
+        "--workdir",
+        workdir,
+        "--run-tag",
+        str(os.getpid()),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [
+                os.path.dirname(os.path.abspath(__file__)),
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
     log_path = os.path.join(workdir, "torchrun.log")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -428,8 +469,11 @@ def run_peer(args, workdir: str, timeout: float) -> tuple[dict, dict]:
         text = f.read()
     tail = text[-4000:]
     # what lm-resiliency logged about checkpoints it rejected (checksum / format), for the JSON
-    rejected = [line for line in text.splitlines()
-                if any(w in line for w in ("checksum", "Checkpoint validation failed", "malformed", "rejected"))]
+    rejected = [
+        line
+        for line in text.splitlines()
+        if any(w in line for w in ("checksum", "Checkpoint validation failed", "malformed", "rejected"))
+    ]
     per_rank = []
     for r in range(HOSTS):
         p = os.path.join(workdir, f"peer-rank{r}.json")
@@ -456,8 +500,10 @@ def _peer_rank_class():
 
             if self.ckpt is not None:
                 self.ckpt.close()
-            self.ckpt = Checkpointer(TrainState(model=self.model, optimizer=self.opt),
-                                     CheckpointConfig(store="ray", timeout_s=PG_TIMEOUT_S, **config))
+            self.ckpt = Checkpointer(
+                TrainState(model=self.model, optimizer=self.opt),
+                CheckpointConfig(store="ray", timeout_s=PG_TIMEOUT_S, **config),
+            )
             return self.ckpt
 
         def ours_saves(self, saves: int, **config) -> dict:
@@ -490,11 +536,18 @@ def _peer_rank_class():
             result = ckpt.restore()
             wall = time.perf_counter() - t0
             self.close()
-            return {"wall_s": wall, "step": result.step, "source": result.source, "where": result.sources[self.rank],
-                    "bytes_read": result.bytes_read, "skipped_steps": list(result.skipped_steps),
-                    "skipped_reasons": {str(k): v for k, v in result.skipped_reasons.items()},
-                    "digest_ok": digest(self.model, self.opt) == expect, "path": result.path,
-                    "stages": result.stage_seconds()}
+            return {
+                "wall_s": wall,
+                "step": result.step,
+                "source": result.source,
+                "where": result.sources[self.rank],
+                "bytes_read": result.bytes_read,
+                "skipped_steps": list(result.skipped_steps),
+                "skipped_reasons": {str(k): v for k, v in result.skipped_reasons.items()},
+                "digest_ok": digest(self.model, self.opt) == expect,
+                "path": result.path,
+                "stages": result.stage_seconds(),
+            }
 
         def restore_and_stay(self, **config) -> int:
             """Restore and keep the Checkpointer open (attached to its host store), as a job does."""
@@ -549,8 +602,10 @@ def _store_memory(namespace: str) -> dict:
     from gemini_ckpt.cli.status import cluster_status
 
     ns = cluster_status(namespace)[namespace]
-    return {"held_bytes": {h.slot: h.held_bytes for h in ns.hosts},
-            "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts}}
+    return {
+        "held_bytes": {h.slot: h.held_bytes for h in ns.hosts},
+        "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts},
+    }
 
 
 def run_ours(args, workdir: str, out: dict) -> dict:
@@ -579,8 +634,9 @@ def run_ours(args, workdir: str, out: dict) -> dict:
         out["restore_local"] = []
         for _ in range(2):
             time.sleep(rb_restart_window())
-            out["restore_local"].append(ray.get([r.restore_checked.remote(digests[i], **cfg)
-                                                 for i, r in enumerate(ranks)], timeout=1800))
+            out["restore_local"].append(
+                ray.get([r.restore_checked.remote(digests[i], **cfg) for i, r in enumerate(ranks)], timeout=1800)
+            )
 
         # Stock DCP in the same harness.
         dcp_dir = os.path.join(workdir, "dcp_ray")
@@ -594,8 +650,9 @@ def run_ours(args, workdir: str, out: dict) -> dict:
         out["restore_peer"] = []
         for _ in range(2):
             time.sleep(rb_restart_window())
-            out["restore_peer"].append(ray.get([r.restore_checked.remote(digests[i], **cfg)
-                                                for i, r in enumerate(ranks)], timeout=1800))
+            out["restore_peer"].append(
+                ray.get([r.restore_checked.remote(digests[i], **cfg) for i, r in enumerate(ranks)], timeout=1800)
+            )
 
         rb.kill_ranks(ranks)
         ranks = []
@@ -612,18 +669,31 @@ def run_ours(args, workdir: str, out: dict) -> dict:
         ranks, _ = _make_ranks(HOSTS, pmb, fill=False)
         time.sleep(rb_restart_window())
         got = ray.get([r.restore_checked.remote(digests[i], **cfg) for i, r in enumerate(ranks)], timeout=1800)
-        out["corrupt"] = [{"scenario": "flipped while the job runs, then restart + restore", "rank": 1,
-                           "target": "host 1's copy of rank 1's shard (the one rank 1 reads first)",
-                           "step": step, "offset": at, "per_rank": got}]
+        out["corrupt"] = [
+            {
+                "scenario": "flipped while the job runs, then restart + restore",
+                "rank": 1,
+                "target": "host 1's copy of rank 1's shard (the one rank 1 reads first)",
+                "step": step,
+                "offset": at,
+                "per_rank": got,
+            }
+        ]
         # (b) after the restart: the stores already checked their copies when the job went down;
         # host 0's copy of rank 0's shard is flipped after that check, right before a restore.
         time.sleep(rb_restart_window())
         at = _corrupt_own_copy(ns, host=0, step=step, rank=0)
         got = ray.get([r.restore_checked.remote(digests[i], **cfg) for i, r in enumerate(ranks)], timeout=1800)
-        out["corrupt"].append({"scenario": "flipped after the restart (after the stores' check), right before "
-                                           "restore", "rank": 0,
-                               "target": "host 0's copy of rank 0's shard (the one rank 0 reads first)",
-                               "step": step, "offset": at, "per_rank": got})
+        out["corrupt"].append(
+            {
+                "scenario": "flipped after the restart (after the stores' check), right before restore",
+                "rank": 0,
+                "target": "host 0's copy of rank 0's shard (the one rank 0 reads first)",
+                "step": step,
+                "offset": at,
+                "per_rank": got,
+            }
+        )
         rb.kill_ranks(ranks)
         ranks = []
     finally:
@@ -664,34 +734,90 @@ def summarize(peer: dict, ours: dict, args) -> dict:
     # lm-resiliency / DCP under torchrun
     if ok_peer:
         L = [r["lmr"] for r in P]
-        dcp_t = {"stall": _slowest_median([r["dcp"]["saves"] for r in P], "stall_s"),
-                 "safe": _slowest_median([r["dcp"]["saves"] for r in P], "safe_s"),
-                 "load": max(r["dcp"]["load"]["wall_s"] for r in P)}
+        dcp_t = {
+            "stall": _slowest_median([r["dcp"]["saves"] for r in P], "stall_s"),
+            "safe": _slowest_median([r["dcp"]["saves"] for r in P], "safe_s"),
+            "load": max(r["dcp"]["load"]["wall_s"] for r in P),
+        }
         lm_stall = _slowest_median([x["saves"] for x in L], "stall_s")
         lm_safe = _slowest_median([x["saves"] for x in L], "safe_s")
         flush = _max([x["flush"] for x in L], "wall_s")
         own_disk = _max([x["restore_own_disk"] for x in L], "wall_s")
         peer_disk = _max([x["restore_peer_disk"] for x in L], "wall_s")
         rows += [
-            _row("save stall (s)", "lm-resiliency", lm_stall, dcp_t["stall"], "torchrun",
-                 "time in its optimizer post-step hook (save_tensors: on CPU a synchronous copy into its buffer)"),
-            _row("time to safe (s)", "lm-resiliency", lm_safe, dcp_t["safe"], "torchrun",
-                 "hook start -> ckpt_manager.finalize_replication() True (own shard sent to and peer's received from the paired rank)"),
-            _row("restore, own memory, same process (s)", "lm-resiliency", _max([x["restore_memory"] for x in L], "wall_s"),
-                 dcp_t["load"], "torchrun", "handle.try_recover(mode='latest') from its own buffer slot"),
-            _row("restart, own shard (s)", "lm-resiliency", own_disk, dcp_t["load"], "torchrun",
-                 "after flush_for_restart(): try_recover() of a fresh handle from node-local disk (page cache warm)"),
-            _row("restart, own shard incl. flush (s)", "lm-resiliency", own_disk + flush, dcp_t["load"], "torchrun",
-                 f"flush_for_restart() {flush:.3f} s + the load"),
-            _row("restore from peer's replica (s)", "lm-resiliency", peer_disk, dcp_t["load"], "torchrun",
-                 "rank reads the file its peer flushed (folder of the peer's node; no network copy here)"),
-            _row("restore from peer's replica incl. flush (s)", "lm-resiliency", peer_disk + flush, dcp_t["load"],
-                 "torchrun", "flush_for_restart() on the peer + the load"),
+            _row(
+                "save stall (s)",
+                "lm-resiliency",
+                lm_stall,
+                dcp_t["stall"],
+                "torchrun",
+                "time in its optimizer post-step hook (save_tensors: on CPU a synchronous copy into its buffer)",
+            ),
+            _row(
+                "time to safe (s)",
+                "lm-resiliency",
+                lm_safe,
+                dcp_t["safe"],
+                "torchrun",
+                "hook start -> ckpt_manager.finalize_replication() True (own shard sent to and peer's received from the paired rank)",
+            ),
+            _row(
+                "restore, own memory, same process (s)",
+                "lm-resiliency",
+                _max([x["restore_memory"] for x in L], "wall_s"),
+                dcp_t["load"],
+                "torchrun",
+                "handle.try_recover(mode='latest') from its own buffer slot",
+            ),
+            _row(
+                "restart, own shard (s)",
+                "lm-resiliency",
+                own_disk,
+                dcp_t["load"],
+                "torchrun",
+                "after flush_for_restart(): try_recover() of a fresh handle from node-local disk (page cache warm)",
+            ),
+            _row(
+                "restart, own shard incl. flush (s)",
+                "lm-resiliency",
+                own_disk + flush,
+                dcp_t["load"],
+                "torchrun",
+                f"flush_for_restart() {flush:.3f} s + the load",
+            ),
+            _row(
+                "restore from peer's replica (s)",
+                "lm-resiliency",
+                peer_disk,
+                dcp_t["load"],
+                "torchrun",
+                "rank reads the file its peer flushed (folder of the peer's node; no network copy here)",
+            ),
+            _row(
+                "restore from peer's replica incl. flush (s)",
+                "lm-resiliency",
+                peer_disk + flush,
+                dcp_t["load"],
+                "torchrun",
+                "flush_for_restart() on the peer + the load",
+            ),
             _row("save stall (s)", "DCP async_save (torchrun)", dcp_t["stall"], dcp_t["stall"], "torchrun", ""),
-            _row("time to safe (s)", "DCP async_save (torchrun)", dcp_t["safe"], dcp_t["safe"], "torchrun",
-                 "future done: on local disk, no copy elsewhere"),
-            _row("restore (s)", "DCP load warm (torchrun)", dcp_t["load"], dcp_t["load"], "torchrun",
-                 "get_state_dict + dcp.load + set_state_dict, page cache warm"),
+            _row(
+                "time to safe (s)",
+                "DCP async_save (torchrun)",
+                dcp_t["safe"],
+                dcp_t["safe"],
+                "torchrun",
+                "future done: on local disk, no copy elsewhere",
+            ),
+            _row(
+                "restore (s)",
+                "DCP load warm (torchrun)",
+                dcp_t["load"],
+                dcp_t["load"],
+                "torchrun",
+                "get_state_dict + dcp.load + set_state_dict, page cache warm",
+            ),
         ]
         for x, key in ((L, "restore_memory"), (L, "restore_own_disk"), (L, "restore_peer_disk")):
             bad = [i for i, y in enumerate(x) if not (y[key].get("digest_ok") and y[key].get("digest_ok_again", True))]
@@ -699,26 +825,43 @@ def summarize(peer: dict, ours: dict, args) -> dict:
                 notes.append(f"lm-resiliency {key}: ranks {bad} did NOT get the saved bytes back")
         state = P[0]["state_bytes"]
         rss = [x["rss_growth_bytes"] for x in L]
-        mem_lmr = {"rss_growth_bytes_per_rank": rss, "state_bytes_per_rank": state,
-                   "x_state": statistics.mean(rss) / state,
-                   # its documented design: 4 buffer slots (own current/previous, peer current/previous)
-                   "design_bytes_per_rank": 4 * state}
+        mem_lmr = {
+            "rss_growth_bytes_per_rank": rss,
+            "state_bytes_per_rank": state,
+            "x_state": statistics.mean(rss) / state,
+            # its documented design: 4 buffer slots (own current/previous, peer current/previous)
+            "design_bytes_per_rank": 4 * state,
+        }
         c = L[0]["corrupt"]
-        corrupt_lmr = {**{k: v for k, v in c.items() if k != "digest_ok"}, "digest_ok_rank0": c["digest_ok"],
-                       "inject_error": L[1]["corrupt"].get("inject_error"),
-                       "injected_step": L[1]["corrupt"].get("injected_step"),
-                       "verdict": ("not injected" if not c.get("injected") else
-                                   "restored SILENTLY with the flipped byte" if c["restored_step"] == c["saved_step"]
-                                   and not c["digest_ok"] else
-                                   "caught (fell back)" if c["digest_ok"] or c["restored_step"] != c["saved_step"]
-                                   else "unclear")}
+        corrupt_lmr = {
+            **{k: v for k, v in c.items() if k != "digest_ok"},
+            "digest_ok_rank0": c["digest_ok"],
+            "inject_error": L[1]["corrupt"].get("inject_error"),
+            "injected_step": L[1]["corrupt"].get("injected_step"),
+            "verdict": (
+                "not injected"
+                if not c.get("injected")
+                else "restored SILENTLY with the flipped byte"
+                if c["restored_step"] == c["saved_step"] and not c["digest_ok"]
+                else "caught (fell back)"
+                if c["digest_ok"] or c["restored_step"] != c["saved_step"]
+                else "unclear"
+            ),
+        }
         d = L[0]["corrupt"]["on_disk"]
-        corrupt_lmr_disk = {**d, "files": L[1]["corrupt"]["on_disk"].get("files"),
-                            "verdict": ("restored SILENTLY with the flipped byte" if d["restored_step"] == d["saved_step"]
-                                        and not d["digest_ok"] else
-                                        f"caught: fell back to step {d['restored_step']} (all ranks)"
-                                        if d["restored_step"] != d["saved_step"] and d["digest_ok"] else
-                                        "bytes correct (no fallback seen)" if d["digest_ok"] else "unclear")}
+        corrupt_lmr_disk = {
+            **d,
+            "files": L[1]["corrupt"]["on_disk"].get("files"),
+            "verdict": (
+                "restored SILENTLY with the flipped byte"
+                if d["restored_step"] == d["saved_step"] and not d["digest_ok"]
+                else f"caught: fell back to step {d['restored_step']} (all ranks)"
+                if d["restored_step"] != d["saved_step"] and d["digest_ok"]
+                else "bytes correct (no fallback seen)"
+                if d["digest_ok"]
+                else "unclear"
+            ),
+        }
     else:
         dcp_t, mem_lmr, corrupt_lmr, corrupt_lmr_disk = None, None, None, None
         notes.append(f"the lm-resiliency torchrun job failed (rc={peer.get('rc')}); see log_tail in the JSON")
@@ -727,31 +870,69 @@ def summarize(peer: dict, ours: dict, args) -> dict:
     ours = ours or {}
     if ours.get("error"):
         notes.append(f"the gemini_ckpt (Ray) part stopped early: {ours['error'].strip().splitlines()[-1]}")
-    dcp_r = ({"stall": _slowest_median(ours["dcp_saves"], "stall_s"),
-              "safe": _slowest_median(ours["dcp_saves"], "safe_s"),
-              "load": _max(ours["dcp_load"], "wall_s")} if "dcp_load" in ours else None)
+    dcp_r = (
+        {
+            "stall": _slowest_median(ours["dcp_saves"], "stall_s"),
+            "safe": _slowest_median(ours["dcp_saves"], "safe_s"),
+            "load": _max(ours["dcp_load"], "wall_s"),
+        }
+        if "dcp_load" in ours
+        else None
+    )
     d = dcp_r or {"stall": None, "safe": None, "load": None}
     if "saves" in ours:
         rows += [
-            _row("save stall (s)", "gemini_ckpt", _slowest_median(ours["saves"], "stall_s"), d["stall"], "ray",
-                 "wall time of Checkpointer.save() (staging='copy': into the host store's shared memory)"),
-            _row("time to safe (s)", "gemini_ckpt", _slowest_median(ours["saves"], "safe_s"), d["safe"], "ray",
-                 "save() -> handle.committed.result() (replicas=2, committed among the holders)"),
+            _row(
+                "save stall (s)",
+                "gemini_ckpt",
+                _slowest_median(ours["saves"], "stall_s"),
+                d["stall"],
+                "ray",
+                "wall time of Checkpointer.save() (staging='copy': into the host store's shared memory)",
+            ),
+            _row(
+                "time to safe (s)",
+                "gemini_ckpt",
+                _slowest_median(ours["saves"], "safe_s"),
+                d["safe"],
+                "ray",
+                "save() -> handle.committed.result() (replicas=2, committed among the holders)",
+            ),
         ]
     if len(ours.get("restore_local", [])) == 2:
-        rows.append(_row("restore, own memory (local host store), new Checkpointer (s)", "gemini_ckpt",
-                         _max(ours["restore_local"][-1], "wall_s"), d["load"], "ray",
-                         f"first in the run: {_max(ours['restore_local'][0], 'wall_s'):.3f} s"))
+        rows.append(
+            _row(
+                "restore, own memory (local host store), new Checkpointer (s)",
+                "gemini_ckpt",
+                _max(ours["restore_local"][-1], "wall_s"),
+                d["load"],
+                "ray",
+                f"first in the run: {_max(ours['restore_local'][0], 'wall_s'):.3f} s",
+            )
+        )
     if len(ours.get("restore_peer", [])) == 2:
-        rows.append(_row("restore from peer's memory, ranks on other hosts (s)", "gemini_ckpt",
-                         _max(ours["restore_peer"][-1], "wall_s"), d["load"], "ray",
-                         f"first in fresh actors: {_max(ours['restore_peer'][0], 'wall_s'):.3f} s"))
+        rows.append(
+            _row(
+                "restore from peer's memory, ranks on other hosts (s)",
+                "gemini_ckpt",
+                _max(ours["restore_peer"][-1], "wall_s"),
+                d["load"],
+                "ray",
+                f"first in fresh actors: {_max(ours['restore_peer'][0], 'wall_s'):.3f} s",
+            )
+        )
     if dcp_r:
         rows += [
             _row("save stall (s)", "DCP async_save (ray)", dcp_r["stall"], dcp_r["stall"], "ray", ""),
             _row("time to safe (s)", "DCP async_save (ray)", dcp_r["safe"], dcp_r["safe"], "ray", "on local disk"),
-            _row("restore (s)", "DCP load warm (ray)", dcp_r["load"], dcp_r["load"], "ray",
-                 "get_state_dict + dcp.load + set_state_dict, page cache warm"),
+            _row(
+                "restore (s)",
+                "DCP load warm (ray)",
+                dcp_r["load"],
+                dcp_r["load"],
+                "ray",
+                "get_state_dict + dcp.load + set_state_dict, page cache warm",
+            ),
         ]
     for key in ("restore_local", "restore_peer"):
         for attempt in ours.get(key, []):
@@ -761,27 +942,47 @@ def summarize(peer: dict, ours: dict, args) -> dict:
     mem_ours = None
     if "memory" in ours:
         held = ours["memory"]["held_bytes"]
-        mem_ours = {"held_bytes_per_host": held, "reserved_bytes_per_host": ours["memory"]["reserved_bytes"],
-                    "state_bytes_per_rank": ours["state_bytes"],
-                    "x_state": statistics.mean(held.values()) / ours["state_bytes"]}
+        mem_ours = {
+            "held_bytes_per_host": held,
+            "reserved_bytes_per_host": ours["memory"]["reserved_bytes"],
+            "state_bytes_per_rank": ours["state_bytes"],
+            "x_state": statistics.mean(held.values()) / ours["state_bytes"],
+        }
     corrupt_ours = []
     for sc in ours.get("corrupt", []):
         c, k = sc["per_rank"], sc["rank"]
-        got = {key: c[k][key] for key in ("step", "source", "where", "bytes_read", "skipped_steps",
-                                         "skipped_reasons", "digest_ok")}
-        verdict = ("caught: the bad item was read from the other holder" if got["digest_ok"]
-                   and got["step"] == sc["step"] and got["where"] != "local" else
-                   "caught (fell back to an older version/tier)" if got["digest_ok"] and got["step"] != sc["step"]
-                   else "bytes correct (no fallback seen)" if got["digest_ok"] else "restored SILENTLY with the flipped byte")
-        corrupt_ours.append({"scenario": sc["scenario"], "target": sc["target"], "step": sc["step"],
-                             "rank": k, "restored": got, "all_digests_ok": all(r["digest_ok"] for r in c),
-                             "verdict": verdict})
+        got = {
+            key: c[k][key]
+            for key in ("step", "source", "where", "bytes_read", "skipped_steps", "skipped_reasons", "digest_ok")
+        }
+        verdict = (
+            "caught: the bad item was read from the other holder"
+            if got["digest_ok"] and got["step"] == sc["step"] and got["where"] != "local"
+            else "caught (fell back to an older version/tier)"
+            if got["digest_ok"] and got["step"] != sc["step"]
+            else "bytes correct (no fallback seen)"
+            if got["digest_ok"]
+            else "restored SILENTLY with the flipped byte"
+        )
+        corrupt_ours.append(
+            {
+                "scenario": sc["scenario"],
+                "target": sc["target"],
+                "step": sc["step"],
+                "rank": k,
+                "restored": got,
+                "all_digests_ok": all(r["digest_ok"] for r in c),
+                "verdict": verdict,
+            }
+        )
         if "SILENTLY" in verdict:
-            notes.append(f"gemini_ckpt, {sc['scenario']}: restored the flipped byte silently. A host store "
-                         "checks its copies when the job goes down here (a rank detaches) and marks them "
-                         "verified; a local reader then maps and copies a verified copy without checking it "
-                         "again (gemini_ckpt/restore/direct.py, 'verified'), so a flip after that check and "
-                         "before the read is not caught.")
+            notes.append(
+                f"gemini_ckpt, {sc['scenario']}: restored the flipped byte silently. A host store "
+                "checks its copies when the job goes down here (a rank detaches) and marks them "
+                "verified; a local reader then maps and copies a verified copy without checking it "
+                "again (gemini_ckpt/restore/direct.py, 'verified'), so a flip after that check and "
+                "before the read is not caught."
+            )
 
     notes += [
         "Harnesses differ: lm-resiliency and its DCP baseline run as 4 torchrun processes (one per rank, "
@@ -801,63 +1002,92 @@ def summarize(peer: dict, ours: dict, args) -> dict:
         "lm-resiliency needs a torchrun restart with the SIGTERM flush).",
         "Timings share 2 cores with whatever else runs (load average in the JSON).",
     ]
-    return {"rows": rows, "notes": notes, "memory": {"lm-resiliency": mem_lmr, "gemini_ckpt": mem_ours},
-            "corruption": {"lm-resiliency": corrupt_lmr, "lm-resiliency on disk": corrupt_lmr_disk,
-                           "gemini_ckpt": corrupt_ours},
-            "dcp": {"torchrun": dcp_t, "ray": dcp_r}}
+    return {
+        "rows": rows,
+        "notes": notes,
+        "memory": {"lm-resiliency": mem_lmr, "gemini_ckpt": mem_ours},
+        "corruption": {
+            "lm-resiliency": corrupt_lmr,
+            "lm-resiliency on disk": corrupt_lmr_disk,
+            "gemini_ckpt": corrupt_ours,
+        },
+        "dcp": {"torchrun": dcp_t, "ray": dcp_r},
+    }
 
 
 def _row(metric: str, library: str, seconds: float, dcp, harness: str, how: str) -> dict:
-    return {"metric": metric, "library": library, "seconds": seconds, "harness": harness,
-            "dcp_same_harness_s": dcp, "vs_dcp": (dcp / seconds) if dcp is not None and seconds > 0 else None,
-            "how": how}
+    return {
+        "metric": metric,
+        "library": library,
+        "seconds": seconds,
+        "harness": harness,
+        "dcp_same_harness_s": dcp,
+        "vs_dcp": (dcp / seconds) if dcp is not None and seconds > 0 else None,
+        "how": how,
+    }
 
 
 def _markdown(result: dict) -> str:
     s = result["summary"]
-    lines = [f"{HOSTS} ranks (FSDP2 + AdamW, gloo, CPU) on {result['machine']['cpus']} cores, "
-             f"~{result['state_mb_per_rank']:.0f} MB of state per rank "
-             f"(requested {result['mb_requested']} MB), median of {result['saves']} saves (slowest rank); "
-             f"load avg start/end {result['load_average_start'][0]:.1f}/{result['load_average_end'][0]:.1f}", "",
-             "| metric | library | seconds | harness | DCP same harness (s) | DCP / this (>1: faster than DCP) | how |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{HOSTS} ranks (FSDP2 + AdamW, gloo, CPU) on {result['machine']['cpus']} cores, "
+        f"~{result['state_mb_per_rank']:.0f} MB of state per rank "
+        f"(requested {result['mb_requested']} MB), median of {result['saves']} saves (slowest rank); "
+        f"load avg start/end {result['load_average_start'][0]:.1f}/{result['load_average_end'][0]:.1f}",
+        "",
+        "| metric | library | seconds | harness | DCP same harness (s) | DCP / this (>1: faster than DCP) | how |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in s["rows"]:
         ratio = f"{r['vs_dcp']:.2f}x" if r["vs_dcp"] is not None else "-"
         dcp = f"{r['dcp_same_harness_s']:.3f}" if r["dcp_same_harness_s"] is not None else "-"
-        lines.append(f"| {r['metric']} | {r['library']} | {r['seconds']:.3f} | {r['harness']} "
-                     f"| {dcp} | {ratio} | {r['how']} |")
+        lines.append(
+            f"| {r['metric']} | {r['library']} | {r['seconds']:.3f} | {r['harness']} | {dcp} | {ratio} | {r['how']} |"
+        )
     lines += ["", "| host memory kept per rank | bytes | x state |", "|---|---|---|"]
     m = s["memory"]
     if m["lm-resiliency"]:
         x = m["lm-resiliency"]
-        lines.append(f"| lm-resiliency: RSS growth of each training process after enable + saves "
-                     f"| {', '.join(f'{b / 1e6:.0f} MB' for b in x['rss_growth_bytes_per_rank'])} | {x['x_state']:.2f} |")
-        lines.append(f"| lm-resiliency by its design (BufferPool docstring: 4 slots, own + peer, current + previous) "
-                     f"| {x['design_bytes_per_rank'] / 1e6:.0f} MB | 4.00 |")
+        lines.append(
+            f"| lm-resiliency: RSS growth of each training process after enable + saves "
+            f"| {', '.join(f'{b / 1e6:.0f} MB' for b in x['rss_growth_bytes_per_rank'])} | {x['x_state']:.2f} |"
+        )
+        lines.append(
+            f"| lm-resiliency by its design (BufferPool docstring: 4 slots, own + peer, current + previous) "
+            f"| {x['design_bytes_per_rank'] / 1e6:.0f} MB | 4.00 |"
+        )
     if m["gemini_ckpt"]:
         x = m["gemini_ckpt"]
-        lines.append(f"| gemini_ckpt: bytes held by each host store (cluster_status held_bytes; replicas=2, "
-                     f"keep_in_memory=2) | {', '.join(f'{b / 1e6:.0f} MB' for b in x['held_bytes_per_host'].values())} "
-                     f"| {x['x_state']:.2f} |")
+        lines.append(
+            f"| gemini_ckpt: bytes held by each host store (cluster_status held_bytes; replicas=2, "
+            f"keep_in_memory=2) | {', '.join(f'{b / 1e6:.0f} MB' for b in x['held_bytes_per_host'].values())} "
+            f"| {x['x_state']:.2f} |"
+        )
     lines.append("| DCP async_save | nothing kept in memory after the save (disk) | 0 |")
     lines += ["", "| a byte flipped in a replica held in memory | verdict | detail |", "|---|---|---|"]
     c = s["corruption"]
     if c["lm-resiliency"]:
         x = c["lm-resiliency"]
-        lines.append(f"| lm-resiliency: {x['target']}, flipped while the job runs, then flush + restart (via the private `ckpt_manager._buffer_pool`: no public hook) "
-                     f"| {x['verdict']} | saved step {x['saved_step']}, restored step {x['restored_step']}, "
-                     f"rank 0's bytes equal the saved ones: {x['digest_ok_rank0']} |")
+        lines.append(
+            f"| lm-resiliency: {x['target']}, flipped while the job runs, then flush + restart (via the private `ckpt_manager._buffer_pool`: no public hook) "
+            f"| {x['verdict']} | saved step {x['saved_step']}, restored step {x['restored_step']}, "
+            f"rank 0's bytes equal the saved ones: {x['digest_ok_rank0']} |"
+        )
     if c.get("lm-resiliency on disk"):
         x = c["lm-resiliency on disk"]
-        lines.append(f"| lm-resiliency: {x['target']}, flipped after the flush, before the restart (at rest; "
-                     f"verify_integrity=True) | {x['verdict']} | saved step {x['saved_step']}, restored step "
-                     f"{x['restored_step']}, rank 0's bytes equal that step's: {x['digest_ok']} |")
+        lines.append(
+            f"| lm-resiliency: {x['target']}, flipped after the flush, before the restart (at rest; "
+            f"verify_integrity=True) | {x['verdict']} | saved step {x['saved_step']}, restored step "
+            f"{x['restored_step']}, rank 0's bytes equal that step's: {x['digest_ok']} |"
+        )
     for x in c["gemini_ckpt"] or []:
         r = x["restored"]
-        lines.append(f"| gemini_ckpt: {x['target']}, {x['scenario']} (gemini_ckpt.chaos.damage_copy) "
-                     f"| {x['verdict']} | step {r['step']} from {r['source']}, rank {x['rank']}'s bytes from "
-                     f"{r['where']}, bytes read {r['bytes_read']}, all ranks' bytes equal the saved ones: "
-                     f"{x['all_digests_ok']} |")
+        lines.append(
+            f"| gemini_ckpt: {x['target']}, {x['scenario']} (gemini_ckpt.chaos.damage_copy) "
+            f"| {x['verdict']} | step {r['step']} from {r['source']}, rank {x['rank']}'s bytes from "
+            f"{r['where']}, bytes read {r['bytes_read']}, all ranks' bytes equal the saved ones: "
+            f"{x['all_digests_ok']} |"
+        )
     lines += ["", "Notes:"] + [f"- {n}" for n in s["notes"]]
     return "\n".join(lines)
 
@@ -868,9 +1098,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="16 MB per rank, 3 saves")
     ap.add_argument("--saves", type=int, default=5, help="timed saves per library (after warm-up)")
     ap.add_argument("--skip-ours", action="store_true", help="lm-resiliency and its DCP baseline only")
-    ap.add_argument("--out", default=os.path.join(
-        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        "peers.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+            "peers.json",
+        ),
+    )
     # the torchrun worker (internal)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -886,8 +1120,9 @@ def main(argv=None) -> int:
     except ImportError:
         from _common import write_report
 
-        return write_report(args.out, {"question": "lm-resiliency vs gemini_ckpt vs stock DCP", "skipped": INSTALL_HINT},
-                            INSTALL_HINT)
+        return write_report(
+            args.out, {"question": "lm-resiliency vs gemini_ckpt vs stock DCP", "skipped": INSTALL_HINT}, INSTALL_HINT
+        )
     from importlib.metadata import version
 
     from _common import write_report
@@ -914,12 +1149,18 @@ def main(argv=None) -> int:
     state = ours.get("state_bytes") or (peer["per_rank"][0]["state_bytes"] if peer["per_rank"] else 0)
     result = {
         "question": "lm-resiliency (GEMINI's implementation) vs gemini_ckpt vs stock DCP on the same state",
-        "hosts": HOSTS, "mb_requested": args.mb, "state_bytes_per_rank": state, "state_mb_per_rank": state / 1e6,
-        "saves": args.saves, "lm_resiliency_version": version("lm-resiliency"),
-        "wall_s": time.perf_counter() - t_start, "load_average_start": list(load0),
+        "hosts": HOSTS,
+        "mb_requested": args.mb,
+        "state_bytes_per_rank": state,
+        "state_mb_per_rank": state / 1e6,
+        "saves": args.saves,
+        "lm_resiliency_version": version("lm-resiliency"),
+        "wall_s": time.perf_counter() - t_start,
+        "load_average_start": list(load0),
         "load_average_end": list(os.getloadavg()),
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-        "summary": summary, "raw": {"lm_resiliency_torchrun": {**peer, **log}, "gemini_ckpt_ray": ours},
+        "summary": summary,
+        "raw": {"lm_resiliency_torchrun": {**peer, **log}, "gemini_ckpt_ray": ours},
     }
     return write_report(args.out, result, _markdown(result))
 

@@ -68,9 +68,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mb", type=int, default=256, help="shard size per rank in MB (default 256)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="16 MB shards, one round")
-    ap.add_argument("--out", default=os.path.join(
-        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        "persist.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+            "persist.json",
+        ),
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.rounds = 16, 1
@@ -81,8 +85,15 @@ def main(argv=None) -> int:
     cluster = rb.start_cluster(HOSTS, plasma)
     try:
         ranks, shard_bytes = rb.make_ranks(HOSTS, args.mb)
-        cfg = dict(namespace=ns, replicas=2, keep_in_memory=1, durable_uri=os.path.join(workdir, "durable"),
-                   keep_durable=1, persist_every=0, persist_on_close=False)
+        cfg = dict(
+            namespace=ns,
+            replicas=2,
+            keep_in_memory=1,
+            durable_uri=os.path.join(workdir, "durable"),
+            keep_durable=1,
+            persist_every=0,
+            persist_on_close=False,
+        )
         per_rank = ray.get([r.persist_run.remote(args.rounds, **cfg) for r in ranks], timeout=3600)
         dist_times = []
         for i in range(max(1, args.rounds)):
@@ -109,14 +120,24 @@ def main(argv=None) -> int:
     dist_s = statistics.median(dist_times)
     result = {
         "question": "persist throughput from host stores vs dcp.save; save() stall of persisting vs memory-only steps",
-        "hosts": HOSTS, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "total_bytes": total,
+        "hosts": HOSTS,
+        "shard_mb_requested": args.mb,
+        "shard_bytes": shard_bytes,
+        "total_bytes": total,
         "rounds": args.rounds,
-        "persist": {"committed_to_persisted_s": persist_s, "save_to_persisted_s": coordinator("save_to_persisted_s"),
-                    "save_to_committed_s": agg("save_to_committed_s"), "gbps": total / persist_s / 1e9},
+        "persist": {
+            "committed_to_persisted_s": persist_s,
+            "save_to_persisted_s": coordinator("save_to_persisted_s"),
+            "save_to_committed_s": agg("save_to_committed_s"),
+            "gbps": total / persist_s / 1e9,
+        },
         "dcp_save_single_process": {"seconds": single, "gbps": total / single / 1e9},
         "dcp_save_4_ranks": {"seconds": dist_s, "gbps": total / dist_s / 1e9},
-        "stall": {"memory_only_s": agg("memory_stall_s"), "persisting_step_s": agg("persist_step_stall_s"),
-                  "next_step_during_persist_s": agg("stall_during_persist_s")},
+        "stall": {
+            "memory_only_s": agg("memory_stall_s"),
+            "persisting_step_s": agg("persist_step_stall_s"),
+            "next_step_during_persist_s": agg("stall_during_persist_s"),
+        },
         "speedup_vs_single_process_dcp_save": single / persist_s,
         "load_average_end": rb.load_average(),
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
@@ -127,22 +148,28 @@ def main(argv=None) -> int:
 
 def _markdown(result: dict) -> str:
     p, s = result["persist"], result["stall"]
-    lines = [f"{result['hosts']} simulated hosts on {result['machine']['cpus']} cores, "
-             f"{result['total_bytes'] / 1e9:.2f} GB per version ({result['shard_bytes'] / 1e6:.0f} MB per rank), "
-             f"median of {result['rounds']} round(s), slowest rank; load average at end "
-             f"{result['load_average_end'][0]:.1f}", "",
-             "| method | seconds | GB/s |", "|---|---|---|",
-             f"| gemini_ckpt persist (host stores write in parallel), committed -> persisted "
-             f"| {p['committed_to_persisted_s']:.3f} | {p['gbps']:.2f} |",
-             f"| gemini_ckpt save -> persisted | {p['save_to_persisted_s']:.3f} | - |",
-             f"| stock dcp.save, one process | {result['dcp_save_single_process']['seconds']:.3f} "
-             f"| {result['dcp_save_single_process']['gbps']:.2f} |",
-             f"| stock dcp.save, 4 ranks | {result['dcp_save_4_ranks']['seconds']:.3f} "
-             f"| {result['dcp_save_4_ranks']['gbps']:.2f} |", "",
-             "| save() stall | seconds |", "|---|---|",
-             f"| memory-only step | {s['memory_only_s']:.3f} |",
-             f"| persisting step | {s['persisting_step_s']:.3f} |",
-             f"| next step while the persist writes | {s['next_step_during_persist_s']:.3f} |"]
+    lines = [
+        f"{result['hosts']} simulated hosts on {result['machine']['cpus']} cores, "
+        f"{result['total_bytes'] / 1e9:.2f} GB per version ({result['shard_bytes'] / 1e6:.0f} MB per rank), "
+        f"median of {result['rounds']} round(s), slowest rank; load average at end "
+        f"{result['load_average_end'][0]:.1f}",
+        "",
+        "| method | seconds | GB/s |",
+        "|---|---|---|",
+        f"| gemini_ckpt persist (host stores write in parallel), committed -> persisted "
+        f"| {p['committed_to_persisted_s']:.3f} | {p['gbps']:.2f} |",
+        f"| gemini_ckpt save -> persisted | {p['save_to_persisted_s']:.3f} | - |",
+        f"| stock dcp.save, one process | {result['dcp_save_single_process']['seconds']:.3f} "
+        f"| {result['dcp_save_single_process']['gbps']:.2f} |",
+        f"| stock dcp.save, 4 ranks | {result['dcp_save_4_ranks']['seconds']:.3f} "
+        f"| {result['dcp_save_4_ranks']['gbps']:.2f} |",
+        "",
+        "| save() stall | seconds |",
+        "|---|---|",
+        f"| memory-only step | {s['memory_only_s']:.3f} |",
+        f"| persisting step | {s['persisting_step_s']:.3f} |",
+        f"| next step while the persist writes | {s['next_step_during_persist_s']:.3f} |",
+    ]
     return "\n".join(lines)
 
 

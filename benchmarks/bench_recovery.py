@@ -112,7 +112,7 @@ def register_throttled(rate_bytes_s: float) -> str:
         def _strip_protocol(cls, path):
             path = str(path)
             if path.startswith("throttled://"):
-                path = path[len("throttled://"):]
+                path = path[len("throttled://") :]
             return super()._strip_protocol(path)
 
         def _open(self, path, mode="rb", block_size=None, **kwargs):
@@ -151,30 +151,45 @@ def train_loop(config: dict) -> dict:
     # The state a large model would have: ``mb`` MB per rank of sharded (frozen) weights, saved
     # with it; like every parameter, only an optimizer step may change them.
     # (Built shard by shard: a full tensor on every rank would be world x mb MB each, at once.)
-    t.model.register_parameter("ballast", torch.nn.Parameter(
-        DTensor.from_local(torch.ones(config["mb"] * 2**18), mesh, [Shard(0)], run_check=False), requires_grad=False))
+    t.model.register_parameter(
+        "ballast",
+        torch.nn.Parameter(
+            DTensor.from_local(torch.ones(config["mb"] * 2**18), mesh, [Shard(0)], run_check=False), requires_grad=False
+        ),
+    )
     mode = config["mode"]
     batches = t.batches()
     start, restored = 0, None
     ckpt = None
     if mode in ("gemini", "inplace"):
-        ckpt = gray.checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                                 config["ckpt"])
+        ckpt = gray.checkpointer(
+            TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config["ckpt"]
+        )
         t0 = time.time()
         result = ckpt.restore()
         if result is not None:
             start = result.step + 1
-            restored = {"step": result.step, "seconds": time.time() - t0, "source": result.source,
-                        "bytes": result.bytes_read, "timeline": [list(m) for m in result.timeline],
-                        "recovery": [dict(r) for r in result.recovery]}
+            restored = {
+                "step": result.step,
+                "seconds": time.time() - t0,
+                "source": result.source,
+                "bytes": result.bytes_read,
+                "timeline": [list(m) for m in result.timeline],
+                "recovery": [dict(r) for r in result.recovery],
+            }
     elif mode == "durable":
         register_throttled(config["rate"])
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         root = config["root"]
-        done = sorted(int(d) for d in os.listdir(root) if d.isdigit()
-                      and os.path.exists(os.path.join(root, d, ".metadata"))) if os.path.isdir(root) else []
+        done = (
+            sorted(
+                int(d) for d in os.listdir(root) if d.isdigit() and os.path.exists(os.path.join(root, d, ".metadata"))
+            )
+            if os.path.isdir(root)
+            else []
+        )
         if done:
             t0 = time.time()
             msd, osd = get_state_dict(t.model, t.optimizer)
@@ -206,13 +221,21 @@ def train_loop(config: dict) -> dict:
         elif mode == "durable" and (step + 1) % config["interval"] == 0:
             t0 = time.perf_counter()
             msd, osd = get_state_dict(t.model, t.optimizer)
-            dcp.save({"model": msd, "optim": osd, "sched": t.scheduler.state_dict()},
-                     storage_writer=FsspecWriter(f"throttled://{config['root']}/{step}"))
+            dcp.save(
+                {"model": msd, "optim": osd, "sched": t.scheduler.state_dict()},
+                storage_writer=FsspecWriter(f"throttled://{config['root']}/{step}"),
+            )
             stall = time.perf_counter() - t0
         if step == start:  # where an attempt's first step goes, on every rank (the slowest holds the rest back)
-            emit("first", step=step, loop_unix=t_loop, compute_s=t_compute - t_step, save_s=time.time() - t_step
-                 - config["step_s"] if mode != "none" else 0.0, step_end_unix=time.time(),
-                 save_phases={n: round(t, 3) for n, t in phases})
+            emit(
+                "first",
+                step=step,
+                loop_unix=t_loop,
+                compute_s=t_compute - t_step,
+                save_s=time.time() - t_step - config["step_s"] if mode != "none" else 0.0,
+                step_end_unix=time.time(),
+                save_phases={n: round(t, 3) for n, t in phases},
+            )
         if rank == 0:
             emit("step", step=step, stall_s=stall)
     if ckpt is not None:
@@ -235,31 +258,73 @@ class Progress:
 
 
 # --- one run ------------------------------------------------------------------------------------
-def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float, interval: int, rate: float,
-        workdir: str, persist_every: int, timeout: float, staging: str = "overlap", fault: str = "host") -> dict:
+def run(
+    cluster,
+    mode: str,
+    *,
+    steps: int,
+    kill_at: int,
+    mb: int,
+    step_s: float,
+    interval: int,
+    rate: float,
+    workdir: str,
+    persist_every: int,
+    timeout: float,
+    staging: str = "overlap",
+    fault: str = "host",
+) -> dict:
     """One job with one failure after step ``kill_at`` (``fault``: host ``KILL_HOST`` lost, or
     its training worker SIGKILLed); its events, the failure time."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from gemini_ckpt import CheckpointConfig
-    from gemini_ckpt.integrations.ray_train import (detection_env, host_stores, ranks_on_hosts, recoverable, torch_config,
-                                                   warm_runtime_env)
+    from gemini_ckpt.integrations.ray_train import (
+        detection_env,
+        host_stores,
+        ranks_on_hosts,
+        recoverable,
+        torch_config,
+        warm_runtime_env,
+    )
 
     name = f"recovery-{mode}-{os.getpid()}-{int(time.time())}"
-    progress = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
-                                            resources={"node:__internal_head__": 0.001}).remote()
+    progress = (
+        ray.remote(Progress)
+        .options(name=name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
+        .remote()
+    )
     # Four simulated hosts share this machine's memory: each store gets an explicit budget (the
     # default, a fraction of the machine's RAM per store, would let four of them take it all).
-    ckpt = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=persist_every, timeout_s=120.0,
-                            durable_uri=os.path.join(workdir, name, "gemini"), staging=staging,
-                            host_memory_budget_bytes=max(1 << 30, 12 * mb << 20))
-    config = {"mode": mode, "steps": steps, "mb": mb, "step_s": step_s, "interval": interval, "rate": rate,
-              "root": os.path.join(workdir, name, "dcp"), "ckpt": ckpt, "progress": name}
+    ckpt = CheckpointConfig(
+        replicas=2,
+        keep_in_memory=2,
+        persist_every=persist_every,
+        timeout_s=120.0,
+        durable_uri=os.path.join(workdir, name, "gemini"),
+        staging=staging,
+        host_memory_budget_bytes=max(1 << 30, 12 * mb << 20),
+    )
+    config = {
+        "mode": mode,
+        "steps": steps,
+        "mb": mb,
+        "step_s": step_s,
+        "interval": interval,
+        "rate": rate,
+        "root": os.path.join(workdir, name, "dcp"),
+        "ckpt": ckpt,
+        "progress": name,
+    }
     # every Train worker process imports torch and Ray Train as it starts (all modes alike): the
     # in-place mode's warm spares are ready when a worker is replaced; a full restart starts new processes
-    run_config = RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=1),
-                           worker_runtime_env=warm_runtime_env())
+    run_config = RunConfig(
+        name=name,
+        storage_path=workdir,
+        failure_config=FailureConfig(max_failures=1),
+        worker_runtime_env=warm_runtime_env(),
+    )
     # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
     scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
     # in place: Ray Train replaces only the failed worker (polled every 0.25 s); the others recover in
@@ -269,9 +334,13 @@ def run(cluster, mode: str, *, steps: int, kill_at: int, mb: int, step_s: float,
             os.environ[key] = value
         else:
             os.environ.pop(key, None)
-    trainer = TorchTrainer(recoverable(train_loop) if mode == "inplace" else train_loop, train_loop_config=config,
-                           torch_config=torch_config() if mode == "inplace" else None,
-                           scaling_config=scaling, run_config=run_config)
+    trainer = TorchTrainer(
+        recoverable(train_loop) if mode == "inplace" else train_loop,
+        train_loop_config=config,
+        torch_config=torch_config() if mode == "inplace" else None,
+        scaling_config=scaling,
+        run_config=run_config,
+    )
     box: dict = {}
 
     def fit() -> None:
@@ -316,9 +385,12 @@ def _store_memory(namespace: str) -> dict:
     from gemini_ckpt.cli.status import cluster_status
 
     ns = cluster_status(namespace)[namespace]
-    return {"held_bytes": {h.slot: h.held_bytes for h in ns.hosts}, "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts},
-            "memory": {h.slot: h.memory for h in ns.hosts},
-            "versions": sorted({v.step for v in ns.versions})}
+    return {
+        "held_bytes": {h.slot: h.held_bytes for h in ns.hosts},
+        "reserved_bytes": {h.slot: h.reserved_bytes for h in ns.hosts},
+        "memory": {h.slot: h.memory for h in ns.hosts},
+        "versions": sorted({v.step for v in ns.versions}),
+    }
 
 
 def measure(mode: str, out: dict, step_s: float) -> dict:
@@ -335,37 +407,57 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
     after = [e["unix"] for e in steps if e["unix"] > back]
     stalls = [e["stall_s"] for e in sorted(before, key=lambda e: e["step"]) if e["stall_s"] > 0]
     # the attempt after the failure: its first saves are the warm-up this failure cost
-    stalls_after = [e["stall_s"] for e in sorted((e for e in steps if e["unix"] > back), key=lambda e: e["step"])
-                    if e["stall_s"] > 0]
+    stalls_after = [
+        e["stall_s"]
+        for e in sorted((e for e in steps if e["unix"] > back), key=lambda e: e["step"])
+        if e["stall_s"] > 0
+    ]
     pids_before = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] <= failure}
     pids_after = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] > failure}
     return {
         "kept_processes": sorted(r for r, pid in pids_after.items() if pids_before.get(r) == pid),
-        "mode": mode, "failed_after_step": failed_at, "restored_step": restored_step,
-        "lost_steps": failed_at - restored_step, "lost_s": (failed_at - restored_step) * step_s,
+        "mode": mode,
+        "failed_after_step": failed_at,
+        "restored_step": restored_step,
+        "lost_steps": failed_at - restored_step,
+        "lost_s": (failed_at - restored_step) * step_s,
         "retrieval_s": max((e["seconds"] for e in restores), default=0.0),
-        "restart_s": restart_s, "first_step_after_s": (min(after) - failure) if after else None,
+        "restart_s": restart_s,
+        "first_step_after_s": (min(after) - failure) if after else None,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         # gemini_ckpt's first WARM_UP saves of an attempt plan and make the segments it reuses: the
         # run's first attempt's, and (charged per failure) those of the attempt after the failure;
         # the mean of the others is the steady cost of a save
         "stall_warm_up_first_s": sum(stalls[:WARM_UP]) if mode in ("gemini", "inplace") else 0.0,
         "stall_warm_up_s": (sum(stalls_after[:WARM_UP]) if len(stalls_after) >= WARM_UP else sum(stalls[:WARM_UP]))
-        if mode in ("gemini", "inplace") else 0.0,
-        "stall_mean_s": statistics.fmean(stalls[WARM_UP:] if mode in ("gemini", "inplace") and len(stalls) > WARM_UP
-                                         else stalls)
-        if stalls else 0.0,
-        "stall_top": sorted(((round(e["stall_s"], 4), e["step"]) for e in before if e["stall_s"] > 0),
-                            reverse=True)[:8],
-        "saves": len(stalls), "restore_timeline": restores[0].get("timeline") if restores else None,
+        if mode in ("gemini", "inplace")
+        else 0.0,
+        "stall_mean_s": statistics.fmean(
+            stalls[WARM_UP:] if mode in ("gemini", "inplace") and len(stalls) > WARM_UP else stalls
+        )
+        if stalls
+        else 0.0,
+        "stall_top": sorted(((round(e["stall_s"], 4), e["step"]) for e in before if e["stall_s"] > 0), reverse=True)[
+            :8
+        ],
+        "saves": len(stalls),
+        "restore_timeline": restores[0].get("timeline") if restores else None,
         # every rank's restore stages, in seconds after the failure (the slowest holds the rest back)
-        "restore_stages": {str(e["rank"]): [(n, round(t - failure, 3)) for n, t in e["timeline"]]
-                           for e in restores if e.get("timeline")},
+        "restore_stages": {
+            str(e["rank"]): [(n, round(t - failure, 3)) for n, t in e["timeline"]]
+            for e in restores
+            if e.get("timeline")
+        },
         "restore_bytes": {str(e["rank"]): e.get("bytes") for e in restores},
         # what the host stores did meanwhile (seconds after the failure): noticed, node dead,
         # copies made again, replacement joined and seeded
-        "recovery_stages": {k: round(v - failure, 3) for e in restores[:1] for r in e.get("recovery", [])[-1:]
-                            for k, v in r.items() if isinstance(v, float) and v > failure},
+        "recovery_stages": {
+            k: round(v - failure, 3)
+            for e in restores[:1]
+            for r in e.get("recovery", [])[-1:]
+            for k, v in r.items()
+            if isinstance(v, float) and v > failure
+        },
         "first_step_parts": _first_step_parts(events, failure),
     }
 
@@ -383,8 +475,12 @@ def _first_step_parts(events: list[dict], failure: float) -> Optional[dict]:
         elif e["kind"] == "restore":
             row["restored"] = round(e["unix"] - failure, 2)
         elif e["kind"] == "first":
-            row.update(loop=round(e["loop_unix"] - failure, 2), compute_s=round(e["compute_s"], 3),
-                       save_s=round(e["save_s"], 3), step_done=round(e["step_end_unix"] - failure, 2))
+            row.update(
+                loop=round(e["loop_unix"] - failure, 2),
+                compute_s=round(e["compute_s"], 3),
+                save_s=round(e["save_s"], 3),
+                step_done=round(e["step_end_unix"] - failure, 2),
+            )
             if e.get("save_phases"):
                 row["save_phases"] = e["save_phases"]
     return {str(r): parts[r] for r in sorted(parts)} or None
@@ -415,9 +511,12 @@ def restart_comparison(runs: list[dict]) -> dict:
     for mode in sorted({r["mode"] for r in runs}):
         first = [r["first_step_after_s"] for r in runs if r["mode"] == mode and r["first_step_after_s"] is not None]
         back = [r["restart_s"] for r in runs if r["mode"] == mode and r["restart_s"] is not None]
-        out[mode] = {"first_step_after_s": first, "restart_s": back,
-                     "median_first_step_after_s": statistics.median(first) if first else None,
-                     "median_restart_s": statistics.median(back) if back else None}
+        out[mode] = {
+            "first_step_after_s": first,
+            "restart_s": back,
+            "median_first_step_after_s": statistics.median(first) if first else None,
+            "median_restart_s": statistics.median(back) if back else None,
+        }
     g, n = out.get("gemini", {}), out.get("none", {})
     if g.get("median_first_step_after_s") is not None and n.get("median_first_step_after_s") is not None:
         out["library_adds_median_s"] = g["median_first_step_after_s"] - n["median_first_step_after_s"]
@@ -433,20 +532,39 @@ def main(argv=None) -> int:
     ap.add_argument("--storage-mbps", type=float, default=100.0, help="remote storage bandwidth per host, MB/s")
     ap.add_argument("--persist-every", type=int, default=50, help="gemini_ckpt: a durable version every N steps")
     ap.add_argument("--quick", action="store_true", help="16 MB per rank, 0.3 s steps, MTBF 2 min")
-    ap.add_argument("--modes", default="none,gemini,inplace,durable",
-                    help="which runs (comma-separated): none (no checkpointing), gemini (full restart), inplace "
-                         "(gemini_ckpt with in-place recovery), durable (stock DCP, Young/Daly)")
-    ap.add_argument("--fault", choices=("host", "process"), default="host",
-                    help="host: host 1 is lost (raylet and every process) and a replacement joins; process: its "
-                         "training worker is SIGKILLed")
-    ap.add_argument("--staging", default="overlap", choices=("overlap", "copy"),
-                    help="gemini_ckpt's CheckpointConfig.staging (overlap: the copy runs beside the next step)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run the modes this many times, alternating (the restart comparison takes medians: "
-                         "Ray Train's own restart varies by seconds from one failure to the next)")
-    ap.add_argument("--out", default=os.path.join(
-        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        "recovery.json"))
+    ap.add_argument(
+        "--modes",
+        default="none,gemini,inplace,durable",
+        help="which runs (comma-separated): none (no checkpointing), gemini (full restart), inplace "
+        "(gemini_ckpt with in-place recovery), durable (stock DCP, Young/Daly)",
+    )
+    ap.add_argument(
+        "--fault",
+        choices=("host", "process"),
+        default="host",
+        help="host: host 1 is lost (raylet and every process) and a replacement joins; process: its "
+        "training worker is SIGKILLed",
+    )
+    ap.add_argument(
+        "--staging",
+        default="overlap",
+        choices=("overlap", "copy"),
+        help="gemini_ckpt's CheckpointConfig.staging (overlap: the copy runs beside the next step)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the modes this many times, alternating (the restart comparison takes medians: "
+        "Ray Train's own restart varies by seconds from one failure to the next)",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+            "recovery.json",
+        ),
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.step_s, args.mtbf_s, args.persist_every = 16, 0.3, 120.0, 20
@@ -468,14 +586,28 @@ def main(argv=None) -> int:
         for mode in [m for _ in range(max(1, args.repeat)) for m in args.modes.split(",")]:
             what = f"host {KILL_HOST} lost" if args.fault == "host" else f"the worker of host {KILL_HOST} SIGKILLed"
             print(f"== {mode}: {steps} steps of {args.step_s}s, {what} after step {kill_at}", flush=True)
-            out = run(cluster, mode, steps=steps, kill_at=kill_at, mb=args.mb, step_s=args.step_s, interval=interval,
-                      rate=rate, workdir=workdir, persist_every=args.persist_every,
-                      timeout=600 + 3 * steps * args.step_s, staging=args.staging, fault=args.fault)
+            out = run(
+                cluster,
+                mode,
+                steps=steps,
+                kill_at=kill_at,
+                mb=args.mb,
+                step_s=args.step_s,
+                interval=interval,
+                rate=rate,
+                workdir=workdir,
+                persist_every=args.persist_every,
+                timeout=600 + 3 * steps * args.step_s,
+                staging=args.staging,
+                fault=args.fault,
+            )
             row = wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s, interval=interval)
             repeats.append(row)
             if any(r["mode"] == mode for r in rows):  # a repeat: only the restart comparison takes it
-                print(f"   failure -> next step {row['first_step_after_s']:.1f}s, workers back "
-                      f"{row['restart_s']:.1f}s", flush=True)
+                print(
+                    f"   failure -> next step {row['first_step_after_s']:.1f}s, workers back {row['restart_s']:.1f}s",
+                    flush=True,
+                )
                 cluster.ensure_hosts()
                 continue
             rows.append(row)
@@ -498,17 +630,26 @@ def main(argv=None) -> int:
     g, d, n = by["gemini"], by["durable"], by["none"]
     result = {
         "question": "time wasted per failure: gemini_ckpt (every step in memory) vs durable-only at Young/Daly",
-        "hosts": HOSTS, "state_mb_per_rank": args.mb, "gemini_staging": args.staging, "step_s": args.step_s, "mtbf_s": args.mtbf_s,
-        "storage_mb_per_s_per_host": args.storage_mbps, "durable_interval_steps": interval,
-        "young_daly_interval_s": interval * args.step_s, "kill_after_step": kill_at, "steps": steps,
+        "hosts": HOSTS,
+        "state_mb_per_rank": args.mb,
+        "gemini_staging": args.staging,
+        "step_s": args.step_s,
+        "mtbf_s": args.mtbf_s,
+        "storage_mb_per_s_per_host": args.storage_mbps,
+        "durable_interval_steps": interval,
+        "young_daly_interval_s": interval * args.step_s,
+        "kill_after_step": kill_at,
+        "steps": steps,
         "ratio_without_restart": d["wasted_s"] / g["wasted_s"] if g["wasted_s"] else None,
         "ratio_with_restart": d["wasted_with_restart_s"] / g["wasted_with_restart_s"],
         "target_ratio": TARGET,
         "restart_to_first_step_with_library_s": g["first_step_after_s"],
         "restart_to_first_step_without_checkpointing_s": n["first_step_after_s"],
         "library_adds_to_the_restart_s": (g["first_step_after_s"] - n["first_step_after_s"])
-        if g["first_step_after_s"] is not None and n["first_step_after_s"] is not None else None,
-        "rows": rows, "restarts": restarts,
+        if g["first_step_after_s"] is not None and n["first_step_after_s"] is not None
+        else None,
+        "rows": rows,
+        "restarts": restarts,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
     }
     result["target_met"] = (result["ratio_without_restart"] or 0) >= TARGET
@@ -519,55 +660,81 @@ def main(argv=None) -> int:
         full = restarts.get("gemini", {}).get("median_first_step_after_s")
         inplace = restarts.get("inplace", {}).get("median_first_step_after_s")
         if full and inplace:
-            result["inplace_vs_full_restart"] = {"median_first_step_after_full_s": full,
-                                                 "median_first_step_after_inplace_s": inplace,
-                                                 "sooner": full / inplace}
+            result["inplace_vs_full_restart"] = {
+                "median_first_step_after_full_s": full,
+                "median_first_step_after_inplace_s": inplace,
+                "sooner": full / inplace,
+            }
     # For ``placement advise --from-bench``: what a restart and a restore cost here.
-    result["costs"] = {"restart_host_s": g["restart_s"], "restore_peer_s": g["retrieval_s"],
-                       "durable_save_s": d["stall_median_s"], "restore_durable_s": d["retrieval_s"]}
+    result["costs"] = {
+        "restart_host_s": g["restart_s"],
+        "restore_peer_s": g["retrieval_s"],
+        "durable_save_s": d["stall_median_s"],
+        "restore_durable_s": d["retrieval_s"],
+    }
     return write_report(args.out, result, _markdown(result))
 
 
 def _markdown(r: dict) -> str:
-    lines = [f"{r['hosts']} simulated hosts, {r['state_mb_per_rank']} MB per rank, {r['step_s']}s steps, MTBF "
-             f"{r['mtbf_s']:.0f}s, remote storage {r['storage_mb_per_s_per_host']:.0f} MB/s per host; durable-only "
-             f"every {r['durable_interval_steps']} steps (Young/Daly); host lost after step {r['kill_after_step']}", "",
-             "| per failure | overhead (s) | work lost (s) | retrieval (s) | wasted (s) | Ray Train restart (s) "
-             "| wasted incl. restart (s) | failure -> next step (s) |",
-             "|---|---|---|---|---|---|---|---|"]
-    staging = r.get('gemini_staging', 'copy')
-    names = {"gemini": f"gemini_ckpt, every step, replicas=2, staging={staging}, full restart",
-             "inplace": f"gemini_ckpt, every step, replicas=2, staging={staging}, in place",
-             "durable": "durable only (stock DCP, Young/Daly)", "none": "no checkpointing (restart only)"}
+    lines = [
+        f"{r['hosts']} simulated hosts, {r['state_mb_per_rank']} MB per rank, {r['step_s']}s steps, MTBF "
+        f"{r['mtbf_s']:.0f}s, remote storage {r['storage_mb_per_s_per_host']:.0f} MB/s per host; durable-only "
+        f"every {r['durable_interval_steps']} steps (Young/Daly); host lost after step {r['kill_after_step']}",
+        "",
+        "| per failure | overhead (s) | work lost (s) | retrieval (s) | wasted (s) | Ray Train restart (s) "
+        "| wasted incl. restart (s) | failure -> next step (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    staging = r.get("gemini_staging", "copy")
+    names = {
+        "gemini": f"gemini_ckpt, every step, replicas=2, staging={staging}, full restart",
+        "inplace": f"gemini_ckpt, every step, replicas=2, staging={staging}, in place",
+        "durable": "durable only (stock DCP, Young/Daly)",
+        "none": "no checkpointing (restart only)",
+    }
     for row in r["rows"]:
         first = row["first_step_after_s"]
-        lines.append(f"| {names[row['mode']]} | {row['overhead_s']:.2f} | {row['lost_s']:.2f} "
-                     f"({row['lost_steps']} steps) | {row['retrieval_s']:.2f} | {row['wasted_s']:.2f} "
-                     f"| {row['restart_s']:.1f} | {row['wasted_with_restart_s']:.1f} "
-                     f"| {first:.1f} |" if first is not None else "| - |")
+        lines.append(
+            f"| {names[row['mode']]} | {row['overhead_s']:.2f} | {row['lost_s']:.2f} "
+            f"({row['lost_steps']} steps) | {row['retrieval_s']:.2f} | {row['wasted_s']:.2f} "
+            f"| {row['restart_s']:.1f} | {row['wasted_with_restart_s']:.1f} "
+            f"| {first:.1f} |"
+            if first is not None
+            else "| - |"
+        )
     lines.append("")
     ratio = r["ratio_without_restart"]
-    lines.append(f"wasted per failure, durable-only / gemini_ckpt: {ratio:.1f}x without the restart "
-                 f"(target >= {r['target_ratio']:.0f}x: {'met' if r['target_met'] else 'NOT met'}), "
-                 f"{r['ratio_with_restart']:.2f}x with it")
+    lines.append(
+        f"wasted per failure, durable-only / gemini_ckpt: {ratio:.1f}x without the restart "
+        f"(target >= {r['target_ratio']:.0f}x: {'met' if r['target_met'] else 'NOT met'}), "
+        f"{r['ratio_with_restart']:.2f}x with it"
+    )
     if "ratio_with_restart_inplace" in r:
-        lines.append(f"with in-place recovery: {r['ratio_with_restart_inplace']:.1f}x with the restart "
-                     f"(the survivors' processes kept: ranks {r['rows'][[x['mode'] for x in r['rows']].index('inplace')]['kept_processes']})")
+        lines.append(
+            f"with in-place recovery: {r['ratio_with_restart_inplace']:.1f}x with the restart "
+            f"(the survivors' processes kept: ranks {r['rows'][[x['mode'] for x in r['rows']].index('inplace')]['kept_processes']})"
+        )
     if "inplace_vs_full_restart" in r:
         c = r["inplace_vs_full_restart"]
-        lines.append(f"failure -> next step, medians: in place {c['median_first_step_after_inplace_s']:.1f}s, full "
-                     f"restart {c['median_first_step_after_full_s']:.1f}s: {c['sooner']:.1f}x sooner")
+        lines.append(
+            f"failure -> next step, medians: in place {c['median_first_step_after_inplace_s']:.1f}s, full "
+            f"restart {c['median_first_step_after_full_s']:.1f}s: {c['sooner']:.1f}x sooner"
+        )
     rs = r.get("restarts", {})
     if "library_adds_median_s" in rs:
         g, n = rs["gemini"], rs["none"]
-        lines.append(f"failure -> next step, median of {len(g['first_step_after_s'])} failures each: "
-                     f"{g['median_first_step_after_s']:.1f}s with gemini_ckpt, {n['median_first_step_after_s']:.1f}s "
-                     f"without checkpointing: the library adds {rs['library_adds_median_s']:+.1f}s "
-                     f"({rs['library_adds_to_workers_back_median_s']:+.1f}s of it before the workers are back)")
+        lines.append(
+            f"failure -> next step, median of {len(g['first_step_after_s'])} failures each: "
+            f"{g['median_first_step_after_s']:.1f}s with gemini_ckpt, {n['median_first_step_after_s']:.1f}s "
+            f"without checkpointing: the library adds {rs['library_adds_median_s']:+.1f}s "
+            f"({rs['library_adds_to_workers_back_median_s']:+.1f}s of it before the workers are back)"
+        )
     if r["library_adds_to_the_restart_s"] is not None:
-        lines.append(f"failure -> next step: {r['restart_to_first_step_with_library_s']:.1f}s with gemini_ckpt, "
-                     f"{r['restart_to_first_step_without_checkpointing_s']:.1f}s without checkpointing: the library "
-                     f"adds {r['library_adds_to_the_restart_s']:+.1f}s")
+        lines.append(
+            f"failure -> next step: {r['restart_to_first_step_with_library_s']:.1f}s with gemini_ckpt, "
+            f"{r['restart_to_first_step_without_checkpointing_s']:.1f}s without checkpointing: the library "
+            f"adds {r['library_adds_to_the_restart_s']:+.1f}s"
+        )
     return "\n".join(lines)
 
 

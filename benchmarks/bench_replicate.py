@@ -70,8 +70,13 @@ class BenchRank:
 
         from gemini_ckpt.toy import linear_stack
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=600),
+        )
         self.rank, self.world_size = rank, world_size
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
@@ -83,8 +88,10 @@ class BenchRank:
 
         if self.ckpt is not None:
             self.ckpt.close()
-        self.ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
-            store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600))
+        self.ckpt = Checkpointer(
+            TrainState(model=self.model),
+            CheckpointConfig(store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600),
+        )
         out = []
         warmup = 2  # connect + plan + first allocations; from step 2 on, dropped versions' buffers are reused
         for step in range(steps + warmup):
@@ -95,8 +102,14 @@ class BenchRank:
             commit = time.perf_counter() - t0
             if step >= warmup:
                 # After the stall the host stores do the rest (checksums, copies, the commit).
-                out.append({"stall_s": stall, "commit_s": commit, "put_s": commit - stall,
-                            "file_bytes": self.ckpt.stats.staging_bytes})
+                out.append(
+                    {
+                        "stall_s": stall,
+                        "commit_s": commit,
+                        "put_s": commit - stall,
+                        "file_bytes": self.ckpt.stats.staging_bytes,
+                    }
+                )
         self.ckpt.close()
         self.ckpt = None
         return out
@@ -158,9 +171,17 @@ class BenchRank:
 
         ckpt = None
         if namespace is not None:
-            ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(
-                store="ray", namespace=namespace, replicas=replicas, keep_in_memory=1, timeout_s=600,
-                replication_bandwidth=cap))
+            ckpt = Checkpointer(
+                TrainState(model=self.model),
+                CheckpointConfig(
+                    store="ray",
+                    namespace=namespace,
+                    replicas=replicas,
+                    keep_in_memory=1,
+                    timeout_s=600,
+                    replication_bandwidth=cap,
+                ),
+            )
         a = torch.rand(384, 384)
         times = []
         for step in range(steps + 1):
@@ -225,12 +246,20 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed saves per configuration")
     ap.add_argument("--quick", action="store_true", help="16 MB shards, one timed save")
     ap.add_argument("--cap-mb", type=int, default=200, help="replication_bandwidth for the step-time comparison")
-    ap.add_argument("--network", choices=("loopback", "netns"), default="loopback",
-                    help="netns: each host in its own network namespace (needs root; see bench_interference.py)")
+    ap.add_argument(
+        "--network",
+        choices=("loopback", "netns"),
+        default="loopback",
+        help="netns: each host in its own network namespace (needs root; see bench_interference.py)",
+    )
     ap.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
-    ap.add_argument("--out", default=os.path.join(
-        os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-        "replicate.json"))
+    ap.add_argument(
+        "--out",
+        default=os.path.join(
+            os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+            "replicate.json",
+        ),
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.mb, args.steps = 16, 1
@@ -239,14 +268,11 @@ def main(argv=None) -> int:
     from gemini_ckpt.testing.cluster import LocalCluster
 
     plasma = max(256, 3 * min(args.mb, 64) * max(args.replicas) + 64) * 2**20
-    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network=args.network,
-                           link=args.link).start()
+    cluster = LocalCluster(HOSTS, head_cpus=1, object_store_bytes=plasma, network=args.network, link=args.link).start()
     workdir = tempfile.mkdtemp(prefix="gemini_bench_dcp_", dir=os.environ.get("BENCH_DISK_DIR"))
-    namespaces = [f"bench-replicate-m{m}" for m in args.replicas] + ["bench-replicate-cap-none",
-                                                                       "bench-replicate-cap"]
+    namespaces = [f"bench-replicate-m{m}" for m in args.replicas] + ["bench-replicate-cap-none", "bench-replicate-cap"]
     try:
-        ranks = [ray.remote(BenchRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
-                 for i in range(HOSTS)]
+        ranks = [ray.remote(BenchRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(HOSTS)]
         master = ray.get(ranks[0].address.remote())
         shard = ray.get([r.setup.remote(i, HOSTS, master, args.mb) for i, r in enumerate(ranks)])
         shard_bytes = int(statistics.mean(shard))
@@ -256,22 +282,42 @@ def main(argv=None) -> int:
             per_rank = ray.get([r.gemini.remote(m, args.steps, ns) for r in ranks])
             put = _summary(per_rank, "put_s")
             file_bytes = statistics.mean(r[-1]["file_bytes"] for r in per_rank)
-            rows.append({"method": f"gemini_ckpt replicas={m}", "replicas": m,
-                         "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
-                         "put_s": put, "file_bytes": file_bytes,
-                         "per_rank_send_gbps": file_bytes / put / 1e9,
-                         "per_host_ingest_gbps": m * file_bytes / put / 1e9, "raw": per_rank,
-                         "store_timeline": _store_timeline(ns, args.steps + 1)})
+            rows.append(
+                {
+                    "method": f"gemini_ckpt replicas={m}",
+                    "replicas": m,
+                    "stall_s": _summary(per_rank, "stall_s"),
+                    "commit_s": _summary(per_rank, "commit_s"),
+                    "put_s": put,
+                    "file_bytes": file_bytes,
+                    "per_rank_send_gbps": file_bytes / put / 1e9,
+                    "per_host_ingest_gbps": m * file_bytes / put / 1e9,
+                    "raw": per_rank,
+                    "store_timeline": _store_timeline(ns, args.steps + 1),
+                }
+            )
             shutdown_host_stores(ns)
         per_rank = ray.get([r.dcp_async.remote(workdir, args.steps) for r in ranks])
-        rows.append({"method": "DCP async_save to local disk", "replicas": 1,
-                     "stall_s": _summary(per_rank, "stall_s"), "commit_s": _summary(per_rank, "commit_s"),
-                     "raw": per_rank})
+        rows.append(
+            {
+                "method": "DCP async_save to local disk",
+                "replicas": 1,
+                "stall_s": _summary(per_rank, "stall_s"),
+                "commit_s": _summary(per_rank, "commit_s"),
+                "raw": per_rank,
+            }
+        )
         for m in args.replicas:
             file_bytes = next(r["file_bytes"] for r in rows if r.get("replicas") == m and "put_s" in r)
             floor = [_raw_tcp_round(ranks, m, int(file_bytes)) for _ in range(max(2, args.steps))]
-            rows.append({"method": f"raw TCP floor replicas={m}", "replicas": m, "floor_s": statistics.median(floor),
-                         "raw": floor})
+            rows.append(
+                {
+                    "method": f"raw TCP floor replicas={m}",
+                    "replicas": m,
+                    "floor_s": statistics.median(floor),
+                    "raw": floor,
+                }
+            )
         cap_rows = _cap_effect(ranks, args)
         shutdown_host_stores("bench-replicate-cap-none")
         shutdown_host_stores("bench-replicate-cap")
@@ -282,10 +328,16 @@ def main(argv=None) -> int:
 
     result = {
         "question": "save() -> committed in peer memory, replication throughput, vs memcpy and DCP async_save",
-        "hosts": HOSTS, "network": args.network, "link": args.link, "shard_mb_requested": args.mb, "shard_bytes": shard_bytes, "steps": args.steps,
+        "hosts": HOSTS,
+        "network": args.network,
+        "link": args.link,
+        "shard_mb_requested": args.mb,
+        "shard_bytes": shard_bytes,
+        "steps": args.steps,
         "memcpy_gbps_single_thread": copy_gbps,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-        "rows": rows, "cap": cap_rows,
+        "rows": rows,
+        "cap": cap_rows,
     }
     return write_report(args.out, result, _markdown(result))
 
@@ -305,8 +357,9 @@ def _store_timeline(namespace: str, step: int) -> dict:
     if not marks:
         return {}
     start = min(m.get("staged", float("inf")) for m in marks.values())
-    return {node: {k: round(v - start, 4) for k, v in sorted(m.items(), key=lambda kv: kv[1])}
-            for node, m in marks.items()}
+    return {
+        node: {k: round(v - start, 4) for k, v in sorted(m.items(), key=lambda kv: kv[1])} for node, m in marks.items()
+    }
 
 
 def _raw_tcp_round(ranks, replicas: int, nbytes: int) -> float:
@@ -326,8 +379,11 @@ def _cap_effect(ranks, args) -> dict:
     steps, m = (6 if args.quick else 12), 2
     cap = args.cap_mb * 10**6
     out = {"steps": steps, "replicas": m, "cap_bytes_per_s": cap}
-    for label, ns, limit in (("no checkpoint", None, None), ("uncapped", "bench-replicate-cap-none", None),
-                             (f"capped {args.cap_mb} MB/s", "bench-replicate-cap", cap)):
+    for label, ns, limit in (
+        ("no checkpoint", None, None),
+        ("uncapped", "bench-replicate-cap-none", None),
+        (f"capped {args.cap_mb} MB/s", "bench-replicate-cap", cap),
+    ):
         per_rank = ray.get([r.train_while_saving.remote(steps, ns, m, limit) for r in ranks])
         out[label] = statistics.median(max(r[i] for r in per_rank) for i in range(steps))
     return out
@@ -335,30 +391,43 @@ def _cap_effect(ranks, args) -> dict:
 
 def _markdown(result: dict) -> str:
     mb = result["shard_bytes"] / 1e6
-    lines = [f"{result['hosts']} simulated hosts on {result['machine']['cpus']} cores, {mb:.0f} MB shard per rank, "
-             f"median of {result['steps']} saves (slowest rank); memcpy of the shard: "
-             f"{result['memcpy_gbps_single_thread']:.2f} GB/s (1 thread)", "",
-             "| method | stall (s) | save -> committed (s) | stores: hand-off -> committed (s) | send GB/s per rank "
-             "| ingest GB/s per host | vs memcpy |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['hosts']} simulated hosts on {result['machine']['cpus']} cores, {mb:.0f} MB shard per rank, "
+        f"median of {result['steps']} saves (slowest rank); memcpy of the shard: "
+        f"{result['memcpy_gbps_single_thread']:.2f} GB/s (1 thread)",
+        "",
+        "| method | stall (s) | save -> committed (s) | stores: hand-off -> committed (s) | send GB/s per rank "
+        "| ingest GB/s per host | vs memcpy |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         if "floor_s" in row:
             gem = next(r for r in result["rows"] if r.get("replicas") == row["replicas"] and "put_s" in r)
-            lines.append(f"| {row['method']} | - | {row['floor_s']:.3f} (gemini: {gem['commit_s'] / row['floor_s']:.2f}x "
-                         f"this floor) | - | - | - | - |")
+            lines.append(
+                f"| {row['method']} | - | {row['floor_s']:.3f} (gemini: {gem['commit_s'] / row['floor_s']:.2f}x "
+                f"this floor) | - | - | - | - |"
+            )
         elif "put_s" in row:
             ratio = row["per_host_ingest_gbps"] / result["memcpy_gbps_single_thread"]
-            lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | {row['put_s']:.3f} "
-                         f"| {row['per_rank_send_gbps']:.2f} | {row['per_host_ingest_gbps']:.2f} | {ratio:.0%} |")
+            lines.append(
+                f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | {row['put_s']:.3f} "
+                f"| {row['per_rank_send_gbps']:.2f} | {row['per_host_ingest_gbps']:.2f} | {ratio:.0%} |"
+            )
         else:
             lines.append(f"| {row['method']} | {row['stall_s']:.3f} | {row['commit_s']:.3f} | - | - | - | - |")
     for row in result["rows"]:
         for node, marks in (row.get("store_timeline") or {}).items():
-            lines.append(f"- {row['method']}, store {node}: " + ", ".join(f"{k} +{v * 1e3:.0f} ms" for k, v in marks.items()))
+            lines.append(
+                f"- {row['method']}, store {node}: " + ", ".join(f"{k} +{v * 1e3:.0f} ms" for k, v in marks.items())
+            )
     cap = result.get("cap")
     if cap:
-        lines += ["", f"Step time while every step is saved (replicas={cap['replicas']}, median of {cap['steps']} "
-                  f"steps, slowest rank):", ""]
+        lines += [
+            "",
+            f"Step time while every step is saved (replicas={cap['replicas']}, median of {cap['steps']} "
+            f"steps, slowest rank):",
+            "",
+        ]
         lines += [f"- {k}: {v:.3f} s" for k, v in cap.items() if isinstance(v, float)]
     return "\n".join(lines)
 

@@ -68,8 +68,11 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench_save_")
     try:
         t_torch = median_time(lambda: torch.save(model.state_dict(), f"{tmp}/model.pt"), args.repeats)
-        t_dcp = median_time(lambda: dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/dcp", no_dist=True),
-                            args.repeats, setup=lambda: shutil.rmtree(f"{tmp}/dcp", ignore_errors=True))
+        t_dcp = median_time(
+            lambda: dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/dcp", no_dist=True),
+            args.repeats,
+            setup=lambda: shutil.rmtree(f"{tmp}/dcp", ignore_errors=True),
+        )
         blocking = []
 
         def async_blocking():
@@ -99,15 +102,26 @@ def main() -> None:
     # are made by the first saves, and every later save reuses one.
     settled = config.keep_in_memory + config.max_inflight
     grows = [a for a in allocs[settled:] if a != allocs[settled - 1]]
-    print(f"staging memory: {allocs[-1][0]} segment(s) of {allocs[0][1] / 2**20:.0f} MiB; "
-          f"{'constant' if not grows else 'GREW'} after the first {settled} of {len(allocs)} saves")
-    path = write_results("save", {
-        "state_bytes": nbytes, "tensors": len(tensors), "repeats": args.repeats,
-        "seconds": {r[0]: r[1] for r in rows}, "ratio_to_floor": {r[0]: r[2] for r in rows},
-        "staging_bytes": allocs[0][1], "staging_allocations_per_save": [a[0] for a in allocs],
-        "segments_constant_after": settled, "segments_grew": bool(grows),
-        "target_ratio": 1.15, "target_met": ours / t_floor <= 1.15,
-    })
+    print(
+        f"staging memory: {allocs[-1][0]} segment(s) of {allocs[0][1] / 2**20:.0f} MiB; "
+        f"{'constant' if not grows else 'GREW'} after the first {settled} of {len(allocs)} saves"
+    )
+    path = write_results(
+        "save",
+        {
+            "state_bytes": nbytes,
+            "tensors": len(tensors),
+            "repeats": args.repeats,
+            "seconds": {r[0]: r[1] for r in rows},
+            "ratio_to_floor": {r[0]: r[2] for r in rows},
+            "staging_bytes": allocs[0][1],
+            "staging_allocations_per_save": [a[0] for a in allocs],
+            "segments_constant_after": settled,
+            "segments_grew": bool(grows),
+            "target_ratio": 1.15,
+            "target_met": ours / t_floor <= 1.15,
+        },
+    )
     print(f"wrote {path}")
 
 

@@ -77,8 +77,7 @@ class ScalingRank(rb.Rank):
     def memory(self) -> dict:
         status = _proc_status(os.getpid())
         staging = self.ckpt.stats.staging_bytes if self.ckpt is not None else 0
-        return {"rss_bytes": status.get("VmRSS", 0), "peak_rss_bytes": status.get("VmHWM", 0),
-                "staging_bytes": staging}
+        return {"rss_bytes": status.get("VmRSS", 0), "peak_rss_bytes": status.get("VmHWM", 0), "staging_bytes": staging}
 
 
 def _proc_status(pid: int) -> dict[str, int]:
@@ -130,11 +129,14 @@ class MemorySampler:
 
     def report(self, node: str) -> dict:
         base, end = self.baseline[node], _proc_status(self.pids[node])
-        return {"pid": self.pids[node], "baseline_rss_bytes": base.get("VmRSS", 0),
-                "baseline_anon_bytes": base.get("RssAnon", 0),
-                "peak_rss_bytes": max(self.peak_rss[node], end.get("VmHWM", 0)),
-                "peak_anon_bytes": self.peak_anon[node],
-                "peak_anon_growth_bytes": self.peak_anon[node] - base.get("RssAnon", 0)}
+        return {
+            "pid": self.pids[node],
+            "baseline_rss_bytes": base.get("VmRSS", 0),
+            "baseline_anon_bytes": base.get("RssAnon", 0),
+            "peak_rss_bytes": max(self.peak_rss[node], end.get("VmHWM", 0)),
+            "peak_anon_bytes": self.peak_anon[node],
+            "peak_anon_growth_bytes": self.peak_anon[node] - base.get("RssAnon", 0),
+        }
 
 
 def _store_pids(namespace: str, node_ids: list[str]) -> dict[str, int]:
@@ -150,16 +152,16 @@ def _store_pids(namespace: str, node_ids: list[str]) -> dict[str, int]:
             pids[wanted[info["Name"]]] = int(info["Pid"])
     missing = sorted(set(node_ids) - set(pids))
     if missing:
-        raise RuntimeError(f"no live host store process found for nodes {[m[:12] for m in missing]} "
-                           f"in namespace {namespace!r}")
+        raise RuntimeError(
+            f"no live host store process found for nodes {[m[:12] for m in missing]} in namespace {namespace!r}"
+        )
     return pids
 
 
 def _make_ranks(hosts: int, mb: int):
     """``_raybench.make_ranks`` with :class:`ScalingRank` (rank ``r`` on simulated host ``r``)."""
     ray.cloudpickle.register_pickle_by_value(rb)  # Ray's own copy: cloudpickle is not a dependency
-    ranks = [ray.remote(ScalingRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
-             for i in range(hosts)]
+    ranks = [ray.remote(ScalingRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(hosts)]
     port = rb.free_port()
     shard = ray.get([r.setup.remote(i, hosts, port, mb) for i, r in enumerate(ranks)], timeout=900)
     return ranks, int(statistics.mean(shard))
@@ -193,9 +195,18 @@ def measure(cluster, hosts: int, args, plasma: int) -> dict:
         stores = []
         for node in nodes:
             h = by_node[node]
-            stores.append({"node_id": node, "slot": h.slot, "versions": list(h.versions),
-                           "own_shards": h.own_shards, "replica_shards": h.replica_shards,
-                           "held_bytes": h.held_bytes, "reserved_bytes": h.reserved_bytes, **sampler.report(node)})
+            stores.append(
+                {
+                    "node_id": node,
+                    "slot": h.slot,
+                    "versions": list(h.versions),
+                    "own_shards": h.own_shards,
+                    "replica_shards": h.replica_shards,
+                    "held_bytes": h.held_bytes,
+                    "reserved_bytes": h.reserved_bytes,
+                    **sampler.report(node),
+                }
+            )
     finally:
         rb.kill_ranks(ranks)
         shutdown_host_stores(ns)
@@ -206,21 +217,35 @@ def measure(cluster, hosts: int, args, plasma: int) -> dict:
     file_bytes = statistics.mean(s["held_bytes"] / (k * m) for s in stores)
     staging = max(t["staging_bytes"] for t in trainers)
     predicted = {"kept": k * m * shard, "arriving": (k + 1) * m * shard}
-    measured = {"held_bytes": max(s["held_bytes"] for s in stores),
-                "reserved_bytes": max(s["reserved_bytes"] for s in stores),
-                "peak_anon_growth_bytes": max(s["peak_anon_growth_bytes"] for s in stores),
-                "peak_rss_bytes": max(s["peak_rss_bytes"] for s in stores)}
-    return {"hosts": hosts, "namespace": ns, "shard_bytes": shard, "file_bytes": file_bytes,
-            "time_to_safe_s": statistics.median(safe), "stall_s": statistics.median(stall),
-            "safe_per_save_s": safe,
-            "predicted_store_bytes": {"K*m*shard": predicted["kept"], "(K+1)*m*shard": predicted["arriving"]},
-            "measured_store_bytes": measured,
-            "peak_matches": _closest(measured["peak_anon_growth_bytes"], predicted),
-            "reserved_matches": _closest(measured["reserved_bytes"], predicted),
-            "trainer": {"staging_bytes": staging, "predicted_staging_bytes": shard,
-                        "peak_rss_bytes": max(t["peak_rss_bytes"] for t in trainers), "per_rank": trainers},
-            "stores": stores, "raw": per_rank,
-            "load_average_before": load_before, "load_average_after": rb.load_average()}
+    measured = {
+        "held_bytes": max(s["held_bytes"] for s in stores),
+        "reserved_bytes": max(s["reserved_bytes"] for s in stores),
+        "peak_anon_growth_bytes": max(s["peak_anon_growth_bytes"] for s in stores),
+        "peak_rss_bytes": max(s["peak_rss_bytes"] for s in stores),
+    }
+    return {
+        "hosts": hosts,
+        "namespace": ns,
+        "shard_bytes": shard,
+        "file_bytes": file_bytes,
+        "time_to_safe_s": statistics.median(safe),
+        "stall_s": statistics.median(stall),
+        "safe_per_save_s": safe,
+        "predicted_store_bytes": {"K*m*shard": predicted["kept"], "(K+1)*m*shard": predicted["arriving"]},
+        "measured_store_bytes": measured,
+        "peak_matches": _closest(measured["peak_anon_growth_bytes"], predicted),
+        "reserved_matches": _closest(measured["reserved_bytes"], predicted),
+        "trainer": {
+            "staging_bytes": staging,
+            "predicted_staging_bytes": shard,
+            "peak_rss_bytes": max(t["peak_rss_bytes"] for t in trainers),
+            "per_rank": trainers,
+        },
+        "stores": stores,
+        "raw": per_rank,
+        "load_average_before": load_before,
+        "load_average_after": rb.load_average(),
+    }
 
 
 def _closest(value: float, predicted: dict[str, int]) -> str:
@@ -265,12 +290,21 @@ def main(argv=None) -> int:
     ratio = by_hosts[max(xs)] / by_hosts[min(xs)] if len(xs) > 1 else None
     result = {
         "question": "time to safe (save -> committed in m hosts' memory) vs host count at fixed bytes per host; "
-                    "host-store memory vs the predicted footprint",
-        "hosts": xs, "replicas": REPLICAS, "keep_in_memory": args.keep, "max_inflight": 1,
-        "shard_mb_requested": args.mb, "steps": args.steps, "warmup_saves": WARMUP, "quick": args.quick,
+        "host-store memory vs the predicted footprint",
+        "hosts": xs,
+        "replicas": REPLICAS,
+        "keep_in_memory": args.keep,
+        "max_inflight": 1,
+        "shard_mb_requested": args.mb,
+        "steps": args.steps,
+        "warmup_saves": WARMUP,
+        "quick": args.quick,
         "slope_s_per_host": slope(xs, ys) if len(xs) > 1 else None,
-        "ratio_largest_to_smallest": ratio, "ratio_label": f"t({max(xs)})/t({min(xs)})",
-        "wall_s": time.perf_counter() - t_start, "load_average_end": rb.load_average(), "rows": rows,
+        "ratio_largest_to_smallest": ratio,
+        "ratio_label": f"t({max(xs)})/t({min(xs)})",
+        "wall_s": time.perf_counter() - t_start,
+        "load_average_end": rb.load_average(),
+        "rows": rows,
     }
     path = _common.write_results("scaling", result)
     print(_markdown(result))
@@ -284,27 +318,38 @@ def _markdown(result: dict) -> str:
 
     rows = result["rows"]
     k, m = result["keep_in_memory"], result["replicas"]
-    lines = [f"Fixed {rows[0]['shard_bytes'] / 1e6:.1f} MB shard per host (one rank per host), replicas={m}, "
-             f"keep_in_memory={k}, median of {result['steps']} saves (slowest rank) after {result['warmup_saves']} "
-             f"warm-up; {os.cpu_count()} cores shared by every simulated host; load average at end "
-             f"{result['load_average_end'][0]:.1f}", "",
-             "| hosts | time to safe (s) | save() stall (s) | store held (MB) | store reserved (MB) "
-             "| store peak anon growth (MB) | store peak RSS (MB) | predicted K·m·shard (MB) "
-             "| predicted (K+1)·m·shard (MB) | peak matches | trainer peak RSS (MB) | staging (MB) |",
-             "|" + "---|" * 12]
+    lines = [
+        f"Fixed {rows[0]['shard_bytes'] / 1e6:.1f} MB shard per host (one rank per host), replicas={m}, "
+        f"keep_in_memory={k}, median of {result['steps']} saves (slowest rank) after {result['warmup_saves']} "
+        f"warm-up; {os.cpu_count()} cores shared by every simulated host; load average at end "
+        f"{result['load_average_end'][0]:.1f}",
+        "",
+        "| hosts | time to safe (s) | save() stall (s) | store held (MB) | store reserved (MB) "
+        "| store peak anon growth (MB) | store peak RSS (MB) | predicted K·m·shard (MB) "
+        "| predicted (K+1)·m·shard (MB) | peak matches | trainer peak RSS (MB) | staging (MB) |",
+        "|" + "---|" * 12,
+    ]
     for r in rows:
         ms, pr = r["measured_store_bytes"], r["predicted_store_bytes"]
-        lines.append(f"| {r['hosts']} | {r['time_to_safe_s']:.3f} | {r['stall_s']:.3f} | {mb(ms['held_bytes'])} "
-                     f"| {mb(ms['reserved_bytes'])} | {mb(ms['peak_anon_growth_bytes'])} | {mb(ms['peak_rss_bytes'])} "
-                     f"| {mb(pr['K*m*shard'])} | {mb(pr['(K+1)*m*shard'])} | {r['peak_matches']} "
-                     f"| {mb(r['trainer']['peak_rss_bytes'])} | {mb(r['trainer']['staging_bytes'])} |")
+        lines.append(
+            f"| {r['hosts']} | {r['time_to_safe_s']:.3f} | {r['stall_s']:.3f} | {mb(ms['held_bytes'])} "
+            f"| {mb(ms['reserved_bytes'])} | {mb(ms['peak_anon_growth_bytes'])} | {mb(ms['peak_rss_bytes'])} "
+            f"| {mb(pr['K*m*shard'])} | {mb(pr['(K+1)*m*shard'])} | {r['peak_matches']} "
+            f"| {mb(r['trainer']['peak_rss_bytes'])} | {mb(r['trainer']['staging_bytes'])} |"
+        )
     if result["slope_s_per_host"] is not None:
-        lines += ["", f"slope {result['slope_s_per_host'] * 1e3:+.1f} ms per added host (least squares); "
-                      f"{result['ratio_label']} = {result['ratio_largest_to_smallest']:.2f} (flat scaling: 1.00)"]
-    lines += ["", "Store columns: the largest host; held = shards of kept versions, reserved = held + buffers "
-                  "pooled for the next version, peak anon growth = the store process's anonymous + shared (segment) memory over "
-                  "its baseline before the first save (sampled every 10 ms), peak RSS includes mapped "
-                  "object-store pages and the process's baseline."]
+        lines += [
+            "",
+            f"slope {result['slope_s_per_host'] * 1e3:+.1f} ms per added host (least squares); "
+            f"{result['ratio_label']} = {result['ratio_largest_to_smallest']:.2f} (flat scaling: 1.00)",
+        ]
+    lines += [
+        "",
+        "Store columns: the largest host; held = shards of kept versions, reserved = held + buffers "
+        "pooled for the next version, peak anon growth = the store process's anonymous + shared (segment) memory over "
+        "its baseline before the first save (sampled every 10 ms), peak RSS includes mapped "
+        "object-store pages and the process's baseline.",
+    ]
     return "\n".join(lines)
 
 

@@ -57,8 +57,7 @@ class SoakRank(rb.Rank):
 
 def _private(pid: int) -> dict:
     s = _proc_status(pid)  # its RssAnon has RssShmem added in: take them apart again
-    return {"anon": s.get("RssAnon", 0) - s.get("RssShmem", 0), "shmem": s.get("RssShmem", 0),
-            "rss": s.get("VmRSS", 0)}
+    return {"anon": s.get("RssAnon", 0) - s.get("RssShmem", 0), "shmem": s.get("RssShmem", 0), "rss": s.get("VmRSS", 0)}
 
 
 def main(argv=None) -> int:
@@ -82,8 +81,9 @@ def main(argv=None) -> int:
     try:
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         ray.cloudpickle.register_pickle_by_value(rb)
-        ranks = [ray.remote(SoakRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote()
-                 for i in range(args.hosts)]
+        ranks = [
+            ray.remote(SoakRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(args.hosts)
+        ]
         port = rb.free_port()
         shard = ray.get([r.setup.remote(i, args.hosts, port, args.mb) for i, r in enumerate(ranks)], timeout=900)
         nodes = ray.get([r.node_id.remote() for r in ranks], timeout=60)
@@ -94,10 +94,18 @@ def main(argv=None) -> int:
             n = min(args.every, args.versions - done)
             ray.get([r.saves.remote(done, n) for r in ranks], timeout=3600)
             done += n
-            samples.append({"versions": done, "seconds": round(time.perf_counter() - t0, 2),
-                            "stores": {node[:12]: _private(pid) for node, pid in pids.items()}})
-            print(f"  {done:6d} versions, {time.perf_counter() - t0:6.1f}s: private MB "
-                  + " ".join(f"{s['anon'] / 2**20:.1f}" for s in samples[-1]["stores"].values()), flush=True)
+            samples.append(
+                {
+                    "versions": done,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "stores": {node[:12]: _private(pid) for node, pid in pids.items()},
+                }
+            )
+            print(
+                f"  {done:6d} versions, {time.perf_counter() - t0:6.1f}s: private MB "
+                + " ".join(f"{s['anon'] / 2**20:.1f}" for s in samples[-1]["stores"].values()),
+                flush=True,
+            )
         from gemini_ckpt.cli.status import cluster_status
 
         accounts = {h.node_id[:12]: h.memory for h in cluster_status(namespace)[namespace].hosts}
@@ -111,26 +119,51 @@ def main(argv=None) -> int:
     stores = {}
     for node in end["stores"]:
         b, m, e = (x["stores"][node]["anon"] for x in (base, mid, end))
-        stores[node] = {"private_at_warmup_bytes": b, "private_at_half_bytes": m, "private_at_end_bytes": e,
-                        "growth": (e - b) / b, "growth_last_half": (e - m) / m,
-                        "shmem_at_end_bytes": end["stores"][node]["shmem"],
-                        "account": accounts.get(node, {})}
+        stores[node] = {
+            "private_at_warmup_bytes": b,
+            "private_at_half_bytes": m,
+            "private_at_end_bytes": e,
+            "growth": (e - b) / b,
+            "growth_last_half": (e - m) / m,
+            "shmem_at_end_bytes": end["stores"][node]["shmem"],
+            "account": accounts.get(node, {}),
+        }
     worst = max(s["growth_last_half"] for s in stores.values())
-    result = {"benchmark": "soak", "hosts": args.hosts, "versions": args.versions, "warmup_versions": base["versions"],
-              "half_versions": mid["versions"], "shard_bytes": int(sum(shard) / len(shard)), "seconds": end["seconds"],
-              "versions_per_s": args.versions / end["seconds"], "stores": stores, "worst_growth": worst,
-              "target_growth": TARGET_GROWTH, "target_met": worst <= TARGET_GROWTH, "samples": samples,
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
-    lines = [f"{args.hosts} hosts, {result['shard_bytes'] / 2**20:.1f} MB per rank, {args.versions} versions "
-             f"(every step, replicas=2, keep 2), {result['versions_per_s']:.0f} versions/s", "",
-             f"| store | private MB after {base['versions']} | at {mid['versions']} | at the end | growth since "
-             f"{base['versions']} | growth over the last half |", "|---|---|---|---|---|---|"]
+    result = {
+        "benchmark": "soak",
+        "hosts": args.hosts,
+        "versions": args.versions,
+        "warmup_versions": base["versions"],
+        "half_versions": mid["versions"],
+        "shard_bytes": int(sum(shard) / len(shard)),
+        "seconds": end["seconds"],
+        "versions_per_s": args.versions / end["seconds"],
+        "stores": stores,
+        "worst_growth": worst,
+        "target_growth": TARGET_GROWTH,
+        "target_met": worst <= TARGET_GROWTH,
+        "samples": samples,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    lines = [
+        f"{args.hosts} hosts, {result['shard_bytes'] / 2**20:.1f} MB per rank, {args.versions} versions "
+        f"(every step, replicas=2, keep 2), {result['versions_per_s']:.0f} versions/s",
+        "",
+        f"| store | private MB after {base['versions']} | at {mid['versions']} | at the end | growth since "
+        f"{base['versions']} | growth over the last half |",
+        "|---|---|---|---|---|---|",
+    ]
     for node, s in stores.items():
-        lines.append(f"| {node} | {s['private_at_warmup_bytes'] / 2**20:.1f} | {s['private_at_half_bytes'] / 2**20:.1f} "
-                     f"| {s['private_at_end_bytes'] / 2**20:.1f} | {100 * s['growth']:+.2f}% "
-                     f"| {100 * s['growth_last_half']:+.2f}% |")
-    lines += ["", f"worst growth over the last half {100 * worst:+.2f}% (target within {100 * TARGET_GROWTH:.0f}%: "
-                  f"{'met' if result['target_met'] else 'NOT met'})"]
+        lines.append(
+            f"| {node} | {s['private_at_warmup_bytes'] / 2**20:.1f} | {s['private_at_half_bytes'] / 2**20:.1f} "
+            f"| {s['private_at_end_bytes'] / 2**20:.1f} | {100 * s['growth']:+.2f}% "
+            f"| {100 * s['growth_last_half']:+.2f}% |"
+        )
+    lines += [
+        "",
+        f"worst growth over the last half {100 * worst:+.2f}% (target within {100 * TARGET_GROWTH:.0f}%: "
+        f"{'met' if result['target_met'] else 'NOT met'})",
+    ]
     return write_report(args.out, result, "\n".join(lines))
 
 

@@ -52,8 +52,9 @@ def load_transport():
     host-store actor, shipped by value, gets it."""
     name = "_bench_gemini_transport"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TRANSPORT_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(_TRANSPORT_DIR)])
+        spec = importlib.util.spec_from_file_location(
+            name, _TRANSPORT_DIR / "__init__.py", submodule_search_locations=[str(_TRANSPORT_DIR)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -68,7 +69,7 @@ class _BufferSink:
 
     def buffer_for(self, header):
         self.conn.send(("started", time.time()))
-        return memoryview(self.buffer)[header.offset:header.offset + header.length]
+        return memoryview(self.buffer)[header.offset : header.offset + header.length]
 
     def received(self, header) -> None:
         pass
@@ -84,7 +85,7 @@ def _raw_serve(server: socket.socket, view: memoryview, streams: int) -> None:
 
     def run(i: int) -> None:
         sock = socks[i]
-        part = view[bounds[i]:bounds[i + 1]]
+        part = view[bounds[i] : bounds[i + 1]]
         while True:
             pos = 0
             while pos < len(part):
@@ -104,8 +105,9 @@ def _transport_receiver(conn, nbytes: int, config_kwargs: dict) -> None:
     sink = _BufferSink(nbytes, conn)
     listener = transport.listen("127.0.0.1", sink)
     server = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_raw_serve, args=(server, memoryview(sink.buffer), config_kwargs.get("streams", 4)),
-                     daemon=True).start()
+    threading.Thread(
+        target=_raw_serve, args=(server, memoryview(sink.buffer), config_kwargs.get("streams", 4)), daemon=True
+    ).start()
     conn.send((listener.endpoint, server.getsockname()[1]))
     conn.recv()  # until the parent is done (or kills us)
     listener.close()
@@ -181,7 +183,7 @@ def throughput(nbytes: int, streams: int, chunk: int, repeats: int, raw: bool = 
 
             def run(i: int) -> None:
                 barrier.wait()
-                socks[i].sendall(view[bounds[i]:bounds[i + 1]])
+                socks[i].sendall(view[bounds[i] : bounds[i + 1]])
                 socks[i].recv(1)
 
             threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
@@ -195,6 +197,7 @@ def throughput(nbytes: int, streams: int, chunk: int, repeats: int, raw: bool = 
 
         out: dict = {"raw": [], "ours": [], "raw_cpu_s": [], "ours_cpu_s": []}
         with transport.connect(endpoint) as channel:
+
             def ours_once() -> float:
                 t0 = time.perf_counter()
                 channel.send(header, data)
@@ -202,7 +205,7 @@ def throughput(nbytes: int, streams: int, chunk: int, repeats: int, raw: bool = 
 
             for rep in range(repeats + 1):  # round 0 warms up
                 rounds = [("ours", ours_once)] + ([("raw", raw_once)] if raw else [])
-                for name, fn in (rounds if rep % 2 else rounds[::-1]):
+                for name, fn in rounds if rep % 2 else rounds[::-1]:
                     cpu0 = time.process_time() + _cpu_seconds(peer.proc.pid)
                     seconds = fn()
                     if rep:  # CPU of both processes: robust to other load on the machine, unlike GB/s
@@ -226,8 +229,13 @@ def cap_accuracy(nbytes: int, cap: float) -> dict:
             t0 = time.perf_counter()
             channel.send(T.Header(NAMESPACE, 1, "shard", 0, nbytes), data)
             seconds = time.perf_counter() - t0
-        return {"bytes": nbytes, "cap_bytes_per_s": cap, "seconds": seconds, "expected_s": nbytes / cap,
-                "achieved_over_cap": nbytes / seconds / cap}
+        return {
+            "bytes": nbytes,
+            "cap_bytes_per_s": cap,
+            "seconds": seconds,
+            "expected_s": nbytes / cap,
+            "achieved_over_cap": nbytes / seconds / cap,
+        }
     finally:
         peer.stop()
 
@@ -264,8 +272,9 @@ def detect_receiver_death(sig: int, nbytes: int, progress_timeout: float) -> dic
 def detect_sender_death(sig: int, nbytes: int, progress_timeout: float) -> dict:
     """Kill/stop the sender mid-transfer; seconds until the receiver's sink gets ``failed``."""
     T = load_transport()
-    transport = T.TcpTransport(SECRET, NAMESPACE, host_name="receiver",
-                               config=T.TcpConfig(progress_timeout_s=progress_timeout))
+    transport = T.TcpTransport(
+        SECRET, NAMESPACE, host_name="receiver", config=T.TcpConfig(progress_timeout_s=progress_timeout)
+    )
     events: "list[tuple]" = []
     started, failed = threading.Event(), threading.Event()
 
@@ -285,8 +294,12 @@ def detect_sender_death(sig: int, nbytes: int, progress_timeout: float) -> dict:
             failed.set()
 
     with transport.listen("127.0.0.1", Sink()) as listener:
-        peer = _Peer(_transport_sender, nbytes, (listener.endpoint.host, listener.endpoint.port),
-                     {"progress_timeout_s": progress_timeout, "max_send_bytes_per_s": nbytes / 2})
+        peer = _Peer(
+            _transport_sender,
+            nbytes,
+            (listener.endpoint.host, listener.endpoint.port),
+            {"progress_timeout_s": progress_timeout, "max_send_bytes_per_s": nbytes / 2},
+        )
         try:
             started.wait(60)
             time.sleep(0.5)
@@ -323,21 +336,36 @@ def main(argv=None) -> int:
     for streams in (1, 2, 4):
         runs = throughput(nbytes, streams, default_chunk, args.repeats)
         raw, ours = runs["raw"], runs["ours"]
-        streams_rows.append({"streams": streams, "chunk_bytes": default_chunk,
-                             "raw_gbps": statistics.median(raw), "transport_gbps": statistics.median(ours),
-                             "ratio": statistics.median(ours) / statistics.median(raw),
-                             "raw_best_gbps": max(raw), "transport_best_gbps": max(ours),
-                             "best_ratio": max(ours) / max(raw),
-                             "raw_cpu_s_per_gib": statistics.median(runs["raw_cpu_s"]) * 2**30 / nbytes,
-                             "transport_cpu_s_per_gib": statistics.median(runs["ours_cpu_s"]) * 2**30 / nbytes,
-                             **runs})
+        streams_rows.append(
+            {
+                "streams": streams,
+                "chunk_bytes": default_chunk,
+                "raw_gbps": statistics.median(raw),
+                "transport_gbps": statistics.median(ours),
+                "ratio": statistics.median(ours) / statistics.median(raw),
+                "raw_best_gbps": max(raw),
+                "transport_best_gbps": max(ours),
+                "best_ratio": max(ours) / max(raw),
+                "raw_cpu_s_per_gib": statistics.median(runs["raw_cpu_s"]) * 2**30 / nbytes,
+                "transport_cpu_s_per_gib": statistics.median(runs["ours_cpu_s"]) * 2**30 / nbytes,
+                **runs,
+            }
+        )
     chunk_rows = []
-    for chunk_mb in ((1, 4, 16) if args.quick else (1, 2, 4, 8, 16)):
+    for chunk_mb in (1, 4, 16) if args.quick else (1, 2, 4, 8, 16):
         runs = throughput(nbytes, 4, chunk_mb << 20, args.repeats)
         raw, ours = statistics.median(runs["raw"]), statistics.median(runs["ours"])
-        chunk_rows.append({"streams": 4, "chunk_bytes": chunk_mb << 20, "raw_gbps": raw, "transport_gbps": ours,
-                           "ratio": ours / raw,
-                           "transport_cpu_s_per_gib": statistics.median(runs["ours_cpu_s"]) * 2**30 / nbytes, **runs})
+        chunk_rows.append(
+            {
+                "streams": 4,
+                "chunk_bytes": chunk_mb << 20,
+                "raw_gbps": raw,
+                "transport_gbps": ours,
+                "ratio": ours / raw,
+                "transport_cpu_s_per_gib": statistics.median(runs["ours_cpu_s"]) * 2**30 / nbytes,
+                **runs,
+            }
+        )
     caps = [cap_accuracy(64 << 20, 128 << 20), cap_accuracy(nbytes, 4 * nbytes)]
     timeout = T.TcpConfig().progress_timeout_s
     detect_bytes = 64 << 20
@@ -348,10 +376,17 @@ def main(argv=None) -> int:
         "sender SIGSTOP": detect_sender_death(signal.SIGSTOP, detect_bytes, timeout),
     }
 
-    result = {"question": "transport throughput vs a raw TCP floor (two processes, loopback), cap accuracy, "
-                          "dead-peer detection", "bytes": nbytes, "repeats": args.repeats,
-              "progress_timeout_s": timeout, "streams": streams_rows, "chunks": chunk_rows, "caps": caps,
-              "detection": detection}
+    result = {
+        "question": "transport throughput vs a raw TCP floor (two processes, loopback), cap accuracy, "
+        "dead-peer detection",
+        "bytes": nbytes,
+        "repeats": args.repeats,
+        "progress_timeout_s": timeout,
+        "streams": streams_rows,
+        "chunks": chunk_rows,
+        "caps": caps,
+        "detection": detection,
+    }
     out = Path(args.out) if args.out else RESULTS / "transport.json"
     if args.out:
         import json
@@ -361,24 +396,63 @@ def main(argv=None) -> int:
     else:
         out = write_results("transport", result)
 
-    print(f"{args.mb} MiB per transfer, two processes on loopback, {os.cpu_count()} cores, "
-          f"median of {args.repeats}\n")
-    print(table(["streams", "raw TCP GB/s", "transport GB/s", "transport / raw", "best raw", "best transport",
-                 "best / best", "raw CPU s/GiB", "transport CPU s/GiB"],
-                [[r["streams"], r["raw_gbps"], r["transport_gbps"], r["ratio"], r["raw_best_gbps"],
-                  r["transport_best_gbps"], r["best_ratio"], r["raw_cpu_s_per_gib"], r["transport_cpu_s_per_gib"]]
-                 for r in streams_rows]))
+    print(f"{args.mb} MiB per transfer, two processes on loopback, {os.cpu_count()} cores, median of {args.repeats}\n")
+    print(
+        table(
+            [
+                "streams",
+                "raw TCP GB/s",
+                "transport GB/s",
+                "transport / raw",
+                "best raw",
+                "best transport",
+                "best / best",
+                "raw CPU s/GiB",
+                "transport CPU s/GiB",
+            ],
+            [
+                [
+                    r["streams"],
+                    r["raw_gbps"],
+                    r["transport_gbps"],
+                    r["ratio"],
+                    r["raw_best_gbps"],
+                    r["transport_best_gbps"],
+                    r["best_ratio"],
+                    r["raw_cpu_s_per_gib"],
+                    r["transport_cpu_s_per_gib"],
+                ]
+                for r in streams_rows
+            ],
+        )
+    )
     print()
-    print(table(["chunk MiB (4 streams)", "raw TCP GB/s", "transport GB/s", "transport / raw", "transport CPU s/GiB"],
-                [[r["chunk_bytes"] >> 20, r["raw_gbps"], r["transport_gbps"], r["ratio"], r["transport_cpu_s_per_gib"]]
-                 for r in chunk_rows]))
+    print(
+        table(
+            ["chunk MiB (4 streams)", "raw TCP GB/s", "transport GB/s", "transport / raw", "transport CPU s/GiB"],
+            [
+                [r["chunk_bytes"] >> 20, r["raw_gbps"], r["transport_gbps"], r["ratio"], r["transport_cpu_s_per_gib"]]
+                for r in chunk_rows
+            ],
+        )
+    )
     print()
-    print(table(["cap MiB/s", "MiB", "expected s", "took s", "achieved / cap"],
-                [[c["cap_bytes_per_s"] / 2**20, c["bytes"] >> 20, c["expected_s"], c["seconds"],
-                  c["achieved_over_cap"]] for c in caps]))
+    print(
+        table(
+            ["cap MiB/s", "MiB", "expected s", "took s", "achieved / cap"],
+            [
+                [c["cap_bytes_per_s"] / 2**20, c["bytes"] >> 20, c["expected_s"], c["seconds"], c["achieved_over_cap"]]
+                for c in caps
+            ],
+        )
+    )
     print()
-    print(table([f"dead peer (progress timeout {timeout}s)", "detected after s", "error"],
-                [[k, v["seconds"], v["error"]] for k, v in detection.items()]))
+    print(
+        table(
+            [f"dead peer (progress timeout {timeout}s)", "detected after s", "error"],
+            [[k, v["seconds"], v["error"]] for k, v in detection.items()],
+        )
+    )
     print(f"\nwrote {out}")
     return 0
 

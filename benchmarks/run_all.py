@@ -58,8 +58,7 @@ BENCHES = [
 
 def run_one(name: str, script: str, out: str, timeout: int, quick: bool) -> dict:
     cmd = [sys.executable, str(HERE / script)] + (QUICK_ARGS.get(name, ["--quick"]) if quick else [])
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "BENCH_RESULTS_DIR": str(RESULTS)}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "BENCH_RESULTS_DIR": str(RESULTS)}
     before = list(os.getloadavg())
     path = RESULTS / out
     mtime = path.stat().st_mtime if path.exists() else None
@@ -87,8 +86,14 @@ def run_one(name: str, script: str, out: str, timeout: int, quick: bool) -> dict
     fresh = path.exists() and path.stat().st_mtime != mtime
     if rc == 0 and not fresh:
         status = "ok but wrote no new result"
-    info = {"status": status, "wall_s": wall, "quick": quick, "load_average_before": before,
-            "load_average_after": list(os.getloadavg()), "log": str(log.relative_to(HERE.parent))}
+    info = {
+        "status": status,
+        "wall_s": wall,
+        "quick": quick,
+        "load_average_before": before,
+        "load_average_after": list(os.getloadavg()),
+        "log": str(log.relative_to(HERE.parent)),
+    }
     data = None
     if fresh:
         data = json.loads(path.read_text())
@@ -112,34 +117,69 @@ def summary_rows(res: dict) -> list[list[str]]:
     if d:
         s = d["seconds"]
         ours, floor = s.get("gemini_ckpt save() stall"), s.get("floor: memcpy into preallocated buffers")
-        rows.append(["save() stall (single process)", _f(ours), f"memcpy floor {_f(floor)}",
-                     f"{ours / floor:.2f}x floor", f"<= {d.get('target_ratio', 1.3)}x floor",
-                     _met(d.get("target_met"))])
+        rows.append(
+            [
+                "save() stall (single process)",
+                _f(ours),
+                f"memcpy floor {_f(floor)}",
+                f"{ours / floor:.2f}x floor",
+                f"<= {d.get('target_ratio', 1.3)}x floor",
+                _met(d.get("target_met")),
+            ]
+        )
         dcp_async = s.get("dcp.async_save (blocking part)")
         if dcp_async:
-            rows.append(["save() stall vs dcp.async_save blocking part", _f(ours), _f(dcp_async),
-                         f"{dcp_async / ours:.1f}x less", "-", "-"])
+            rows.append(
+                [
+                    "save() stall vs dcp.async_save blocking part",
+                    _f(ours),
+                    _f(dcp_async),
+                    f"{dcp_async / ours:.1f}x less",
+                    "-",
+                    "-",
+                ]
+            )
     d = res.get("replicate")
     if d:
         dcp = next((r for r in d["rows"] if r["method"].startswith("DCP")), None)
         for r in d["rows"]:
             if "put_s" in r and dcp:
-                rows.append([f"time to safe (save -> committed in peer memory), {r['method']}",
-                             _f(r["commit_s"]), f"dcp.async_save done {_f(dcp['commit_s'])}",
-                             f"{dcp['commit_s'] / r['commit_s']:.2f}x", ">= 1.0x", _met(dcp["commit_s"] >= r["commit_s"])])
+                rows.append(
+                    [
+                        f"time to safe (save -> committed in peer memory), {r['method']}",
+                        _f(r["commit_s"]),
+                        f"dcp.async_save done {_f(dcp['commit_s'])}",
+                        f"{dcp['commit_s'] / r['commit_s']:.2f}x",
+                        ">= 1.0x",
+                        _met(dcp["commit_s"] >= r["commit_s"]),
+                    ]
+                )
                 floor = next((f for f in d["rows"] if "floor_s" in f and f["replicas"] == r["replicas"]), None)
                 if floor:
                     ratio = r["commit_s"] / floor["floor_s"]
-                    rows.append([f"time to safe vs the raw TCP floor, {r['method']}", _f(r["commit_s"]),
-                                 f"same bytes over raw TCP {_f(floor['floor_s'])}", f"{ratio:.2f}x floor",
-                                 "<= 1.5x floor", _met(ratio <= 1.5)])
+                    rows.append(
+                        [
+                            f"time to safe vs the raw TCP floor, {r['method']}",
+                            _f(r["commit_s"]),
+                            f"same bytes over raw TCP {_f(floor['floor_s'])}",
+                            f"{ratio:.2f}x floor",
+                            "<= 1.5x floor",
+                            _met(ratio <= 1.5),
+                        ]
+                    )
         cap = d.get("cap")
         if cap:
             capped = next(k for k in cap if k.startswith("capped"))
-            rows.append([f"step time, every step saved: uncapped / {capped}", f"{_f(cap['uncapped'])} / "
-                         f"{_f(cap[capped])}", f"no checkpoint {_f(cap['no checkpoint'])}",
-                         f"{cap['uncapped'] / cap['no checkpoint']:.2f}x / {cap[capped] / cap['no checkpoint']:.2f}x",
-                         "-", "-"])
+            rows.append(
+                [
+                    f"step time, every step saved: uncapped / {capped}",
+                    f"{_f(cap['uncapped'])} / {_f(cap[capped])}",
+                    f"no checkpoint {_f(cap['no checkpoint'])}",
+                    f"{cap['uncapped'] / cap['no checkpoint']:.2f}x / {cap[capped] / cap['no checkpoint']:.2f}x",
+                    "-",
+                    "-",
+                ]
+            )
     d = res.get("restore")
     if d:
         by = {r["method"]: r["seconds"] for r in d["rows"]}
@@ -149,90 +189,187 @@ def summary_rows(res: dict) -> list[list[str]]:
             if m.startswith("gemini_ckpt"):
                 peer, local = "peer memory" in m, "local memory" in m
                 if local and warm:
-                    rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"dcp.load, page cache warm {_f(warm)}",
-                                 f"{warm / s:.2f}x speedup", f">= {d.get('local_target', 2.0):.0f}x",
-                                 _met(d.get("local_target_met"))])
+                    rows.append(
+                        [
+                            f"restore: {m[len('gemini_ckpt: ') :]}",
+                            _f(s),
+                            f"dcp.load, page cache warm {_f(warm)}",
+                            f"{warm / s:.2f}x speedup",
+                            f">= {d.get('local_target', 2.0):.0f}x",
+                            _met(d.get("local_target_met")),
+                        ]
+                    )
                     continue
-                rows.append([f"restore: {m[len('gemini_ckpt: '):]}", _f(s), f"{d['baseline'][len('stock '):]} "
-                             f"{_f(base)}", f"{base / s:.2f}x speedup",
-                             f">= {d['target_speedup']:g}x" if peer else "-",
-                             _met(d["target_met"]) if peer else "-"])
+                rows.append(
+                    [
+                        f"restore: {m[len('gemini_ckpt: ') :]}",
+                        _f(s),
+                        f"{d['baseline'][len('stock ') :]} {_f(base)}",
+                        f"{base / s:.2f}x speedup",
+                        f">= {d['target_speedup']:g}x" if peer else "-",
+                        _met(d["target_met"]) if peer else "-",
+                    ]
+                )
     d = res.get("persist")
     if d:
         p = d["persist"]
-        rows.append(["persist throughput (host stores, parallel)", f"{p['gbps']:.2f} GB/s",
-                     f"dcp.save one process {d['dcp_save_single_process']['gbps']:.2f} GB/s",
-                     f"{d['speedup_vs_single_process_dcp_save']:.2f}x", "-", "-"])
+        rows.append(
+            [
+                "persist throughput (host stores, parallel)",
+                f"{p['gbps']:.2f} GB/s",
+                f"dcp.save one process {d['dcp_save_single_process']['gbps']:.2f} GB/s",
+                f"{d['speedup_vs_single_process_dcp_save']:.2f}x",
+                "-",
+                "-",
+            ]
+        )
         st = d["stall"]
-        rows.append(["save() stall: persisting step vs memory-only step", _f(st["persisting_step_s"]),
-                     f"memory-only {_f(st['memory_only_s'])}",
-                     f"{st['persisting_step_s'] / st['memory_only_s']:.2f}x", "-", "-"])
-        rows.append(["save() stall: next step while persisting", _f(st["next_step_during_persist_s"]),
-                     f"memory-only {_f(st['memory_only_s'])}",
-                     f"{st['next_step_during_persist_s'] / st['memory_only_s']:.2f}x", "-", "-"])
+        rows.append(
+            [
+                "save() stall: persisting step vs memory-only step",
+                _f(st["persisting_step_s"]),
+                f"memory-only {_f(st['memory_only_s'])}",
+                f"{st['persisting_step_s'] / st['memory_only_s']:.2f}x",
+                "-",
+                "-",
+            ]
+        )
+        rows.append(
+            [
+                "save() stall: next step while persisting",
+                _f(st["next_step_during_persist_s"]),
+                f"memory-only {_f(st['memory_only_s'])}",
+                f"{st['next_step_during_persist_s'] / st['memory_only_s']:.2f}x",
+                "-",
+                "-",
+            ]
+        )
     d = res.get("overhead")
     if d:
         t = d.get("targets", {})
-        rows.append(["training throughput, checkpoint every step / never, every core training", f"{d['ratio']:.3f}",
-                     "1.000", f"{d['ratio']:.3f}", f">= {t.get('all_cores', 0.85)}",
-                     _met(d["ratio"] >= t.get("all_cores", 0.85))])
+        rows.append(
+            [
+                "training throughput, checkpoint every step / never, every core training",
+                f"{d['ratio']:.3f}",
+                "1.000",
+                f"{d['ratio']:.3f}",
+                f">= {t.get('all_cores', 0.85)}",
+                _met(d["ratio"] >= t.get("all_cores", 0.85)),
+            ]
+        )
         if "ratio_one_core_free" in d:
-            rows.append(["same, one core left free", f"{d['ratio_one_core_free']:.3f}", "1.000",
-                         f"{d['ratio_one_core_free']:.3f}", f">= {t.get('one_core_free', 0.97)}",
-                         _met(d["ratio_one_core_free"] >= t.get("one_core_free", 0.97))])
+            rows.append(
+                [
+                    "same, one core left free",
+                    f"{d['ratio_one_core_free']:.3f}",
+                    "1.000",
+                    f"{d['ratio_one_core_free']:.3f}",
+                    f">= {t.get('one_core_free', 0.97)}",
+                    _met(d["ratio_one_core_free"] >= t.get("one_core_free", 0.97)),
+                ]
+            )
         if "trainer_cpu_outside_copy_s" in d:
-            rows.append(["training process CPU per version outside the staging copy",
-                         f"{d['trainer_cpu_outside_copy_s'] * 1e3:.2f} ms", "-", "-", "< 5 ms",
-                         _met(d["trainer_cpu_outside_copy_s"] < 0.005)])
+            rows.append(
+                [
+                    "training process CPU per version outside the staging copy",
+                    f"{d['trainer_cpu_outside_copy_s'] * 1e3:.2f} ms",
+                    "-",
+                    "-",
+                    "< 5 ms",
+                    _met(d["trainer_cpu_outside_copy_s"] < 0.005),
+                ]
+            )
     d = res.get("scaling")
     if d and d.get("slope_s_per_host") is not None:
         by = {r["hosts"]: r for r in d["rows"]}
         lo, hi = by[min(by)], by[max(by)]
-        rows.append([f"time to safe vs hosts ({min(by)}->{max(by)}, {lo['shard_bytes'] / 1e6:.0f} MB per host), "
-                     "slope", f"{d['slope_s_per_host'] * 1e3:+.1f} ms/host",
-                     f"t({min(by)}) {_f(lo['time_to_safe_s'])}, t({max(by)}) {_f(hi['time_to_safe_s'])}",
-                     f"{d['ratio_label']} = {d['ratio_largest_to_smallest']:.2f}", "flat (1.00)", "-"])
+        rows.append(
+            [
+                f"time to safe vs hosts ({min(by)}->{max(by)}, {lo['shard_bytes'] / 1e6:.0f} MB per host), slope",
+                f"{d['slope_s_per_host'] * 1e3:+.1f} ms/host",
+                f"t({min(by)}) {_f(lo['time_to_safe_s'])}, t({max(by)}) {_f(hi['time_to_safe_s'])}",
+                f"{d['ratio_label']} = {d['ratio_largest_to_smallest']:.2f}",
+                "flat (1.00)",
+                "-",
+            ]
+        )
     if d:
         r = max(d["rows"], key=lambda row: row["hosts"])
         peak, pred = r["measured_store_bytes"]["peak_anon_growth_bytes"], r["predicted_store_bytes"]
-        rows.append([f"host-store memory peak ({r['hosts']} hosts, K={d['keep_in_memory']}, m={d['replicas']})",
-                     f"{peak / 1e6:.1f} MB", f"K·m·shard {pred['K*m*shard'] / 1e6:.1f} MB, "
-                     f"(K+1)·m·shard {pred['(K+1)*m*shard'] / 1e6:.1f} MB",
-                     f"{peak / pred['K*m*shard']:.2f}x K·m·shard, "
-                     f"{peak / pred['(K+1)*m*shard']:.2f}x (K+1)·m·shard",
-                     "-", "-"])
+        rows.append(
+            [
+                f"host-store memory peak ({r['hosts']} hosts, K={d['keep_in_memory']}, m={d['replicas']})",
+                f"{peak / 1e6:.1f} MB",
+                f"K·m·shard {pred['K*m*shard'] / 1e6:.1f} MB, (K+1)·m·shard {pred['(K+1)*m*shard'] / 1e6:.1f} MB",
+                f"{peak / pred['K*m*shard']:.2f}x K·m·shard, {peak / pred['(K+1)*m*shard']:.2f}x (K+1)·m·shard",
+                "-",
+                "-",
+            ]
+        )
     d = res.get("health")
     if d:
         med, r = d["median_s"], d["ratio_on_off"]
         for what, k in (("save() stall", "stall"), ("time to safe", "safe")):
-            rows.append([f"{what} with the default health check ({d['staged_bytes'] / 2**30:.2f} GiB)",
-                         _f(med["on"][k]), f"check off {_f(med['off'][k])}", f"{r[k]:.3f}x",
-                         f"<= {d['target_ratio']}x", _met(r[k] <= d["target_ratio"])])
+            rows.append(
+                [
+                    f"{what} with the default health check ({d['staged_bytes'] / 2**30:.2f} GiB)",
+                    _f(med["on"][k]),
+                    f"check off {_f(med['off'][k])}",
+                    f"{r[k]:.3f}x",
+                    f"<= {d['target_ratio']}x",
+                    _met(r[k] <= d["target_ratio"]),
+                ]
+            )
     d = res.get("soak")
     if d:
-        rows.append([f"host-store private memory over the last half of {d['versions']:,} versions, every step",
-                     f"{100 * d['worst_growth']:+.2f}%", "flat", "-", f"within {100 * d['target_growth']:.0f}%",
-                     _met(d["target_met"])])
+        rows.append(
+            [
+                f"host-store private memory over the last half of {d['versions']:,} versions, every step",
+                f"{100 * d['worst_growth']:+.2f}%",
+                "flat",
+                "-",
+                f"within {100 * d['target_growth']:.0f}%",
+                _met(d["target_met"]),
+            ]
+        )
     d = res.get("recovery")
     if d:
-        rows.append([f"time wasted per failure, durable-only / gemini_ckpt ({d['state_mb_per_rank']} MB per rank)",
-                     f"{next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'gemini'):.2f} s",
-                     f"durable only {next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'durable'):.2f} s",
-                     f"{d['ratio_without_restart']:.1f}x (incl. restart {d['ratio_with_restart']:.2f}x)",
-                     f">= {d['target_ratio']:.0f}x", _met(d["target_met"])])
+        rows.append(
+            [
+                f"time wasted per failure, durable-only / gemini_ckpt ({d['state_mb_per_rank']} MB per rank)",
+                f"{next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'gemini'):.2f} s",
+                f"durable only {next(r['wasted_s'] for r in d['rows'] if r['mode'] == 'durable'):.2f} s",
+                f"{d['ratio_without_restart']:.1f}x (incl. restart {d['ratio_with_restart']:.2f}x)",
+                f">= {d['target_ratio']:.0f}x",
+                _met(d["target_met"]),
+            ]
+        )
         if d.get("library_adds_to_the_restart_s") is not None:
-            rows.append(["failure -> next step: gemini_ckpt vs no checkpointing",
-                         _f(d["restart_to_first_step_with_library_s"]),
-                         f"no checkpointing {_f(d['restart_to_first_step_without_checkpointing_s'])}",
-                         f"{d['library_adds_to_the_restart_s']:+.1f} s", "-", "-"])
+            rows.append(
+                [
+                    "failure -> next step: gemini_ckpt vs no checkpointing",
+                    _f(d["restart_to_first_step_with_library_s"]),
+                    f"no checkpointing {_f(d['restart_to_first_step_without_checkpointing_s'])}",
+                    f"{d['library_adds_to_the_restart_s']:+.1f} s",
+                    "-",
+                    "-",
+                ]
+            )
     d = res.get("interference")
     if d and "skipped" in d:
         rows.append(["shaped links (netns)", "skipped", d["skipped"], "-", "-", "-"])
     elif d:
         s = d["safe"]
-        rows.append([f"time to safe on {d['link']} links ({s['shard_bytes'] / 2**20:.0f} MiB per host, replicas=2)",
-                     _f(s["save_to_committed_s"]), f"link floor {_f(s['link_floor_s'])}, raw TCP {_f(s['raw_tcp_s'])}",
-                     f"{s['vs_floor']:.2f}x floor", "<= 1.5x floor", _met(s["vs_floor"] <= 1.5)])
+        rows.append(
+            [
+                f"time to safe on {d['link']} links ({s['shard_bytes'] / 2**20:.0f} MiB per host, replicas=2)",
+                _f(s["save_to_committed_s"]),
+                f"link floor {_f(s['link_floor_s'])}, raw TCP {_f(s['raw_tcp_s'])}",
+                f"{s['vs_floor']:.2f}x floor",
+                "<= 1.5x floor",
+                _met(s["vs_floor"] <= 1.5),
+            ]
+        )
         for kind, device_ms in dict.fromkeys((r["kind"], r.get("device_ms", 0)) for r in d["interference"]):
             by = {r["config"]: r for r in d["interference"] if (r["kind"], r.get("device_ms", 0)) == (kind, device_ms)}
             unc = by.get("every step, uncapped")
@@ -240,26 +377,41 @@ def summary_rows(res: dict) -> list[list[str]]:
             if unc and inter:
                 # the target applies where uncapped replication visibly slows training (>= 15%)
                 vs_floor = inter.get("safe_vs_floor")
-                met = (None if unc["p50_overhead"] < 0.15 else
-                       inter["p50_overhead"] <= 0.03 and inter["p95_overhead"] <= 0.10
-                       and vs_floor is not None and vs_floor <= 1.5)
+                met = (
+                    None
+                    if unc["p50_overhead"] < 0.15
+                    else inter["p50_overhead"] <= 0.03
+                    and inter["p95_overhead"] <= 0.10
+                    and vs_floor is not None
+                    and vs_floor <= 1.5
+                )
                 workload = f"emulated accelerator {device_ms:.0f} ms" if device_ms else "CPU-computed"
                 links = " links honouring priority (qos)" if d.get("qos") else ""
-                rows.append([f"{kind} ({workload}) step time cost of every-step checkpointing on {d['link']}{links}: "
-                             f"interleaved / uncapped",
-                             f"p50 {inter['p50_overhead']:+.1%}, p95 {inter['p95_overhead']:+.1%}",
-                             f"uncapped p50 {unc['p50_overhead']:+.1%}",
-                             "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor",
-                             "<= 3% p50, <= 10% p95, <= 1.5x floor (where uncapped >= 15%)",
-                             "n/a (uncapped < 15%)" if met is None else _met(met)])
+                rows.append(
+                    [
+                        f"{kind} ({workload}) step time cost of every-step checkpointing on {d['link']}{links}: "
+                        f"interleaved / uncapped",
+                        f"p50 {inter['p50_overhead']:+.1%}, p95 {inter['p95_overhead']:+.1%}",
+                        f"uncapped p50 {unc['p50_overhead']:+.1%}",
+                        "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor",
+                        "<= 3% p50, <= 10% p95, <= 1.5x floor (where uncapped >= 15%)",
+                        "n/a (uncapped < 15%)" if met is None else _met(met),
+                    ]
+                )
             net = next((r for c, r in by.items() if c.startswith("every step, interleaved by the network")), None)
             if unc and net:
                 vs_floor = net.get("safe_vs_floor")
-                rows.append([f"{kind}: the same, interleaved by the network (CS1 marked, no gate; links "
-                             f"{'honouring priority' if d.get('qos') else 'one FIFO'})",
-                             f"p50 {net['p50_overhead']:+.1%}, p95 {net['p95_overhead']:+.1%}",
-                             f"uncapped p50 {unc['p50_overhead']:+.1%}",
-                             "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor", "-", "-"])
+                rows.append(
+                    [
+                        f"{kind}: the same, interleaved by the network (CS1 marked, no gate; links "
+                        f"{'honouring priority' if d.get('qos') else 'one FIFO'})",
+                        f"p50 {net['p50_overhead']:+.1%}, p95 {net['p95_overhead']:+.1%}",
+                        f"uncapped p50 {unc['p50_overhead']:+.1%}",
+                        "-" if vs_floor is None else f"time to safe {vs_floor:.2f}x floor",
+                        "-",
+                        "-",
+                    ]
+                )
     d = res.get("gpu_staging")
     if d:
         if "skipped" in d:
@@ -280,19 +432,27 @@ def write_summary(results: list[dict], quick: bool) -> str:
     if full.exists():
         d = json.loads(full.read_text())
         rows = summary_rows({"restore": d})
-        extra = [[f"{r[0]} [full size: {d['total_bytes'] / 1e9:.2f} GB, results/restore_1gb.json]"] + r[1:]
-                 for r in rows]
-    lines = [f"# Benchmark summary ({'--quick sizes' if quick else 'full sizes'})", "",
-             f"Machine: {os.cpu_count()} cores (shared; load average per script below). "
-             f"Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by `python -m benchmarks"
-             f"{' --quick' if quick else ''}`.", "",
-             "| question | our number | baseline | ratio | target | met? |", "|---|---|---|---|---|---|"]
+        extra = [
+            [f"{r[0]} [full size: {d['total_bytes'] / 1e9:.2f} GB, results/restore_1gb.json]"] + r[1:] for r in rows
+        ]
+    lines = [
+        f"# Benchmark summary ({'--quick sizes' if quick else 'full sizes'})",
+        "",
+        f"Machine: {os.cpu_count()} cores (shared; load average per script below). "
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} by `python -m benchmarks"
+        f"{' --quick' if quick else ''}`.",
+        "",
+        "| question | our number | baseline | ratio | target | met? |",
+        "|---|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in summary_rows(res) + extra]
     lines += ["", "| script | status | wall (s) | load avg before -> after (1m) |", "|---|---|---|---|"]
     for r in results:
         i = r["info"]
-        lines.append(f"| {r['name']} | {i['status']} | {i['wall_s']:.0f} | "
-                     f"{i['load_average_before'][0]:.1f} -> {i['load_average_after'][0]:.1f} |")
+        lines.append(
+            f"| {r['name']} | {i['status']} | {i['wall_s']:.0f} | "
+            f"{i['load_average_before'][0]:.1f} -> {i['load_average_after'][0]:.1f} |"
+        )
     plots = [p.name for p in sorted(RESULTS.glob("plot_*.png"))]
     if plots:
         lines += ["", "Plots: " + ", ".join(f"`{(RESULTS / p).relative_to(HERE)}`" for p in plots)]
@@ -334,32 +494,52 @@ def write_plots(results: list[dict]) -> list[Path]:
     if d:
         s = d["seconds"]
         keep = [k for k in s if "first save" not in k]
-        bar("stall", f"save() stall vs baselines ({d['state_bytes'] / 2**20:.0f} MiB state)",
+        bar(
+            "stall",
+            f"save() stall vs baselines ({d['state_bytes'] / 2**20:.0f} MiB state)",
             [("gemini_ckpt save() stall" if k.startswith("gemini") else k.strip()) for k in keep],
-            [s[k] for k in keep])
+            [s[k] for k in keep],
+        )
     d = res.get("replicate")
     if d:
-        bar("time_to_safe", f"time to safe: save -> committed ({d['hosts']} hosts, "
-            f"{d['shard_bytes'] / 1e6:.0f} MB/rank)",
-            [r["method"] for r in d["rows"]], [r.get("commit_s", r.get("floor_s")) for r in d["rows"]])
+        bar(
+            "time_to_safe",
+            f"time to safe: save -> committed ({d['hosts']} hosts, {d['shard_bytes'] / 1e6:.0f} MB/rank)",
+            [r["method"] for r in d["rows"]],
+            [r.get("commit_s", r.get("floor_s")) for r in d["rows"]],
+        )
     d = res.get("restore")
     if d:
-        bar("restore", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts)",
-            [r["method"] for r in d["rows"]], [r["seconds"] for r in d["rows"]])
+        bar(
+            "restore",
+            f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts)",
+            [r["method"] for r in d["rows"]],
+            [r["seconds"] for r in d["rows"]],
+        )
     full = FULL_RESULTS / "restore_1gb.json"
     if full.exists():
         d = json.loads(full.read_text())
-        bar("restore_1gb", f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts, full size)",
-            [r["method"] for r in d["rows"]], [r["seconds"] for r in d["rows"]])
+        bar(
+            "restore_1gb",
+            f"restore time ({d['total_bytes'] / 1e9:.2f} GB over {d['hosts']} hosts, full size)",
+            [r["method"] for r in d["rows"]],
+            [r["seconds"] for r in d["rows"]],
+        )
     d = res.get("scaling")
     if d:
         out.append(_plot_scaling(plt, d))
     d = res.get("persist")
     if d:
-        bar("persist", f"persist vs dcp.save ({d['total_bytes'] / 1e9:.2f} GB)",
+        bar(
+            "persist",
+            f"persist vs dcp.save ({d['total_bytes'] / 1e9:.2f} GB)",
             ["gemini_ckpt persist (committed -> persisted)", "dcp.save one process", "dcp.save 4 ranks"],
-            [d["persist"]["committed_to_persisted_s"], d["dcp_save_single_process"]["seconds"],
-             d["dcp_save_4_ranks"]["seconds"]])
+            [
+                d["persist"]["committed_to_persisted_s"],
+                d["dcp_save_single_process"]["seconds"],
+                d["dcp_save_4_ranks"]["seconds"],
+            ],
+        )
     return out
 
 
@@ -378,11 +558,16 @@ def _plot_scaling(plt, d: dict) -> Path:
     ax1.set_title(f"time to safe, {rows[0]['shard_bytes'] / 1e6:.0f} MB per host{ratio}", fontsize=10)
     ax1.legend(fontsize=8)
     width = 0.2
-    series = [("measured peak (anon growth)", [r["measured_store_bytes"]["peak_anon_growth_bytes"] for r in rows],
-               "tab:blue"),
-              ("measured reserved", [r["measured_store_bytes"]["reserved_bytes"] for r in rows], "tab:cyan"),
-              ("predicted K·m·shard", [r["predicted_store_bytes"]["K*m*shard"] for r in rows], "tab:gray"),
-              ("predicted (K+1)·m·shard", [r["predicted_store_bytes"]["(K+1)*m*shard"] for r in rows], "silver")]
+    series = [
+        (
+            "measured peak (anon growth)",
+            [r["measured_store_bytes"]["peak_anon_growth_bytes"] for r in rows],
+            "tab:blue",
+        ),
+        ("measured reserved", [r["measured_store_bytes"]["reserved_bytes"] for r in rows], "tab:cyan"),
+        ("predicted K·m·shard", [r["predicted_store_bytes"]["K*m*shard"] for r in rows], "tab:gray"),
+        ("predicted (K+1)·m·shard", [r["predicted_store_bytes"]["(K+1)*m*shard"] for r in rows], "silver"),
+    ]
     for i, (label, values, color) in enumerate(series):
         xs = [x + (i - 1.5) * width for x in range(len(rows))]
         ax2.bar(xs, [v / 1e6 for v in values], width, label=label, color=color)
@@ -415,8 +600,12 @@ def main(argv=None) -> int:
         if args.summary_only:
             path = RESULTS / out
             data = json.loads(path.read_text()) if path.exists() else None
-            info = (data or {}).get("run_all") or {"status": "existing result" if data else "missing", "wall_s": 0.0,
-                                                   "load_average_before": [0.0], "load_average_after": [0.0]}
+            info = (data or {}).get("run_all") or {
+                "status": "existing result" if data else "missing",
+                "wall_s": 0.0,
+                "load_average_before": [0.0],
+                "load_average_after": [0.0],
+            }
             results.append({"name": name, "info": info, "data": data})
             continue
         res = run_one(name, script, out, t_quick if args.quick else t_full, args.quick)
@@ -424,8 +613,11 @@ def main(argv=None) -> int:
             # one more run: on a shared machine a quick run can fail once; both are reported
             first = res["info"]["status"]
             (RESULTS / f"{name}.log").replace(RESULTS / f"{name}.first.log")
-            print(f"   running {name} once more (the first run's log: "
-                  f"{(RESULTS / f'{name}.first.log').relative_to(HERE.parent)})", flush=True)
+            print(
+                f"   running {name} once more (the first run's log: "
+                f"{(RESULTS / f'{name}.first.log').relative_to(HERE.parent)})",
+                flush=True,
+            )
             res = run_one(name, script, out, t_quick, True)
             res["info"]["first_run"] = first
             if res["info"]["status"] == "ok":

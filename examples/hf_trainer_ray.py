@@ -54,18 +54,31 @@ def train_loop_per_worker(config: dict) -> None:
 
         def on_save(self, args, state, control, **kwargs):
             marker = os.path.join(config["out"], "killed")
-            if config["kill_at"] is not None and rank == 1 and state.global_step == config["kill_at"] \
-                    and not os.path.exists(marker):
+            if (
+                config["kill_at"] is not None
+                and rank == 1
+                and state.global_step == config["kill_at"]
+                and not os.path.exists(marker)
+            ):
                 trainer._gemini.ckpt.wait()
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     torch.manual_seed(0)  # the same initial model in both runs (a resumed one loads its version over it)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
-    args = TrainingArguments(output_dir=os.path.join(config["out"], "hf"), max_steps=config["steps"],
-                             per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
-                             save_strategy="steps", save_steps=1, report_to="none", use_cpu=True,
-                             disable_tqdm=True, seed=11)
+    args = TrainingArguments(
+        output_dir=os.path.join(config["out"], "hf"),
+        max_steps=config["steps"],
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=11,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[KillOnce()])
     trainer = prepare_trainer(trainer)  # Ray's
     trainer = ghf.prepare_trainer(trainer, config["ckpt"])  # gemini_ckpt: the one added line
@@ -73,12 +86,20 @@ def train_loop_per_worker(config: dict) -> None:
     restored = trainer._gemini.restored
     if rank == 0:
         print(restored.summary() if restored else "fresh start", flush=True)
-        torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-                   os.path.join(config["out"], "final.pt"))
+        torch.save(
+            {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            os.path.join(config["out"], "final.pt"),
+        )
         losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         with open(os.path.join(config["out"], "result.json"), "w") as f:
-            json.dump({"losses": losses, "restored": restored.step if restored else None,
-                       "source": restored.source if restored else None}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "restored": restored.step if restored else None,
+                    "source": restored.source if restored else None,
+                },
+                f,
+            )
 
 
 def run(name: str, out: str, *, workers: int, steps: int, kill_at, storage: str, hosts: int, local: bool) -> dict:
@@ -88,8 +109,10 @@ def run(name: str, out: str, *, workers: int, steps: int, kill_at, storage: str,
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"ckpt": ckpt_config, "steps": steps, "kill_at": kill_at, "out": out},
-        scaling_config=ScalingConfig(num_workers=workers, label_selector=gray.ranks_on_hosts(
-            workers, ranks_per_host=max(1, workers // hosts)) if local else None),
+        scaling_config=ScalingConfig(
+            num_workers=workers,
+            label_selector=gray.ranks_on_hosts(workers, ranks_per_host=max(1, workers // hosts)) if local else None,
+        ),
         run_config=run_config,
     )
     with gray.host_stores(ckpt_config, run_config=run_config):  # gemini_ckpt: host stores live as long as fit()
@@ -133,7 +156,8 @@ def main() -> None:
             ray.shutdown()
     print(f"killed run: restored step {killed['restored']} from {killed['source']}")
     same_params = plain["params"].keys() == killed["params"].keys() and all(
-        torch.equal(plain["params"][k], killed["params"][k]) for k in plain["params"])
+        torch.equal(plain["params"][k], killed["params"][k]) for k in plain["params"]
+    )
     after = [s for s in plain["losses"] if int(s) > args.kill_at]
     same_losses = all(plain["losses"][s] == killed["losses"].get(s) for s in after) and bool(after)
     print(f"losses after the failure identical: {same_losses}; final parameters identical: {same_params}")

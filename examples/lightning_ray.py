@@ -73,8 +73,12 @@ def train_loop_per_worker(config: dict) -> dict:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             kill = config["kill"]
-            if kill and rank == kill["rank"] and trainer.global_step >= kill["at"] \
-                    and not os.path.exists(kill["marker"]):
+            if (
+                kill
+                and rank == kill["rank"]
+                and trainer.global_step >= kill["at"]
+                and not os.path.exists(kill["marker"])
+            ):
                 self.gemini.checkpointer.wait()  # the version of step kill["at"] is committed
                 with open(kill["marker"], "w") as f:
                     f.write(str(trainer.global_step))
@@ -100,12 +104,17 @@ def train_loop_per_worker(config: dict) -> dict:
     model = Regression()
     gemini = GeminiCallback(config["ckpt"])  # gemini_ckpt: every step into peer memory
     trainer = pl.Trainer(
-        max_epochs=config["epochs"], accelerator="cpu", devices="auto",
+        max_epochs=config["epochs"],
+        accelerator="cpu",
+        devices="auto",
         strategy=RayDDPStrategy(find_unused_parameters=True),  # exact resume on gloo needs it
         plugins=[RayLightningEnvironment()],
         callbacks=[gemini, losses := Losses(), KillOnce(gemini)],
         use_distributed_sampler=False,  # the loader has its DistributedSampler
-        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer = prepare_trainer(trainer)
     trainer.fit(model, train_dataloaders=loader)  # no ckpt_path: resumes from memory after a restart
@@ -115,8 +124,13 @@ def train_loop_per_worker(config: dict) -> dict:
         digest.update(name.encode())
         digest.update(p.detach().cpu().numpy().tobytes())
     restored = gemini.restored
-    return {"digest": digest.hexdigest(), "rank": rank, "global_step": trainer.global_step, "losses": losses.by_step,
-            "restored": None if restored is None else {"step": restored.step, "source": restored.source}}
+    return {
+        "digest": digest.hexdigest(),
+        "rank": rank,
+        "global_step": trainer.global_step,
+        "losses": losses.by_step,
+        "restored": None if restored is None else {"step": restored.step, "source": restored.source},
+    }
 
 
 def fit(name: str, args, storage: str, hosts: int, kill=None, local: bool = True) -> dict:
@@ -127,8 +141,12 @@ def fit(name: str, args, storage: str, hosts: int, kill=None, local: bool = True
         train_loop_per_worker,
         train_loop_config={"ckpt": ckpt_config, "kill": kill, "epochs": args.epochs, "samples": args.samples},
         # rank r stays on simulated host r across restarts, so it restores from its own host's memory
-        scaling_config=ScalingConfig(num_workers=args.workers, label_selector=gray.ranks_on_hosts(
-            args.workers, ranks_per_host=max(1, args.workers // hosts)) if local else None),
+        scaling_config=ScalingConfig(
+            num_workers=args.workers,
+            label_selector=gray.ranks_on_hosts(args.workers, ranks_per_host=max(1, args.workers // hosts))
+            if local
+            else None,
+        ),
         run_config=run_config,
     )
     with gray.host_stores(ckpt_config, run_config=run_config):  # gemini_ckpt: host stores live as long as fit()
@@ -143,8 +161,9 @@ def main() -> None:
     ap.add_argument("--local-hosts", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--samples", type=int, default=128, help="dataset size (per epoch, over all ranks)")
-    ap.add_argument("--kill-at", type=int, default=None, help="step after which rank 1 is killed "
-                                                               "(default: in the second epoch)")
+    ap.add_argument(
+        "--kill-at", type=int, default=None, help="step after which rank 1 is killed (default: in the second epoch)"
+    )
     ap.add_argument("--quick", action="store_true", help="a smaller run (64 samples)")
     args = ap.parse_args()
     if args.quick:
@@ -161,15 +180,22 @@ def main() -> None:
     else:
         from gemini_ckpt.testing.cluster import LocalCluster
 
-        cluster = LocalCluster(args.local_hosts, head_cpus=0,
-                               cpus_per_host=max(1, args.workers // args.local_hosts)).start()
+        cluster = LocalCluster(
+            args.local_hosts, head_cpus=0, cpus_per_host=max(1, args.workers // args.local_hosts)
+        ).start()
         hosts = args.local_hosts
     try:
         with tempfile.TemporaryDirectory() as tmp:
             marker = os.path.join(tmp, "killed")
             print(f"run 1: rank 1 is SIGKILLed after step {kill_at} is committed", flush=True)
-            crashed = fit("lightning-crash", args, tmp, hosts, kill={"rank": 1, "at": kill_at, "marker": marker},
-                          local=cluster is not None)
+            crashed = fit(
+                "lightning-crash",
+                args,
+                tmp,
+                hosts,
+                kill={"rank": 1, "at": kill_at, "marker": marker},
+                local=cluster is not None,
+            )
             killed = os.path.exists(marker)
             print("run 2: uninterrupted", flush=True)
             reference = fit("lightning-reference", args, tmp, hosts, local=cluster is not None)
@@ -183,15 +209,26 @@ def main() -> None:
         print(f"restored step {restored['step']} from {restored['source']}")
     after = crashed["losses"]  # the restarted attempt's: the steps after the restored one
     differ = [s for s in sorted(after) if after[s] != reference["losses"].get(s)]
-    print(f"losses of steps {min(after)}..{max(after)} after the restart: "
-          + ("identical to the uninterrupted run's" if not differ else f"differ from step {differ[0]} on"))
-    same = (not differ and crashed["digest"] == reference["digest"]
-            and crashed["global_step"] == reference["global_step"])
+    print(
+        f"losses of steps {min(after)}..{max(after)} after the restart: "
+        + ("identical to the uninterrupted run's" if not differ else f"differ from step {differ[0]} on")
+    )
+    same = (
+        not differ and crashed["digest"] == reference["digest"] and crashed["global_step"] == reference["global_step"]
+    )
     ok = same and killed and restored is not None and restored["source"] == "memory"
-    print(f"global_step {crashed['global_step']} (crashed run) vs {reference['global_step']} (uninterrupted); "
-          f"worker killed: {killed}; {time.perf_counter() - t0:.0f}s")
-    print("VERDICT: " + ("PASS - the resumed run's final parameters are bit-identical to the uninterrupted run's" if ok
-                         else "FAIL - the resumed run differs from the uninterrupted run (or no restart happened)"))
+    print(
+        f"global_step {crashed['global_step']} (crashed run) vs {reference['global_step']} (uninterrupted); "
+        f"worker killed: {killed}; {time.perf_counter() - t0:.0f}s"
+    )
+    print(
+        "VERDICT: "
+        + (
+            "PASS - the resumed run's final parameters are bit-identical to the uninterrupted run's"
+            if ok
+            else "FAIL - the resumed run differs from the uninterrupted run (or no restart happened)"
+        )
+    )
     if not ok:
         raise SystemExit(1)
 

@@ -52,8 +52,9 @@ def train_loop_per_worker(config: dict) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(max(1, steps // 10), steps))
     # A stateful loader (its position is part of every version); each rank shuffles its own way.
-    loader = StatefulDataLoader(TokenDataset(n=1024), batch_size=8, shuffle=True,
-                                generator=torch.Generator().manual_seed(100 + rank))
+    loader = StatefulDataLoader(
+        TokenDataset(n=1024), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(100 + rank)
+    )
     torch.manual_seed(1 + rank)  # per-rank dropout streams (saved and restored with each version)
     extra = {"tokens_seen": 0}
 
@@ -86,8 +87,9 @@ def train_loop_per_worker(config: dict) -> None:
         # Result.checkpoint; memory-only versions are not reported.
         ckpt.save(step, metrics={"loss": loss.item()})
         if rank == 0 and step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.4f}  save stall {ckpt.stats.last_stall_s * 1e3:.1f} ms",
-                  flush=True)
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  save stall {ckpt.stats.last_stall_s * 1e3:.1f} ms", flush=True
+            )
     ckpt.close()  # gemini_ckpt: waits for in-flight versions, persists and reports the final one
 
 
@@ -128,8 +130,12 @@ def main() -> None:
         train_loop_config={"ckpt": ckpt_config, "steps": args.steps},
         # Simulated hosts carry gemini_ckpt's host label: rank r stays on its host across restarts, so
         # it restores from its own host's memory (on your cluster: `ray start --labels gemini-ckpt.io/host=i`).
-        scaling_config=ScalingConfig(num_workers=args.workers, label_selector=None if args.address else
-                                     gray.ranks_on_hosts(args.workers, ranks_per_host=max(1, args.workers // hosts))),
+        scaling_config=ScalingConfig(
+            num_workers=args.workers,
+            label_selector=None
+            if args.address
+            else gray.ranks_on_hosts(args.workers, ranks_per_host=max(1, args.workers // hosts)),
+        ),
         run_config=run_config,
     )
     try:

@@ -26,8 +26,7 @@ def run(steps: int, crash_at: int | None, namespace: str, log_every: int) -> tup
     seed = 0
     t = build_training(seed=seed, num_workers=2, total_steps=steps)
     extra = {"tokens_seen": 0}
-    state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader,
-                       extra=extra)
+    state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader, extra=extra)
     config = CheckpointConfig(store="local", namespace=namespace, keep_in_memory=2)
     ckpt = Checkpointer(state, config)
     torch.manual_seed(1234)
@@ -40,8 +39,9 @@ def run(steps: int, crash_at: int | None, namespace: str, log_every: int) -> tup
             seed += 1000  # a rebuilt job would not even use the same seeds
             t = build_training(seed=seed, num_workers=2, total_steps=steps)
             extra = {}
-            state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler,
-                               dataloader=t.loader, extra=extra)
+            state = TrainState(
+                model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader, extra=extra
+            )
             ckpt = Checkpointer(state, config)
             result = ckpt.restore()
             print(f"  {result.summary()}; tokens_seen={extra['tokens_seen']}")
@@ -60,8 +60,10 @@ def run(steps: int, crash_at: int | None, namespace: str, log_every: int) -> tup
         handle = ckpt.save(step)
         stalls.append(handle.staged.result().stall_s)
         if step % log_every == 0 or step == steps - 1:
-            print(f"  step {step:4d}  loss {loss.item():.4f}  lr {t.scheduler.get_last_lr()[0]:.2e}  "
-                  f"save stall {stalls[-1] * 1e3:.2f} ms")
+            print(
+                f"  step {step:4d}  loss {loss.item():.4f}  lr {t.scheduler.get_last_lr()[0]:.2e}  "
+                f"save stall {stalls[-1] * 1e3:.2f} ms"
+            )
         step += 1
     ckpt.close()
     return losses, {n: p.detach().clone() for n, p in t.model.named_parameters()}
@@ -82,8 +84,9 @@ def main() -> None:
     reference, params_b = run(args.steps, None, "example-reference", args.log_every)
     same_losses = crashed == reference
     same_params = all(torch.equal(params_a[n], params_b[n]) for n in params_a)
-    print(f"losses identical: {same_losses}; final parameters identical: {same_params} "
-          f"({time.perf_counter() - t0:.1f}s)")
+    print(
+        f"losses identical: {same_losses}; final parameters identical: {same_params} ({time.perf_counter() - t0:.1f}s)"
+    )
     if not (same_losses and same_params):
         raise SystemExit("resume was not exact")
 

@@ -27,8 +27,9 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gemini_ckpt",
-                                     description="In-memory, peer-replicated checkpointing: tools.")
+    parser = argparse.ArgumentParser(
+        prog="python -m gemini_ckpt", description="In-memory, peer-replicated checkpointing: tools."
+    )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for register in COMMANDS:
         register(subcommands)

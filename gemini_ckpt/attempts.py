@@ -57,8 +57,9 @@ class Attempt:
             try:
                 member.abort()
             except Exception as exc:  # noqa: BLE001 - the next attempt must start regardless
-                log.warning("aborting %s after a failed attempt: %s: %s", type(member).__name__,
-                            type(exc).__name__, exc)
+                log.warning(
+                    "aborting %s after a failed attempt: %s: %s", type(member).__name__, type(exc).__name__, exc
+                )
         return len(members)
 
 

@@ -27,6 +27,8 @@ PERSIST_ERRORS = ("log", "raise")
 INFLIGHT_POLICIES = ("wait", "skip")
 WORLD_SIZE_CHANGE_RULES = ("derive", "error")
 STAGINGS = ("copy", "overlap")
+
+
 class Interleave(StrEnum):
     """How replication shares the network with training (``CheckpointConfig.interleave``, see
     docs/interleave.md): ``gate`` (a host store sends only while its ranks are not inside a
@@ -48,6 +50,7 @@ def interleave_mode(value) -> Interleave:
     if value is True or value is False:
         return Interleave.GATE if value else Interleave.OFF
     return Interleave(value) if value in INTERLEAVE_MODES else Interleave.GATE
+
 
 DEFAULT_NAMESPACE = "gemini_ckpt"
 
@@ -170,45 +173,58 @@ class CheckpointConfig:
         _int_at_least(self, "keep_durable", 1, "keep at least the newest durable version")
         _int_at_least(self, "max_inflight", 1, "use 1 to allow one version in flight")
         if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
-            raise ConfigError(
-                f"CheckpointConfig.namespace must be a non-empty string or None, got {self.namespace!r}"
-            )
+            raise ConfigError(f"CheckpointConfig.namespace must be a non-empty string or None, got {self.namespace!r}")
         if self.durable_uri is not None and (not isinstance(self.durable_uri, str) or not self.durable_uri):
-            raise ConfigError(
-                f"CheckpointConfig.durable_uri must be a path or URI string, got {self.durable_uri!r}"
-            )
+            raise ConfigError(f"CheckpointConfig.durable_uri must be a path or URI string, got {self.durable_uri!r}")
         if self.host_memory_budget_bytes is not None:
             _int_at_least(self, "host_memory_budget_bytes", 1, "or None for the default budget")
-        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0):
-            raise ConfigError(f"CheckpointConfig.timeout_s must be a positive, finite number of seconds "
-                              f"(e.g. 300), got {self.timeout_s!r}")
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or self.timeout_s <= 0
+        ):
+            raise ConfigError(
+                f"CheckpointConfig.timeout_s must be a positive, finite number of seconds "
+                f"(e.g. 300), got {self.timeout_s!r}"
+            )
         if self.replication_bandwidth is not None:
-            _int_at_least(self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; "
-                          "None for unlimited")
+            _int_at_least(
+                self, "replication_bandwidth", 1 << 20, "bytes per second, e.g. 2_000_000_000; None for unlimited"
+            )
         if not isinstance(self.interleave, bool) and self.interleave not in INTERLEAVE_MODES:
-            raise ConfigError(f"CheckpointConfig.interleave must be True or 'gate' (replication yields to training's "
-                              f"marked collectives), 'network' (it is marked lower-effort and a network that honours "
-                              f"priority interleaves it packet by packet) or False / 'off' (neither), "
-                              f"got {self.interleave!r}")
+            raise ConfigError(
+                f"CheckpointConfig.interleave must be True or 'gate' (replication yields to training's "
+                f"marked collectives), 'network' (it is marked lower-effort and a network that honours "
+                f"priority interleaves it packet by packet) or False / 'off' (neither), "
+                f"got {self.interleave!r}"
+            )
         if not isinstance(self.metrics, bool):
             raise ConfigError(f"CheckpointConfig.metrics must be True or False, got {self.metrics!r}")
         if not isinstance(self.overwrite, bool):
             raise ConfigError(f"CheckpointConfig.overwrite must be True or False, got {self.overwrite!r}")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
-            raise ConfigError(f"CheckpointConfig.init_from must be the path of a DCP checkpoint directory, "
-                              f"got {self.init_from!r}")
+            raise ConfigError(
+                f"CheckpointConfig.init_from must be the path of a DCP checkpoint directory, got {self.init_from!r}"
+            )
         if self.signing_key is not None and (not isinstance(self.signing_key, (bytes, str)) or not self.signing_key):
-            raise ConfigError("CheckpointConfig.signing_key must be non-empty bytes or str (a secret shared by "
-                              "every rank of the job), or None")
+            raise ConfigError(
+                "CheckpointConfig.signing_key must be non-empty bytes or str (a secret shared by "
+                "every rank of the job), or None"
+            )
         if self.health_check is not None and not isinstance(self.health_check, HealthCheck):
-            raise ConfigError(f"CheckpointConfig.health_check must be a gemini_ckpt.HealthCheck (e.g. HealthCheck() "
-                              f"for the default checks) or None to turn the checks off, got {self.health_check!r}")
-        if self.failure_domain is not None and (not isinstance(self.failure_domain, str)
-                                                or not self.failure_domain.strip()):
-            raise ConfigError(f"CheckpointConfig.failure_domain must be the name of a Ray node label (e.g. 'rack' "
-                              f"for nodes started with `ray start --labels rack=r1`) or None, "
-                              f"got {self.failure_domain!r}")
+            raise ConfigError(
+                f"CheckpointConfig.health_check must be a gemini_ckpt.HealthCheck (e.g. HealthCheck() "
+                f"for the default checks) or None to turn the checks off, got {self.health_check!r}"
+            )
+        if self.failure_domain is not None and (
+            not isinstance(self.failure_domain, str) or not self.failure_domain.strip()
+        ):
+            raise ConfigError(
+                f"CheckpointConfig.failure_domain must be the name of a Ray node label (e.g. 'rack' "
+                f"for nodes started with `ray start --labels rack=r1`) or None, "
+                f"got {self.failure_domain!r}"
+            )
 
     @property
     def interleave_mode(self) -> Interleave:
@@ -223,9 +239,7 @@ class CheckpointConfig:
 def _choice(cfg: CheckpointConfig, name: str, allowed: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in allowed:
-        raise ConfigError(
-            f"CheckpointConfig.{name}={value!r} is not valid; use one of {', '.join(map(repr, allowed))}"
-        )
+        raise ConfigError(f"CheckpointConfig.{name}={value!r} is not valid; use one of {', '.join(map(repr, allowed))}")
 
 
 def _int_at_least(cfg: CheckpointConfig, name: str, low: int, hint: str) -> None:

@@ -105,8 +105,9 @@ class Events:
 
     def add(self, listener: CheckpointListener) -> None:
         if not isinstance(listener, CheckpointListener):
-            raise TypeError(f"a checkpoint listener must subclass gemini_ckpt.CheckpointListener, "
-                            f"got {type(listener).__name__}")
+            raise TypeError(
+                f"a checkpoint listener must subclass gemini_ckpt.CheckpointListener, got {type(listener).__name__}"
+            )
         self.listeners.append(listener)
 
     # --- training thread ----------------------------------------------------------------------------
@@ -135,8 +136,11 @@ class Events:
                 verdict = handle.health.result() if handle.health.done() and not handle.health.exception() else None
                 staged = handle.staged.result() if handle.staged.done() and not handle.staged.exception() else None
                 committed_at.append(time.perf_counter())
-                self.emit(CheckpointEvent(COMMITTED, step, self.rank, metrics, health=verdict, staged=staged,
-                                          seconds=committed_at[0] - t0))
+                self.emit(
+                    CheckpointEvent(
+                        COMMITTED, step, self.rank, metrics, health=verdict, staged=staged, seconds=committed_at[0] - t0
+                    )
+                )
 
         def persisted(fut) -> None:
             if fut.cancelled() or not handle.committed.done() or handle.committed.exception() is not None:
@@ -170,8 +174,13 @@ class Events:
             try:
                 listener.on_close(ckpt, aborted=True)
             except Exception as exc:  # noqa: BLE001 - the job is going down; it must not hide why
-                log.warning("rank %d: checkpoint listener %s failed at abort: %s: %s", self.rank,
-                            type(listener).__name__, type(exc).__name__, exc)
+                log.warning(
+                    "rank %d: checkpoint listener %s failed at abort: %s: %s",
+                    self.rank,
+                    type(listener).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
 
     def flush(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -179,9 +188,12 @@ class Events:
             while self._pending and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._on_error(CheckpointError(
-                        f"rank {self.rank}: checkpoint listeners did not take {self._pending} event(s) within "
-                        f"{timeout}s (CheckpointConfig.timeout_s); a listener is blocked"))
+                    self._on_error(
+                        CheckpointError(
+                            f"rank {self.rank}: checkpoint listeners did not take {self._pending} event(s) within "
+                            f"{timeout}s (CheckpointConfig.timeout_s); a listener is blocked"
+                        )
+                    )
                     return
                 self._lock.wait(min(left, 0.5))
 
@@ -211,10 +223,19 @@ class Events:
                 try:
                     getattr(listener, "on_" + event.kind)(event)
                 except Exception as exc:  # noqa: BLE001 - raised on the training thread at the next call
-                    log.error("rank %d: checkpoint listener %s failed on %s step %d: %s: %s", self.rank,
-                              type(listener).__name__, event.kind, event.step, type(exc).__name__, exc)
-                    err = CheckpointError(f"rank {self.rank}: checkpoint listener {type(listener).__name__} failed "
-                                          f"on {event.kind} step {event.step}: {type(exc).__name__}: {exc}")
+                    log.error(
+                        "rank %d: checkpoint listener %s failed on %s step %d: %s: %s",
+                        self.rank,
+                        type(listener).__name__,
+                        event.kind,
+                        event.step,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    err = CheckpointError(
+                        f"rank {self.rank}: checkpoint listener {type(listener).__name__} failed "
+                        f"on {event.kind} step {event.step}: {type(exc).__name__}: {exc}"
+                    )
                     err.__cause__ = exc
                     self._on_error(err)
             with self._lock:

@@ -4,22 +4,17 @@ A checksum proves that bytes were copied faithfully; it cannot tell that they we
 before the copy (a step that left NaN in a weight, silent data corruption). So every version
 also gets a **health** verdict, a :class:`Health`:
 
-- **the tensor check** (default on): every parameter and every optimizer-state tensor is
-  finite. It runs off the training thread, in the store that checksums the shard, on the raw
-  bits of bf16/fp16/fp32/fp64 items (:mod:`gemini_ckpt.format.finite`). Which items it covers
-  is decided on the trainer, which knows parameters from buffers, when it plans the snapshot,
-  and travels in the signed shard plan (:attr:`gemini_ckpt.format.shards.ShardPlan.checked`).
-  Buffers are not checked by default: attention masks legitimately hold ``-inf``;
-- **checks on the trainer**, optional and composable: predicates on the metrics given to
-  ``save(step, metrics=...)`` (:class:`Finite`, :class:`NoSpike`, or any :class:`MetricCheck`)
-  and a user ``validator``. Their verdict goes with the shard to its store.
+- **the tensor check** (default on): every parameter and optimizer-state tensor is finite,
+  checked off the training thread on the raw bits (:mod:`gemini_ckpt.format.finite`); which items
+  it covers the trainer decides and signs into the shard plan (buffers are not checked: attention
+  masks legitimately hold ``-inf``);
+- **checks on the trainer**, optional: predicates on ``save(step, metrics=...)`` (:class:`Finite`,
+  :class:`NoSpike`, any :class:`MetricCheck`) and a user ``validator``.
 
-Each shard's record carries its verdict (signed with it when a signing key is set), a
-persisted version's manifest the version's. An **unhealthy** version still commits (its copies
-exist, and one is kept for inspection) but is never the restore choice, never persisted, never
-reported to Ray Train and never counted by retention (:mod:`gemini_ckpt.retention`);
-``restore(step=...)`` loads one on purpose. ``health_check=None`` turns every check off: versions
-are then ``unchecked`` and treated as healthy.
+An **unhealthy** version still commits but is never the restore choice, never persisted, never
+reported and never counted by retention; ``restore(step=...)`` loads one on purpose.
+``health_check=None`` turns every check off (versions are ``unchecked``). docs/health.md has the
+whole story.
 
 This module imports only the standard library: host-store actors decode verdicts with it.
 
@@ -85,15 +80,15 @@ class Health:
         return Health(self.status, self.check, self.item, self.detail, rank)
 
     def to_json(self) -> dict:
-        return {"status": self.status, "check": self.check, "item": self.item, "detail": self.detail,
-                "rank": self.rank}
+        return {"status": self.status, "check": self.check, "item": self.item, "detail": self.detail, "rank": self.rank}
 
     @classmethod
     def from_json(cls, data: Any) -> "Health":
         """Decode a verdict from a record, a manifest or a peer: ``ValueError`` if malformed."""
         if not isinstance(data, dict) or set(data) - {"status", "check", "item", "detail", "rank"}:
-            raise ValueError(f"a health verdict must be an object with status, check, item, detail, rank; "
-                             f"got {data!r:.200}")
+            raise ValueError(
+                f"a health verdict must be an object with status, check, item, detail, rank; got {data!r:.200}"
+            )
         status = data.get("status")
         if status not in STATUSES:
             raise ValueError(f"unknown health status {status!r:.100}")
@@ -182,35 +177,47 @@ class NoSpike:
 
     def __post_init__(self) -> None:
         _metric_name(self)
-        if (isinstance(self.factor, bool) or not isinstance(self.factor, (int, float))
-                or not math.isfinite(self.factor) or self.factor <= 1):
-            raise ConfigError(f"NoSpike.factor must be a finite number > 1 (a spike is factor x the running "
-                             f"median), got {self.factor!r}")
+        if (
+            isinstance(self.factor, bool)
+            or not isinstance(self.factor, (int, float))
+            or not math.isfinite(self.factor)
+            or self.factor <= 1
+        ):
+            raise ConfigError(
+                f"NoSpike.factor must be a finite number > 1 (a spike is factor x the running "
+                f"median), got {self.factor!r}"
+            )
         for name, low in (("window", 1), ("min_history", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"NoSpike.{name} must be an int >= {low}, got {value!r}")
         if self.min_history > self.window:
-            raise ConfigError(f"NoSpike.min_history={self.min_history} cannot exceed window={self.window}; "
-                             f"lower min_history or raise window")
+            raise ConfigError(
+                f"NoSpike.min_history={self.min_history} cannot exceed window={self.window}; "
+                f"lower min_history or raise window"
+            )
 
     def check(self, value: float, history: Sequence[float]) -> Optional[str]:
         if not math.isfinite(value):
             return f"{self.metric} is {value!r}"
-        recent = list(history)[-self.window:]
+        recent = list(history)[-self.window :]
         if len(recent) < self.min_history:
             return None
         median = statistics.median(recent)
         if median > 0 and value > self.factor * median:
-            return (f"{self.metric} is {value:.6g}, over {self.factor:g} x its running median {median:.6g} "
-                    f"(last {len(recent)} healthy saves)")
+            return (
+                f"{self.metric} is {value:.6g}, over {self.factor:g} x its running median {median:.6g} "
+                f"(last {len(recent)} healthy saves)"
+            )
         return None
 
 
 def _metric_name(check) -> None:
     if not isinstance(check.metric, str) or not check.metric:
-        raise ConfigError(f"{type(check).__name__}.metric must be the name of a metric given to "
-                         f"save(step, metrics=...), e.g. 'loss'; got {check.metric!r}")
+        raise ConfigError(
+            f"{type(check).__name__}.metric must be the name of a metric given to "
+            f"save(step, metrics=...), e.g. 'loss'; got {check.metric!r}"
+        )
 
 
 class MetricHistory:
@@ -282,20 +289,28 @@ class HealthCheck:
         if isinstance(metrics, MetricCheck):
             metrics = (metrics,)
         if isinstance(metrics, (str, bytes, Mapping)) or not isinstance(metrics, Iterable):
-            raise ConfigError(f"HealthCheck.metrics must be a tuple of metric checks such as "
-                             f"(Finite(metric='loss'),), got {metrics!r}")
+            raise ConfigError(
+                f"HealthCheck.metrics must be a tuple of metric checks such as "
+                f"(Finite(metric='loss'),), got {metrics!r}"
+            )
         metrics = tuple(metrics)
         for m in metrics:
             if not isinstance(m, MetricCheck) or not isinstance(m.window, int):
-                raise ConfigError(f"HealthCheck.metrics: {m!r} is not a metric check (it needs metric, window "
-                                 f"and check(value, history)); use gemini_ckpt.health.Finite or NoSpike")
+                raise ConfigError(
+                    f"HealthCheck.metrics: {m!r} is not a metric check (it needs metric, window "
+                    f"and check(value, history)); use gemini_ckpt.health.Finite or NoSpike"
+                )
         object.__setattr__(self, "metrics", metrics)
         if self.validator is not None and not callable(self.validator):
-            raise ConfigError(f"HealthCheck.validator must be callable (step, state, metrics) -> None or a reason, "
-                             f"got {self.validator!r}")
+            raise ConfigError(
+                f"HealthCheck.validator must be callable (step, state, metrics) -> None or a reason, "
+                f"got {self.validator!r}"
+            )
         if self.on_unhealthy not in ON_UNHEALTHY:
-            raise ConfigError(f"HealthCheck.on_unhealthy={self.on_unhealthy!r} is not valid; use one of "
-                             f"{', '.join(map(repr, ON_UNHEALTHY))}")
+            raise ConfigError(
+                f"HealthCheck.on_unhealthy={self.on_unhealthy!r} is not valid; use one of "
+                f"{', '.join(map(repr, ON_UNHEALTHY))}"
+            )
 
     def judge(self, step: int, state: Any, metrics: Mapping[str, Any], history: MetricHistory) -> Health:
         """The trainer's verdict on this save: the optimizers' hyper-parameters (with
@@ -318,15 +333,15 @@ class HealthCheck:
         if self.validator is not None:
             why = self.validator(step, state, metrics)
             if why is not None and not isinstance(why, str):
-                raise TypeError(f"HealthCheck.validator must return None (healthy) or a reason string, "
-                                f"got {why!r}")
+                raise TypeError(f"HealthCheck.validator must return None (healthy) or a reason string, got {why!r}")
             if why:
                 return Health(UNHEALTHY, "validator", "", _short(why))
         return HEALTHY_VERDICT
 
 
-FINITE_HYPERPARAMETERS = frozenset({"lr", "initial_lr", "weight_decay", "momentum", "dampening", "betas", "eps",
-                                    "alpha", "rho", "lr_decay", "initial_accumulator_value", "lambd", "etas"})
+FINITE_HYPERPARAMETERS = frozenset(
+    "lr initial_lr weight_decay momentum dampening betas eps alpha rho lr_decay initial_accumulator_value lambd etas".split()
+)
 """Optimizer hyper-parameters that must be finite (an infinity in any other key is allowed)."""
 
 
@@ -347,10 +362,11 @@ def nonfinite_hyperparameter(optimizers: Iterable[Any]) -> Optional[tuple[str, s
         for key, value in group.items():
             if key == "params":
                 continue
-            for v in (value if isinstance(value, (tuple, list)) else (value,)):
+            for v in value if isinstance(value, (tuple, list)) else (value,):
                 number = _scalar(v)
-                if number is not None and (math.isnan(number) or (
-                        math.isinf(number) and key in FINITE_HYPERPARAMETERS)):
+                if number is not None and (
+                    math.isnan(number) or (math.isinf(number) and key in FINITE_HYPERPARAMETERS)
+                ):
                     return f"optim.param_groups.{g}.{key}", f"{key} is {number}"
     return None
 

@@ -42,7 +42,7 @@ from .restore.loader import load as dcp_load
 from .state.train_state import MODEL, OPTIM, TrainState
 from .durable.fs import MAX_UNRECORDED_METADATA_BYTES
 from .durable.layout import METADATA_FILE, path_parts
-from .durable.files import LocalFiles
+from .durable.local_files import LocalFiles
 from .trust.items import item_nbytes, safe_opaque, torch_load_value
 from .trust.metadata import metadata_loads
 
@@ -66,8 +66,10 @@ class StockVersion:
             raw = self.files.read(METADATA_FILE, cap=MAX_UNRECORDED_METADATA_BYTES)
             self.metadata = metadata_loads(raw)
         except (OSError, CheckpointError) as exc:
-            raise CheckpointError(f"{where}: {METADATA_FILE} cannot be read ({type(exc).__name__}: {exc}); point "
-                                  f"init_from at a DCP checkpoint directory") from None
+            raise CheckpointError(
+                f"{where}: {METADATA_FILE} cannot be read ({type(exc).__name__}: {exc}); point "
+                f"init_from at a DCP checkpoint directory"
+            ) from None
         self.world_size = 1
         for index, info in (self.metadata.storage_data or {}).items():
             rel = getattr(info, "relative_path", None)
@@ -75,11 +77,15 @@ class StockVersion:
                 if not isinstance(rel, str) or not path_parts(rel):
                     raise DamagedFileError(f"{rel!r} is not a file name")
             except DamagedFileError:
-                raise CheckpointError(f"{where}: {METADATA_FILE} places {index.fqn} in {rel!r}, outside the checkpoint "
-                                      f"directory {path}; refused") from None
+                raise CheckpointError(
+                    f"{where}: {METADATA_FILE} places {index.fqn} in {rel!r}, outside the checkpoint "
+                    f"directory {path}; refused"
+                ) from None
             if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"{where}: {index.fqn} was saved through DCP storage transforms "
-                                      f"({info.transform_descriptors}), which init_from does not read")
+                raise CheckpointError(
+                    f"{where}: {index.fqn} was saved through DCP storage transforms "
+                    f"({info.transform_descriptors}), which init_from does not read"
+                )
 
     def close(self) -> None:
         pass
@@ -115,7 +121,7 @@ def init_from(state: TrainState, uri: str, *, rank: int, world_size: int, group)
     """Load model (and optimizer, when saved) from the stock DCP checkpoint at ``uri``."""
     t0 = time.perf_counter()
     where = f"CheckpointConfig.init_from={uri!r}"
-    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    path = uri[len("file://") :] if uri.startswith("file://") else uri
     if "://" in path or not os.path.isdir(path):
         raise CheckpointError(f"{where} is not a local DCP checkpoint directory (a path, or file://...)")
     view = StockVersion(os.path.abspath(path), where)
@@ -129,8 +135,7 @@ def init_from(state: TrainState, uri: str, *, rank: int, world_size: int, group)
         # get_state_dict would give the optimizer state of its own (a zero step): leave it alone
         target = {MODEL: get_model_state_dict(module)}
     if not with_optim and state.optimizers:
-        log.warning("init_from %s holds no optimizer state; the model is loaded and the optimizer starts fresh",
-                    uri)
+        log.warning("init_from %s holds no optimizer state; the model is loaded and the optimizer starts fresh", uri)
     check_structure(target, view.metadata)
     try:
         report = dcp_load(target, [view], group=group, world_size=world_size)
@@ -141,7 +146,15 @@ def init_from(state: TrainState, uri: str, *, rank: int, world_size: int, group)
     else:
         set_model_state_dict(module, target[MODEL])
     nbytes = report.bytes_by_source.get("init", 0)
-    log.info("rank %d: initialised model%s from the DCP checkpoint %s", rank, " and optimizer" if with_optim else "",
-             uri)
-    return RestoreResult(step=INIT_STEP, source="init", sources={rank: "init"}, bytes_read={"init": nbytes},
-                         seconds=time.perf_counter() - t0, world_size=world_size, saved_world_size=world_size)
+    log.info(
+        "rank %d: initialised model%s from the DCP checkpoint %s", rank, " and optimizer" if with_optim else "", uri
+    )
+    return RestoreResult(
+        step=INIT_STEP,
+        source="init",
+        sources={rank: "init"},
+        bytes_read={"init": nbytes},
+        seconds=time.perf_counter() - t0,
+        world_size=world_size,
+        saved_world_size=world_size,
+    )

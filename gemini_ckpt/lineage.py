@@ -25,8 +25,11 @@ def survey(memory, durable) -> tuple[int, ...]:
         try:
             steps.update(durable.complete_steps())
         except OSError as exc:
-            log.warning("durable tier %s cannot be listed at start (%s); steps there are not checked "
-                        "against this run's", durable.uri, exc)
+            log.warning(
+                "durable tier %s cannot be listed at start (%s); steps there are not checked against this run's",
+                durable.uri,
+                exc,
+            )
     return tuple(sorted(steps))
 
 
@@ -53,8 +56,10 @@ class Lineage:
         ``overwrite``. Decides what :meth:`discards` returns."""
         if self.last_saved is not None:
             if step <= self.last_saved:
-                raise ValueError(f"save({step}): this run already saved step {self.last_saved}; steps only go "
-                                 f"forward. To go back, restore() an older version first (in a new Checkpointer)")
+                raise ValueError(
+                    f"save({step}): this run already saved step {self.last_saved}; steps only go "
+                    f"forward. To go back, restore() an older version first (in a new Checkpointer)"
+                )
             return
         floor = self.restored
         if floor is not None:
@@ -64,13 +69,15 @@ class Lineage:
             return
         clash = [s for s in self.existing if s >= step]
         if clash and not self.overwrite:
-            where = f"namespace {self.namespace!r}" + (f" and the durable tier {self.durable_uri}"
-                                                       if self.durable_uri else "")
+            where = f"namespace {self.namespace!r}" + (
+                f" and the durable tier {self.durable_uri}" if self.durable_uri else ""
+            )
             raise CheckpointError(
                 f"save({step}): {where} already hold(s) step(s) {clash[:5]}{' ...' if len(clash) > 5 else ''} "
                 f"from an earlier run, and this run did not restore. Call restore() first to continue that run, "
                 f"use another CheckpointConfig.namespace/durable_uri for a new run, or set "
-                f"CheckpointConfig(overwrite=True) to discard those versions")
+                f"CheckpointConfig(overwrite=True) to discard those versions"
+            )
         self.discard_pending, self._floor = bool(clash), step - 1
 
     def saved(self, step: int) -> None:
@@ -90,8 +97,7 @@ class Lineage:
         self.discard_pending = True
 
     def why_discarded(self) -> str:
-        return (f"newer than the restored step {self.restored}" if self.restored is not None
-                else "overwrite=True")
+        return f"newer than the restored step {self.restored}" if self.restored is not None else "overwrite=True"
 
     def discard_abandoned(self, memory, durable) -> None:
         """Rank 0, before its first version of a run: remove the versions this run abandons
@@ -101,8 +107,12 @@ class Lineage:
         doomed = self.discards()
         if not doomed:
             return
-        log.warning("rank 0: discarding steps %s of namespace %r (%s); they will never be restored", doomed,
-                    self.namespace, self.why_discarded())
+        log.warning(
+            "rank 0: discarding steps %s of namespace %r (%s); they will never be restored",
+            doomed,
+            self.namespace,
+            self.why_discarded(),
+        )
         try:
             for old in doomed:
                 memory.discard(old)
@@ -110,5 +120,9 @@ class Lineage:
                 durable.discard(doomed)
         except Exception as exc:  # noqa: BLE001 - never fail this version over it: retried at the next one
             self.retry_discards()
-            log.error("rank 0: could not discard steps %s yet (%s: %s); trying again at the next save", doomed,
-                      type(exc).__name__, exc)
+            log.error(
+                "rank 0: could not discard steps %s yet (%s: %s); trying again at the next save",
+                doomed,
+                type(exc).__name__,
+                exc,
+            )

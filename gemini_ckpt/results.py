@@ -3,11 +3,27 @@ Checkpointer keeps (``CheckpointStats``)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .health import Health
+
+
+class Phases:
+    """Wall time of the phases of one save(), as :attr:`StageInfo.phases` holds them."""
+
+    def __init__(self, t0: float) -> None:
+        self._last, self._marks = t0, []
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._marks.append((name, now - self._last))
+        self._last = now
+
+    def done(self) -> tuple:
+        return tuple(self._marks)
 
 
 @dataclass(frozen=True)
@@ -71,10 +87,15 @@ class SaveHandle:
                 return "pending"
             return "failed" if f.exception() is not None else "done"
 
-        health = self.health.result().status if self.health.done() and not self.health.cancelled() \
-            and self.health.exception() is None else state(self.health)
-        return (f"SaveHandle(step={self.step}, staged={state(self.staged)}, "
-                f"committed={state(self.committed)}, health={health}, persisted={state(self.persisted)})")
+        health = (
+            self.health.result().status
+            if self.health.done() and not self.health.cancelled() and self.health.exception() is None
+            else state(self.health)
+        )
+        return (
+            f"SaveHandle(step={self.step}, staged={state(self.staged)}, "
+            f"committed={state(self.committed)}, health={health}, persisted={state(self.persisted)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -125,8 +146,10 @@ class RestoreResult:
     def apply_rng(self) -> None:
         """Put the restored random number generators in place (after ``restore(rng=False)``)."""
         if self.rng_state is None:
-            raise ValueError("apply_rng(): this restore applied its random number generators already "
-                             "(restore(rng=False) keeps them for later)")
+            raise ValueError(
+                "apply_rng(): this restore applied its random number generators already "
+                "(restore(rng=False) keeps them for later)"
+            )
         self.rng_state.apply()
 
     def stage_seconds(self) -> dict[str, float]:
@@ -143,8 +166,11 @@ class RestoreResult:
             extra += " (" + "; ".join(f"{s}: {why}" for s, why in self.skipped_reasons.items()) + ")"
         if self.health is not None and self.health.unhealthy:
             extra += f"; its state is UNHEALTHY ({self.health.reason})"
-        ws = (f"; world size {self.saved_world_size} -> {self.world_size}"
-              if self.world_size != self.saved_world_size else "")
+        ws = (
+            f"; world size {self.saved_world_size} -> {self.world_size}"
+            if self.world_size != self.saved_world_size
+            else ""
+        )
         return f"restored step {self.step} from {self.source} in {self.seconds:.3f}s ({tiers}){ws}{extra}"
 
 

@@ -49,7 +49,7 @@ class KeepNewest:
     def doomed(self, steps: Sequence[S], protected: Iterable[S] = (), unhealthy: Iterable[S] = ()) -> list[S]:
         ordered = sorted(steps)
         bad = set(unhealthy)
-        kept = set([s for s in ordered if s not in bad][-self.count:])
+        kept = set([s for s in ordered if s not in bad][-self.count :])
         # Only the first unhealthy version after the healthy ones kept is worth inspecting: where
         # the state went bad. Older ones are history; newer ones would only crowd memory.
         floor = min(kept) if len(kept) >= self.count else None

@@ -13,13 +13,13 @@ from torch.utils.data import Dataset
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16,
-                 dropout: float = 0.1) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 2, seq: int = 16, dropout: float = 0.1
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq, dim))
-        block = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=dim * 2, dropout=dropout,
-                                           batch_first=True)
+        block = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=dim * 2, dropout=dropout, batch_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(dim, vocab)
@@ -71,8 +71,17 @@ class Training:
             yield from self.loader
 
 
-def build_training(seed: int = 0, *, num_workers: int = 0, batch_size: int = 8, total_steps: int = 100,
-                   dataset_size: int = 256, dim: int = 32, layers: int = 2, mesh=None) -> Training:
+def build_training(
+    seed: int = 0,
+    *,
+    num_workers: int = 0,
+    batch_size: int = 8,
+    total_steps: int = 100,
+    dataset_size: int = 256,
+    dim: int = 32,
+    layers: int = 2,
+    mesh=None,
+) -> Training:
     """The tiny LM, AdamW, warmup+cosine and a shuffling loader; with ``mesh``, the model is
     FSDP2-sharded over it (:func:`fully_shard_layers`) before the optimizer is built."""
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -83,8 +92,13 @@ def build_training(seed: int = 0, *, num_workers: int = 0, batch_size: int = 8, 
         fully_shard_layers(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, total_steps // 10), total_steps))
-    loader = StatefulDataLoader(TokenDataset(n=dataset_size), batch_size=batch_size, shuffle=True,
-                                num_workers=num_workers, generator=torch.Generator().manual_seed(seed + 1))
+    loader = StatefulDataLoader(
+        TokenDataset(n=dataset_size),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=num_workers,
+        generator=torch.Generator().manual_seed(seed + 1),
+    )
     return Training(model, opt, sched, loader)
 
 
@@ -105,8 +119,11 @@ def fully_shard_layers(model: nn.Module, mesh, layers=None) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     if layers is None:
-        layers = (list(model.blocks.layers) if isinstance(model, TinyLM)
-                  else [m for m in model.children() if isinstance(m, nn.Linear)])
+        layers = (
+            list(model.blocks.layers)
+            if isinstance(model, TinyLM)
+            else [m for m in model.children() if isinstance(m, nn.Linear)]
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -42,7 +42,8 @@ class Budget:
             raise VerificationError(
                 f"{self.what} would allocate about {self.used} bytes (calling {getattr(fn, '__qualname__', fn)}), "
                 f"far more than its {self.nbytes} recorded bytes can hold ({self.limit} allowed); refused "
-                f"(a crafted file?)")
+                f"(a crafted file?)"
+            )
 
 
 class _Counted:
@@ -109,6 +110,7 @@ def _by_shape(position: int) -> Callable:
     def estimate(fn: Any, args: tuple, kwargs: dict) -> int:
         shape = args[position] if len(args) > position else kwargs.get("shape", ())
         return 16 * _elements(shape)
+
     return estimate
 
 
@@ -124,8 +126,10 @@ def _by_dtype(fn: Any, args: tuple, kwargs: dict) -> int:
     holding Python objects is refused: numpy crashes the process on a crafted object array."""
     dtype = fn(*args, **kwargs)  # a dtype is a small descriptor: building it to look is cheap
     if dtype.hasobject:
-        raise VerificationError("a numpy array of Python objects (dtype 'O'), which numpy cannot decode safely "
-                                "from crafted bytes; refused (keep such values as lists in TrainState.extra)")
+        raise VerificationError(
+            "a numpy array of Python objects (dtype 'O'), which numpy cannot decode safely "
+            "from crafted bytes; refused (keep such values as lists in TrainState.extra)"
+        )
     return dtype.itemsize
 
 
@@ -142,9 +146,25 @@ def _counted_calls() -> dict:
         import numpy as np
         import torch
 
-        table: dict = {t: _by_length for t in (bytes, bytearray, list, tuple, set, frozenset, dict, str,
-                                               collections.OrderedDict, collections.defaultdict,
-                                               collections.deque, collections.Counter, torch.Size, codecs.encode)}
+        table: dict = {
+            t: _by_length
+            for t in (
+                bytes,
+                bytearray,
+                list,
+                tuple,
+                set,
+                frozenset,
+                dict,
+                str,
+                collections.OrderedDict,
+                collections.defaultdict,
+                collections.deque,
+                collections.Counter,
+                torch.Size,
+                codecs.encode,
+            )
+        }
         table[np.ndarray] = _by_shape(0)
         table[np.dtype] = _by_dtype
         table[importlib.import_module(_RECONSTRUCT_MODULE)._reconstruct] = _by_shape(1)
@@ -166,8 +186,14 @@ class AllowList(pickle.Unpickler):
     """An unpickler that resolves only the globals ``allowed`` maps (module, name) to, and
     charges what growing calls allocate to ``budget``; persistent ids only through ``persistent``."""
 
-    def __init__(self, file: Any, allowed: Callable[[str, str], Any], what: str, budget: Budget,
-                 persistent: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(
+        self,
+        file: Any,
+        allowed: Callable[[str, str], Any],
+        what: str,
+        budget: Budget,
+        persistent: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
         super().__init__(file)
         self._allowed, self._what, self._budget, self._persistent = allowed, what, budget, persistent
 
@@ -175,8 +201,10 @@ class AllowList(pickle.Unpickler):
         module, name = _py3_name(module, name)
         obj = self._allowed(module, name)
         if obj is None:
-            raise VerificationError(f"{self._what} refers to {module}.{name}, which is not allow-listed; "
-                                    f"refusing to load it (a crafted or foreign file?)")
+            raise VerificationError(
+                f"{self._what} refers to {module}.{name}, which is not allow-listed; "
+                f"refusing to load it (a crafted or foreign file?)"
+            )
         try:
             estimate = _counted_calls().get(obj)
         except TypeError:  # unhashable: nothing we count

@@ -56,42 +56,57 @@ class Advice:
         return 1.0 / (sum(self.failures.rates()) * HOUR)
 
     def evaluate(
-        self, *, replicas: int, placement: str = "auto", persist_every: int,
-        keep_in_memory: int = KEEP_IN_MEMORY, save_every: int = 1,
+        self,
+        *,
+        replicas: int,
+        placement: str = "auto",
+        persist_every: int,
+        keep_in_memory: int = KEEP_IN_MEMORY,
+        save_every: int = 1,
     ) -> Estimate:
         """The analytic estimate for any setting; ``replicas=0`` is durable only, a blocking
         durable checkpoint every ``persist_every`` steps."""
-        setting = Setting(replicas, placement if replicas else "none", persist_every,
-                          keep_in_memory if replicas else 0, save_every)
+        setting = Setting(
+            replicas, placement if replicas else "none", persist_every, keep_in_memory if replicas else 0, save_every
+        )
         return estimate(self.failures, self.costs, setting, _survival(self._cache, self, setting))
 
     def simulate(self, what: Estimate | Setting, *, events: int = 20000, seed: int = 0) -> Simulation:
         """Monte-Carlo replay of ``events`` failures through the real placement and planner."""
         setting = what.setting if isinstance(what, Estimate) else what
-        return simulate(self.failures, self.costs, setting, _survival(self._cache, self, setting),
-                        events=events, seed=seed)
+        return simulate(
+            self.failures, self.costs, setting, _survival(self._cache, self, setting), events=events, seed=seed
+        )
 
     def to_json(self) -> dict[str, Any]:
         d, r = self.durable_only, self.recommended
         return {
-            "durable_only": {"interval_steps": d.setting.persist_every,
-                             "interval_s": d.setting.persist_every * self.costs.step_s,
-                             "ettr": d.ettr, "young_daly_s": self.young_daly_s,
-                             "wasted_h_per_day": d.wasted_h_per_day,
-                             "system_mtbf_h": self.system_mtbf_h},
-            "recommended": {"replicas": r.setting.replicas, "placement": r.setting.placement,
-                            "persist_every": r.setting.persist_every,
-                            "keep_in_memory": r.setting.keep_in_memory,
-                            "save_every": r.setting.save_every, "ettr": r.ettr,
-                            "wasted_h_per_day": r.wasted_h_per_day,
-                            "config": r.setting.config_line()},
+            "durable_only": {
+                "interval_steps": d.setting.persist_every,
+                "interval_s": d.setting.persist_every * self.costs.step_s,
+                "ettr": d.ettr,
+                "young_daly_s": self.young_daly_s,
+                "wasted_h_per_day": d.wasted_h_per_day,
+                "system_mtbf_h": self.system_mtbf_h,
+            },
+            "recommended": {
+                "replicas": r.setting.replicas,
+                "placement": r.setting.placement,
+                "persist_every": r.setting.persist_every,
+                "keep_in_memory": r.setting.keep_in_memory,
+                "save_every": r.setting.save_every,
+                "ettr": r.ettr,
+                "wasted_h_per_day": r.wasted_h_per_day,
+                "config": r.setting.config_line(),
+            },
             "candidates": [c.to_json() for c in self.candidates],
             "notes": list(self.notes),
         }
 
 
-def _survival(cache: dict[tuple[int, str], Survival], where: Advice | tuple[FailureModel, Costs],
-              setting: Setting) -> Survival:
+def _survival(
+    cache: dict[tuple[int, str], Survival], where: Advice | tuple[FailureModel, Costs], setting: Setting
+) -> Survival:
     # One planner pricing per (replicas, strategy); every persist interval shares it.
     key = (setting.replicas, setting.placement)
     if key not in cache:
@@ -204,14 +219,28 @@ def advise(
     >>> best.config_line()
     'CheckpointConfig(replicas=2, placement="group", keep_in_memory=2, persist_every=215, durable_uri="runs/my-job")'
     """
-    model = FailureModel(hosts=hosts, ranks_per_host=ranks_per_host, host_mtbf_h=host_mtbf_h,
-                         process_mtbf_h=process_mtbf_h, domain_size=domain_size,
-                         domain_mtbf_h=domain_mtbf_h, domain_layout=domain_layout)
-    costs = Costs(step_s=step_s, stall_s=stall_s, commit_s=commit_s, persist_s=persist_s,
-                  persist_stall_s=persist_stall_s, restore_local_s=restore_local_s,
-                  restore_peer_s=restore_peer_s, restore_durable_s=restore_durable_s,
-                  restart_process_s=restart_process_s, restart_host_s=restart_host_s,
-                  durable_save_s=durable_save_s)
+    model = FailureModel(
+        hosts=hosts,
+        ranks_per_host=ranks_per_host,
+        host_mtbf_h=host_mtbf_h,
+        process_mtbf_h=process_mtbf_h,
+        domain_size=domain_size,
+        domain_mtbf_h=domain_mtbf_h,
+        domain_layout=domain_layout,
+    )
+    costs = Costs(
+        step_s=step_s,
+        stall_s=stall_s,
+        commit_s=commit_s,
+        persist_s=persist_s,
+        persist_stall_s=persist_stall_s,
+        restore_local_s=restore_local_s,
+        restore_peer_s=restore_peer_s,
+        restore_durable_s=restore_durable_s,
+        restart_process_s=restart_process_s,
+        restart_host_s=restart_host_s,
+        durable_save_s=durable_save_s,
+    )
     cap_s = check_number("max_persist_h", max_persist_h, fix="the longest persist interval, in hours") * HOUR
     if not isinstance(replicas, (tuple, list)) or not replicas:
         raise PlacementError(f"replicas: expected copy counts to compare, e.g. (1, 2, 3), got {replicas!r}")
@@ -243,8 +272,10 @@ def advise_models(model: FailureModel, costs: Costs, cap_s: float, replicas: tup
         for strategy in _strategies(model.hosts, m):
             candidates += _candidates(price, costs, cap_s, m, strategy)
     if costs.persist_s > cap_s:
-        notes.append(f"persist takes {costs.persist_s:g} s, longer than max_persist_h: "
-                     "candidates persist as often as persists can keep up")
+        notes.append(
+            f"persist takes {costs.persist_s:g} s, longer than max_persist_h: "
+            "candidates persist as often as persists can keep up"
+        )
     if not candidates:
         raise PlacementError("replicas: no candidate fits these hosts; use fewer replicas")
 
@@ -267,7 +298,13 @@ def advise_models(model: FailureModel, costs: Costs, cap_s: float, replicas: tup
                 "the copies over the nodes' rack labels (domain_layout='spread' shows what that saves)"
             )
     return Advice(
-        failures=model, costs=costs, max_persist_h=cap_s / HOUR, durable_only=durable_only,
-        young_daly_s=young_daly, candidates=tuple(candidates), recommended=recommended,
-        notes=tuple(notes), _cache=cache,
+        failures=model,
+        costs=costs,
+        max_persist_h=cap_s / HOUR,
+        durable_only=durable_only,
+        young_daly_s=young_daly,
+        candidates=tuple(candidates),
+        recommended=recommended,
+        notes=tuple(notes),
+        _cache=cache,
     )

@@ -9,7 +9,8 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from ._advise import Advice, advise_models
+from ._advise import advise_models
+from ._advise_text import advice_text
 from ._advise_args import commit_seconds, count, count_or_zero, number, number_or_zero, replica_counts
 from ._bench import BENCH_FIELDS, BenchCosts, read_bench
 from ._errors import PlacementError
@@ -19,16 +20,29 @@ __all__ = ["add_parser", "run"]
 
 # Field of FailureModel/Costs -> the flag that sets it (errors name the flag).
 _FLAGS = {
-    "hosts": "--hosts", "ranks_per_host": "--ranks-per-host", "host_mtbf_h": "--host-mtbf",
-    "process_mtbf_h": "--process-mtbf", "domain_size": "--domain-size",
-    "domain_mtbf_h": "--domain-mtbf", "domain_layout": "--domain-layout",
-    "step_s": "--step-time", "stall_s": "--stall", "commit_s": "--commit-time",
-    "persist_s": "--persist-time", "persist_stall_s": "--persist-stall",
-    "restore_local_s": "--restore-local", "restore_peer_s": "--restore-peer",
-    "restore_durable_s": "--restore-durable", "restart_process_s": "--restart-process",
-    "restart_host_s": "--restart-host", "durable_save_s": "--durable-save",
-    "max_persist_h": "--max-persist-hours", "replicas": "--replicas",
-    "from_bench": "--from-bench", "events": "--simulate", "plot": "--plot",
+    "hosts": "--hosts",
+    "ranks_per_host": "--ranks-per-host",
+    "host_mtbf_h": "--host-mtbf",
+    "process_mtbf_h": "--process-mtbf",
+    "domain_size": "--domain-size",
+    "domain_mtbf_h": "--domain-mtbf",
+    "domain_layout": "--domain-layout",
+    "step_s": "--step-time",
+    "stall_s": "--stall",
+    "commit_s": "--commit-time",
+    "persist_s": "--persist-time",
+    "persist_stall_s": "--persist-stall",
+    "restore_local_s": "--restore-local",
+    "restore_peer_s": "--restore-peer",
+    "restore_durable_s": "--restore-durable",
+    "restart_process_s": "--restart-process",
+    "restart_host_s": "--restart-host",
+    "durable_save_s": "--durable-save",
+    "max_persist_h": "--max-persist-hours",
+    "replicas": "--replicas",
+    "from_bench": "--from-bench",
+    "events": "--simulate",
+    "plot": "--plot",
 }
 _COST_FIELDS = tuple(f.name for f in fields(Costs))
 _PLOT_HOSTS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -48,58 +62,111 @@ def add_parser(sub: Any) -> None:
     d_fail, d_cost = FailureModel(hosts=1), Costs()
     p.add_argument("--hosts", type=count, required=True, help="number of hosts N")
     p.add_argument("--ranks-per-host", type=count, help=f"default {d_fail.ranks_per_host}")
-    p.add_argument("--step-time", type=number, metavar="S",
-                   help=f"seconds per training step without checkpointing (default {d_cost.step_s:g})")
+    p.add_argument(
+        "--step-time",
+        type=number,
+        metavar="S",
+        help=f"seconds per training step without checkpointing (default {d_cost.step_s:g})",
+    )
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--host-mtbf", type=number, metavar="H",
-                      help=f"hours between losses of one host (default {d_fail.host_mtbf_h:g})")
-    rate.add_argument("--failures-per-day", type=number, metavar="F",
-                      help="host losses per host per day (instead of --host-mtbf)")
-    p.add_argument("--process-mtbf", type=number_or_zero, metavar="H",
-                   help="hours between crashes of a host's training processes while the host "
-                   f"lives; 0 = none (default {d_fail.process_mtbf_h:g})")
-    p.add_argument("--domain-size", type=count, metavar="HOSTS",
-                   help="hosts per correlated failure domain (e.g. a rack); needs --domain-mtbf")
-    p.add_argument("--domain-mtbf", type=number, metavar="H",
-                   help="hours between failures of one whole domain")
-    p.add_argument("--domain-layout", choices=DOMAIN_LAYOUTS,
-                   help="contiguous: slots in rank order, a domain's hosts adjacent (the library "
-                   "without failure_domain; default); spread: copies kept in different domains "
-                   "(CheckpointConfig(failure_domain=...))")
+    rate.add_argument(
+        "--host-mtbf",
+        type=number,
+        metavar="H",
+        help=f"hours between losses of one host (default {d_fail.host_mtbf_h:g})",
+    )
+    rate.add_argument(
+        "--failures-per-day", type=number, metavar="F", help="host losses per host per day (instead of --host-mtbf)"
+    )
+    p.add_argument(
+        "--process-mtbf",
+        type=number_or_zero,
+        metavar="H",
+        help="hours between crashes of a host's training processes while the host "
+        f"lives; 0 = none (default {d_fail.process_mtbf_h:g})",
+    )
+    p.add_argument(
+        "--domain-size",
+        type=count,
+        metavar="HOSTS",
+        help="hosts per correlated failure domain (e.g. a rack); needs --domain-mtbf",
+    )
+    p.add_argument("--domain-mtbf", type=number, metavar="H", help="hours between failures of one whole domain")
+    p.add_argument(
+        "--domain-layout",
+        choices=DOMAIN_LAYOUTS,
+        help="contiguous: slots in rank order, a domain's hosts adjacent (the library "
+        "without failure_domain; default); spread: copies kept in different domains "
+        "(CheckpointConfig(failure_domain=...))",
+    )
     costs = p.add_argument_group("costs, in seconds (--from-bench reads measured ones)")
-    costs.add_argument("--stall", type=number_or_zero, metavar="S",
-                       help=f"training stall of one save() (default {d_cost.stall_s:g})")
-    costs.add_argument("--commit-time", type=commit_seconds, metavar="S|M=S,...",
-                       help="save() to committed in memory; one value, or per replicas "
-                       "(default " + ",".join(f"{m}={c:g}" for m, c in
-                                              enumerate(d_cost.commit_s, 1)) + ")")
-    costs.add_argument("--persist-time", type=number_or_zero, metavar="S",
-                       help=f"committed to durable (default {d_cost.persist_s:g})")
-    costs.add_argument("--persist-stall", type=number_or_zero, metavar="S",
-                       help=f"extra stall per persisted version (default {d_cost.persist_stall_s:g})")
-    for flag, name in (("--restore-local", "restore_local_s"), ("--restore-peer", "restore_peer_s"),
-                       ("--restore-durable", "restore_durable_s"),
-                       ("--restart-process", "restart_process_s"),
-                       ("--restart-host", "restart_host_s")):
-        costs.add_argument(flag, type=number_or_zero, metavar="S",
-                           help=f"default {getattr(d_cost, name):g}")
-    costs.add_argument("--durable-save", type=number_or_zero, metavar="S",
-                       help="stall of one blocking durable checkpoint, the durable-only "
-                       f"baseline's cost C (default {d_cost.durable_save_s:g})")
-    costs.add_argument("--from-bench", action="append", metavar="PATH",
-                       help="JSON written by `python -m benchmarks`, or its results directory; "
-                       "repeatable; flags given explicitly win")
-    p.add_argument("--max-persist-hours", type=number, metavar="H", default=3.0,
-                   help="longest persist interval considered (default 3)")
-    p.add_argument("--replicas", type=replica_counts, default=(1, 2, 3), metavar="M,M,...",
-                   help="copy counts to compare (default 1,2,3)")
-    p.add_argument("--simulate", type=count_or_zero, default=20000, metavar="EVENTS",
-                   help="Monte-Carlo check of the recommended and durable-only settings, "
-                   "failures replayed each (default 20000; 0 = off)")
+    costs.add_argument(
+        "--stall", type=number_or_zero, metavar="S", help=f"training stall of one save() (default {d_cost.stall_s:g})"
+    )
+    costs.add_argument(
+        "--commit-time",
+        type=commit_seconds,
+        metavar="S|M=S,...",
+        help="save() to committed in memory; one value, or per replicas "
+        "(default " + ",".join(f"{m}={c:g}" for m, c in enumerate(d_cost.commit_s, 1)) + ")",
+    )
+    costs.add_argument(
+        "--persist-time", type=number_or_zero, metavar="S", help=f"committed to durable (default {d_cost.persist_s:g})"
+    )
+    costs.add_argument(
+        "--persist-stall",
+        type=number_or_zero,
+        metavar="S",
+        help=f"extra stall per persisted version (default {d_cost.persist_stall_s:g})",
+    )
+    for flag, name in (
+        ("--restore-local", "restore_local_s"),
+        ("--restore-peer", "restore_peer_s"),
+        ("--restore-durable", "restore_durable_s"),
+        ("--restart-process", "restart_process_s"),
+        ("--restart-host", "restart_host_s"),
+    ):
+        costs.add_argument(flag, type=number_or_zero, metavar="S", help=f"default {getattr(d_cost, name):g}")
+    costs.add_argument(
+        "--durable-save",
+        type=number_or_zero,
+        metavar="S",
+        help="stall of one blocking durable checkpoint, the durable-only "
+        f"baseline's cost C (default {d_cost.durable_save_s:g})",
+    )
+    costs.add_argument(
+        "--from-bench",
+        action="append",
+        metavar="PATH",
+        help="JSON written by `python -m benchmarks`, or its results directory; repeatable; flags given explicitly win",
+    )
+    p.add_argument(
+        "--max-persist-hours",
+        type=number,
+        metavar="H",
+        default=3.0,
+        help="longest persist interval considered (default 3)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=replica_counts,
+        default=(1, 2, 3),
+        metavar="M,M,...",
+        help="copy counts to compare (default 1,2,3)",
+    )
+    p.add_argument(
+        "--simulate",
+        type=count_or_zero,
+        default=20000,
+        metavar="EVENTS",
+        help="Monte-Carlo check of the recommended and durable-only settings, "
+        "failures replayed each (default 20000; 0 = off)",
+    )
     p.add_argument("--seed", type=count_or_zero, default=0, help="Monte-Carlo seed (default 0)")
     p.add_argument("--durable-uri", default="runs/my-job", help="for the CheckpointConfig line")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="also draw ETTR vs hosts (16..4096) to this PNG (needs matplotlib)")
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="also draw ETTR vs hosts (16..4096) to this PNG (needs matplotlib)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -140,25 +207,30 @@ def _run(args: argparse.Namespace) -> str:
             doc["inputs"]["bench_files"] = list(bench.files)
             doc["inputs"]["bench_missing"] = list(bench.missing)
         doc["monte_carlo"] = {
-            name: {"ettr": sim.ettr, "analytic_ettr": est.ettr,
-                   "relative_error": (sim.ettr - est.ettr) / est.ettr if est.ettr else None,
-                   "events": sim.events, "seed": sim.seed, "simulated_days": sim.simulated_days,
-                   "memory_recoveries": sim.memory_recoveries,
-                   "durable_fallbacks": sim.durable_fallbacks}
+            name: {
+                "ettr": sim.ettr,
+                "analytic_ettr": est.ettr,
+                "relative_error": (sim.ettr - est.ettr) / est.ettr if est.ettr else None,
+                "events": sim.events,
+                "seed": sim.seed,
+                "simulated_days": sim.simulated_days,
+                "memory_recoveries": sim.memory_recoveries,
+                "durable_fallbacks": sim.durable_fallbacks,
+            }
             for name, (sim, est) in sims.items()
         }
         doc["plot"] = plot
         return json.dumps(doc, indent=2) + "\n"
-    return _text(advice, args, origin, bench, sims, plot)
+    return advice_text(advice, args, origin, bench, sims, plot)
 
 
-def _inputs(
-    args: argparse.Namespace, bench: BenchCosts | None
-) -> tuple[FailureModel, Costs, dict[str, str]]:
+def _inputs(args: argparse.Namespace, bench: BenchCosts | None) -> tuple[FailureModel, Costs, dict[str, str]]:
     """Flag, else bench value, else default; ``origin`` says which for every cost."""
     given: dict[str, Any] = {
-        "ranks_per_host": args.ranks_per_host, "host_mtbf_h": args.host_mtbf,
-        "domain_size": args.domain_size, "domain_mtbf_h": args.domain_mtbf,
+        "ranks_per_host": args.ranks_per_host,
+        "host_mtbf_h": args.host_mtbf,
+        "domain_size": args.domain_size,
+        "domain_mtbf_h": args.domain_mtbf,
         "domain_layout": args.domain_layout,
     }
     if args.failures_per_day is not None:
@@ -168,11 +240,17 @@ def _inputs(
         fail["process_mtbf_h"] = args.process_mtbf or None  # 0: no process crashes
     model = FailureModel(hosts=args.hosts, **fail)
     flags = {
-        "step_s": args.step_time, "stall_s": args.stall, "commit_s": args.commit_time,
-        "persist_s": args.persist_time, "persist_stall_s": args.persist_stall,
-        "restore_local_s": args.restore_local, "restore_peer_s": args.restore_peer,
-        "restore_durable_s": args.restore_durable, "restart_process_s": args.restart_process,
-        "restart_host_s": args.restart_host, "durable_save_s": args.durable_save,
+        "step_s": args.step_time,
+        "stall_s": args.stall,
+        "commit_s": args.commit_time,
+        "persist_s": args.persist_time,
+        "persist_stall_s": args.persist_stall,
+        "restore_local_s": args.restore_local,
+        "restore_peer_s": args.restore_peer,
+        "restore_durable_s": args.restore_durable,
+        "restart_process_s": args.restart_process,
+        "restart_host_s": args.restart_host,
+        "durable_save_s": args.durable_save,
     }
     default = Costs()
     values: dict[str, Any] = {}
@@ -183,8 +261,9 @@ def _inputs(
         elif bench is not None and name in bench.values:
             values[name], origin[name] = bench.values[name], "bench: " + bench.sources[name]
         else:
-            origin[name] = "default" + (" (not in the bench results)"
-                                        if bench is not None and name in BENCH_FIELDS else "")
+            origin[name] = "default" + (
+                " (not in the bench results)" if bench is not None and name in BENCH_FIELDS else ""
+            )
     commit = values.get("commit_s")
     if isinstance(commit, dict):  # per replicas from replicate.json; defaults fill the rest
         top = max(len(default.commit_s), *commit)
@@ -196,111 +275,6 @@ def _inputs(
     elif isinstance(commit, float):
         values["commit_s"] = (commit,)
     return model, Costs(**values), origin
-
-
-# ---- text ---------------------------------------------------------------------
-
-
-def _text(
-    advice: Advice, args: argparse.Namespace, origin: dict[str, str],
-    bench: BenchCosts | None, sims: dict[str, Any], plot: str | None,
-) -> str:
-    m, c = advice.failures, advice.costs
-    d, r = advice.durable_only, advice.recommended
-    per_day = 24 / advice.system_mtbf_h
-    ranks = m.hosts * m.ranks_per_host
-    lines = [
-        f"hosts={m.hosts} x {m.ranks_per_host} ranks, step {c.step_s:g} s",
-        "failures per host: lost every {:g} h{}{}; the job fails every {:.2f} h of running "
-        "({:.2f} a day)".format(
-            m.host_mtbf_h,
-            "" if m.process_mtbf_h is None else f", processes crash every {m.process_mtbf_h:g} h",
-            "" if m.domain_size is None else
-            f"; per {m.domain_size}-host domain ({m.domain_layout}): every {m.domain_mtbf_h:g} h",
-            advice.system_mtbf_h, per_day),
-        "costs (s): stall {:g}/save, commit {} (replicas {}), persist {:g} (+{:g} stall), "
-        "restore local {:g} / peer {:g} / durable {:g}, restart process {:g} / host {:g}, "
-        "durable-only save {:g}".format(
-            c.stall_s, "/".join(f"{x:g}" for x in c.commit_s),
-            "/".join(str(i) for i in range(1, len(c.commit_s) + 1)) + "+", c.persist_s,
-            c.persist_stall_s, c.restore_local_s, c.restore_peer_s, c.restore_durable_s,
-            c.restart_process_s, c.restart_host_s, c.durable_save_s),
-    ]
-    if bench is not None:
-        lines.append("  from bench: " + ", ".join(f"{k} ({v[len('bench: '):]})"
-                                                  for k, v in origin.items() if v.startswith("bench")))
-        if bench.missing:
-            lines.append("  not in the bench results, default used: " + ", ".join(bench.missing))
-    lines += [
-        "",
-        f"durable only (no memory tier): a blocking checkpoint every {d.setting.persist_every} "
-        f"steps ({d.setting.persist_every * c.step_s:.0f} s of training; Young/Daly "
-        f"sqrt(2 C M) = {advice.young_daly_s:.0f} s)",
-        f"  ETTR {_pct(d.ettr)}, wasted {d.wasted_h_per_day:.2f} h/day "
-        f"({d.wasted_h_per_day * ranks:,.0f} rank-hours)",
-        "",
-        "in memory (a version saved every save_every steps, every persist_every-th persisted):",
-        "  replicas  placement  save_every  persist_every    interval  P(memory | host lost)"
-        + ("  P(memory | domain lost)" if m.domain_size else "")
-        + "     ETTR  wasted h/day  rank-h/day",
-    ]
-    for e in advice.candidates:
-        s = e.setting
-        mark = "*" if e is r else " "
-        domain = f"  {_pct(e.p_memory_domain or 0.0, 4):>23}" if m.domain_size else ""
-        lines.append(
-            f"{mark} {s.replicas:>8}  {s.placement:<9}  {s.save_every:>10}  {s.persist_every:>13}  "
-            f"{_dur(e.interval_s):>10}  {_pct(e.p_memory_host, 4):>21}{domain}  {_pct(e.ettr):>7}  "
-            f"{e.wasted_h_per_day:>12.2f}  {e.wasted_h_per_day * ranks:>10,.0f}"
-        )
-    gain = (d.wasted_h_per_day - r.wasted_h_per_day)
-    s = r.setting
-    lines += [
-        "",
-        f"recommended: replicas={s.replicas}, placement={s.placement!r}, "
-        f"persist_every={s.persist_every}, keep_in_memory={s.keep_in_memory}; "
-        + ("save every step" if s.save_every == 1 else
-           f"save every {s.save_every} steps (ckpt.save(step) when step % {s.save_every} == 0)"),
-        f"  ETTR {_pct(r.ettr)} vs {_pct(d.ettr)} durable only: {gain:+.2f} h/day "
-        f"({gain * ranks:+,.0f} rank-hours) of training kept",
-        f"  waste: stalls {_pct(r.waste_checkpoint)}, lost work {_pct(r.waste_lost)}, "
-        f"restarts and restores {_pct(r.waste_recovery)}; {r.durable_fallbacks_per_day:.4f} "
-        "durable fallbacks a day",
-        f"  memory per host: {r.memory_shards} x one host's checkpoint ({s.keep_in_memory} kept + 1 in "
-        f"flight{' + 1 being persisted' if r.memory_shards > (s.keep_in_memory + 1) * s.replicas else ''})"
-        f" x {s.replicas} replicas",
-        "  " + s.config_line(args.durable_uri),
-    ]
-    if sims:
-        parts = []
-        for name, label in (("recommended", "recommended"), ("durable_only", "durable only")):
-            sim, est = sims[name]
-            parts.append(f"{label} {_pct(sim.ettr)} (analytic {_pct(est.ettr)}, "
-                         f"{(sim.ettr - est.ettr) / est.ettr * 100:+.3f}% relative)")
-        sim = sims["recommended"][0]
-        lines += ["", f"monte carlo (seed {sim.seed}, {sim.events} failures, "
-                      f"{sim.simulated_days:,.0f} simulated days each): " + "; ".join(parts)]
-    for note in advice.notes:
-        lines.append(f"note: {note}")
-    if plot:
-        lines.append(f"wrote {plot}")
-    return "\n".join(lines) + "\n"
-
-
-def _pct(x: float, digits: int = 2) -> str:
-    # Never print a certainty that is not one.
-    text = f"{x * 100:.{digits}f}%"
-    if x < 1 and text == f"{100:.{digits}f}%":
-        return ">" + f"{100 - 10 ** -digits:.{digits}f}%"
-    return text
-
-
-def _dur(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * HOUR:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / HOUR:.1f} h"
 
 
 # ---- plot ---------------------------------------------------------------------
@@ -315,15 +289,16 @@ def _plot(args: argparse.Namespace, model: FailureModel, costs: Costs, cap_s: fl
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlacementError(
-            "plot: matplotlib is not installed; `python -m pip install matplotlib`, "
-            "or leave out --plot"
+            "plot: matplotlib is not installed; `python -m pip install matplotlib`, or leave out --plot"
         ) from None
     hosts = sorted({*(h for h in _PLOT_HOSTS if h >= (model.domain_size or 1)), model.hosts})
-    series: dict[str, list[float]] = {"durable only (optimal interval)": [],
-                                      "in memory, replicas=1": [], "in memory, recommended": []}
+    series: dict[str, list[float]] = {
+        "durable only (optimal interval)": [],
+        "in memory, replicas=1": [],
+        "in memory, recommended": [],
+    }
     for n in hosts:
-        fm = FailureModel(**{**{f.name: getattr(model, f.name) for f in fields(FailureModel)},
-                             "hosts": n})
+        fm = FailureModel(**{**{f.name: getattr(model, f.name) for f in fields(FailureModel)}, "hosts": n})
         a = advise_models(fm, costs, cap_s, args.replicas)
         local = [e.ettr for e in a.candidates if e.setting.replicas == 1]
         series["durable only (optimal interval)"].append(a.durable_only.ettr)
@@ -338,8 +313,7 @@ def _plot(args: argparse.Namespace, model: FailureModel, costs: Costs, cap_s: fl
     ax.minorticks_off()
     ax.set_xlabel("hosts")
     ax.set_ylabel("ETTR (%)")
-    ax.set_title(f"ETTR vs hosts: host MTBF {model.host_mtbf_h:g} h, step {costs.step_s:g} s",
-                 fontsize=10)
+    ax.set_title(f"ETTR vs hosts: host MTBF {model.host_mtbf_h:g} h, step {costs.step_s:g} s", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

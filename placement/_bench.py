@@ -28,8 +28,15 @@ MAX_BYTES = 16 << 20
 
 #: Cost fields a benchmark can supply, in the order they are reported.
 BENCH_FIELDS = (
-    "stall_s", "commit_s", "persist_s", "persist_stall_s", "restore_local_s",
-    "restore_peer_s", "restore_durable_s", "durable_save_s", "restart_host_s",
+    "stall_s",
+    "commit_s",
+    "persist_s",
+    "persist_stall_s",
+    "restore_local_s",
+    "restore_peer_s",
+    "restore_durable_s",
+    "durable_save_s",
+    "restart_host_s",
 )
 
 _STALL = "gemini_ckpt save() stall"
@@ -67,9 +74,7 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
                 "`python -m benchmarks` or its results directory (benchmarks/results)"
             )
     if not files:
-        raise PlacementError(
-            f"from_bench: no *.json in {', '.join(map(str, paths))}; run `python -m benchmarks` first"
-        )
+        raise PlacementError(f"from_bench: no *.json in {', '.join(map(str, paths))}; run `python -m benchmarks` first")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
 
@@ -84,7 +89,9 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
                 raise ValueError(f"{path.stat().st_size} bytes, more than a benchmark writes ({MAX_BYTES})")
             doc = json.loads(path.read_text())
         except RecursionError:
-            raise PlacementError(f"from_bench: cannot read {path}: nested too deeply to be a benchmark's JSON") from None
+            raise PlacementError(
+                f"from_bench: cannot read {path}: nested too deeply to be a benchmark's JSON"
+            ) from None
         except (OSError, ValueError) as exc:
             raise PlacementError(f"from_bench: cannot read {path}: {exc}") from None
         if not isinstance(doc, dict):
@@ -99,8 +106,10 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
             replicas = row.get("replicas")
             if "put_s" in row and isinstance(replicas, int) and not isinstance(replicas, bool):
                 if not 1 <= replicas <= MAX_REPLICAS:
-                    raise PlacementError(f"from_bench: {name} claims a row of replicas={replicas}; a benchmark "
-                                         f"measures 1 to {MAX_REPLICAS} copies")
+                    raise PlacementError(
+                        f"from_bench: {name} claims a row of replicas={replicas}; a benchmark "
+                        f"measures 1 to {MAX_REPLICAS} copies"
+                    )
                 commit = values.setdefault("commit_s", {})
                 seconds = row.get("commit_s")
                 if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds < math.inf:
@@ -113,18 +122,17 @@ def read_bench(paths: Iterable[str | Path]) -> BenchCosts:
             take("restore_durable_s", by_method.get(method), f"{name} rows[{method!r}].seconds")
         persist = doc.get("persist")
         if isinstance(persist, dict):  # bench_persist
-            take("persist_s", persist.get("committed_to_persisted_s"),
-                 f"{name} persist.committed_to_persisted_s")
+            take("persist_s", persist.get("committed_to_persisted_s"), f"{name} persist.committed_to_persisted_s")
             stall = doc.get("stall")
             if isinstance(stall, dict) and all(
                 isinstance(stall.get(k), (int, float))
                 for k in ("memory_only_s", "persisting_step_s", "next_step_during_persist_s")
             ):
                 base = stall["memory_only_s"]
-                extra = (max(0.0, stall["persisting_step_s"] - base)
-                         + max(0.0, stall["next_step_during_persist_s"] - base))
-                take("persist_stall_s", extra, f"{name} stall: persisting step + next step, "
-                     "minus twice memory-only")
+                extra = max(0.0, stall["persisting_step_s"] - base) + max(
+                    0.0, stall["next_step_during_persist_s"] - base
+                )
+                take("persist_stall_s", extra, f"{name} stall: persisting step + next step, minus twice memory-only")
         costs = doc.get("costs")
         if isinstance(costs, dict) and "ratio_with_restart" in doc:  # bench_recovery
             # From the host's loss to Ray Train's new workers in the training function, with a

@@ -58,8 +58,7 @@ def _build_parser() -> _Parser:
         p.add_argument(
             "--domains",
             type=_labels,
-            help="one failure-domain label per host, comma separated; "
-            "'rackA*4,rackB*4' repeats a label",
+            help="one failure-domain label per host, comma separated; 'rackA*4,rackB*4' repeats a label",
         )
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -72,16 +71,22 @@ def _build_parser() -> _Parser:
     )
     common(report)
     report.add_argument(
-        "--strategy", choices=(*_COMPARED, "auto", "all"), default="all",
+        "--strategy",
+        choices=(*_COMPARED, "auto", "all"),
+        default="all",
         help="strategy to report (default: all)",
     )
     report.add_argument(
-        "--max-failures", type=_positive, metavar="K",
+        "--max-failures",
+        type=_positive,
+        metavar="K",
         help="largest k to report (default: min(hosts, replicas + 2))",
     )
     report.add_argument("--failed", type=_hosts, metavar="H,H,...", help="explain this failure set")
     report.add_argument(
-        "--no-durable", dest="durable", action="store_false",
+        "--no-durable",
+        dest="durable",
+        action="store_false",
         help="with --failed: durable storage is unreachable too",
     )
 
@@ -155,8 +160,7 @@ def _report(args: argparse.Namespace) -> str:
     names = list(placements)
     width = max(9, *(len(name) for name in names))
     lines = [
-        f"hosts={n} replicas={args.replicas}"
-        + (f" domains={len(set(args.domains))}" if args.domains else ""),
+        f"hosts={n} replicas={args.replicas}" + (f" domains={len(set(args.domains))}" if args.domains else ""),
         f"P(recover from memory | k hosts fail at once, each of the C({n}, k) sets equally likely)",
         "",
         "   k  " + "".join(f"{name:>{width}} " for name in names) + "  best",
@@ -170,14 +174,9 @@ def _report(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _explain(
-    args: argparse.Namespace, placements: dict[str, Placement], skipped: dict[str, str]
-) -> str:
+def _explain(args: argparse.Namespace, placements: dict[str, Placement], skipped: dict[str, str]) -> str:
     failed = sorted(set(args.failed))
-    plans = {
-        name: plan_recovery(p, failed, durable_available=args.durable)
-        for name, p in placements.items()
-    }
+    plans = {name: plan_recovery(p, failed, durable_available=args.durable) for name, p in placements.items()}
     if args.json:
         doc = {
             "hosts": args.hosts,
@@ -205,10 +204,7 @@ def _explain(
 
 def _explain_one(name: str, p: Placement, plan: RecoveryPlan) -> str:
     failed = sorted(plan.failed)
-    lines = [
-        f"{name}: hosts={p.hosts} replicas={p.replicas}, failed hosts: "
-        + (", ".join(map(str, failed)) or "none")
-    ]
+    lines = [f"{name}: hosts={p.hosts} replicas={p.replicas}, failed hosts: " + (", ".join(map(str, failed)) or "none")]
     for h in failed:
         holders = ", ".join(map(str, p.holders(h)))
         src = plan.source(h)
@@ -223,9 +219,7 @@ def _explain_one(name: str, p: Placement, plan: RecoveryPlan) -> str:
         lines.append("  => recoverable from memory: every host's shards have a live copy")
     else:
         lost = ", ".join(map(str, plan.lost_hosts))
-        lines.append(
-            f"  => NOT recoverable from memory: no live copy of the shards of host(s) {lost}"
-        )
+        lines.append(f"  => NOT recoverable from memory: no live copy of the shards of host(s) {lost}")
         if plan.tier == "durable":
             lines.append("  => the durable tier is needed: restore the latest persisted version")
         else:
@@ -267,9 +261,7 @@ def _show(args: argparse.Namespace) -> str:
         lines.append(" " * (w + 2) + "".join(f"{o:>{cw}}" for o in range(p.hosts)))
         for h in range(p.hosts):
             held = set(p.held_by(h))
-            marks = "".join(
-                f"{'O' if o == h else 'x' if o in held else '.':>{cw}}" for o in range(p.hosts)
-            )
+            marks = "".join(f"{'O' if o == h else 'x' if o in held else '.':>{cw}}" for o in range(p.hosts))
             lines.append(f"{h:>{w}}  {marks}")
     else:
         lines.append(f"\n(matrix omitted above {_MATRIX_MAX_HOSTS} hosts)")
@@ -277,8 +269,7 @@ def _show(args: argparse.Namespace) -> str:
         lines.append("")
         if clashes:
             lines.append(
-                "hosts with two copies in one domain (unavoidable for these domains): "
-                + ", ".join(map(str, clashes))
+                "hosts with two copies in one domain (unavoidable for these domains): " + ", ".join(map(str, clashes))
             )
         else:
             lines.append("no host has two copies in one domain")
@@ -308,9 +299,7 @@ def _hosts(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated host ids like 2,3, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated host ids like 2,3, got {text!r}") from None
 
 
 def _labels(text: str) -> list[str]:

@@ -93,9 +93,7 @@ def ring_survivable_range(size: int, window: int, lo: int, hi: int) -> list[int]
                 b = 1
             else:
                 b = b * (q + 1) // (top - q)
-    return [
-        size * s // (size - j) if j < size else 0 for j, s in zip(range(lo, hi + 1), sums)
-    ]
+    return [size * s // (size - j) if j < size else 0 for j, s in zip(range(lo, hi + 1), sums)]
 
 
 def group_survivable(groups: int, size: int, failed: int) -> int:

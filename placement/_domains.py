@@ -26,9 +26,7 @@ from collections.abc import Hashable, Sequence
 __all__ = ["arrange", "clashing_hosts"]
 
 
-def arrange(
-    labels: Sequence[Hashable], sizes: Sequence[int], caps: Sequence[int]
-) -> list[list[int]]:
+def arrange(labels: Sequence[Hashable], sizes: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
     """Fill cells of the given ``sizes`` with host ids, cells in ring order.
 
     ``caps[i]`` is how many hosts of one domain cell ``i`` takes before copies must
@@ -84,12 +82,6 @@ def _deal(cell: list[int], cap: int, domain_of: dict[int, Hashable]) -> list[int
     return ring
 
 
-def clashing_hosts(
-    holders: Sequence[Sequence[int]], labels: Sequence[Hashable]
-) -> tuple[int, ...]:
+def clashing_hosts(holders: Sequence[Sequence[int]], labels: Sequence[Hashable]) -> tuple[int, ...]:
     """Hosts with two copies (holders) in one domain."""
-    return tuple(
-        host
-        for host, held in enumerate(holders)
-        if len({labels[h] for h in held}) < len(held)
-    )
+    return tuple(host for host, held in enumerate(holders) if len({labels[h] for h in held}) < len(held))

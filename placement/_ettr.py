@@ -85,8 +85,15 @@ class Layout:
         compute = setting.save_every * costs.step_s
         background = max(0.0, costs.commit(setting.replicas) - costs.stall_s)
         stall = costs.stall_s + max(0.0, background - compute)
-        return cls(False, setting.persist_every, compute, stall, costs.persist_stall_s,
-                   background, background + costs.persist_s)
+        return cls(
+            False,
+            setting.persist_every,
+            compute,
+            stall,
+            costs.persist_stall_s,
+            background,
+            background + costs.persist_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -121,16 +128,26 @@ class Estimate:
     def to_json(self) -> dict[str, Any]:
         s = self.setting
         return {
-            "replicas": s.replicas, "placement": s.placement, "persist_every": s.persist_every,
-            "keep_in_memory": s.keep_in_memory, "save_every": s.save_every,
-            "persist_steps": s.persist_steps, "interval_s": self.interval_s, "ettr": self.ettr,
+            "replicas": s.replicas,
+            "placement": s.placement,
+            "persist_every": s.persist_every,
+            "keep_in_memory": s.keep_in_memory,
+            "save_every": s.save_every,
+            "persist_steps": s.persist_steps,
+            "interval_s": self.interval_s,
+            "ettr": self.ettr,
             "wasted_h_per_day": self.wasted_h_per_day,
-            "waste": {"checkpoint": self.waste_checkpoint, "lost_work": self.waste_lost,
-                      "recovery": self.waste_recovery},
+            "waste": {
+                "checkpoint": self.waste_checkpoint,
+                "lost_work": self.waste_lost,
+                "recovery": self.waste_recovery,
+            },
             "failures_per_day": self.failures_per_day,
             "durable_fallbacks_per_day": self.durable_fallbacks_per_day,
-            "p_memory_host": self.p_memory_host, "p_memory_domain": self.p_memory_domain,
-            "memory_shards_per_host": self.memory_shards, "feasible": self.feasible,
+            "p_memory_host": self.p_memory_host,
+            "p_memory_domain": self.p_memory_domain,
+            "memory_shards_per_host": self.memory_shards,
+            "feasible": self.feasible,
             "note": self.note,
         }
 
@@ -165,8 +182,13 @@ def _binomial(trials: int, p: float) -> Callable[[int], float]:
             return 0.0
         if p == 0:
             return 1.0 if j == 0 else 0.0
-        return math.exp(math.lgamma(trials + 1) - math.lgamma(j + 1) - math.lgamma(trials - j + 1)
-                        + (j * log_p if j else 0.0) + ((trials - j) * log_q if trials - j else 0.0))
+        return math.exp(
+            math.lgamma(trials + 1)
+            - math.lgamma(j + 1)
+            - math.lgamma(trials - j + 1)
+            + (j * log_p if j else 0.0)
+            + ((trials - j) * log_q if trials - j else 0.0)
+        )
 
     return pmf
 
@@ -290,16 +312,21 @@ def estimate(model: FailureModel, costs: Costs, setting: Setting, surv: Survival
     lam_p, lam_h, lam_d = model.rates()
     if setting.replicas == 0:
         q = (0.0, 0.0, 0.0)
-        rec = (costs.restart_process_s + costs.restore_durable_s,
-               costs.restart_host_s + costs.restore_durable_s,
-               costs.restart_host_s + costs.restore_durable_s)
+        rec = (
+            costs.restart_process_s + costs.restore_durable_s,
+            costs.restart_host_s + costs.restore_durable_s,
+            costs.restart_host_s + costs.restore_durable_s,
+        )
     else:
         q = (1.0, surv.p_host, surv.p_domain or 0.0)
-        rec = tuple(restart + qi * fast + (1 - qi) * costs.restore_durable_s
-                    for restart, qi, fast in (
-                        (costs.restart_process_s, q[0], costs.restore_local_s),
-                        (costs.restart_host_s, q[1], costs.restore_peer_s),
-                        (costs.restart_host_s, q[2], costs.restore_peer_s)))
+        rec = tuple(
+            restart + qi * fast + (1 - qi) * costs.restore_durable_s
+            for restart, qi, fast in (
+                (costs.restart_process_s, q[0], costs.restore_local_s),
+                (costs.restart_host_s, q[1], costs.restore_peer_s),
+                (costs.restart_host_s, q[2], costs.restore_peer_s),
+            )
+        )
     rates = (lam_p, lam_h, lam_d)
     mu = sum(lam * (1 - qi) for lam, qi in zip(rates, q))
     lost_durable = durable_loss(mu, layout)
@@ -313,8 +340,10 @@ def estimate(model: FailureModel, costs: Costs, setting: Setting, surv: Survival
     feasible, note = True, ""
     if setting.replicas and costs.persist_s > layout.period:
         feasible = False
-        note = (f"persist ({costs.persist_s:g} s) is slower than the persist interval "
-                f"({layout.period:.0f} s): persists would queue up")
+        note = (
+            f"persist ({costs.persist_s:g} s) is slower than the persist interval "
+            f"({layout.period:.0f} s): persists would queue up"
+        )
     if kept == 0:
         note = "failures undo work faster than it is done: no progress"
     pinned = 0

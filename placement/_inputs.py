@@ -13,8 +13,15 @@ from dataclasses import dataclass
 from ._errors import PlacementError
 
 __all__ = [
-    "DAY", "DOMAIN_LAYOUTS", "HOUR", "KEEP_IN_MEMORY", "Costs", "FailureModel", "Setting",
-    "check_int", "check_number",
+    "DAY",
+    "DOMAIN_LAYOUTS",
+    "HOUR",
+    "KEEP_IN_MEMORY",
+    "Costs",
+    "FailureModel",
+    "Setting",
+    "check_int",
+    "check_number",
 ]
 
 HOUR = 3600.0
@@ -77,8 +84,9 @@ class FailureModel:
         check_int("ranks_per_host", self.ranks_per_host, minimum=1, fix="e.g. 8 GPUs per host")
         check_number("host_mtbf_h", self.host_mtbf_h, fix="hours between failures of one host")
         if self.process_mtbf_h is not None:
-            check_number("process_mtbf_h", self.process_mtbf_h,
-                      fix="hours between process crashes per host, or None for none")
+            check_number(
+                "process_mtbf_h", self.process_mtbf_h, fix="hours between process crashes per host, or None for none"
+            )
         if (self.domain_size is None) != (self.domain_mtbf_h is None):
             raise PlacementError(
                 "domain_size: correlated failures need both domain_size (hosts per domain) "
@@ -145,21 +153,28 @@ class Costs:
 
     def __post_init__(self) -> None:
         check_number("step_s", self.step_s, fix="seconds of one training step without checkpointing")
-        for name in ("stall_s", "persist_s", "persist_stall_s", "restore_local_s",
-                     "restore_peer_s", "restore_durable_s", "restart_process_s",
-                     "restart_host_s", "durable_save_s"):
+        for name in (
+            "stall_s",
+            "persist_s",
+            "persist_stall_s",
+            "restore_local_s",
+            "restore_peer_s",
+            "restore_durable_s",
+            "restart_process_s",
+            "restart_host_s",
+            "durable_save_s",
+        ):
             check_number(name, getattr(self, name), fix="a time in seconds", allow_zero=True)
         commit = self.commit_s
         if isinstance(commit, (int, float)) and not isinstance(commit, bool):
             commit = (float(commit),)
         if not isinstance(commit, tuple) or not commit:
-            raise PlacementError(
-                f"commit_s: expected seconds per replicas count, e.g. (1.0, 3.0, 5.0), got {commit!r}"
-            )
-        object.__setattr__(self, "commit_s", tuple(
-            check_number("commit_s", c, fix="seconds from save() to committed", allow_zero=True)
-            for c in commit
-        ))
+            raise PlacementError(f"commit_s: expected seconds per replicas count, e.g. (1.0, 3.0, 5.0), got {commit!r}")
+        object.__setattr__(
+            self,
+            "commit_s",
+            tuple(check_number("commit_s", c, fix="seconds from save() to committed", allow_zero=True) for c in commit),
+        )
 
     def commit(self, replicas: int) -> float:
         """Seconds to commit with ``replicas`` copies; the last given value covers larger m."""
@@ -185,8 +200,12 @@ class Setting:
     def __post_init__(self) -> None:
         check_int("replicas", self.replicas, minimum=0, fix="0 (durable only) or 1..hosts copies")
         check_int("persist_every", self.persist_every, minimum=1, fix="versions between persisted ones")
-        check_int("keep_in_memory", self.keep_in_memory, minimum=0 if self.replicas == 0 else 1,
-                  fix="committed versions kept in memory")
+        check_int(
+            "keep_in_memory",
+            self.keep_in_memory,
+            minimum=0 if self.replicas == 0 else 1,
+            fix="committed versions kept in memory",
+        )
         check_int("save_every", self.save_every, minimum=1, fix="steps between saved versions")
         if self.replicas == 0 and self.save_every != 1:
             raise PlacementError("save_every: durable only saves every persist_every steps; leave it 1")
@@ -199,8 +218,11 @@ class Setting:
     def config_line(self, durable_uri: str = "runs/my-job") -> str:
         """The ``CheckpointConfig(...)`` that runs this setting."""
         if self.replicas == 0:
-            return (f"# durable only: a blocking durable checkpoint every {self.persist_every} steps "
-                    "(no CheckpointConfig)")
-        return (f"CheckpointConfig(replicas={self.replicas}, placement={json.dumps(self.placement)}, "
-                f"keep_in_memory={self.keep_in_memory}, persist_every={self.persist_every}, "
-                f"durable_uri={json.dumps(durable_uri)})")
+            return (
+                f"# durable only: a blocking durable checkpoint every {self.persist_every} steps (no CheckpointConfig)"
+            )
+        return (
+            f"CheckpointConfig(replicas={self.replicas}, placement={json.dumps(self.placement)}, "
+            f"keep_in_memory={self.keep_in_memory}, persist_every={self.persist_every}, "
+            f"durable_uri={json.dumps(durable_uri)})"
+        )

@@ -60,9 +60,7 @@ class RecoveryPlan:
     def source(self, host: int) -> int | None:
         """The host to read ``host``'s shards from, or ``None`` if all copies died."""
         if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < len(self.sources):
-            raise PlacementError(
-                f"host: expected an int in 0..{len(self.sources) - 1}, got {host!r}"
-            )
+            raise PlacementError(f"host: expected an int in 0..{len(self.sources) - 1}, got {host!r}")
         return self.sources[host]
 
 
@@ -78,9 +76,7 @@ def survives(p: Placement, failed: Iterable[int]) -> bool:
     return all(not dead.issuperset(p.holders(h)) for h in dead)
 
 
-def plan_recovery(
-    p: Placement, failed: Iterable[int], *, durable_available: bool = True
-) -> RecoveryPlan:
+def plan_recovery(p: Placement, failed: Iterable[int], *, durable_available: bool = True) -> RecoveryPlan:
     """Decide, host by host, where recovery reads shards from.
 
     The choice is deterministic (owner first, then holders order) so every rank
@@ -92,9 +88,7 @@ def plan_recovery(
     ('durable', (2, 3))
     """
     dead = _failed_set(p, failed)
-    sources = tuple(
-        next((h for h in p.holders(owner) if h not in dead), None) for owner in range(p.hosts)
-    )
+    sources = tuple(next((h for h in p.holders(owner) if h not in dead), None) for owner in range(p.hosts))
     lost = tuple(h for h, s in enumerate(sources) if s is None)
     tier: Tier
     if not lost:
@@ -150,9 +144,7 @@ def minimal_fatal_sets(p: Placement) -> tuple[tuple[int, ...], ...]:
     return tuple(sorted({tuple(sorted(p.holders(h))) for h in range(p.hosts)}))
 
 
-def fatal_sets(
-    p: Placement, k: int, *, limit: int | None = 1000
-) -> tuple[tuple[int, ...], ...]:
+def fatal_sets(p: Placement, k: int, *, limit: int | None = 1000) -> tuple[tuple[int, ...], ...]:
     """All fatal ``k``-host failure sets (not only minimal ones), lexicographically.
 
     Each set is a sorted tuple of hosts.  At most ``limit`` sets are returned (the
@@ -187,9 +179,7 @@ def expected_steps_lost(p: Placement, k: int, persist_every: int) -> Fraction:
     Fraction(1, 3)
     """
     if isinstance(persist_every, bool) or not isinstance(persist_every, int) or persist_every < 1:
-        raise PlacementError(
-            f"persist_every: expected an int >= 1 (persist every Nth step), got {persist_every!r}"
-        )
+        raise PlacementError(f"persist_every: expected an int >= 1 (persist every Nth step), got {persist_every!r}")
     return (1 - recovery_probability(p, k)) * Fraction(persist_every - 1, 2)
 
 
@@ -202,9 +192,7 @@ def _survivable(p: Placement, k: int) -> int:
 
 def _check_k(p: Placement, k: object) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= p.hosts:
-        raise PlacementError(
-            f"k: expected the number of failed hosts, an int in 0..{p.hosts}, got {k!r}"
-        )
+        raise PlacementError(f"k: expected the number of failed hosts, an int in 0..{p.hosts}, got {k!r}")
     return k
 
 
@@ -212,9 +200,7 @@ def _failed_set(p: Placement, failed: Iterable[int]) -> frozenset[int]:
     try:
         dead = frozenset(failed)
     except TypeError:
-        raise PlacementError(
-            f"failed: expected an iterable of host ids, got {type(failed).__name__}"
-        ) from None
+        raise PlacementError(f"failed: expected an iterable of host ids, got {type(failed).__name__}") from None
     bad = sorted(
         (h for h in dead if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < p.hosts),
         key=repr,

@@ -36,8 +36,13 @@ class Simulation:
 
 
 def simulate(
-    model: FailureModel, costs: Costs, setting: Setting, surv: Survival, *,
-    events: int = 20000, seed: int = 0,
+    model: FailureModel,
+    costs: Costs,
+    setting: Setting,
+    surv: Survival,
+    *,
+    events: int = 20000,
+    seed: int = 0,
 ) -> Simulation:
     """Replay ``events`` failures with ``random.Random(seed)``; ETTR = training kept / wall time.
 
@@ -77,8 +82,7 @@ def simulate(
             fallbacks += 1
             x = _newest_durable(layout, x)
             wall += restart + costs.restore_durable_s
-    return Simulation(setting, _training(layout, x) / wall, events, from_memory, fallbacks,
-                      wall / DAY, seed)
+    return Simulation(setting, _training(layout, x) / wall, events, from_memory, fallbacks, wall / DAY, seed)
 
 
 def _fail_within_window(rng: random.Random, failed: set[int], hosts: int, p: float) -> None:

@@ -69,14 +69,11 @@ class Placement:
         for r in rings:
             if len(r) < m:
                 raise PlacementError(
-                    f"rings: ring {r} has {len(r)} hosts but replicas={m}; "
-                    "a ring needs at least `replicas` hosts"
+                    f"rings: ring {r} has {len(r)} hosts but replicas={m}; a ring needs at least `replicas` hosts"
                 )
         seen = sorted(h for cell in groups + rings for h in cell)
         if seen != list(range(self.hosts)):
-            raise PlacementError(
-                f"groups/rings: cells must cover hosts 0..{self.hosts - 1} exactly once"
-            )
+            raise PlacementError(f"groups/rings: cells must cover hosts 0..{self.hosts - 1} exactly once")
         if self.domains is not None:
             object.__setattr__(self, "domains", _check_domains(self.domains, self.hosts))
 
@@ -116,17 +113,12 @@ class Placement:
 
     def _host(self, host: int) -> int:
         if isinstance(host, bool) or not isinstance(host, int) or not 0 <= host < self.hosts:
-            raise PlacementError(
-                f"host: expected an int in 0..{self.hosts - 1}, got {host!r}"
-            )
+            raise PlacementError(f"host: expected an int in 0..{self.hosts - 1}, got {host!r}")
         return host
 
     def __repr__(self) -> str:
         extra = "" if self.domains is None else f", domains={len(set(self.domains))} labels"
-        return (
-            f"Placement(strategy={self.strategy!r}, hosts={self.hosts}, "
-            f"replicas={self.replicas}{extra})"
-        )
+        return f"Placement(strategy={self.strategy!r}, hosts={self.hosts}, replicas={self.replicas}{extra})"
 
 
 def make(
@@ -154,8 +146,7 @@ def make(
     """
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise PlacementError(
-            f"strategy: unknown strategy {strategy!r}; use one of "
-            + ", ".join(repr(s) for s in STRATEGIES)
+            f"strategy: unknown strategy {strategy!r}; use one of " + ", ".join(repr(s) for s in STRATEGIES)
         )
     _check_int("hosts", hosts, minimum=1, fix="pass the number of hosts")
     _check_int("replicas", replicas, minimum=1, fix="use 1 (local copy only) or more")
@@ -241,13 +232,11 @@ def _check_int(name: str, value: object, *, minimum: int, fix: str) -> None:
 def _check_domains(domains: object, hosts: int) -> tuple[Hashable, ...]:
     if isinstance(domains, (str, bytes)) or not isinstance(domains, Sequence):
         raise PlacementError(
-            f"domains: expected a sequence of {hosts} labels (one per host), "
-            f"got {type(domains).__name__}"
+            f"domains: expected a sequence of {hosts} labels (one per host), got {type(domains).__name__}"
         )
     if len(domains) != hosts:
         raise PlacementError(
-            f"domains: got {len(domains)} labels for hosts={hosts}; "
-            "give exactly one domain label per host"
+            f"domains: got {len(domains)} labels for hosts={hosts}; give exactly one domain label per host"
         )
     try:
         for label in domains:

@@ -45,8 +45,11 @@ class DirTier(MemoryTier):
         record = self.record(step, plan, segment, blobs, verdict)
         d = self._dir(step)
         os.makedirs(d, exist_ok=True)
-        for suffix, data in (("plan", plan.encode()), ("region", segment.array.tobytes()),
-                             ("record", record.encode())):  # the record last: it marks the shard complete
+        for suffix, data in (
+            ("plan", plan.encode()),
+            ("region", segment.array.tobytes()),
+            ("record", record.encode()),
+        ):  # the record last: it marks the shard complete
             tmp = os.path.join(d, f"{self.rank}.{suffix}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)

@@ -16,8 +16,11 @@ warnings.simplefilter("ignore")
 fs, _ = faulty_filesystem(stall_on="step_000000005/.metadata")
 t = build_training(seed=0, dataset_size=32)
 state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
-ckpt = Checkpointer(state, CheckpointConfig(store="local", persist_every=3, keep_durable=5),
-                    durable=DurableTier(filesystem=fs, root=root, keep=5))
+ckpt = Checkpointer(
+    state,
+    CheckpointConfig(store="local", persist_every=3, keep_durable=5),
+    durable=DurableTier(filesystem=fs, root=root, keep=5),
+)
 batches = t.batches()
 for step in range(10):
     lm_loss(t.model, next(batches)).backward()

@@ -26,10 +26,16 @@ def reseal(vdir: Path, mutate=None, *, unsign: bool = False) -> None:
         mutate(marker)
     if unsign:
         marker.pop("signature", None)
-    m = VersionManifest(step=marker["step"], world_size=marker["world_size"], metadata=md,
-                        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
-                        file_sizes=marker["file_sizes"], job=marker["job"], metadata_crc=marker["metadata_crc"],
-                        health=marker.get("health"))
+    m = VersionManifest(
+        step=marker["step"],
+        world_size=marker["world_size"],
+        metadata=md,
+        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
+        file_sizes=marker["file_sizes"],
+        job=marker["job"],
+        metadata_crc=marker["metadata_crc"],
+        health=marker.get("health"),
+    )
     marker["manifest_crc"] = checksum(canonical_bytes(m))
     (vdir / MARKER).write_text(json.dumps(marker))
 

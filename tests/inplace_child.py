@@ -32,8 +32,18 @@ attempt = {"n": 0}
 
 def note(**fields) -> None:
     with open(os.path.join(out, str(rank)), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "round": Session.current().round, "attempt": attempt["n"],
-                            "t": time.time(), **fields}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "round": Session.current().round,
+                    "attempt": attempt["n"],
+                    "t": time.time(),
+                    **fields,
+                }
+            )
+            + "\n"
+        )
 
 
 def train() -> int:
@@ -46,14 +56,20 @@ def train() -> int:
             if what == "kill" and fresh and attempt["n"] == 1 and where == f"{rank}:{i}":
                 note(event="kill")
                 os.kill(os.getpid(), signal.SIGKILL)
-            if what == "recv" and attempt["n"] == 1 and where.split(":")[0] == str(rank) \
-                    and i == int(where.split(":")[2]):
+            if (
+                what == "recv"
+                and attempt["n"] == 1
+                and where.split(":")[0] == str(rank)
+                and i == int(where.split(":")[2])
+            ):
                 note(event="blocked")
                 dist.recv(torch.zeros(1), src=int(where.split(":")[1]))
             if what == "fail" and fresh and attempt["n"] == 1 and where == f"{rank}:{i}":
                 note(event="fail")
-                raise BackgroundError(f"rank {rank}: version {i} was not committed: CheckpointError: slot {rank}: "
-                                      f"the host store of slot 1 died")
+                raise BackgroundError(
+                    f"rank {rank}: version {i} was not committed: CheckpointError: slot {rank}: "
+                    f"the host store of slot 1 died"
+                )
             if what == "raise" and where == str(rank) and i == 3:
                 note(event="raise")
                 raise ValueError("the user's code fails here")

@@ -38,8 +38,9 @@ def rendezvous_store(world_size: int):
 
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=180))
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=180)
+    )
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
@@ -87,8 +88,9 @@ class RankWorker:
         if ballast_mb:  # saved state that takes no part in training: ``ballast_mb`` MB per rank
             from torch.distributed.tensor import Shard, distribute_tensor
 
-            model.register_buffer("ballast", distribute_tensor(torch.ones(ballast_mb * world_size * 2**18), mesh,
-                                                               [Shard(0)]))
+            model.register_buffer(
+                "ballast", distribute_tensor(torch.ones(ballast_mb * world_size * 2**18), mesh, [Shard(0)])
+            )
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.state = TrainState(model=model, optimizer=self.opt, extra={"seen": 0})
@@ -119,8 +121,9 @@ class RankWorker:
             try:
                 handle = self.ckpt.save(step)
             except Exception as exc:  # noqa: BLE001 - e.g. this node's store is gone: reported
-                out.append({"step": step, "committed": False, "error": f"{type(exc).__name__}: {exc}",
-                            "digest": self.digest()})
+                out.append(
+                    {"step": step, "committed": False, "error": f"{type(exc).__name__}: {exc}", "digest": self.digest()}
+                )
                 continue
             digest = self.digest()
             try:
@@ -171,11 +174,16 @@ class RankWorker:
         result = self.ckpt.restore()
         store = self.ckpt.store
         read = {} if result is None else result.bytes_read
-        return {"step": None if result is None else result.step, "digest": self.digest(),
-                "source": None if result is None else result.source,
-                "sources": None if result is None else result.sources,
-                "read_local": read.get("local", 0), "read_peer": read.get("peer", 0),
-                "read_durable": read.get("durable", 0), "slot": getattr(store, "slot", None)}
+        return {
+            "step": None if result is None else result.step,
+            "digest": self.digest(),
+            "source": None if result is None else result.source,
+            "sources": None if result is None else result.sources,
+            "read_local": read.get("local", 0),
+            "read_peer": read.get("peer", 0),
+            "read_durable": read.get("durable", 0),
+            "slot": getattr(store, "slot", None),
+        }
 
     def interleave(self) -> None:
         """Hook the model's collectives (FSDP2) for this rank's Checkpointer (docs/interleave.md)."""
@@ -255,10 +263,11 @@ class Ranks:
     def setup(self, namespace: str, ballast_mb: int = 0, **config) -> list[dict]:
         self._rendezvous = rendezvous_store(self.world_size)  # kept open while the job runs
         port = self._rendezvous.port
-        cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0,
-               **config}
-        self.infos = ray.get([w.setup.remote(r, self.world_size, port, cfg, 0, ballast_mb)
-                              for r, w in enumerate(self.workers)], timeout=300)
+        cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0, **config}
+        self.infos = ray.get(
+            [w.setup.remote(r, self.world_size, port, cfg, 0, ballast_mb) for r, w in enumerate(self.workers)],
+            timeout=300,
+        )
         return self.infos
 
     def restart(self, namespace: str, **config) -> list[dict]:
@@ -317,8 +326,9 @@ def status(namespace: str):
     return cluster_status(namespace)[namespace]
 
 
-def placement_holders(slot: int, hosts: int = 4, replicas: int = 2, strategy: str = "auto",
-                      dead: Optional[set] = None) -> tuple[int, ...]:
+def placement_holders(
+    slot: int, hosts: int = 4, replicas: int = 2, strategy: str = "auto", dead: Optional[set] = None
+) -> tuple[int, ...]:
     from gemini_ckpt.hoststore.slots import holders_for
 
     return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead or ())

@@ -15,8 +15,9 @@ NAME = "_standalone_gemini_transport"
 
 def load_standalone():
     if NAME not in sys.modules:
-        spec = importlib.util.spec_from_file_location(NAME, TRANSPORT_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(TRANSPORT_DIR)])
+        spec = importlib.util.spec_from_file_location(
+            NAME, TRANSPORT_DIR / "__init__.py", submodule_search_locations=[str(TRANSPORT_DIR)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[NAME] = module
         spec.loader.exec_module(module)

@@ -17,8 +17,10 @@ from gemini_ckpt.save.stager import Stager
 
 
 def _state(fill: float) -> dict:
-    return {"model": {"w": torch.full((64, 33), fill), "b": torch.arange(7, dtype=torch.int64) + int(fill)},
-            "rank_local": {"0": {"extra": pickle.dumps({"fill": fill})}}}
+    return {
+        "model": {"w": torch.full((64, 33), fill), "b": torch.arange(7, dtype=torch.int64) + int(fill)},
+        "rank_local": {"0": {"extra": pickle.dumps({"fill": fill})}},
+    }
 
 
 def save_filled(tier, step: int, fill: float, plan=None):
@@ -54,8 +56,14 @@ def check_read_contract(tier, step: int, expected: dict) -> None:
 def check_tier_contract(tier, *, keep: int) -> None:
     plan = save_filled(tier, 10, 1.0)
     # 1. committed_steps lists what was handed off; open() gives a verified, item-by-item view.
-    check_read_contract(tier, 10, {MetadataIndex("model.w", torch.Size([0, 0]), 0): torch.full((64, 33), 1.0),
-                                   MetadataIndex("model.b", torch.Size([0]), 1): torch.arange(7) + 1})
+    check_read_contract(
+        tier,
+        10,
+        {
+            MetadataIndex("model.w", torch.Size([0, 0]), 0): torch.full((64, 33), 1.0),
+            MetadataIndex("model.b", torch.Size([0]), 1): torch.arange(7) + 1,
+        },
+    )
     view = tier.open(10)
     try:
         assert view.plans[0] == plan.shard and view.world_size == 1

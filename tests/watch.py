@@ -70,8 +70,12 @@ class Watchdog:
         self._timer.cancel()
 
     def _bark(self) -> None:
-        say(f"WATCHDOG: {self.nodeid} has run {self.after:.0f}s; what Ray has:\n" + _indent(cluster_state())
-            + "\nWATCHDOG: the stacks of every thread of the test process:", stacks=True)
+        say(
+            f"WATCHDOG: {self.nodeid} has run {self.after:.0f}s; what Ray has:\n"
+            + _indent(cluster_state())
+            + "\nWATCHDOG: the stacks of every thread of the test process:",
+            stacks=True,
+        )
 
 
 def _indent(text: str) -> str:

@@ -32,7 +32,8 @@ from ._cli import add_chaos_command
 from ._harness import Harness
 from ._job import TinyJob, TrainJob
 from ._memory import damage_copy
-from ._matrix import CI_SCENARIOS, MatrixReport, ci_matrix, full_matrix, run_matrix
+from ._matrix import MatrixReport, run_matrix
+from ._scenarios import CI_SCENARIOS, ci_matrix, full_matrix
 from ._predict import Prediction, plan_scenario, predict, versions_after
 from ._results import Check, HarnessError, InfraError, ScenarioResult
 from ._runner import run_scenario

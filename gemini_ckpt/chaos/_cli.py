@@ -11,40 +11,66 @@ import sys
 def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
     """Register ``chaos`` with the ``python -m gemini_ckpt`` parser."""
     p = subcommands.add_parser(
-        "chaos", help="inject faults into a training job and check every outcome against the planner",
+        "chaos",
+        help="inject faults into a training job and check every outcome against the planner",
         description="Train a deterministic job on a local Ray cluster of simulated hosts (one rank per "
-                    "host), inject faults (killed workers and host stores, lost hosts, faults in the "
-                    "replicate/commit/persist phases, storage outages, corruption, a smaller world "
-                    "size), and check that each restore matches the placement planner's prediction "
-                    "and continues bit-identically. Exit status 1 unless every scenario passes "
-                    "(a mismatch, an ERROR, or an INFRA-ERROR: the harness's own machinery failed).")
-    p.add_argument("--matrix", choices=("ci", "full", "inplace"), default="full",
-                   help="which scenarios: the reduced CI set, everything (default: full), or only the in-place "
-                        "recovery scenarios (a Ray Train job whose failed worker is replaced alone)")
-    p.add_argument("--scenario", "-k", action="append", default=[], metavar="PATTERN",
-                   help="run only scenarios whose name matches this glob (repeatable)")
+        "host), inject faults (killed workers and host stores, lost hosts, faults in the "
+        "replicate/commit/persist phases, storage outages, corruption, a smaller world "
+        "size), and check that each restore matches the placement planner's prediction "
+        "and continues bit-identically. Exit status 1 unless every scenario passes "
+        "(a mismatch, an ERROR, or an INFRA-ERROR: the harness's own machinery failed).",
+    )
+    p.add_argument(
+        "--matrix",
+        choices=("ci", "full", "inplace"),
+        default="full",
+        help="which scenarios: the reduced CI set, everything (default: full), or only the in-place "
+        "recovery scenarios (a Ray Train job whose failed worker is replaced alone)",
+    )
+    p.add_argument(
+        "--scenario",
+        "-k",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="run only scenarios whose name matches this glob (repeatable)",
+    )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH")
-    p.add_argument("--job", metavar="MODULE:CLASS",
-                   help="your training job (a class with build(rank, world_size, seed) -> TrainState and "
-                        "step(step) -> loss); default: a small FSDP2 MLP")
+    p.add_argument(
+        "--job",
+        metavar="MODULE:CLASS",
+        help="your training job (a class with build(rank, world_size, seed) -> TrainState and "
+        "step(step) -> loss); default: a small FSDP2 MLP",
+    )
     p.add_argument("--hosts", type=int, default=4, help="simulated hosts, one rank each (default 4)")
     p.add_argument("--replicas", type=int, default=2, help="copies in memory (default 2)")
     p.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     p.add_argument("--persist-every", type=int, default=2, help="persist every Nth version (default 2)")
-    p.add_argument("--domains", metavar="D,D,...",
-                   help="one failure-domain (rack) label per host, e.g. 0,0,1,1: hosts get the node label "
-                        "rack=D, the job CheckpointConfig(failure_domain='rack'), and kill-rack-D scenarios run")
-    p.add_argument("--network", choices=("loopback", "netns"), default="loopback",
-                   help="netns: each host's Ray node in its own network namespace with its own address and "
-                        "link (needs root), and the network scenarios (partition-host, slow-link, "
-                        "flapping-link, partition-during-persist) run (default: loopback)")
+    p.add_argument(
+        "--domains",
+        metavar="D,D,...",
+        help="one failure-domain (rack) label per host, e.g. 0,0,1,1: hosts get the node label "
+        "rack=D, the job CheckpointConfig(failure_domain='rack'), and kill-rack-D scenarios run",
+    )
+    p.add_argument(
+        "--network",
+        choices=("loopback", "netns"),
+        default="loopback",
+        help="netns: each host's Ray node in its own network namespace with its own address and "
+        "link (needs root), and the network scenarios (partition-host, slow-link, "
+        "flapping-link, partition-during-persist) run (default: loopback)",
+    )
     p.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="CheckpointConfig.timeout_s of the job")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the table")
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="show Ray's notices about the processes and hosts the harness kills (hidden by default)")
+    p.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="show Ray's notices about the processes and hosts the harness kills (hidden by default)",
+    )
     p.set_defaults(func=_main)
 
 
@@ -64,15 +90,23 @@ def load_job(spec: str):
 
 
 def _main(args: argparse.Namespace) -> int:
-    from ._matrix import ci_matrix, full_matrix, run_matrix
+    from ._matrix import run_matrix
+    from ._scenarios import ci_matrix, full_matrix
     from ._phases import ScenarioError
     from ._spec import ChaosConfig
 
     try:
-        config = ChaosConfig(hosts=args.hosts, replicas=args.replicas, steps=args.steps,
-                             persist_every=args.persist_every, seed=args.seed, timeout_s=args.timeout,
-                             domains=tuple(args.domains.split(",")) if args.domains else None,
-                             network=args.network, link=args.link)
+        config = ChaosConfig(
+            hosts=args.hosts,
+            replicas=args.replicas,
+            steps=args.steps,
+            persist_every=args.persist_every,
+            seed=args.seed,
+            timeout_s=args.timeout,
+            domains=tuple(args.domains.split(",")) if args.domains else None,
+            network=args.network,
+            link=args.link,
+        )
         scenarios = (ci_matrix if args.matrix == "ci" else full_matrix)(config)
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -66,8 +66,9 @@ class RemoveHosts:
             if not isinstance(getattr(self, name), bool):
                 raise ScenarioError(f"RemoveHosts.{name} must be True or False, got {getattr(self, name)!r}")
         if self.during_restore and not self.replace:
-            raise ScenarioError("RemoveHosts(during_restore=True) needs replace=True: the job restarts on the "
-                                "same hosts once more")
+            raise ScenarioError(
+                "RemoveHosts(during_restore=True) needs replace=True: the job restarts on the same hosts once more"
+            )
 
     @property
     def at_fault(self) -> bool:
@@ -78,8 +79,11 @@ class RemoveHosts:
         text = f"remove host{'s' if len(self.hosts) > 1 else ''} {','.join(map(str, self.hosts))}"
         if self.domain is not None:
             text = f"kill rack {self.domain} ({text})"
-        return text + (" during re-replication" if self.during_rereplication else "") + (
-            " during its restore" if self.during_restore else "")
+        return (
+            text
+            + (" during re-replication" if self.during_rereplication else "")
+            + (" during its restore" if self.during_restore else "")
+        )
 
 
 @dataclass(frozen=True)
@@ -265,8 +269,10 @@ class FlappingLink:
         object.__setattr__(self, "down_s", _positive("FlappingLink.down_s", self.down_s))
         object.__setattr__(self, "up_s", _positive("FlappingLink.up_s", self.up_s))
         if self.down_s >= DEAD_AFTER_S:
-            raise ScenarioError(f"FlappingLink.down_s={self.down_s:g} is not a short outage: Ray declares a silent "
-                                f"host dead after ~{DEAD_AFTER_S:g}s; use PartitionHost for that")
+            raise ScenarioError(
+                f"FlappingLink.down_s={self.down_s:g} is not a short outage: Ray declares a silent "
+                f"host dead after ~{DEAD_AFTER_S:g}s; use PartitionHost for that"
+            )
 
     def label(self) -> str:
         return f"host {self.host}'s link flapping ({self.outages} x {self.down_s:g}s down, {self.up_s:g}s up)"

@@ -14,6 +14,7 @@ from ._results import HarnessError, Reference, Trace, infrastructure
 from ._spec import ChaosConfig
 from ._jobrun import JobRun
 
+
 # --- the harness ---------------------------------------------------------------------------------------
 def as_job(job: Any) -> Any:
     """A :class:`~gemini_ckpt.chaos.TrainJob` instance from a job, a job class, or None (TinyJob)."""
@@ -24,8 +25,10 @@ def as_job(job: Any) -> Any:
     if isinstance(job, type):
         job = job()
     if not (callable(getattr(job, "build", None)) and callable(getattr(job, "step", None))):
-        raise TypeError(f"a chaos job needs build(rank, world_size, seed) -> TrainState and step(step) -> loss; "
-                        f"got {type(job).__name__}")
+        raise TypeError(
+            f"a chaos job needs build(rank, world_size, seed) -> TrainState and step(step) -> loss; "
+            f"got {type(job).__name__}"
+        )
     return job
 
 
@@ -47,8 +50,14 @@ class Harness:
     ``start``; ``close`` stops what it started.
     """
 
-    def __init__(self, config: Optional[ChaosConfig] = None, *, job: Any = None,
-                 log: Optional[Callable[[str], None]] = None, cluster: Any = None) -> None:
+    def __init__(
+        self,
+        config: Optional[ChaosConfig] = None,
+        *,
+        job: Any = None,
+        log: Optional[Callable[[str], None]] = None,
+        cluster: Any = None,
+    ) -> None:
         self.config = config or ChaosConfig()
         if not isinstance(self.config, ChaosConfig):
             raise TypeError("Harness(config=...) must be a ChaosConfig")
@@ -76,23 +85,38 @@ class Harness:
             self.workdir, self._own_workdir = tempfile.mkdtemp(prefix="gemini-chaos-"), True
         if self._cluster is not None:
             if self._cluster.hosts != self.config.hosts:
-                raise ValueError(f"Harness(cluster=...) has {self._cluster.hosts} hosts but ChaosConfig.hosts is "
-                                 f"{self.config.hosts}; pass a cluster of that size or no cluster")
+                raise ValueError(
+                    f"Harness(cluster=...) has {self._cluster.hosts} hosts but ChaosConfig.hosts is "
+                    f"{self.config.hosts}; pass a cluster of that size or no cluster"
+                )
             if self._cluster.network != self.config.network:
-                raise ValueError(f"Harness(cluster=...) runs network={self._cluster.network!r} but ChaosConfig.network "
-                                 f"is {self.config.network!r}; pass a matching cluster or no cluster")
+                raise ValueError(
+                    f"Harness(cluster=...) runs network={self._cluster.network!r} but ChaosConfig.network "
+                    f"is {self.config.network!r}; pass a matching cluster or no cluster"
+                )
             self.sim = self._cluster
             self.sim.ensure_hosts()
         else:
-            self.sim = LocalCluster(self.config.hosts, head_cpus=1, object_store_bytes=self.config.object_store_bytes,
-                                    namespace=RAY_NAMESPACE, labels=self.config.host_labels,
-                                    network=self.config.network, link=self.config.link).start()
+            self.sim = LocalCluster(
+                self.config.hosts,
+                head_cpus=1,
+                object_store_bytes=self.config.object_store_bytes,
+                namespace=RAY_NAMESPACE,
+                labels=self.config.host_labels,
+                network=self.config.network,
+                link=self.config.link,
+            ).start()
         self.pool = RankPool(self.sim)
         self.pool.ensure(tuple(range(self.config.hosts)))
-        where = "" if self.sim.net is None else \
-            f", each in its own network namespace{f' ({self.config.link} links)' if self.config.link else ''}"
-        self.log(f"cluster up: head + {self.config.hosts} hosts{where}, {self.config.hosts} ranks "
-                 f"({time.perf_counter() - t0:.1f}s)")
+        where = (
+            ""
+            if self.sim.net is None
+            else f", each in its own network namespace{f' ({self.config.link} links)' if self.config.link else ''}"
+        )
+        self.log(
+            f"cluster up: head + {self.config.hosts} hosts{where}, {self.config.hosts} ranks "
+            f"({time.perf_counter() - t0:.1f}s)"
+        )
         return self
 
     def close(self) -> None:
@@ -158,12 +182,17 @@ class Harness:
                 for rank, recs in records.items():
                     for rec in recs:
                         if rec.get("error") or not rec.get("committed"):
-                            raise HarnessError(f"the reference run failed at step {rec['step']} on rank {rank}: "
-                                               f"{rec.get('error')}")
+                            raise HarnessError(
+                                f"the reference run failed at step {rec['step']} on rank {rank}: {rec.get('error')}"
+                            )
                 trace = Trace()
                 trace.add(records)
-                ref = Reference(world_size=cfg.hosts, initial_digest=restored[0]["digest"],
-                                initial_extras={r: v["extra"] for r, v in restored.items()}, trace=trace)
+                ref = Reference(
+                    world_size=cfg.hosts,
+                    initial_digest=restored[0]["digest"],
+                    initial_extras={r: v["extra"] for r, v in restored.items()},
+                    trace=trace,
+                )
                 for rank, recs in records.items():
                     for rec in recs:
                         ref.opaque.setdefault(rec["step"], {})[rank] = rec["opaque"]
@@ -175,12 +204,15 @@ class Harness:
                 run.cleanup(hosts, kill=not ok)
             ref.seconds = time.perf_counter() - t0
             self._references[id(job)] = (job, ref)
-            self.log(f"reference run of {type(job).__name__}: {cfg.steps} steps at world size {cfg.hosts} "
-                     f"({ref.seconds:.1f}s)")
+            self.log(
+                f"reference run of {type(job).__name__}: {cfg.steps} steps at world size {cfg.hosts} "
+                f"({ref.seconds:.1f}s)"
+            )
         return self._references[id(job)][1]
 
-    def resized_reference(self, world_size: int, from_step: Optional[int], job: Any = None,
-                          hosts: Optional[tuple[int, ...]] = None) -> dict:
+    def resized_reference(
+        self, world_size: int, from_step: Optional[int], job: Any = None, hosts: Optional[tuple[int, ...]] = None
+    ) -> dict:
         """The reference continuation at another world size: a job of ``world_size`` ranks loads
         the reference's state of ``from_step`` directly (not through gemini_ckpt) and trains on.
         ``hosts``: where it runs (default ``0..world_size-1``; a scenario passes the hosts its job
@@ -200,13 +232,21 @@ class Harness:
                 run.setup(hosts)
                 loaded: dict[int, Any] = {}
                 if from_step is not None:
-                    refs = {r: self.pool.workers[h].load_reference.remote(
-                        ref.full[from_step], ref.opaque[from_step][r % ref.world_size], r % ref.world_size, from_step)
-                        for r, h in enumerate(hosts)}
+                    refs = {
+                        r: self.pool.workers[h].load_reference.remote(
+                            ref.full[from_step],
+                            ref.opaque[from_step][r % ref.world_size],
+                            r % ref.world_size,
+                            from_step,
+                        )
+                        for r, h in enumerate(hosts)
+                    }
                     loaded = run.expect_all(self.pool.collect(refs, timeout=cfg.timeout_s + 30), "load")
                     if any(v["digest"] != ref.trace.digests[from_step] for v in loaded.values()):
-                        raise HarnessError(f"loading the reference state of step {from_step} at world size "
-                                           f"{world_size} did not reproduce it")
+                        raise HarnessError(
+                            f"loading the reference state of step {from_step} at world size "
+                            f"{world_size} did not reproduce it"
+                        )
                 start = -1 if from_step is None else from_step
                 records = run.expect_all(run.run(hosts, list(range(start + 1, cfg.steps))), "run")
                 trace = Trace()

@@ -28,7 +28,6 @@ from ._spec import (
 )
 
 
-
 def store_of(namespace: str, node_id: str):
     from ..hoststore.cluster import find_store
 
@@ -50,8 +49,7 @@ def _corrupt_replica(namespace: str, node_id: str, step: int, rank: int, nan: bo
     handle = store_of(namespace, node_id)
     held = ray.get(handle.shard_info.remote(step, [rank]), timeout=30)
     if rank not in held:
-        raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of rank {rank}'s shard of "
-                           f"step {step}")
+        raise HarnessError(f"the host store on node {node_id[:12]} holds no copy of rank {rank}'s shard of step {step}")
     tensors = ShardPlan.decode(held[rank][0]).tensors
     if nan:
         item = max((t for t in tensors if t.dtype in NAN_BITS and t.nbytes), key=lambda t: t.nbytes, default=None)
@@ -79,8 +77,15 @@ def _corrupt_file(path: str) -> int:
     return i
 
 
-def let_go(s: Scenario, h: Harness, cfg: ChaosConfig, hosts: tuple[int, ...], in_flight: dict[int, Any],
-            namespace: str, grace_s: float = 3.0) -> dict[int, Any]:
+def let_go(
+    s: Scenario,
+    h: Harness,
+    cfg: ChaosConfig,
+    hosts: tuple[int, ...],
+    in_flight: dict[int, Any],
+    namespace: str,
+    grace_s: float = 3.0,
+) -> dict[int, Any]:
     """Release the ranks held at the fault's phase and collect what their in-flight step did.
 
     Survivors whose peers died sit in a collective until the process group's timeout; they are
@@ -144,8 +149,9 @@ def wait_paused(h: Harness, host: int, s: Scenario, in_flight: dict, timeout: fl
     raise HarnessError(f"rank {s.at.rank} did not reach phase {s.at.phase!r} of step {s.at.step} within {timeout}s")
 
 
-def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committed: list[int],
-            persisted: list[int]) -> tuple[dict, set]:
+def inject(
+    s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committed: list[int], persisted: list[int]
+) -> tuple[dict, set]:
     """Apply the faults; returns what was corrupted (memory: step -> owner -> slots; durable steps)."""
     import ray
 
@@ -189,13 +195,19 @@ def inject(s: Scenario, h: Harness, job: JobRun, hosts: tuple[int, ...], committ
         ray_get(registry.hold_rereplication.remote())
     try:
         if first:
-            _remove(h, first, tuple(x for f in s.faults if isinstance(f, RemoveHosts) and f.replace
-                                    and f.at_fault for x in f.hosts))
+            _remove(
+                h,
+                first,
+                tuple(x for f in s.faults if isinstance(f, RemoveHosts) and f.replace and f.at_fault for x in f.hosts),
+            )
         for f in later:
             # The stores have noticed the first losses: re-replication would be under way now.
             slots = {hosts.index(x) for x in first}
-            _wait(lambda: slots <= {e["slot"] for e in ray_get(registry.recovery.remote())},
-                  h.config.timeout_s, f"the host stores to notice the loss of hosts {list(first)}")
+            _wait(
+                lambda: slots <= {e["slot"] for e in ray_get(registry.recovery.remote())},
+                h.config.timeout_s,
+                f"the host stores to notice the loss of hosts {list(first)}",
+            )
             _remove(h, f.hosts, f.hosts if f.replace else ())
     finally:
         if registry is not None:

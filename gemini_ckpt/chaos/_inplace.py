@@ -53,8 +53,10 @@ class InPlaceScenario:
         if self.fault == "host":
             text += f", replacement after {self.replace_after_s:.0f}s"
         if self.then is not None:
-            text += {"kill": f"; SIGKILL rank {self.then[1]} during the reform",
-                     "restore": f"; rank {self.then[1]}'s replacement dies inside restore()"}[self.then[0]]
+            text += {
+                "kill": f"; SIGKILL rank {self.then[1]} during the reform",
+                "restore": f"; rank {self.then[1]}'s replacement dies inside restore()",
+            }[self.then[0]]
         return text
 
 
@@ -62,15 +64,26 @@ SCENARIOS = (
     InPlaceScenario("inplace-kill-rank-0", "kill", (0,), note="the process group's store is not on a worker"),
     InPlaceScenario("inplace-kill-rank-2", "kill", (2,)),
     InPlaceScenario("inplace-kill-two-hosts", "kill", (1, 3), note="two replacements, one reform"),
-    InPlaceScenario("inplace-kill-during-reform", "kill", (2,), then=("kill", 3),
-                    note="a survivor dies while the others wait for the first replacement"),
+    InPlaceScenario(
+        "inplace-kill-during-reform",
+        "kill",
+        (2,),
+        then=("kill", 3),
+        note="a survivor dies while the others wait for the first replacement",
+    ),
     InPlaceScenario("inplace-replacement-dies-in-restore", "kill", (1,), then=("restore", 1)),
     InPlaceScenario("inplace-hang", "stop", (2,), note="found by Ray Train's health check after 5 s"),
     InPlaceScenario("inplace-host-lost", "host", (1,)),
-    InPlaceScenario("inplace-host-lost-late-replacement", "host", (1,), replace_after_s=25.0, kept=(),
-                    reform_timeout_s=12.0,
-                    note="no node for the lost host until after the survivors' wait: they end, and every worker "
-                         "is replaced once a node joins"),
+    InPlaceScenario(
+        "inplace-host-lost-late-replacement",
+        "host",
+        (1,),
+        replace_after_s=25.0,
+        kept=(),
+        reform_timeout_s=12.0,
+        note="no node for the lost host until after the survivors' wait: they end, and every worker "
+        "is replaced once a node joins",
+    ),
 )
 CI_SCENARIOS = ("inplace-kill-during-reform",)
 
@@ -92,10 +105,17 @@ class InPlaceResult:
 
     def to_json(self) -> dict:
         s = self.scenario
-        return {"name": s.name, "description": s.describe(), "note": s.note, "verdict": self.verdict,
-                "restored": self.restored, "recovery_s": self.recovery_s, "error": self.error,
-                "duration_s": round(self.duration_s, 2),
-                "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks]}
+        return {
+            "name": s.name,
+            "description": s.describe(),
+            "note": s.note,
+            "verdict": self.verdict,
+            "restored": self.restored,
+            "recovery_s": self.recovery_s,
+            "error": self.error,
+            "duration_s": round(self.duration_s, 2),
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
+        }
 
 
 def _fit(cluster, workdir: str, *, name: str, scenario: Optional[InPlaceScenario], log) -> tuple:
@@ -111,23 +131,35 @@ def _fit(cluster, workdir: str, *, name: str, scenario: Optional[InPlaceScenario
 
     hosts = len(cluster.present())
     progress_name = f"{name}::progress"
-    progress = ray.remote(Progress).options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0,
-                                            resources={"node:__internal_head__": 0.001}).remote()
+    progress = (
+        ray.remote(Progress)
+        .options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
+        .remote()
+    )
     first = os.path.join(workdir, f"{name}.fault")
-    config = {"ckpt": CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0),
-              "steps": STEPS, "progress": progress_name, "step_sleep": 0.05}
+    config = {
+        "ckpt": CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0),
+        "steps": STEPS,
+        "progress": progress_name,
+        "step_sleep": 0.05,
+    }
     if scenario is not None and scenario.then is not None and scenario.then[0] == "restore":
-        config["kill_in_restore"] = {"rank": scenario.then[1], "after": first,
-                                     "marker": os.path.join(workdir, f"{name}.restore-kill")}
+        config["kill_in_restore"] = {
+            "rank": scenario.then[1],
+            "after": first,
+            "marker": os.path.join(workdir, f"{name}.restore-kill"),
+        }
     detection = detection_env(poll_s=0.25, hang_s=5.0)  # read by Ray Train's controller at fit()
     before = {key: os.environ.get(key) for key in detection}
     os.environ.update(detection)
     reform = scenario.reform_timeout_s if scenario is not None else 60.0
-    trainer = TorchTrainer(recoverable(train_loop), torch_config=torch_config(reform_timeout_s=reform),
-                           train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=hosts, label_selector=ranks_on_hosts(hosts)),
-                           run_config=RunConfig(name=name, storage_path=workdir,
-                                                failure_config=FailureConfig(max_failures=-1)))
+    trainer = TorchTrainer(
+        recoverable(train_loop),
+        torch_config=torch_config(reform_timeout_s=reform),
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=hosts, label_selector=ranks_on_hosts(hosts)),
+        run_config=RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=-1)),
+    )
     box: dict = {}
 
     def fit() -> None:
@@ -163,8 +195,11 @@ def _watch(cluster, scenario, thread, progress, box, *, name: str, first: str, l
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name}: the run did not finish within 600s")
             events += ray.get(progress.since.remote(len(events)), timeout=60)
-            if scenario is not None and failure is None and any(
-                    e["kind"] == "step" and e["step"] >= KILL_AT for e in events):
+            if (
+                scenario is not None
+                and failure is None
+                and any(e["kind"] == "step" and e["step"] >= KILL_AT for e in events)
+            ):
                 failure, settled = _strike(cluster, scenario, events, log)
                 with open(first, "w") as f:
                     f.write(str(failure))
@@ -219,8 +254,15 @@ def _signal(events: list[dict], rank: int, signum, log) -> None:
         pass
 
 
-def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float, reference: str,
-          hosts: int, settled: Optional[float] = None) -> InPlaceResult:
+def check(
+    scenario: InPlaceScenario,
+    outcome,
+    events: list[dict],
+    failure: float,
+    reference: str,
+    hosts: int,
+    settled: Optional[float] = None,
+) -> InPlaceResult:
     import placement
 
     res = InPlaceResult(scenario)
@@ -228,8 +270,13 @@ def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float
     res.checks.append(Check("finished", finished, "" if finished else short(repr(outcome))))
     if finished:
         digest = outcome.return_value.get("digest") if isinstance(outcome.return_value, dict) else None
-        res.checks.append(Check("bit-identical", digest == reference, f"final state {str(digest)[:12]} vs "
-                                                                      f"uninterrupted {reference[:12]}"))
+        res.checks.append(
+            Check(
+                "bit-identical",
+                digest == reference,
+                f"final state {str(digest)[:12]} vs uninterrupted {reference[:12]}",
+            )
+        )
     restores = [e for e in events if e["kind"] == "restore" and e["unix"] > failure]
     last = {}
     for e in restores:  # each rank's last restore (a rank that died in its restore tried again)
@@ -237,28 +284,42 @@ def check(scenario: InPlaceScenario, outcome, events: list[dict], failure: float
     steps = {e["step"] for e in last.values()}
     res.restored = min(steps) if steps else None
     lost = set(scenario.ranks) if scenario.fault == "host" else set()
-    predicted = "memory" if placement.survives(placement.make("group", hosts=hosts, replicas=2), failed=lost) \
-        else "durable"
+    predicted = (
+        "memory" if placement.survives(placement.make("group", hosts=hosts, replicas=2), failed=lost) else "durable"
+    )
     sources = {e["source"] for e in last.values()}
-    res.checks.append(Check("one version", len(last) == hosts and len(steps) == 1,
-                            f"{len(last)} of {hosts} ranks restored steps {sorted(steps)}"))
+    res.checks.append(
+        Check(
+            "one version",
+            len(last) == hosts and len(steps) == 1,
+            f"{len(last)} of {hosts} ranks restored steps {sorted(steps)}",
+        )
+    )
     res.checks.append(Check("tier as predicted", sources == {predicted}, f"{sorted(sources)}, predicted {predicted}"))
     committed = [e["step"] for e in events if e["kind"] == "commit" and e["unix"] < failure]
     saved = [e["step"] for e in events if e["kind"] == "step" and e["unix"] < max(failure, settled or failure)]
     newest_committed = max(committed, default=-1)
     ok = res.restored is not None and newest_committed <= res.restored <= max(saved, default=-1)
-    res.checks.append(Check("newest committed", ok, f"restored {res.restored}; committed before the fault "
-                                                    f"{newest_committed}, saved {max(saved, default=-1)} before "
-                                                    f"the struck workers were gone"))
+    res.checks.append(
+        Check(
+            "newest committed",
+            ok,
+            f"restored {res.restored}; committed before the fault "
+            f"{newest_committed}, saved {max(saved, default=-1)} before "
+            f"the struck workers were gone",
+        )
+    )
     before = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure}
     after = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] > failure}
     struck = set(scenario.ranks) | ({scenario.then[1]} if scenario.then else set())
     kept = set(range(hosts)) - struck if scenario.kept is None else set(scenario.kept)
     actual = {r for r in range(hosts) if before.get(r) is not None and before.get(r) == after.get(r)}
-    res.checks.append(Check("survivors kept their processes", actual == kept,
-                            f"kept {sorted(actual)}, expected {sorted(kept)}"))
-    next_steps = [e["unix"] for e in events if e["kind"] == "step" and restores
-                  and e["unix"] > max(r["unix"] for r in restores)]
+    res.checks.append(
+        Check("survivors kept their processes", actual == kept, f"kept {sorted(actual)}, expected {sorted(kept)}")
+    )
+    next_steps = [
+        e["unix"] for e in events if e["kind"] == "step" and restores and e["unix"] > max(r["unix"] for r in restores)
+    ]
     res.recovery_s = round(min(next_steps) - failure, 2) if next_steps else None
     return res
 
@@ -292,8 +353,10 @@ def run_inplace(scenarios=SCENARIOS, *, cluster=None, log: Optional[Callable[[st
             except Exception as exc:  # noqa: BLE001 - the scenario could not run: say why, go on
                 res = InPlaceResult(scenario, error=short(f"{type(exc).__name__}: {exc}"))
             res.duration_s = time.monotonic() - t0
-            log(f"   {res.verdict}: restored {res.restored}, failure -> next step {res.recovery_s}s"
-                + "".join(f"; {c.name}: {c.detail}" for c in res.checks if c.ok is False))
+            log(
+                f"   {res.verdict}: restored {res.restored}, failure -> next step {res.recovery_s}s"
+                + "".join(f"; {c.name}: {c.detail}" for c in res.checks if c.ok is False)
+            )
             results.append(res)
     finally:
         if own:

@@ -119,8 +119,9 @@ def full_tensor_state(state: "TrainState") -> dict[str, Any]:
     return walk(state.tensor_state())
 
 
-def load_full_state(state: "TrainState", full: dict[str, Any], opaque: dict[str, Any], *, rank: int,
-                    source_rank: int, step: int) -> None:
+def load_full_state(
+    state: "TrainState", full: dict[str, Any], opaque: dict[str, Any], *, rank: int, source_rank: int, step: int
+) -> None:
     """Load a state captured with :func:`full_tensor_state` (plus ``TrainState.opaque_state``
     of saved rank ``source_rank``) into a job of any world size, without gemini_ckpt's restore
     path: the independent reference a resized job is compared with."""
@@ -138,8 +139,13 @@ def load_full_state(state: "TrainState", full: dict[str, Any], opaque: dict[str,
         restore_rng_state,
     )
 
-    set_state_dict(state.module, state.optimizers, model_state_dict=full["model"],
-                   optim_state_dict=full.get("optim", {}), options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        state.module,
+        state.optimizers,
+        model_state_dict=full["model"],
+        optim_state_dict=full.get("optim", {}),
+        options=StateDictOptions(full_state_dict=True),
+    )
     if state.schedulers:
         for sched, sd in zip(state.schedulers, pickle.loads(opaque[SCHEDULER]), strict=True):
             sched.load_state_dict(sd)

@@ -22,6 +22,7 @@ class Harness(Protocol):
     config: ChaosConfig
     rendezvous_host: str  # where the ranks reach the driver (the head's address)
 
+
 StoreFactory = Callable[[Any, int, int], Any]
 """``store_factory(config, rank, world_size) -> Store``, called in each rank process; the store
 is passed to ``Checkpointer(store=...)`` (e.g. a wrapper around ``connect_ray_store``)."""
@@ -31,8 +32,17 @@ is passed to ``Checkpointer(store=...)`` (e.g. a wrapper around ``connect_ray_st
 class JobRun:
     """One training job (a namespace, a durable directory) on some hosts of the pool."""
 
-    def __init__(self, harness: "Harness", label: str, *, job: Any, placement: str = "group", persist: bool = True,
-                 store_factory: Optional[StoreFactory] = None, chaos_fs: bool = False) -> None:
+    def __init__(
+        self,
+        harness: "Harness",
+        label: str,
+        *,
+        job: Any,
+        placement: str = "group",
+        persist: bool = True,
+        store_factory: Optional[StoreFactory] = None,
+        chaos_fs: bool = False,
+    ) -> None:
         self.h = harness
         self.job = job
         self.namespace = f"chaos-{label}-{uuid.uuid4().hex[:8]}"
@@ -47,9 +57,15 @@ class JobRun:
 
     def _config(self) -> dict:
         cfg = self.h.config
-        out = {"store": "ray", "namespace": self.namespace, "replicas": cfg.replicas, "placement": self.placement,
-               "keep_in_memory": cfg.keep_in_memory, "timeout_s": float(cfg.timeout_s),
-               "host_memory_budget_bytes": cfg.host_memory_budget_bytes}
+        out = {
+            "store": "ray",
+            "namespace": self.namespace,
+            "replicas": cfg.replicas,
+            "placement": self.placement,
+            "keep_in_memory": cfg.keep_in_memory,
+            "timeout_s": float(cfg.timeout_s),
+            "host_memory_budget_bytes": cfg.host_memory_budget_bytes,
+        }
         if cfg.domains is not None:
             out["failure_domain"] = DOMAIN_LABEL
         if self.persist:
@@ -58,8 +74,14 @@ class JobRun:
                 out["durable_uri"] = self.durable_root
         return out
 
-    def setup(self, hosts: tuple[int, ...], *, rules: Optional[dict[int, list[HookRule]]] = None,
-              storage_mode: str = "ok", strict: bool = True) -> dict[int, Any]:
+    def setup(
+        self,
+        hosts: tuple[int, ...],
+        *,
+        rules: Optional[dict[int, list[HookRule]]] = None,
+        storage_mode: str = "ok",
+        strict: bool = True,
+    ) -> dict[int, Any]:
         """Start the job on ``hosts`` (rank ``i`` on ``hosts[i]``) in a new process group.
 
         By rank: :meth:`RankWorker.setup`'s answer. A rank that failed in its rendezvous or its
@@ -76,31 +98,45 @@ class JobRun:
         refs = {}
         with infrastructure("starting the job on the rank processes"):
             for rank, host in enumerate(hosts):
-                spec = {"rank": rank, "world_size": len(hosts), "rendezvous": self.rendezvous.address,
-                        "config": self._config(), "job": self.job, "seed": cfg.seed,
-                        "timeout_s": float(cfg.timeout_s), "durable_root": self.durable_root,
-                        "chaos_fs": self.chaos_fs and self.persist, "storage_mode": storage_mode,
-                        "keep_durable": cfg.keep_durable, "rules": (rules or {}).get(rank, []),
-                        "store_factory": self.store_factory}
+                spec = {
+                    "rank": rank,
+                    "world_size": len(hosts),
+                    "rendezvous": self.rendezvous.address,
+                    "config": self._config(),
+                    "job": self.job,
+                    "seed": cfg.seed,
+                    "timeout_s": float(cfg.timeout_s),
+                    "durable_root": self.durable_root,
+                    "chaos_fs": self.chaos_fs and self.persist,
+                    "storage_mode": storage_mode,
+                    "keep_durable": cfg.keep_durable,
+                    "rules": (rules or {}).get(rank, []),
+                    "store_factory": self.store_factory,
+                }
                 refs[rank] = self.h.pool.workers[host].setup.remote(spec)
         timeout = cfg.timeout_s + 120
         results = _collect_until_infra_failure(refs, timeout=timeout)
         stuck = [r for r, v in results.items() if isinstance(v, TimeoutError) and not isinstance(v, _Abandoned)]
         if stuck:
-            stages = self.h.pool.collect({r: self.h.pool.workers[hosts[r]].setup_stage.remote() for r in stuck},
-                                         timeout=10)
+            stages = self.h.pool.collect(
+                {r: self.h.pool.workers[hosts[r]].setup_stage.remote() for r in stuck}, timeout=10
+            )
             for r, stage in stages.items():
                 if stage == "checkpointer":  # the library under test hangs: an observation, not ours
-                    results[r] = {"error": f"building the Checkpointer did not finish within {timeout:.0f}s",
-                                  "stage": stage}
+                    results[r] = {
+                        "error": f"building the Checkpointer did not finish within {timeout:.0f}s",
+                        "stage": stage,
+                    }
                     self.kill((hosts[r],))
         failed = {r: why for r, v in results.items() if (why := infra_problem(v))}
         if failed:
             self.kill(hosts)
             self.close_rendezvous()
             rank = min(failed, key=lambda r: (isinstance(results[r], TimeoutError), r))
-            raise InfraError(f"{self.namespace}: the job could not start on {len(hosts)} ranks: rank {rank} "
-                             f"(host {hosts[rank]}): {failed[rank]}; its rank processes are replaced")
+            raise InfraError(
+                f"{self.namespace}: the job could not start on {len(hosts)} ranks: rank {rank} "
+                f"(host {hosts[rank]}): {failed[rank]}; its rank processes are replaced"
+            )
         if strict:
             self.expect_all(results, "setup")
         return results
@@ -180,8 +216,9 @@ class Rendezvous:
         import torch.distributed as dist
 
         self.host = host
-        self._store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self._store = dist.TCPStore(
+            host, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         self.port: int = self._store.port
 
     @property
@@ -235,8 +272,11 @@ def _collect_until_infra_failure(refs: dict[int, Any], *, timeout: float) -> dic
         if stop:
             break
     for ref in pending:
-        out[rank_of[ref]] = (TimeoutError(f"no answer within {timeout:.0f}s") if time.monotonic() >= deadline
-                             else _Abandoned("not waited for: another rank failed to start"))
+        out[rank_of[ref]] = (
+            TimeoutError(f"no answer within {timeout:.0f}s")
+            if time.monotonic() >= deadline
+            else _Abandoned("not waited for: another rank failed to start")
+        )
     return dict(sorted(out.items()))
 
 

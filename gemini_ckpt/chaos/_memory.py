@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Optional
 
 
-def damage_copy(where, step: int, rank: int, offset: int, data: Optional[bytes] = None, *,
-                slot: Optional[int] = None) -> int:
+def damage_copy(
+    where, step: int, rank: int, offset: int, data: Optional[bytes] = None, *, slot: Optional[int] = None
+) -> int:
     """Flip the byte at ``offset`` of a kept copy of rank ``rank``'s shard of ``step`` (or write
     ``data`` there, e.g. :data:`gemini_ckpt.format.finite.NAN_BITS` of a dtype); returns ``offset``.
 

@@ -104,9 +104,14 @@ class Links:
         self._flapper = None
         time.sleep(f.up_s)  # a false death would be declared within a few health checks of the last outage
         alive = self._flap_node in _alive_nodes()
-        return [Check("no_false_death", alive,
-                      f"host {f.host} (node {self._flap_node[:12]}) {'stayed alive' if alive else 'was declared DEAD'}"
-                      f" through {f.outages} outage(s) of {f.down_s:g}s ({self.flap_s:.1f}s of flapping)")]
+        return [
+            Check(
+                "no_false_death",
+                alive,
+                f"host {f.host} (node {self._flap_node[:12]}) {'stayed alive' if alive else 'was declared DEAD'}"
+                f" through {f.outages} outage(s) of {f.down_s:g}s ({self.flap_s:.1f}s of flapping)",
+            )
+        ]
 
     # --- the fault ----------------------------------------------------------------------------------
     def partition(self) -> None:
@@ -130,8 +135,10 @@ class Links:
                     self.cut[host]["dead_s"] = round(time.monotonic() - self.cut[host]["cut"], 1)
                     waiting.discard(host)
             if waiting and time.monotonic() > deadline:
-                raise HarnessError(f"hosts {sorted(waiting)} were cut off {DECLARED_DEAD_TIMEOUT_S:.0f}s ago and Ray "
-                                   f"still lists them alive")
+                raise HarnessError(
+                    f"hosts {sorted(waiting)} were cut off {DECLARED_DEAD_TIMEOUT_S:.0f}s ago and Ray "
+                    f"still lists them alive"
+                )
             time.sleep(0.2)
         with infrastructure(f"adding replacements of partitioned hosts {list(hosts)}"):
             for host in hosts:
@@ -208,24 +215,35 @@ class Links:
             still_dead = c["node"] not in _alive_nodes()
             c["ours_exited_s"] = max((after[p] for p in ours if p in after), default=None)
             c["exited_s"] = max(after.values(), default=None) if not left else None
-            detail = (f"host {host}: declared dead {c.get('dead_s')}s after the cut; link up "
-                      f"{c['up'] - c['cut']:.0f}s after the cut; Ray {'still lists' if still_dead else 'LISTS'} "
-                      f"node {c['node'][:12]} {'dead' if still_dead else 'ALIVE again'}; ")
+            detail = (
+                f"host {host}: declared dead {c.get('dead_s')}s after the cut; link up "
+                f"{c['up'] - c['cut']:.0f}s after the cut; Ray {'still lists' if still_dead else 'LISTS'} "
+                f"node {c['node'][:12]} {'dead' if still_dead else 'ALIVE again'}; "
+            )
             if missing:
-                detail += (f"{' and '.join(missing)} not found among its {len(names)} processes at the cut, so "
-                           f"their fencing was not checked: {'; '.join(names.values())}")
+                detail += (
+                    f"{' and '.join(missing)} not found among its {len(names)} processes at the cut, so "
+                    f"their fencing was not checked: {'; '.join(names.values())}"
+                )
             elif ours_left:
-                detail += (f"its host store / rank process ran on past {OURS_EXIT_S:.0f}s after the link came back: "
-                           + "; ".join(f"{names[p]} ({'still running' if p not in after else f'{after[p]}s'})"
-                                       for p in ours_left))
+                detail += (
+                    f"its host store / rank process ran on past {OURS_EXIT_S:.0f}s after the link came back: "
+                    + "; ".join(
+                        f"{names[p]} ({'still running' if p not in after else f'{after[p]}s'})" for p in ours_left
+                    )
+                )
             elif left:
-                detail += (f"ours exited {c['ours_exited_s']}s after the link came back (< 0: before); "
-                           f"{len(left)} of Ray's own process(es) still running {RAY_EXIT_S:.0f}s after it: "
-                           + "; ".join(names[p] for p in left))
+                detail += (
+                    f"ours exited {c['ours_exited_s']}s after the link came back (< 0: before); "
+                    f"{len(left)} of Ray's own process(es) still running {RAY_EXIT_S:.0f}s after it: "
+                    + "; ".join(names[p] for p in left)
+                )
             else:
                 last = max(after, key=after.get) if after else None
-                detail += (f"its {len(names)} old processes exited: ours {c['ours_exited_s']}s after the link came "
-                           f"back (< 0: before), the last {c['exited_s']}s" + (f" ({names[last]})" if last else ""))
+                detail += (
+                    f"its {len(names)} old processes exited: ours {c['ours_exited_s']}s after the link came "
+                    f"back (< 0: before), the last {c['exited_s']}s" + (f" ({names[last]})" if last else "")
+                )
             if c.get("watch_error"):
                 detail += f" (/proc could not be read once: {c['watch_error']})"
             checks.append(Check("fenced", still_dead and not left and not ours_left and not missing, detail))

@@ -61,10 +61,18 @@ class Prediction:
         return outcome_label(self.outcome, self.step)
 
     def to_json(self) -> dict:
-        return {"outcome": self.outcome, "step": self.step, "tier": self.tier, "label": self.label(),
-                "failed_slots": list(self.failed_slots), "lost_hosts": list(self.lost_hosts),
-                "memory_steps": list(self.memory_steps), "durable_steps": list(self.durable_steps),
-                "skipped": list(self.skipped), "reason": self.reason}
+        return {
+            "outcome": self.outcome,
+            "step": self.step,
+            "tier": self.tier,
+            "label": self.label(),
+            "failed_slots": list(self.failed_slots),
+            "lost_hosts": list(self.lost_hosts),
+            "memory_steps": list(self.memory_steps),
+            "durable_steps": list(self.durable_steps),
+            "skipped": list(self.skipped),
+            "reason": self.reason,
+        }
 
 
 def outcome_label(outcome: Optional[str], step: Optional[int]) -> str:
@@ -75,15 +83,23 @@ def outcome_label(outcome: Optional[str], step: Optional[int]) -> str:
     return outcome or "?"
 
 
-def make_placement(strategy: str, hosts: int, replicas: int,
-                   domains: Optional[tuple[str, ...]] = None) -> placement.Placement:
+def make_placement(
+    strategy: str, hosts: int, replicas: int, domains: Optional[tuple[str, ...]] = None
+) -> placement.Placement:
     """Where the job's copies are: the library's own rule (``ChaosConfig.domains``: each host's
     failure domain, as the job reads it from the node labels)."""
     return placement_for(hosts=hosts, replicas=replicas, strategy=strategy, domains=domains)
 
 
-def versions_after(s: Scenario, config: ChaosConfig, *, committed: Iterable[int], persisted: Iterable[int],
-                   p: placement.Placement, hosts: tuple[int, ...]) -> Versions:
+def versions_after(
+    s: Scenario,
+    config: ChaosConfig,
+    *,
+    committed: Iterable[int],
+    persisted: Iterable[int],
+    p: placement.Placement,
+    hosts: tuple[int, ...],
+) -> Versions:
     """The versions that exist after ``s``'s faults, from the steps observed before them.
 
     ``committed``/``persisted``: observed before the fault (with ``phase="step"``: including
@@ -106,20 +122,32 @@ def versions_after(s: Scenario, config: ChaosConfig, *, committed: Iterable[int]
             committed.append(in_flight)
         outage = s.condition(DurableWriteOutage)
         durable = bool(
-            ok and config.persisted_by_policy(in_flight)
+            ok
+            and config.persisted_by_policy(in_flight)
             and 0 not in s.dead_ranks(hosts)  # rank 0 writes and commits the durable version
             and placement.survives(p, s.failed_slots())  # every shard still has a live copy to read
-            and not (outage and in_flight in outage.steps))
+            and not (outage and in_flight in outage.steps)
+        )
         if durable:
             persisted.append(in_flight)
-    return Versions(committed=tuple(sorted(set(committed))[-config.keep_in_memory:]),
-                    persisted=tuple(sorted(set(persisted))[-config.keep_durable:]),
-                    in_flight=in_flight, in_flight_committed=ok, in_flight_persisted=durable)
+    return Versions(
+        committed=tuple(sorted(set(committed))[-config.keep_in_memory :]),
+        persisted=tuple(sorted(set(persisted))[-config.keep_durable :]),
+        in_flight=in_flight,
+        in_flight_committed=ok,
+        in_flight_persisted=durable,
+    )
 
 
-def predict(p: placement.Placement, *, failed: Iterable[int], versions: Versions, durable_available: bool = True,
-            corrupt_memory: Optional[Mapping[int, Mapping[int, set]]] = None,
-            corrupt_durable: Iterable[int] = ()) -> Prediction:
+def predict(
+    p: placement.Placement,
+    *,
+    failed: Iterable[int],
+    versions: Versions,
+    durable_available: bool = True,
+    corrupt_memory: Optional[Mapping[int, Mapping[int, set]]] = None,
+    corrupt_durable: Iterable[int] = (),
+) -> Prediction:
     """The restore outcome the planner predicts (see the module docstring).
 
     ``corrupt_memory``: step -> owner slot -> slots whose copy of that owner's shard is bad.
@@ -133,16 +161,24 @@ def predict(p: placement.Placement, *, failed: Iterable[int], versions: Versions
     notes = []
     if plan.from_memory:
         for st in versions.committed:
-            unreadable = [o for o, bad in corrupt_memory.get(st, {}).items()
-                          if not [h for h in p.holders(o) if h not in failed and h not in bad]]
+            unreadable = [
+                o
+                for o, bad in corrupt_memory.get(st, {}).items()
+                if not [h for h in p.holders(o) if h not in failed and h not in bad]
+            ]
             if unreadable and st not in durable_ok:
                 notes.append(f"memory@{st} has no good copy of shard(s) {unreadable}")
                 continue
             candidates.append((st, MEMORY))
     candidates += [(st, DURABLE) for st in durable_ok]
-    base = dict(tier=plan.tier, failed_slots=tuple(sorted(failed)), lost_hosts=plan.lost_hosts,
-                memory_steps=versions.committed, durable_steps=versions.persisted)
-    where = (f"slots {sorted(failed)} failed: " if failed else "no slot failed: ")
+    base = dict(
+        tier=plan.tier,
+        failed_slots=tuple(sorted(failed)),
+        lost_hosts=plan.lost_hosts,
+        memory_steps=versions.committed,
+        durable_steps=versions.persisted,
+    )
+    where = f"slots {sorted(failed)} failed: " if failed else "no slot failed: "
     if plan.from_memory:
         where += "every shard keeps a live copy"
     else:
@@ -170,8 +206,11 @@ def plan_scenario(s: Scenario, config: ChaosConfig) -> Prediction:
     f = s.at.step
     before = list(range(0, f + 1 if s.at.phase == STEP else f))
     outage = s.condition(DurableWriteOutage)
-    persisted = [x for x in before if config.persisted_by_policy(x) and not (outage and x in outage.steps)
-                 and x not in s.unhealthy_steps()]
+    persisted = [
+        x
+        for x in before
+        if config.persisted_by_policy(x) and not (outage and x in outage.steps) and x not in s.unhealthy_steps()
+    ]
     hosts = tuple(range(config.hosts))
     p = make_placement(s.placement, config.hosts, config.replicas, config.domains)
     corrupt_memory: dict[int, dict[int, set]] = {}
@@ -183,6 +222,11 @@ def plan_scenario(s: Scenario, config: ChaosConfig) -> Prediction:
         if isinstance(fault, CorruptDurable) and persisted:
             corrupt_durable.add(max(persisted))
     versions = versions_after(s, config, committed=before, persisted=persisted, p=p, hosts=hosts)
-    return predict(p, failed=s.failed_slots(), versions=versions,
-                   durable_available=s.condition(DurableUnreachable) is None,
-                   corrupt_memory=corrupt_memory, corrupt_durable=corrupt_durable)
+    return predict(
+        p,
+        failed=s.failed_slots(),
+        versions=versions,
+        durable_available=s.condition(DurableUnreachable) is None,
+        corrupt_memory=corrupt_memory,
+        corrupt_durable=corrupt_durable,
+    )

@@ -82,16 +82,26 @@ class ScenarioResult:
     def to_json(self) -> dict:
         s = self.scenario
         return {
-            "name": s.name, "description": s.describe(), "placement": s.placement, "note": s.note,
+            "name": s.name,
+            "description": s.describe(),
+            "placement": s.placement,
+            "note": s.note,
             "at": {"step": s.at.step, "phase": s.at.phase, "rank": s.at.rank},
-            "faults": [repr(f) for f in s.faults], "conditions": [repr(c) for c in s.conditions],
+            "faults": [repr(f) for f in s.faults],
+            "conditions": [repr(c) for c in s.conditions],
             "restart_hosts": list(s.restart_hosts) if s.restart_hosts is not None else None,
             "predicted": self.prediction.to_json() if self.prediction else None,
-            "observed": self.observed, "observed_label": self.observed_label,
-            "steps_lost": self.steps_lost, "recovery_s": self.recovery_s, "restore_s": self.restore_s,
-            "timings": self.timings, "notes": self.notes,
+            "observed": self.observed,
+            "observed_label": self.observed_label,
+            "steps_lost": self.steps_lost,
+            "recovery_s": self.recovery_s,
+            "restore_s": self.restore_s,
+            "timings": self.timings,
+            "notes": self.notes,
             "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in self.checks],
-            "verdict": self.verdict, "error": self.error, "duration_s": round(self.duration_s, 2),
+            "verdict": self.verdict,
+            "error": self.error,
+            "duration_s": round(self.duration_s, 2),
         }
 
 

@@ -78,8 +78,9 @@ def _durable_steps(root: str) -> list[int]:
     return FsStore(root).committed_steps()
 
 
-def _lose_during_restore(h: Harness, job: JobRun, s: Scenario, restart_hosts: tuple[int, ...],
-                         lost: tuple[int, ...], unreachable: bool) -> dict[int, Any]:
+def _lose_during_restore(
+    h: Harness, job: JobRun, s: Scenario, restart_hosts: tuple[int, ...], lost: tuple[int, ...], unreachable: bool
+) -> dict[int, Any]:
     """Start the restore, remove ``lost`` while their ranks are inside it (held at its
     ``restore`` phase), replace them, and start the job once more (the survivors' restore waits
     on a dead rank: their processes are replaced, as a job controller would)."""
@@ -116,13 +117,18 @@ def _check_unhealthy_skipped(s: Scenario, restored: dict[int, Any], errors: dict
         want = {x for x in s.unhealthy_steps() if v["step"] is None or x > v["step"]}
         if not want <= set(v.get("skipped_steps") or ()):
             bad.append(rank)
-    return Check("unhealthy_skipped", not bad,
-                 f"ranks {bad} did not report the unhealthy step(s) {list(s.unhealthy_steps())} as skipped" if bad
-                 else f"every rank skipped the unhealthy step(s) {list(s.unhealthy_steps())}")
+    return Check(
+        "unhealthy_skipped",
+        not bad,
+        f"ranks {bad} did not report the unhealthy step(s) {list(s.unhealthy_steps())} as skipped"
+        if bad
+        else f"every rank skipped the unhealthy step(s) {list(s.unhealthy_steps())}",
+    )
 
 
-def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
-                 store_factory: Optional[StoreFactory] = None) -> ScenarioResult:
+def run_scenario(
+    scenario: Scenario, harness: Harness, *, job: Any = None, store_factory: Optional[StoreFactory] = None
+) -> ScenarioResult:
     """Run one scenario on ``harness`` (started if needed) and check it (see
     :mod:`gemini_ckpt.chaos`). Never raises for what the scenario finds: a failed check makes
     the verdict ``MISMATCH``; a scenario the harness's own machinery could not carry out (a
@@ -150,16 +156,19 @@ def run_scenario(scenario: Scenario, harness: Harness, *, job: Any = None,
         result.error = short(f"{type(exc).__name__}: {exc}", 1000)
         result.infra = isinstance(exc, (InfraError, RayError))
     result.duration_s = time.perf_counter() - t_start
-    harness.log(f"{scenario.name}: {result.verdict} predicted {result.prediction.label() if result.prediction else '-'}"
-                f", observed {result.observed_label} ({result.duration_s:.1f}s)"
-                + (f" {result.error}" if result.error else "")
-                + "".join(f"\n    {c.name}: {c.detail}" for c in result.failed_checks())
-                + "".join(f"\n    note: {n}" for n in result.notes))
+    harness.log(
+        f"{scenario.name}: {result.verdict} predicted {result.prediction.label() if result.prediction else '-'}"
+        f", observed {result.observed_label} ({result.duration_s:.1f}s)"
+        + (f" {result.error}" if result.error else "")
+        + "".join(f"\n    {c.name}: {c.detail}" for c in result.failed_checks())
+        + "".join(f"\n    note: {n}" for n in result.notes)
+    )
     return result
 
 
-def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreFactory],
-         result: ScenarioResult) -> None:
+def _run(
+    s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreFactory], result: ScenarioResult
+) -> None:
     cfg = h.config
     ref = h.reference(train_job)
     hosts = tuple(range(cfg.hosts))
@@ -167,8 +176,14 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
     p = make_placement(s.placement, cfg.hosts, cfg.replicas, cfg.domains)
     outage = s.condition(DurableWriteOutage)
     unreachable = s.condition(DurableUnreachable) is not None
-    job = JobRun(h, s.name, job=train_job, placement=s.placement, store_factory=store_factory,
-                 chaos_fs=outage is not None or unreachable)
+    job = JobRun(
+        h,
+        s.name,
+        job=train_job,
+        placement=s.placement,
+        store_factory=store_factory,
+        chaos_fs=outage is not None or unreachable,
+    )
     outage_steps = outage.steps if outage else ()
     restart_hosts = s.restart_hosts if s.restart_hosts is not None else hosts
     checks = result.checks
@@ -189,11 +204,15 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         nan = s.condition(NanInState)
         poison = {"poison_steps": s.unhealthy_steps()} if nan is not None else {}
         if poison:  # only the poisoned rank's state goes bad
-            refs = {rank: h.pool.workers[x].run.remote(before, outage_steps=outage_steps,
-                                                       **(poison if rank == nan.rank else {}))
-                    for rank, x in enumerate(hosts)}
-            records = job.expect_all(h.pool.collect(refs, timeout=job.run_timeout(len(before))),
-                                     "training before the fault")
+            refs = {
+                rank: h.pool.workers[x].run.remote(
+                    before, outage_steps=outage_steps, **(poison if rank == nan.rank else {})
+                )
+                for rank, x in enumerate(hosts)
+            }
+            records = job.expect_all(
+                h.pool.collect(refs, timeout=job.run_timeout(len(before))), "training before the fault"
+            )
         else:
             records = job.expect_all(job.run(hosts, before, outage_steps=outage_steps), "training before the fault")
         trace.add(records)
@@ -224,8 +243,14 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
 
         # 3. what the planner says should happen
         versions = versions_after(s, cfg, committed=committed, persisted=persisted, p=p, hosts=hosts)
-        pred = predict(p, failed=s.failed_slots(), versions=versions, durable_available=not unreachable,
-                       corrupt_memory=corrupt_memory, corrupt_durable=corrupt_durable)
+        pred = predict(
+            p,
+            failed=s.failed_slots(),
+            versions=versions,
+            durable_available=not unreachable,
+            corrupt_memory=corrupt_memory,
+            corrupt_durable=corrupt_durable,
+        )
         result.prediction = pred
 
         # 4. restart and restore
@@ -243,10 +268,8 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
         timings["workers_s"] = time.perf_counter() - t
         t = time.perf_counter()
         lost_again = s.lost_in_restore()
-        rules = {rank: [HookRule("restore", None, "pause")] for rank, x in enumerate(restart_hosts)
-                 if x in lost_again}
-        setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False,
-                          rules=rules)
+        rules = {rank: [HookRule("restore", None, "pause")] for rank, x in enumerate(restart_hosts) if x in lost_again}
+        setup = job.setup(restart_hosts, storage_mode="unreachable" if unreachable else "ok", strict=False, rules=rules)
         errors = {r: err(v) for r, v in setup.items() if err(v)}
         if lost_again and not errors:
             setup = _lose_during_restore(h, job, s, restart_hosts, lost_again, unreachable)
@@ -275,16 +298,26 @@ def _run(s: Scenario, h: Harness, train_job: Any, store_factory: Optional[StoreF
             job.call(restart_hosts, "set_storage", "ok", timeout=30)
 
         # 5. check what restore did
-        checks.append(Check("prediction", (observed["outcome"], observed.get("step")) == (pred.outcome, pred.step),
-                            f"predicted {pred.label()} ({pred.reason}); observed {result.observed_label}"
-                            + (f": {observed.get('error')}" if observed.get("error") else "")))
+        checks.append(
+            Check(
+                "prediction",
+                (observed["outcome"], observed.get("step")) == (pred.outcome, pred.step),
+                f"predicted {pred.label()} ({pred.reason}); observed {result.observed_label}"
+                + (f": {observed.get('error')}" if observed.get("error") else ""),
+            )
+        )
         # A poisoned step differs from the reference by design; the ones before it must not.
         checks.extend(check_pre_fault(trace, ref, [x for x in before if x not in s.unhealthy_steps()]))
         if s.unhealthy_steps():
             checks.append(_check_unhealthy_skipped(s, restored, errors))
         durable_now = _durable_steps(job.durable_root)
-        checks.append(Check("durable_tier", durable_now == list(versions.persisted),
-                            f"complete durable versions {durable_now}, predicted {list(versions.persisted)}"))
+        checks.append(
+            Check(
+                "durable_tier",
+                durable_now == list(versions.persisted),
+                f"complete durable versions {durable_now}, predicted {list(versions.persisted)}",
+            )
+        )
         if errors:
             for name in ("agreed", "exact_restore", "committed_only", "continued", "final_state", "finished"):
                 checks.append(Check(name, None, "restore failed"))

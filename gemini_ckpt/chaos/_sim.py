@@ -33,9 +33,11 @@ class RankPool:
         self.infos: dict[int, dict] = {}
 
     def _start(self, host: int):
-        return (ray.remote(RankWorker)
-                .options(num_cpus=0, resources={f"host{host}": 0.01}, max_restarts=0, max_concurrency=4)
-                .remote())
+        return (
+            ray.remote(RankWorker)
+            .options(num_cpus=0, resources={f"host{host}": 0.01}, max_restarts=0, max_concurrency=4)
+            .remote()
+        )
 
     def alive(self, host: int, timeout: float = 10.0) -> bool:
         w = self.workers.get(host)

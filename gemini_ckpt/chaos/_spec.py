@@ -66,25 +66,29 @@ class Scenario:
         object.__setattr__(self, "conditions", tuple(self.conditions))
         for f in self.faults:
             if not isinstance(f, FAULT_TYPES):
-                raise ScenarioError(f"Scenario {self.name}: {f!r} is not a fault; use one of "
-                                    f"{', '.join(t.__name__ for t in FAULT_TYPES)}")
+                raise ScenarioError(
+                    f"Scenario {self.name}: {f!r} is not a fault; use one of "
+                    f"{', '.join(t.__name__ for t in FAULT_TYPES)}"
+                )
         for c in self.conditions:
             if not isinstance(c, CONDITION_TYPES):
-                raise ScenarioError(f"Scenario {self.name}: {c!r} is not a condition; use one of "
-                                    f"{', '.join(t.__name__ for t in CONDITION_TYPES)}")
+                raise ScenarioError(
+                    f"Scenario {self.name}: {c!r} is not a condition; use one of "
+                    f"{', '.join(t.__name__ for t in CONDITION_TYPES)}"
+                )
         if self.placement not in PLACEMENTS:
             raise ScenarioError(f"Scenario {self.name}: placement={self.placement!r}; use one of {PLACEMENTS}")
         if self.restart_hosts is not None:
-            object.__setattr__(self, "restart_hosts", host_indices(f"Scenario {self.name}: restart_hosts",
-                                                                   self.restart_hosts))
+            object.__setattr__(
+                self, "restart_hosts", host_indices(f"Scenario {self.name}: restart_hosts", self.restart_hosts)
+            )
 
     # --- derived facts ---------------------------------------------------------------------
     def removed_hosts(self) -> tuple[int, ...]:
         return tuple(dict.fromkeys(h for f in self.faults if isinstance(f, RemoveHosts) for h in f.hosts))
 
     def replaced_hosts(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(h for f in self.faults if isinstance(f, RemoveHosts) and f.replace
-                                   for h in f.hosts))
+        return tuple(dict.fromkeys(h for f in self.faults if isinstance(f, RemoveHosts) and f.replace for h in f.hosts))
 
     def lost_in_restore(self) -> tuple[int, ...]:
         """Hosts removed again while their ranks restore (:attr:`RemoveHosts.during_restore`)."""
@@ -166,8 +170,9 @@ class ChaosConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ScenarioError(f"ChaosConfig.{name} must be an int >= 1, got {value!r}")
         if self.replicas > self.hosts:
-            raise ScenarioError(f"ChaosConfig.replicas={self.replicas} needs at least that many hosts "
-                                f"(hosts={self.hosts})")
+            raise ScenarioError(
+                f"ChaosConfig.replicas={self.replicas} needs at least that many hosts (hosts={self.hosts})"
+            )
         if self.steps < 3:
             raise ScenarioError("ChaosConfig.steps must be at least 3 (train, fault, continue)")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
@@ -175,15 +180,18 @@ class ChaosConfig:
         if self.domains is not None:
             domains = tuple(self.domains) if not isinstance(self.domains, str) else ()
             if len(domains) != self.hosts or not all(isinstance(d, str) and d for d in domains):
-                raise ScenarioError(f"ChaosConfig.domains must give one non-empty label per host ({self.hosts}), "
-                                    f"e.g. {tuple(str(i // 2) for i in range(self.hosts))}; got {self.domains!r}")
+                raise ScenarioError(
+                    f"ChaosConfig.domains must give one non-empty label per host ({self.hosts}), "
+                    f"e.g. {tuple(str(i // 2) for i in range(self.hosts))}; got {self.domains!r}"
+                )
             object.__setattr__(self, "domains", domains)
         if self.network not in NETWORKS:
             raise ScenarioError(f"ChaosConfig.network={self.network!r}: choose one of {', '.join(NETWORKS)}")
         if self.link is not None:
             if self.network != "netns":
-                raise ScenarioError(f"ChaosConfig.link={self.link!r} shapes the hosts' own links: it needs "
-                                    f"network='netns'")
+                raise ScenarioError(
+                    f"ChaosConfig.link={self.link!r} shapes the hosts' own links: it needs network='netns'"
+                )
             try:
                 parse_rate(self.link)
             except ValueError as exc:
@@ -204,21 +212,29 @@ class ChaosConfig:
         """Raise :class:`ScenarioError` if ``s`` cannot run on this job."""
         last = self.steps - 1
         if s.at.step >= last:
-            raise ScenarioError(f"Scenario {s.name}: At.step={s.at.step} leaves no step to continue with; "
-                                f"use a step below {last} (ChaosConfig.steps={self.steps})")
+            raise ScenarioError(
+                f"Scenario {s.name}: At.step={s.at.step} leaves no step to continue with; "
+                f"use a step below {last} (ChaosConfig.steps={self.steps})"
+            )
         if s.at.rank >= self.hosts:
             raise ScenarioError(f"Scenario {s.name}: At.rank={s.at.rank} but the job has {self.hosts} ranks")
         if s.at.phase in PERSIST_PHASES and not self.persisted_by_policy(s.at.step):
             due = [x for x in range(self.steps) if self.persisted_by_policy(x)]
-            raise ScenarioError(f"Scenario {s.name}: step {s.at.step} is not persisted "
-                                f"(persist_every={self.persist_every}); phase {s.at.phase!r} needs one of {due}")
+            raise ScenarioError(
+                f"Scenario {s.name}: step {s.at.step} is not persisted "
+                f"(persist_every={self.persist_every}); phase {s.at.phase!r} needs one of {due}"
+            )
         if s.placement == "group" and self.hosts % self.replicas:
-            raise ScenarioError(f"Scenario {s.name}: group placement needs replicas ({self.replicas}) to divide "
-                                f"hosts ({self.hosts}); use mixed")
+            raise ScenarioError(
+                f"Scenario {s.name}: group placement needs replicas ({self.replicas}) to divide "
+                f"hosts ({self.hosts}); use mixed"
+            )
         for f in s.faults:
             if isinstance(f, RemoveHosts) and f.domain is not None and f.hosts != self.domain_hosts(f.domain):
-                raise ScenarioError(f"Scenario {s.name}: {f!r} is not every host of domain {f.domain!r} "
-                                    f"(ChaosConfig.domains: {self.domain_hosts(f.domain) or 'no such domain'})")
+                raise ScenarioError(
+                    f"Scenario {s.name}: {f!r} is not every host of domain {f.domain!r} "
+                    f"(ChaosConfig.domains: {self.domain_hosts(f.domain) or 'no such domain'})"
+                )
             for h in getattr(f, "hosts", ()) + tuple(getattr(f, "ranks", ())):
                 if h >= self.hosts:
                     raise ScenarioError(f"Scenario {s.name}: {f!r} names host/rank {h}; the job has {self.hosts}")
@@ -230,11 +246,15 @@ class ChaosConfig:
         hosts_after = s.restart_hosts if s.restart_hosts is not None else tuple(range(self.hosts))
         gone = set(s.removed_hosts()) - set(s.replaced_hosts())
         if set(hosts_after) & gone:
-            raise ScenarioError(f"Scenario {s.name}: restart_hosts {hosts_after} includes removed hosts "
-                                f"{sorted(gone)} that are not replaced; set RemoveHosts(replace=True) or pick others")
+            raise ScenarioError(
+                f"Scenario {s.name}: restart_hosts {hosts_after} includes removed hosts "
+                f"{sorted(gone)} that are not replaced; set RemoveHosts(replace=True) or pick others"
+            )
         if s.needs_network() and self.network != "netns":
-            raise ScenarioError(f"Scenario {s.name} cuts or shapes a host's link: it needs ChaosConfig.network="
-                                f"'netns' (--network netns)")
+            raise ScenarioError(
+                f"Scenario {s.name} cuts or shapes a host's link: it needs ChaosConfig.network="
+                f"'netns' (--network netns)"
+            )
         for c in s.conditions:
             if isinstance(c, (SlowLink, FlappingLink)) and c.host >= self.hosts:
                 raise ScenarioError(f"Scenario {s.name}: {c!r} is outside {self.hosts} hosts")
@@ -248,8 +268,10 @@ class ChaosConfig:
             if nan.rank >= self.hosts:
                 raise ScenarioError(f"Scenario {s.name}: {nan!r} is outside {self.hosts} ranks")
             if s.at.phase != STEP:
-                raise ScenarioError(f"Scenario {s.name}: NanInState poisons the fault step before it is saved; "
-                                    f"use At(step=..., phase='step'), not phase={s.at.phase!r}")
+                raise ScenarioError(
+                    f"Scenario {s.name}: NanInState poisons the fault step before it is saved; "
+                    f"use At(step=..., phase='step'), not phase={s.at.phase!r}"
+                )
         outage = s.condition(DurableWriteOutage)
         if outage is not None and any(x >= self.steps for x in outage.steps):
             raise ScenarioError(f"Scenario {s.name}: {outage!r} names steps beyond {last}")

@@ -44,8 +44,11 @@ class FaultyFsHandler(pafs.FileSystemHandler):
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"storage mode {mode!r}; use one of {MODES}")
-        for event, on in ((self.failing, mode == "fail_writes"), (self.failing_deletes, mode == "fail_writes"),
-                          (self.unreachable, mode == "unreachable")):
+        for event, on in (
+            (self.failing, mode == "fail_writes"),
+            (self.failing_deletes, mode == "fail_writes"),
+            (self.unreachable, mode == "unreachable"),
+        ):
             event.set() if on else event.clear()
 
     def _check_read(self, path) -> None:

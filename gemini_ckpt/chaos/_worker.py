@@ -80,8 +80,11 @@ class RankWorker:
         self.teardown()
         stage = self._stage = "rendezvous"
         if self._broken:
-            return {"error": "an earlier setup of this process failed in its rendezvous or build; "
-                             "the harness replaces such a process", "stage": stage}
+            return {
+                "error": "an earlier setup of this process failed in its rendezvous or build; "
+                "the harness replaces such a process",
+                "stage": stage,
+            }
         try:
             self.rank, self.world_size = spec["rank"], spec["world_size"]
             self.timeout_s = spec["timeout_s"]
@@ -89,8 +92,7 @@ class RankWorker:
             host, port = spec["rendezvous"]
             # A client of the store the driver already holds bound: no port is picked here.
             store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=timeout)
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
             stage = self._stage = "build"
             self.job = spec["job"]
             self.state = self.job.build(self.rank, self.world_size, spec["seed"])
@@ -161,9 +163,15 @@ class RankWorker:
             return {"error": describe_error(exc), "seconds": time.perf_counter() - t0}
         out: dict[str, Any] = {"step": None, "source": None, "seconds": time.perf_counter() - t0}
         if result is not None:
-            out.update(step=result.step, source=result.source, sources=dict(result.sources),
-                       bytes_read=dict(result.bytes_read), restore_s=result.seconds,
-                       skipped_steps=list(result.skipped_steps), saved_world_size=result.saved_world_size)
+            out.update(
+                step=result.step,
+                source=result.source,
+                sources=dict(result.sources),
+                bytes_read=dict(result.bytes_read),
+                restore_s=result.seconds,
+                skipped_steps=list(result.skipped_steps),
+                saved_world_size=result.saved_world_size,
+            )
         out["digest"] = digest(full_tensor_state(self.state))
         out["extra"] = dict(self.state.extra)
         return out
@@ -175,8 +183,13 @@ class RankWorker:
         load_full_state(self.state, full, opaque, rank=self.rank, source_rank=source_rank, step=step)
         return {"digest": digest(full_tensor_state(self.state)), "extra": dict(self.state.extra)}
 
-    def run(self, steps: list[int], outage_steps: tuple[int, ...] = (), capture: bool = False,
-            poison_steps: tuple[int, ...] = ()) -> list[dict]:
+    def run(
+        self,
+        steps: list[int],
+        outage_steps: tuple[int, ...] = (),
+        capture: bool = False,
+        poison_steps: tuple[int, ...] = (),
+    ) -> list[dict]:
         """Train, save and wait for each step's commit (and, on rank 0, its persist when due).
         Stops at the first step that raises (a dead peer): the records so far come back.
         ``poison_steps``: after their optimizer step, a NaN is written into this rank's

@@ -42,8 +42,9 @@ class Job:
 class Background:
     """The background thread and the versions queued for it (started by ``Checkpointer.start``)."""
 
-    def __init__(self, inflight: InFlight, lineage: Lineage, stats: CheckpointStats, config: CheckpointConfig, *,
-                 rank: int) -> None:
+    def __init__(
+        self, inflight: InFlight, lineage: Lineage, stats: CheckpointStats, config: CheckpointConfig, *, rank: int
+    ) -> None:
         self.inflight = inflight
         self.lineage = lineage
         self.stats = stats
@@ -73,8 +74,10 @@ class Background:
         """Queue a staged version, unless abort() from another thread stopped the thread meanwhile."""
         with self.inflight.lock:
             if self.inflight.stopped:
-                raise CheckpointError(f"save({job.handle.step}): this Checkpointer was aborted while the version "
-                                      f"was being staged; it may still commit in the store, but is not tracked")
+                raise CheckpointError(
+                    f"save({job.handle.step}): this Checkpointer was aborted while the version "
+                    f"was being staged; it may still commit in the store, but is not tracked"
+                )
             self.jobs.put(job)
 
     def stop(self, timeout: float, *, drain: bool = True) -> None:
@@ -113,8 +116,10 @@ class Background:
             if job is None:
                 stop = True
                 continue
-            err = CheckpointError(f"rank {self.rank}: version {job.handle.step} was not tracked to its commit: "
-                                  f"the Checkpointer was closed first")
+            err = CheckpointError(
+                f"rank {self.rank}: version {job.handle.step} was not tracked to its commit: "
+                f"the Checkpointer was closed first"
+            )
             for fut in (job.handle.health, job.handle.committed, job.handle.persisted):
                 if not fut.done():
                     fut.set_exception(err)
@@ -128,9 +133,14 @@ class Background:
             handle = job.handle
             try:
                 outcome = self._hand_off(job)
-                health = outcome.health or (UNCHECKED_VERDICT if self.config.health_check is None else no_verdict(
-                    "the host stores did not say that every shard carries a verdict, though health checks are on "
-                    "(a store of another gemini_ckpt version?)"))
+                health = outcome.health or (
+                    UNCHECKED_VERDICT
+                    if self.config.health_check is None
+                    else no_verdict(
+                        "the host stores did not say that every shard carries a verdict, though health checks are on "
+                        "(a store of another gemini_ckpt version?)"
+                    )
+                )
                 self.stats.committed += 1
                 self.stats.last_commit_s = time.perf_counter() - job.t0
                 self.newest_committed = handle.step
@@ -148,16 +158,20 @@ class Background:
                     if persist:
                         self.persister.queue(handle, pinned=True)
                 if job.persist and not persist and not health.unhealthy:
-                    handle.persisted.set_exception(CheckpointError(
-                        f"rank {self.rank}: version {handle.step} committed while the Checkpointer was aborted: "
-                        f"it stays in memory and is not persisted"))
+                    handle.persisted.set_exception(
+                        CheckpointError(
+                            f"rank {self.rank}: version {handle.step} committed while the Checkpointer was aborted: "
+                            f"it stays in memory and is not persisted"
+                        )
+                    )
                 elif not persist:
                     handle.persisted.set_result(None)
             except BaseException as exc:  # DCP's CheckpointException derives from BaseException
                 with self.inflight.lock:
                     self.lineage.failed(handle.step, self.newest_committed)
-                err = BackgroundError(f"rank {self.rank}: version {handle.step} was not committed: "
-                                      f"{type(exc).__name__}: {exc}")
+                err = BackgroundError(
+                    f"rank {self.rank}: version {handle.step} was not committed: {type(exc).__name__}: {exc}"
+                )
                 err.__cause__ = exc
                 self.stats.failed += 1
                 # after abort() closed the store under it: expected, the job is going down
@@ -189,20 +203,33 @@ class Background:
                 self.store.unpin(step)
             except Exception as exc:  # noqa: BLE001 - retention catches up at the next commit
                 log.warning("rank %d: could not release unhealthy step %d: %s", self.rank, step, exc)
-        good = (f"the newest healthy version is step {self.newest_healthy}" if self.newest_healthy is not None
-                else "no healthy version was saved by this run")
+        good = (
+            f"the newest healthy version is step {self.newest_healthy}"
+            if self.newest_healthy is not None
+            else "no healthy version was saved by this run"
+        )
         if self.first_unhealthy is None:
             self.first_unhealthy = (step, health)
             banner = "!" * 88
-            log.error("%s\nrank %d: step %d is UNHEALTHY: %s.\nIt is kept in memory for inspection only: it is never "
-                      "restored (unless named: restore(step=%d)), persisted, reported or counted by retention; %s. "
-                      "Later unhealthy versions are logged at INFO.\n%s", banner, self.rank, step, health.reason, step,
-                      good, banner)
+            log.error(
+                "%s\nrank %d: step %d is UNHEALTHY: %s.\nIt is kept in memory for inspection only: it is never "
+                "restored (unless named: restore(step=%d)), persisted, reported or counted by retention; %s. "
+                "Later unhealthy versions are logged at INFO.\n%s",
+                banner,
+                self.rank,
+                step,
+                health.reason,
+                step,
+                good,
+                banner,
+            )
         else:
             log.info("rank %d: step %d is unhealthy too: %s", self.rank, step, health.reason)
         if self.config.health_check is not None and self.config.health_check.on_unhealthy == "raise":
             err = UnhealthyVersionError(
                 f"rank {self.rank}: step {step} is unhealthy: {health.reason}; {good}. Stop and restart from it "
                 f"(restore() skips unhealthy versions), or set HealthCheck(on_unhealthy='warn') to train on",
-                step=step, health=health)
+                step=step,
+                health=health,
+            )
             self.inflight.add_error(err)

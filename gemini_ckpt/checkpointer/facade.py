@@ -18,18 +18,15 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .. import attempts
-from ..collective import everyones, rank0s
+from ..collective import rank0s
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError
 from ..faults import fire
 from ..format.commstate import Marker
-from ..health import MetricHistory
 from ..lineage import Lineage, survey
 from ..durable.writer import Persister
 from ..retention import KeepNewest, Retention
 from ..results import CheckpointStats, RestoreResult, SaveHandle
-from ..save.sources import Sources
-from ..save.stager import Stager
 from ..restore.peek import Peeked, peek_newest
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier
@@ -38,10 +35,9 @@ from ..unpickle import no_gc
 from .background import Background, Job
 from ..events import CheckpointListener, Events
 from .inflight import InFlight
-from .overlapped import OverlapCopier
 from .restoring import restore_version
-from .snapshot import Phases, judge, plan_snapshot, record_save, stage
-from .tiers import job_description, make_store, start_persister, warm_up
+from .snapshot import Snapshot
+from .tiers import make_store, start_persister, warm_up
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -63,10 +59,16 @@ class Checkpointer:
     ``save``/``restore``/``peek``. Rank and world size come from ``torch.distributed``.
     """
 
-    def __init__(self, state: TrainState, config: Optional[CheckpointConfig] = None, *,
-                 store: Optional[MemoryTier] = None, durable: Optional[DurableTier] = None,
-                 durable_retention: Optional[Retention] = None,
-                 listeners: Sequence[CheckpointListener] = ()) -> None:
+    def __init__(
+        self,
+        state: TrainState,
+        config: Optional[CheckpointConfig] = None,
+        *,
+        store: Optional[MemoryTier] = None,
+        durable: Optional[DurableTier] = None,
+        durable_retention: Optional[Retention] = None,
+        listeners: Sequence[CheckpointListener] = (),
+    ) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(f"Checkpointer needs a TrainState, got {type(state).__name__}")
         self.state = state
@@ -74,8 +76,10 @@ class Checkpointer:
         if not isinstance(self.config, CheckpointConfig):
             raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
         if store is not None and not isinstance(store, MemoryTier):
-            raise TypeError(f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
-                            f"got {type(store).__name__}; a durable location goes in CheckpointConfig.durable_uri")
+            raise TypeError(
+                f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
+                f"got {type(store).__name__}; a durable location goes in CheckpointConfig.durable_uri"
+            )
         initialized = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if initialized else 0
         self.world_size = dist.get_world_size() if initialized else 1
@@ -84,24 +88,22 @@ class Checkpointer:
         self._flight = InFlight()  # the in-flight slots, the background's errors, the closing flags
         self._bg_group = None
         self._closed = False
-        self.persist_policy = persist_policy(self.config.persist_every,
-                                             self.config.durable_uri or (durable.uri if durable else None))
+        self.persist_policy = persist_policy(
+            self.config.persist_every, self.config.durable_uri or (durable.uri if durable else None)
+        )
         self._durable: Optional[DurableTier] = durable
         self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
         self._persister: Optional[Persister] = None
-        self._sources = Sources(state, self.rank)
-        self._restored_plan = None  # the restored version's shard plan, until the first save decides on it
-        self._stager = Stager()
-        check = self.config.health_check
-        self._metric_history = MetricHistory(check.metrics) if check is not None else None
-        self._lineage = Lineage(self.config.resolved_namespace, overwrite=self.config.overwrite,
-                                durable_uri=self.config.durable_uri or (durable.uri if durable else None))
+        # the snapshot phase: sources, stager, overlap copier (staging="overlap"), metric history
+        self._snapshot = Snapshot(state, self.config, self.stats, rank=self.rank, world_size=self.world_size)
+        self._lineage = Lineage(
+            self.config.resolved_namespace,
+            overwrite=self.config.overwrite,
+            durable_uri=self.config.durable_uri or (durable.uri if durable else None),
+        )
         self._background = Background(self._flight, self._lineage, self.stats, self.config, rank=self.rank)
         self._run_id = uuid.uuid4().hex
         self._warm: Optional[threading.Thread] = None
-        # staging="overlap": the copying thread, the copy it is doing, the optimizers' hooks
-        self._overlap = OverlapCopier(state, self._sources, self._stager, self.stats, rank=self.rank,
-                                      timeout_s=self.config.timeout_s)
         self._events = Events(rank=self.rank, on_error=self._flight.add_error)
         for listener in listeners:
             self._events.add(listener)
@@ -142,13 +144,20 @@ class Checkpointer:
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
             # rank 0's run id names this job's persist outcomes in the rendezvous store
-            self._run_id, existing = rank0s((self._run_id, existing), world_size=self.world_size,
-                                            group=self._bg_group)
+            self._run_id, existing = rank0s((self._run_id, existing), world_size=self.world_size, group=self._bg_group)
         self._lineage.started(existing)
+        self._snapshot.start(self._store, group=self._bg_group, run_id=self._run_id)
         if self._durable is not None:
-            self._persister = start_persister(self._durable, self._store, self.config, self.stats, rank=self.rank,
-                                              world_size=self.world_size, run_id=self._run_id,
-                                              on_error=self._persist_failed)
+            self._persister = start_persister(
+                self._durable,
+                self._store,
+                self.config,
+                self.stats,
+                rank=self.rank,
+                world_size=self.world_size,
+                run_id=self._run_id,
+                on_error=self._persist_failed,
+            )
         self._background.start(self._store, self._durable, self._persister)
         self._events.started(self)
         return self
@@ -236,69 +245,34 @@ class Checkpointer:
         self._raise_background_errors()
         self._lineage.admit(step)
         t0 = time.perf_counter()
-        self._overlap.wait_copy()  # the previous version's overlapped copy (done by now, unless no optimizer step ran)
-        slot, segment, queued = object(), None, False
+        self._snapshot.wait_copy()
+        slot, queued = object(), False
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
             if not self._flight.take(slot, step, self.config, self.stats):
                 return SaveHandle(step, skipped=True)
             fire("admitted", step=step, rank=self.rank)
             self._raise_background_errors()
-            phases = Phases(t0)
-            captured = self._sources.capture()
-            if captured is None:
-                captured = self._plan()
-                phases.mark("plan")
-            self.stats.state_dicts = self._sources.rebuilt
-            tensors, blobs = captured
-            plan = self._sources.plan
-            verdict = judge(self.config.health_check, step, self.state, metrics or {}, self._metric_history)
-            phases.mark("check")
-            segment = self._store.segment(plan.shard)
-            phases.mark("segment")
             due = self._durable is not None and (persist or self.persist_policy.should_persist(step))
             handle = SaveHandle(step)
-            behind = self._overlap.behind(tensors) if self.config.staging == "overlap" else []
-            if behind:
-                outcome = self._overlap.stage(self._store, step, plan, segment, tensors, blobs, behind, due, verdict,
-                                              handle, phases, t0)
-                segment = None  # the copying thread's now
-                stall = time.perf_counter() - t0
-            else:
-                outcome, stall = stage(self._store, self._stager, self._sources, step, plan, segment, tensors, blobs,
-                                       due=due, verdict=verdict, handle=handle, phases=phases, t0=t0, rank=self.rank)
-                segment = None  # the tier's now
-            self._background.queue(Job(handle, outcome, t0, due, slot))
+            taken = self._snapshot.take(step, due=due, metrics=metrics or {}, handle=handle, t0=t0)
+            self._background.queue(Job(handle, taken.outcome, t0, due, slot))
             queued = True
             self._events.watch(handle, metrics, t0)
         except Exception as exc:
             if self._flight.stopped and slot in self._flight.slots and "aborted" not in str(exc):
                 # abort() from another thread closed the store under this save(): the store's
                 # own error (an executor shut down, a closed channel) says nothing to the caller
-                raise CheckpointError(f"save({step}): this Checkpointer was aborted while the version was "
-                                      f"being staged ({type(exc).__name__}: {exc})") from exc
+                raise CheckpointError(
+                    f"save({step}): this Checkpointer was aborted while the version was "
+                    f"being staged ({type(exc).__name__}: {exc})"
+                ) from exc
             raise
         finally:
             if not queued:
-                if segment is not None:
-                    self._store.give_back(segment)
                 self._flight.release(slot)
         self._lineage.saved(step)
-        record_save(self.stats, self._store, plan, phases, step=step, stall=stall, rank=self.rank)
+        self._snapshot.record(step, taken)
         return handle
-
-    def _plan(self):
-        """Plan the state (a collective), or take the restored version's plan over (see
-        :func:`~.snapshot.plan_snapshot`), and bind the sources to it."""
-        state_dict = self._sources.live_state()
-        restored, self._restored_plan = self._restored_plan, None
-        captured = plan_snapshot(state_dict, restored, self._sources, self.state, self.config, self.stats,
-                                 rank=self.rank, world_size=self.world_size, group=self._bg_group,
-                                 run_id=self._run_id, job=job_description(self.config, world_size=self.world_size))
-        # DESIGN's invariant: the footprint is known (and over budget refused) before anything is staged
-        sizes = everyones(self._sources.plan.shard.region_bytes, world_size=self.world_size, group=self._bg_group)
-        self.stats.footprint = self._store.footprint(dict(enumerate(sizes)),
-                                                     self.config.keep_in_memory + self.config.max_inflight)
-        return captured
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""
@@ -322,8 +296,11 @@ class Checkpointer:
             finally:
                 self._shutdown(raise_errors=True)
             if self.stats.persist_failed:
-                warnings.warn(f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
-                              f"failed in this run; the last: {self.stats.last_persist_error}", stacklevel=2)
+                warnings.warn(
+                    f"rank {self.rank}: {self.stats.persist_failed} persist(s) to {self._durable.uri} "
+                    f"failed in this run; the last: {self.stats.last_persist_error}",
+                    stacklevel=2,
+                )
 
     def wait_persisted(self, timeout: Optional[float] = None) -> None:
         """Block until every version saved so far is committed and its persist, if it is due
@@ -338,7 +315,7 @@ class Checkpointer:
         # abort (wait=False): the version the background thread is tracking is not waited for;
         # closing the store below fails its outcome at once (the attach socket shuts)
         self._background.stop(self.config.timeout_s if wait else 0.0, drain=wait)
-        self._overlap.stop()
+        self._snapshot.stop()
         self._background.fail_unfinished()
         if self._persister is not None:
             self._persister.stop(self.config.timeout_s)
@@ -380,11 +357,21 @@ class Checkpointer:
             self._warm.join(timeout=self.config.timeout_s)
         marks.append(("connected", time.time()))
         with no_gc():
-            result, restored_plan = restore_version(self.state, self._store, self._durable, self.config,
-                                                    self._lineage, rank=self.rank, world_size=self.world_size,
-                                                    group=self._bg_group, marks=marks, step=step, rng=rng)
+            result, restored_plan = restore_version(
+                self.state,
+                self._store,
+                self._durable,
+                self.config,
+                self._lineage,
+                rank=self.rank,
+                world_size=self.world_size,
+                group=self._bg_group,
+                marks=marks,
+                step=step,
+                rng=rng,
+            )
         if result is not None:
-            self._restored_plan = restored_plan  # the first save may take it over
+            self._snapshot.restored_plan = restored_plan  # the first save may take it over
             self._events.restored(result)
         attempts.restored(result.step if result is not None else None)
         return result
@@ -396,5 +383,4 @@ class Checkpointer:
         self.start()
         self.wait()
         tiers = [self._store] + ([self._durable] if self._durable is not None else [])
-        return peek_newest(tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group,
-                           config=self.config)
+        return peek_newest(tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group, config=self.config)

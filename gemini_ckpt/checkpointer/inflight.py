@@ -40,19 +40,26 @@ class InFlight:
         with self.lock:
             while True:
                 if self.closing:
-                    raise CheckpointError(f"save({step}): this Checkpointer is closing (close() or abort() "
-                                          f"was called from another thread); build a new one")
+                    raise CheckpointError(
+                        f"save({step}): this Checkpointer is closing (close() or abort() "
+                        f"was called from another thread); build a new one"
+                    )
                 if self.count < config.max_inflight:
                     break
                 if config.inflight_policy == "skip":
                     stats.skipped += 1
-                    log.warning("skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
-                                step, self.count, stats.skipped)
+                    log.warning(
+                        "skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
+                        step,
+                        self.count,
+                        stats.skipped,
+                    )
                     return False
                 if not self.lock.wait(timeout=config.timeout_s):
                     raise CheckpointTimeoutError(
                         f"save({step}) waited {config.timeout_s}s for the previous version's "
-                        f"background work; raise CheckpointConfig.timeout_s or look at the store")
+                        f"background work; raise CheckpointConfig.timeout_s or look at the store"
+                    )
             self.slots.add(slot)
         return True
 

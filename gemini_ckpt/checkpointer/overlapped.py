@@ -17,13 +17,12 @@ import torch
 
 from ..errors import CheckpointError, CheckpointTimeoutError
 from ..faults import fire
-from ..results import CheckpointStats, SaveHandle, StageInfo
+from ..results import CheckpointStats, Phases, SaveHandle, StageInfo
 from ..save import overlap
 from ..save.sources import Sources
 from ..save.stager import Stager
 from ..state.train_state import TrainState
 from ..stores.base import MemoryTier
-from .snapshot import Phases
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -31,8 +30,16 @@ log = logging.getLogger("gemini_ckpt")
 class OverlapCopier:
     """The copying thread, the copy it is doing, the optimizers' hooks."""
 
-    def __init__(self, state: TrainState, sources: Sources, stager: Stager, stats: CheckpointStats, *, rank: int,
-                 timeout_s: float) -> None:
+    def __init__(
+        self,
+        state: TrainState,
+        sources: Sources,
+        stager: Stager,
+        stats: CheckpointStats,
+        *,
+        rank: int,
+        timeout_s: float,
+    ) -> None:
         self.state = state
         self.sources = sources
         self.stager = stager
@@ -51,16 +58,36 @@ class OverlapCopier:
             now, behind = overlap.split(self.state, tensors, self.sources.volatile)
             self._split = (gen, now, behind)
             hooked = {id(opt) for opt, _ in self._step_hooks}
-            self._step_hooks += [(opt, opt.register_step_pre_hook(self._before_optimizer_step))
-                                 for opt in self.state.optimizers if id(opt) not in hooked]
-            log.info("rank %d: overlapped staging: %d tensor item(s) copied while the next step runs, %d by save()",
-                     self.rank, len(behind), len(now))
+            self._step_hooks += [
+                (opt, opt.register_step_pre_hook(self._before_optimizer_step))
+                for opt in self.state.optimizers
+                if id(opt) not in hooked
+            ]
+            log.info(
+                "rank %d: overlapped staging: %d tensor item(s) copied while the next step runs, %d by save()",
+                self.rank,
+                len(behind),
+                len(now),
+            )
         if not self._step_hooks:  # no optimizer: nothing would wait for the copy
             return []
         return self._split[2]
 
-    def stage(self, store: MemoryTier, step: int, plan, segment, tensors: list, blobs: list, behind: list[int],
-              due: bool, verdict, handle: SaveHandle, phases: Phases, t0: float) -> Future:
+    def stage(
+        self,
+        store: MemoryTier,
+        step: int,
+        plan,
+        segment,
+        tensors: list,
+        blobs: list,
+        behind: list[int],
+        due: bool,
+        verdict,
+        handle: SaveHandle,
+        phases: Phases,
+        t0: float,
+    ) -> Future:
         """Copy what may change before the next optimizer step now, queue the rest on the
         copying thread; the future resolves as the store's outcome does."""
         now = self._split[1]
@@ -74,27 +101,60 @@ class OverlapCopier:
         if self._copier is None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gemini-ckpt-copy-behind")
         outcome: Future = Future()
-        info = dict(step=step, stall_s=time.perf_counter() - t0, staged_bytes=plan.shard.region_bytes,
-                    phases=phases.done())
-        self._copying = self._copier.submit(self._copy_behind, store, step, plan, segment, tensors, blobs, behind,
-                                            versions, due, verdict, handle, outcome, after, info)
+        info = dict(
+            step=step, stall_s=time.perf_counter() - t0, staged_bytes=plan.shard.region_bytes, phases=phases.done()
+        )
+        self._copying = self._copier.submit(
+            self._copy_behind,
+            store,
+            step,
+            plan,
+            segment,
+            tensors,
+            blobs,
+            behind,
+            versions,
+            due,
+            verdict,
+            handle,
+            outcome,
+            after,
+            info,
+        )
         return outcome
 
-    def _copy_behind(self, store: MemoryTier, step: int, plan, segment, tensors: list, blobs: list,
-                     behind: list[int], versions: list[int], due: bool, verdict, handle: SaveHandle, outcome: Future,
-                     after, info: dict) -> None:
+    def _copy_behind(
+        self,
+        store: MemoryTier,
+        step: int,
+        plan,
+        segment,
+        tensors: list,
+        blobs: list,
+        behind: list[int],
+        versions: list[int],
+        due: bool,
+        verdict,
+        handle: SaveHandle,
+        outcome: Future,
+        after,
+        info: dict,
+    ) -> None:
         t0 = time.perf_counter()
         try:
             fire("copy_behind", step=step, rank=self.rank)
             self.stager.copy_items(plan.shard, segment, tensors, behind, after=after)
-            changed = [plan.tensor_index[i].fqn for i, v in zip(behind, versions) if overlap.version_of(tensors[i]) != v]
+            changed = [
+                plan.tensor_index[i].fqn for i, v in zip(behind, versions) if overlap.version_of(tensors[i]) != v
+            ]
             if changed:
                 raise CheckpointError(
                     f"rank {self.rank}: version {step} is torn: {', '.join(changed[:5])}"
                     f"{f' and {len(changed) - 5} more' if len(changed) > 5 else ''} changed in place while "
                     f"staging='overlap' was copying it. Only optimizer.step() may change parameters and optimizer "
                     f"state between save() and the next step (it waits for the copy); change them after it, or use "
-                    f"CheckpointConfig(staging='copy'). The previous version is kept")
+                    f"CheckpointConfig(staging='copy'). The previous version is kept"
+                )
             fire("replicate", step=step, rank=self.rank)
             store_outcome = store.hand_off(step, plan.shard, segment, blobs, persist=due, verdict=verdict)
             segment = None
@@ -108,8 +168,11 @@ class OverlapCopier:
             outcome.set_exception(exc)
             return
         handle.staged.set_result(StageInfo(**info, behind_s=time.perf_counter() - t0))
-        store_outcome.add_done_callback(lambda f: outcome.set_exception(f.exception()) if f.exception() is not None
-                                        else outcome.set_result(f.result()))
+        store_outcome.add_done_callback(
+            lambda f: (
+                outcome.set_exception(f.exception()) if f.exception() is not None else outcome.set_result(f.result())
+            )
+        )
 
     def wait_copy(self) -> float:
         """Wait for the overlapped copy in progress, if any; the seconds waited."""
@@ -120,8 +183,9 @@ class OverlapCopier:
         try:
             copying.result(timeout=self.timeout_s)
         except TimeoutError as exc:
-            raise CheckpointTimeoutError(f"rank {self.rank}: the overlapped copy of a version did not finish "
-                                         f"within {self.timeout_s}s") from exc
+            raise CheckpointTimeoutError(
+                f"rank {self.rank}: the overlapped copy of a version did not finish within {self.timeout_s}s"
+            ) from exc
         return time.perf_counter() - t0
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

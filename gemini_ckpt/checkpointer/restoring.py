@@ -23,9 +23,20 @@ from ..durable.tier import DurableTier
 log = logging.getLogger("gemini_ckpt")
 
 
-def restore_version(state: TrainState, store: MemoryTier, durable: Optional[DurableTier], config: CheckpointConfig,
-                    lineage: Lineage, *, rank: int, world_size: int, group, marks: list,
-                    step: Optional[int], rng: bool = True) -> tuple[Optional[RestoreResult], object]:
+def restore_version(
+    state: TrainState,
+    store: MemoryTier,
+    durable: Optional[DurableTier],
+    config: CheckpointConfig,
+    lineage: Lineage,
+    *,
+    rank: int,
+    world_size: int,
+    group,
+    marks: list,
+    step: Optional[int],
+    rng: bool = True,
+) -> tuple[Optional[RestoreResult], object]:
     """Load the newest healthy version (or ``step``) into ``state``: (the result or None, the
     restored version's shard plan, which the first save may take over). ``rng=False``: the
     process's random number generators are left as they were, the restored ones kept in the result."""
@@ -34,13 +45,13 @@ def restore_version(state: TrainState, store: MemoryTier, durable: Optional[Dura
     if durable is not None:
         tiers.append(durable)
     plans: dict = {}
-    result = restore_newest(state, tiers, rank=rank, world_size=world_size,
-                            group=group, config=config, marks=marks, step=step, plans=plans)
+    result = restore_newest(
+        state, tiers, rank=rank, world_size=world_size, group=group, config=config, marks=marks, step=step, plans=plans
+    )
     if result is None and config.init_from and step is None:
         from ..init_from import init_from
 
-        result = init_from(state, config.init_from, rank=rank, world_size=world_size,
-                           group=group)
+        result = init_from(state, config.init_from, rank=rank, world_size=world_size, group=group)
     if before is not None and result is not None:
         result = dataclasses.replace(result, rng_state=RandomState(capture_rng()))
         restore_rng_state(before)

@@ -43,7 +43,8 @@ def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> Memor
             f"a signature binds the namespace, and every job left on the default one "
             f"({config.resolved_namespace!r}) with the same key would accept the others' signed versions as its own. "
             f"Set namespace= to a name this run and its restarts alone use (gray.checkpointer names it after the "
-            f"Ray Train run)")
+            f"Ray Train run)"
+        )
     if config.store == "local":
         if world_size > 1:
             raise ConfigError(
@@ -59,25 +60,50 @@ def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> Memor
 def job_description(config: CheckpointConfig, *, world_size: int) -> dict:
     from .._version import __version__
 
-    return {"namespace": config.resolved_namespace, "world_size": world_size,
-            "replicas": config.replicas,
-            "placement": config.placement, "gemini_ckpt": __version__, "torch": torch.__version__}
+    return {
+        "namespace": config.resolved_namespace,
+        "world_size": world_size,
+        "replicas": config.replicas,
+        "placement": config.placement,
+        "gemini_ckpt": __version__,
+        "torch": torch.__version__,
+    }
 
 
-def start_persister(durable: DurableTier, store: MemoryTier, config: CheckpointConfig, stats: CheckpointStats, *,
-                    rank: int, world_size: int, run_id: str,
-                    on_error: Callable[[BaseException], None]) -> Persister:
+def start_persister(
+    durable: DurableTier,
+    store: MemoryTier,
+    config: CheckpointConfig,
+    stats: CheckpointStats,
+    *,
+    rank: int,
+    world_size: int,
+    run_id: str,
+    on_error: Callable[[BaseException], None],
+) -> Persister:
     """Clean up incomplete versions (rank 0) and start the durable tier's writer."""
     if rank == 0:
         try:
             durable.cleanup_incomplete()
         except OSError as exc:
             # Memory may hold everything needed; persists will report the outage.
-            log.warning("durable tier %s is not reachable at start (%s: %s); incomplete "
-                        "versions are cleaned up next time", durable.uri, type(exc).__name__, exc)
+            log.warning(
+                "durable tier %s is not reachable at start (%s: %s); incomplete versions are cleaned up next time",
+                durable.uri,
+                type(exc).__name__,
+                exc,
+            )
     persister = Persister(
-        durable, store, rank=rank, world_size=world_size,
-        timeout_s=config.timeout_s, signing_key=config.signing_key, run_id=run_id,
-        job=job_description(config, world_size=world_size), stats=stats, on_error=on_error)
+        durable,
+        store,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=config.timeout_s,
+        signing_key=config.signing_key,
+        run_id=run_id,
+        job=job_description(config, world_size=world_size),
+        stats=stats,
+        on_error=on_error,
+    )
     persister.start()
     return persister

@@ -44,8 +44,15 @@ def _ls(args: argparse.Namespace) -> int:
     key = resolve_key()
     rows = []
     for step, complete in versions:
-        row = {"step": step, "complete": complete, "latest": step == latest, "bytes": None, "job": {},
-               "health": None, "problem": None}
+        row = {
+            "step": step,
+            "complete": complete,
+            "latest": step == latest,
+            "bytes": None,
+            "job": {},
+            "health": None,
+            "problem": None,
+        }
         if complete:
             try:
                 manifest = tier.store.manifest(step, key=key)  # the signature before .metadata is read
@@ -59,8 +66,19 @@ def _ls(args: argparse.Namespace) -> int:
         rows.append(row)
     bad = any(r["problem"] for r in rows) or latest_problem is not None
     if args.json:
-        print(json.dumps({"uri": args.uri, "latest": latest, "latest_problem": latest_problem,
-                          "ignored": stray, "versions": rows}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "uri": args.uri,
+                    "latest": latest,
+                    "latest_problem": latest_problem,
+                    "ignored": stray,
+                    "versions": rows,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         return 1 if bad else 0
     if not rows:
         print(f"{args.uri}: no versions")
@@ -77,15 +95,19 @@ def _ls(args: argparse.Namespace) -> int:
             state = "DAMAGED" if r["problem"] else "complete" if r["complete"] else "INCOMPLETE"
             state += "*" if r["latest"] else ""
             health = Health.from_json(r["health"]) if r["health"] is not None else None
-            print(f"{r['step']:>10}  {state:<10}  {size:>10}  {str(job.get('world_size', '-')):>5}  "
-                  f"{str(job.get('placement', '-')):<12}  "
-                  f"{'-' if health is None else 'UNHEALTHY' if health.unhealthy else health.status:<10}  {created}")
+            print(
+                f"{r['step']:>10}  {state:<10}  {size:>10}  {str(job.get('world_size', '-')):>5}  "
+                f"{str(job.get('placement', '-')):<12}  "
+                f"{'-' if health is None else 'UNHEALTHY' if health.unhealthy else health.status:<10}  {created}"
+            )
             if r["problem"]:
                 print(f"{'':>12}- {r['problem']}")
             if health is not None and health.unhealthy:
                 print(f"{'':>12}- unhealthy: {health.reason}")
-        print("* = latest. Incomplete versions are never loaded; the next job removes them. "
-              "Damaged and unhealthy versions are skipped by restore.")
+        print(
+            "* = latest. Incomplete versions are never loaded; the next job removes them. "
+            "Damaged and unhealthy versions are skipped by restore."
+        )
     if latest_problem is not None:
         print(f"warning: {latest_problem}; restore ignores it and the next persist rewrites it")
     for name in stray:
@@ -130,18 +152,24 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def add_ls_command(subcommands: argparse._SubParsersAction) -> None:
-    p = subcommands.add_parser("ls", help="list the versions in a durable location",
-                               description="List versions under URI: complete, incomplete or damaged, size, "
-                                           "job description. Exit status 1 when something is damaged.")
+    p = subcommands.add_parser(
+        "ls",
+        help="list the versions in a durable location",
+        description="List versions under URI: complete, incomplete or damaged, size, "
+        "job description. Exit status 1 when something is damaged.",
+    )
     p.add_argument("uri", help="a local path or pyarrow.fs URI (file://, s3://...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_ls)
 
 
 def add_verify_command(subcommands: argparse._SubParsersAction) -> None:
-    p = subcommands.add_parser("verify", help="re-read every byte of durable versions and check checksums",
-                               description="Exit status 0 when every checked version is intact, 1 otherwise. "
-                                           "Set GEMINI_CKPT_SIGNING_KEY to check signatures too.")
+    p = subcommands.add_parser(
+        "verify",
+        help="re-read every byte of durable versions and check checksums",
+        description="Exit status 0 when every checked version is intact, 1 otherwise. "
+        "Set GEMINI_CKPT_SIGNING_KEY to check signatures too.",
+    )
     p.add_argument("uri", help="a local path or pyarrow.fs URI (file://, s3://...)")
     p.add_argument("--step", type=int, default=None, help="verify only this step")
     p.set_defaults(func=_verify)

@@ -14,8 +14,7 @@ import sys
 # (marker in Ray's text, what to say instead)
 KILLED_HOST = (
     ("Raylet is terminated", "(ray) a killed host's raylet is gone, as intended"),
-    ("has been marked dead because the detector has missed too many heartbeats",
-     "(ray) a killed host is marked dead"),
+    ("has been marked dead because the detector has missed too many heartbeats", "(ray) a killed host is marked dead"),
 )
 KILLED_PROCESS = KILLED_HOST + (
     ("A worker died or was killed while executing a task", "(ray) a killed worker's task failed, as intended"),

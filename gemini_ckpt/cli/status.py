@@ -107,9 +107,14 @@ class ClusterStatus:
     def to_dict(self) -> dict:
         """Plain JSON values: a non-finite number (a rate over no time) is None, so strict
         parsers read ``status --json``."""
-        return finite_json({"namespaces": [asdict(ns) | {"committed_steps": ns.committed_steps,
-                                                         "unhealthy_steps": ns.unhealthy_steps}
-                                           for ns in self.namespaces]})
+        return finite_json(
+            {
+                "namespaces": [
+                    asdict(ns) | {"committed_steps": ns.committed_steps, "unhealthy_steps": ns.unhealthy_steps}
+                    for ns in self.namespaces
+                ]
+            }
+        )
 
     def format(self) -> str:
         if not self.namespaces:
@@ -132,8 +137,9 @@ def finite_json(value):
     return value
 
 
-def cluster_status(namespace: Optional[str] = None, *, address: Optional[str] = None,
-                   timeout_s: float = 10.0) -> ClusterStatus:
+def cluster_status(
+    namespace: Optional[str] = None, *, address: Optional[str] = None, timeout_s: float = 10.0
+) -> ClusterStatus:
     """Per host: node, slot, alive, versions, own/replica shards, bytes, budget; per version:
     committed or not and where each shard's copies are. ``namespace=None``: every namespace.
 
@@ -165,8 +171,9 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
     table, failures, events = None, [], []
     if registry is not None:
         try:
-            table, failures, events = ray.get([registry.table.remote(), registry.failures.remote(),
-                                               registry.events.remote()], timeout=timeout_s)
+            table, failures, events = ray.get(
+                [registry.table.remote(), registry.failures.remote(), registry.events.remote()], timeout=timeout_s
+            )
         except Exception:  # noqa: BLE001 - status reports what it can reach
             table = None
     slots = list(table["nodes"]) if table is not None else []
@@ -193,13 +200,33 @@ def _namespace_status(namespace: str, found: dict, timeout_s: float) -> Namespac
             continue
         shards = [sh for v in d["versions"].values() for sh in v["shards"].values()]
         own = sum(1 for sh in shards if sh["owner"] == slot)
-        hosts.append(HostStatus(slot, node, node in alive_nodes, True, tuple(sorted(d["versions"])),
-                                own, len(shards) - own, d["held_bytes"], d["reserved_bytes"], d["budget_bytes"],
-                                memory=d.get("memory", {}), footprint_bytes=d.get("footprint_bytes", 0),
-                                interleave=d.get("interleave", {}), domain=domain))
+        hosts.append(
+            HostStatus(
+                slot,
+                node,
+                node in alive_nodes,
+                True,
+                tuple(sorted(d["versions"])),
+                own,
+                len(shards) - own,
+                d["held_bytes"],
+                d["reserved_bytes"],
+                d["budget_bytes"],
+                memory=d.get("memory", {}),
+                footprint_bytes=d.get("footprint_bytes", 0),
+                interleave=d.get("interleave", {}),
+                domain=domain,
+            )
+        )
     by_slot = {slots.index(n): ix for n, ix in indexes.items() if n in slots}
-    return NamespaceStatus(namespace, tuple(hosts), _versions(by_slot),
-                           table["epoch"] if table is not None else 0, tuple(failures), tuple(events))
+    return NamespaceStatus(
+        namespace,
+        tuple(hosts),
+        _versions(by_slot),
+        table["epoch"] if table is not None else 0,
+        tuple(failures),
+        tuple(events),
+    )
 
 
 def _versions(index: dict[int, dict]) -> tuple[VersionStatus, ...]:
@@ -235,27 +262,52 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _format_namespace(ns: NamespaceStatus) -> str:
-    lines = [f"namespace {ns.namespace!r}: {sum(h.slot is not None for h in ns.hosts)} slot(s), "
-             f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"
-             + (f" (UNHEALTHY, kept for inspection: {ns.unhealthy_steps})" if ns.unhealthy_steps else "")]
+    lines = [
+        f"namespace {ns.namespace!r}: {sum(h.slot is not None for h in ns.hosts)} slot(s), "
+        f"rendezvous epoch {ns.epoch}, committed steps {ns.committed_steps or 'none'}"
+        + (f" (UNHEALTHY, kept for inspection: {ns.unhealthy_steps})" if ns.unhealthy_steps else "")
+    ]
     domains = any(h.domain is not None for h in ns.hosts)  # a column only with failure domains
-    rows = [["slot"] + (["domain"] if domains else []) + ["node", "node", "store", "versions", "own", "replica", "held",
-                                                          "reserved", "footprint", "budget", "note"]]
+    rows = [
+        ["slot"]
+        + (["domain"] if domains else [])
+        + ["node", "node", "store", "versions", "own", "replica", "held", "reserved", "footprint", "budget", "note"]
+    ]
     for h in ns.hosts:
-        rows.append(["-" if h.slot is None else str(h.slot)] + ([h.domain or "-"] if domains else [])
-                    + [h.node_id[:12], "alive" if h.node_alive else "DEAD",
-                     "alive" if h.store_alive else "DEAD", ",".join(map(str, h.versions)) or "-",
-                     str(h.own_shards), str(h.replica_shards), _size(h.held_bytes), _size(h.reserved_bytes),
-                     _size(h.footprint_bytes) if h.footprint_bytes else "-", _size(h.budget_bytes) if h.budget_bytes else "-",
-                     h.error or ("spare (no ranks)" if h.slot is None else "")])
+        rows.append(
+            ["-" if h.slot is None else str(h.slot)]
+            + ([h.domain or "-"] if domains else [])
+            + [
+                h.node_id[:12],
+                "alive" if h.node_alive else "DEAD",
+                "alive" if h.store_alive else "DEAD",
+                ",".join(map(str, h.versions)) or "-",
+                str(h.own_shards),
+                str(h.replica_shards),
+                _size(h.held_bytes),
+                _size(h.reserved_bytes),
+                _size(h.footprint_bytes) if h.footprint_bytes else "-",
+                _size(h.budget_bytes) if h.budget_bytes else "-",
+                h.error or ("spare (no ranks)" if h.slot is None else ""),
+            ]
+        )
     lines.append(_table(rows))
     if ns.versions:
         rows = [["step", "state", "health", "shard", "saved by slot", "bytes", "copies on slots"]]
         for v in ns.versions:
             health = "UNHEALTHY" if v.health == "unhealthy" else v.health
             for i, s in enumerate(v.shards):
-                rows.append([str(v.step) if i == 0 else "", v.state if i == 0 else "", health if i == 0 else "",
-                             f"rank {s.rank}", str(s.owner), _size(s.nbytes), ",".join(map(str, s.copies)) or "NONE"])
+                rows.append(
+                    [
+                        str(v.step) if i == 0 else "",
+                        v.state if i == 0 else "",
+                        health if i == 0 else "",
+                        f"rank {s.rank}",
+                        str(s.owner),
+                        _size(s.nbytes),
+                        ",".join(map(str, s.copies)) or "NONE",
+                    ]
+                )
         lines += ["", _table(rows)]
         lines += [f"step {v.step} is unhealthy: {v.health_reason}" for v in ns.versions if v.health == "unhealthy"]
     for title, items in (("events", ns.events), ("failures reported by ranks", ns.failures)):
@@ -268,10 +320,13 @@ def _format_namespace(ns: NamespaceStatus) -> str:
 # --- CLI -----------------------------------------------------------------------------------------
 def add_status_command(subcommands: argparse._SubParsersAction) -> None:
     """Register ``status`` on the ``python -m gemini_ckpt`` parser."""
-    p = subcommands.add_parser("status", help="what the host stores of a job hold, per host and per version",
-                               description="Per host: node, slot, alive, versions held, own/replica shards, "
-                                           "bytes, budget. Per version: committed or not, where each "
-                                           "shard's copies are.")
+    p = subcommands.add_parser(
+        "status",
+        help="what the host stores of a job hold, per host and per version",
+        description="Per host: node, slot, alive, versions held, own/replica shards, "
+        "bytes, budget. Per version: committed or not, where each "
+        "shard's copies are.",
+    )
     p.add_argument("--namespace", default=None, help="CheckpointConfig.namespace of the job (default: all)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else 'auto')")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -283,8 +338,11 @@ def _run_status(args: argparse.Namespace) -> int:
     try:
         status = cluster_status(args.namespace, address=args.address, timeout_s=args.timeout)
     except ConnectionError as exc:
-        print(f"gemini_ckpt status: no Ray cluster to ask ({exc}). Run it on a node of the job's cluster, "
-              f"or pass --address HOST:PORT (or set RAY_ADDRESS).", file=sys.stderr)
+        print(
+            f"gemini_ckpt status: no Ray cluster to ask ({exc}). Run it on a node of the job's cluster, "
+            f"or pass --address HOST:PORT (or set RAY_ADDRESS).",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         print(json.dumps(status.to_dict(), indent=2, sort_keys=True, default=str, allow_nan=False))

@@ -64,7 +64,22 @@ from .messages import (
 )
 
 __all__ = [
-    "COORDINATOR", "DEFAULT_FANOUT", "Aborted", "Action", "Committed", "Coordinator", "Decision",
-    "HostCommit", "Message", "Query", "Release", "Replicate", "ReplicaAck", "Send",
-    "ShardStaged", "VersionId", "VersionState", "Vote",
+    "COORDINATOR",
+    "DEFAULT_FANOUT",
+    "Aborted",
+    "Action",
+    "Committed",
+    "Coordinator",
+    "Decision",
+    "HostCommit",
+    "Message",
+    "Query",
+    "Release",
+    "Replicate",
+    "ReplicaAck",
+    "Send",
+    "ShardStaged",
+    "VersionId",
+    "VersionState",
+    "Vote",
 ]

@@ -28,12 +28,21 @@ class Coordinator(Participant):
 
     slot = COORDINATOR
 
-    def __init__(self, *, hosts: int, keep: int = 2, fanout: int = DEFAULT_FANOUT, dead: Iterable[int] = (),
-                 committed: Iterable[VersionId] = (), world_size: Optional[int] = None,
-                 idle: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        hosts: int,
+        keep: int = 2,
+        fanout: int = DEFAULT_FANOUT,
+        dead: Iterable[int] = (),
+        committed: Iterable[VersionId] = (),
+        world_size: Optional[int] = None,
+        idle: Iterable[int] = (),
+    ) -> None:
         super().__init__(hosts=hosts, fanout=fanout, keep=keep, dead=dead, committed=committed, idle=idle)
-        if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
-                                       or world_size < 1):
+        if world_size is not None and (
+            isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1
+        ):
             raise ValueError(f"world_size: expected None or an int >= 1, got {world_size!r}")
         self.world_size = world_size
 
@@ -44,8 +53,14 @@ class Coordinator(Participant):
             if r.outcome is not None:
                 return
             if message.view != r.view or message.sender not in r.children:
-                self._decide(v, r, False, f"slot {message.sender} began the version with dead hosts "
-                                          f"{sorted(message.view)}, the coordinator with {sorted(r.view)}", out)
+                self._decide(
+                    v,
+                    r,
+                    False,
+                    f"slot {message.sender} began the version with dead hosts "
+                    f"{sorted(message.view)}, the coordinator with {sorted(r.view)}",
+                    out,
+                )
             elif not message.ok:
                 self._decide(v, r, False, message.reason, out)
             elif message.sender not in r.votes:
@@ -56,8 +71,14 @@ class Coordinator(Participant):
                 if not r.votes.issuperset(r.children):
                     pass
                 elif self.world_size is not None and r.below != self.world_size:
-                    self._decide(v, r, False, f"{r.below} of {self.world_size} ranks' shards were staged: the "
-                                              f"ranks of a host whose store died cannot save", out)
+                    self._decide(
+                        v,
+                        r,
+                        False,
+                        f"{r.below} of {self.world_size} ranks' shards were staged: the "
+                        f"ranks of a host whose store died cannot save",
+                        out,
+                    )
                 else:
                     self._decide(v, r, True, "", out, unhealthy=r.unhealthy, checked=r.checked_below == r.below)
         elif isinstance(message, Query):

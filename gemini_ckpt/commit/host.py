@@ -38,12 +38,22 @@ class HostCommit(Participant):
     and :meth:`on_local_failure`.
     """
 
-    def __init__(self, slot: int, *, hosts: int, replicas: int, keep: int = 2,
-                 fanout: int = DEFAULT_FANOUT, dead: Iterable[int] = (),
-                 committed: Iterable[VersionId] = (), idle: Iterable[int] = (),
-                 unhealthy: Iterable[VersionId] = ()) -> None:
-        super().__init__(hosts=hosts, fanout=fanout, keep=keep, dead=dead, committed=committed, idle=idle,
-                         unhealthy=unhealthy)
+    def __init__(
+        self,
+        slot: int,
+        *,
+        hosts: int,
+        replicas: int,
+        keep: int = 2,
+        fanout: int = DEFAULT_FANOUT,
+        dead: Iterable[int] = (),
+        committed: Iterable[VersionId] = (),
+        idle: Iterable[int] = (),
+        unhealthy: Iterable[VersionId] = (),
+    ) -> None:
+        super().__init__(
+            hosts=hosts, fanout=fanout, keep=keep, dead=dead, committed=committed, idle=idle, unhealthy=unhealthy
+        )
         if slot in self.idle:
             raise ValueError(f"slot {slot} has no ranks this epoch (idle): it holds copies but takes no part")
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < hosts:
@@ -66,10 +76,16 @@ class HostCommit(Participant):
         """This store saves ``version``: ``shards`` ranks of this host stage one shard each,
         and ``holders`` (this slot first; ``holders_for`` over :attr:`dead`) keep copies."""
         holders = tuple(holders)
-        if (len(holders) != self.replicas or len(set(holders)) != len(holders) or holders[0] != self.slot
-                or not all(isinstance(h, int) and 0 <= h < self.hosts for h in holders)):
-            raise ValueError(f"holders: expected {self.replicas} distinct slots in 0..{self.hosts - 1} "
-                             f"starting with this slot {self.slot}, got {holders!r}")
+        if (
+            len(holders) != self.replicas
+            or len(set(holders)) != len(holders)
+            or holders[0] != self.slot
+            or not all(isinstance(h, int) and 0 <= h < self.hosts for h in holders)
+        ):
+            raise ValueError(
+                f"holders: expected {self.replicas} distinct slots in 0..{self.hosts - 1} "
+                f"starting with this slot {self.slot}, got {holders!r}"
+            )
         if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
             raise ValueError(f"shards: expected an int >= 1 (ranks on this host), got {shards!r}")
         out: list = []
@@ -95,15 +111,24 @@ class HostCommit(Participant):
             r.unhealthy = r.unhealthy or message.unhealthy
         elif isinstance(message, ReplicaAck):
             if not message.ok:
-                self._veto(v, r, f"holder slot {message.holder} could not keep the copy of slot "
-                                 f"{self.slot}: {message.reason}", out)
+                self._veto(
+                    v,
+                    r,
+                    f"holder slot {message.holder} could not keep the copy of slot {self.slot}: {message.reason}",
+                    out,
+                )
             r.acked.add(message.holder)
         elif isinstance(message, Vote):
             if message.view != r.view or message.sender not in r.children:
                 # A voter that built another tree: it waits on this store for the decision.
                 self._adopt(v, r, message.sender, out)
-                self._veto(v, r, f"slot {message.sender} began the version knowing dead hosts "
-                                 f"{sorted(message.view)}, slot {self.slot} {sorted(r.view)}", out)
+                self._veto(
+                    v,
+                    r,
+                    f"slot {message.sender} began the version knowing dead hosts "
+                    f"{sorted(message.view)}, slot {self.slot} {sorted(r.view)}",
+                    out,
+                )
             elif not message.ok:
                 self._veto(v, r, message.reason, out)
             elif message.sender not in r.votes:
@@ -184,11 +209,22 @@ class HostCommit(Participant):
         if staged and not r.replicated:
             r.replicated = True
             out.append(Replicate(v, r.holders[1:]))
-        if (not r.voted and staged and r.acked.issuperset(r.holders[1:])
-                and r.votes.issuperset(r.children)):
+        if not r.voted and staged and r.acked.issuperset(r.holders[1:]) and r.votes.issuperset(r.children):
             r.voted = True
-            out.append(Send(r.parent, Vote(v, self.slot, r.view, True, shards=r.shards + r.below,
-                                           unhealthy=r.unhealthy, checked=r.checked_below)))
+            out.append(
+                Send(
+                    r.parent,
+                    Vote(
+                        v,
+                        self.slot,
+                        r.view,
+                        True,
+                        shards=r.shards + r.below,
+                        unhealthy=r.unhealthy,
+                        checked=r.checked_below,
+                    ),
+                )
+            )
 
     def _veto(self, v: VersionId, r: Round, reason: str, out: list) -> None:
         if r.outcome is not None or r.voted:
@@ -203,8 +239,10 @@ class HostCommit(Participant):
                 raise CommitProtocolError(f"slot {self.slot}: {v} committed before this store voted for it")
             self._decide(v, r, d.commit, d.reason, out, unhealthy=d.unhealthy, checked=d.checked)
         elif r.outcome != d.commit:
-            raise CommitProtocolError(f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
-                                f"but a decision says {'commit' if d.commit else 'abort'}")
+            raise CommitProtocolError(
+                f"slot {self.slot}: {v} was {'committed' if r.outcome else 'aborted'} here "
+                f"but a decision says {'commit' if d.commit else 'abort'}"
+            )
 
     def _on_query(self, v: VersionId, r: Round, q: Query, out: list) -> None:
         if r.outcome is not None:

@@ -98,9 +98,17 @@ class Participant:
 
     slot: int
 
-    def __init__(self, *, hosts: int, fanout: int, keep: int, dead: Iterable[int],
-                 committed: Iterable[VersionId], idle: Iterable[int] = (),
-                 unhealthy: Iterable[VersionId] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        hosts: int,
+        fanout: int,
+        keep: int,
+        dead: Iterable[int],
+        committed: Iterable[VersionId],
+        idle: Iterable[int] = (),
+        unhealthy: Iterable[VersionId] = (),
+    ) -> None:
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
             raise ValueError(f"hosts: expected an int >= 1, got {hosts!r}")
         _check_fanout(fanout)
@@ -181,8 +189,16 @@ class Participant:
             self._rounds[version] = r
         return r
 
-    def _decide(self, version: VersionId, r: Round, commit: bool, reason: str, out: list,
-                unhealthy: str = "", checked: bool = False) -> None:
+    def _decide(
+        self,
+        version: VersionId,
+        r: Round,
+        commit: bool,
+        reason: str,
+        out: list,
+        unhealthy: str = "",
+        checked: bool = False,
+    ) -> None:
         r.outcome, r.reason = commit, reason
         if commit:
             r.unhealthy, r.checked = unhealthy, checked

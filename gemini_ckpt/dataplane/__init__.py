@@ -35,7 +35,24 @@ from ._tcp import LOWER_EFFORT_DSCP, TcpConfig
 from ._tcp_transport import TcpTransport
 
 __all__ = [
-    "AuthenticationError", "Channel", "ChannelClosedError", "ChecksumMismatchError", "Endpoint", "Header",
-    "IdleGate", "LOWER_EFFORT_DSCP", "Listener", "PeerLostError", "ProgressTimeoutError", "ProtocolError", "Sink", "TcpConfig", "TcpTransport",
-    "TokenBucket", "TransferRejectedError", "Transport", "TransportError", "choose_chunk",
+    "AuthenticationError",
+    "Channel",
+    "ChannelClosedError",
+    "ChecksumMismatchError",
+    "Endpoint",
+    "Header",
+    "IdleGate",
+    "LOWER_EFFORT_DSCP",
+    "Listener",
+    "PeerLostError",
+    "ProgressTimeoutError",
+    "ProtocolError",
+    "Sink",
+    "TcpConfig",
+    "TcpTransport",
+    "TokenBucket",
+    "TransferRejectedError",
+    "Transport",
+    "TransportError",
+    "choose_chunk",
 ]

@@ -68,8 +68,9 @@ class Header:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"Header.{field_name} must be an int >= 0, got {value!r}")
         if self.total is not None and (not isinstance(self.total, int) or self.total < self.offset + self.length):
-            raise ValueError(f"Header.total ({self.total!r}) must be an int >= offset + length "
-                             f"({self.offset + self.length})")
+            raise ValueError(
+                f"Header.total ({self.total!r}) must be an int >= offset + length ({self.offset + self.length})"
+            )
         if self.checksum is not None and not (isinstance(self.checksum, int) and 0 <= self.checksum < 2**64):
             raise ValueError(f"Header.checksum must be an unsigned 64-bit int or None, got {self.checksum!r}")
         for field_name in ("namespace", "name", "put_id", "checksum_algo"):

@@ -20,42 +20,59 @@ class Handshake:
     def __init__(self, secret: bytes, namespace: str, host_name: str) -> None:
         self._secret, self.namespace, self.host_name = bytes(secret), namespace, host_name
 
-    def client(self, sock: socket.socket, session: bytes, stream: int, label: str,
-                          deadline: Optional[float] = None) -> str:
+    def client(
+        self, sock: socket.socket, session: bytes, stream: int, label: str, deadline: Optional[float] = None
+    ) -> str:
         """Prove ourselves, then make the server prove itself, all by ``deadline`` (monotonic;
         None: the socket's timeout per call); returns the server's name. Raises
         :class:`~._tcp.TurnedAway` when the server closed the connection without a greeting."""
         try:
             greeting = recv_exact(sock, wire.HELLO_S.size, label, deadline)
         except (PeerLostError, ConnectionResetError):
-            raise TurnedAway(f"{label} closed the connection before its greeting (at its cap of unauthenticated "
-                             f"connections, or closing)", label) from None
+            raise TurnedAway(
+                f"{label} closed the connection before its greeting (at its cap of unauthenticated "
+                f"connections, or closing)",
+                label,
+            ) from None
         magic, version, nonce_s = wire.HELLO_S.unpack(greeting)
         if magic != wire.MAGIC or version != wire.VERSION:
             raise ProtocolError(f"{label} is not a gemini_ckpt transport endpoint (or speaks another version)", label)
         nonce_c = os.urandom(wire.NONCE_BYTES)
         proof = wire.client_proof(self._secret, self.namespace, session, stream, self.host_name, nonce_s, nonce_c)
         wait_until(sock, deadline, label)
-        sock.sendall(wire.HELLO_C_FIXED.pack(wire.MAGIC, wire.VERSION, nonce_c, session, stream)
-                     + wire.pack_str(self.namespace) + wire.pack_str(self.host_name) + proof)
+        sock.sendall(
+            wire.HELLO_C_FIXED.pack(wire.MAGIC, wire.VERSION, nonce_c, session, stream)
+            + wire.pack_str(self.namespace)
+            + wire.pack_str(self.host_name)
+            + proof
+        )
         try:
             (status,) = wire.VERDICT_STATUS.unpack(recv_exact(sock, 1, label, deadline))
         except PeerLostError:
-            raise AuthenticationError(f"{label} closed the connection during the handshake (namespace "
-                                      f"{self.namespace!r}): is it a host store of this namespace?", label) from None
+            raise AuthenticationError(
+                f"{label} closed the connection during the handshake (namespace "
+                f"{self.namespace!r}): is it a host store of this namespace?",
+                label,
+            ) from None
         if status != wire.ACCEPTED:
-            raise AuthenticationError(f"{label} refused our proof for namespace {self.namespace!r}: the two hosts "
-                                      f"do not share the namespace's secret", label)
+            raise AuthenticationError(
+                f"{label} refused our proof for namespace {self.namespace!r}: the two hosts "
+                f"do not share the namespace's secret",
+                label,
+            )
         server_name = recv_str(sock, label, deadline)
-        expected = wire.server_proof(self._secret, self.namespace, session, stream, self.host_name, server_name,
-                                     nonce_s, nonce_c)
+        expected = wire.server_proof(
+            self._secret, self.namespace, session, stream, self.host_name, server_name, nonce_s, nonce_c
+        )
         if not wire.verify(expected, recv_exact(sock, wire.PROOF_BYTES, label, deadline)):
-            raise AuthenticationError(f"{label} could not prove it knows namespace {self.namespace!r}'s secret; "
-                                      f"no data was sent to it", label)
+            raise AuthenticationError(
+                f"{label} could not prove it knows namespace {self.namespace!r}'s secret; no data was sent to it", label
+            )
         return server_name
 
-    def server(self, sock: socket.socket, label: str,
-                          deadline: Optional[float] = None) -> Optional[tuple[bytes, int, str]]:
+    def server(
+        self, sock: socket.socket, label: str, deadline: Optional[float] = None
+    ) -> Optional[tuple[bytes, int, str]]:
         """Check the client's proof, then prove ourselves, all by ``deadline`` (monotonic; the
         listener's pre-auth deadline); returns (session, stream, client name), or None when the
         client was refused (nothing of its was read beyond the hello, at most a few KiB)."""
@@ -63,7 +80,8 @@ class Handshake:
         wait_until(sock, deadline, label)
         sock.sendall(wire.HELLO_S.pack(wire.MAGIC, wire.VERSION, nonce_s))
         magic, version, nonce_c, session, stream = wire.HELLO_C_FIXED.unpack(
-            recv_exact(sock, wire.HELLO_C_FIXED.size, label, deadline))
+            recv_exact(sock, wire.HELLO_C_FIXED.size, label, deadline)
+        )
         if magic != wire.MAGIC or version != wire.VERSION:
             wait_until(sock, deadline, label)
             sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
@@ -76,9 +94,13 @@ class Handshake:
         if not wire.verify(expected, proof) or namespace != self.namespace:
             sock.sendall(wire.VERDICT_STATUS.pack(wire.REFUSED))
             return None
-        sock.sendall(wire.VERDICT_STATUS.pack(wire.ACCEPTED) + wire.pack_str(self.host_name)
-                     + wire.server_proof(self._secret, self.namespace, session, stream, client_name, self.host_name,
-                                         nonce_s, nonce_c))
+        sock.sendall(
+            wire.VERDICT_STATUS.pack(wire.ACCEPTED)
+            + wire.pack_str(self.host_name)
+            + wire.server_proof(
+                self._secret, self.namespace, session, stream, client_name, self.host_name, nonce_s, nonce_c
+            )
+        )
         return session, stream, client_name
 
 

@@ -43,8 +43,14 @@ _RECENT_S = 1.0  # a socket counts in the queue bound while a piece went to it t
 _RATE_WINDOW_S = 0.02  # watching time per rate sample
 
 
-def choose_chunk(rate: Optional[float], collective_s: Optional[float], *, fraction: float = FRACTION,
-                 lo: int = MIN_CHUNK, hi: int = MAX_CHUNK) -> int:
+def choose_chunk(
+    rate: Optional[float],
+    collective_s: Optional[float],
+    *,
+    fraction: float = FRACTION,
+    lo: int = MIN_CHUNK,
+    hi: int = MAX_CHUNK,
+) -> int:
     """Bytes per piece so that one piece in flight, at ``rate`` bytes/s, delays a collective of
     ``collective_s`` seconds by at most ``fraction`` of it, within ``[lo, hi]``. Without a rate
     measured yet, ``lo``; without a collective measured yet, ``hi``.
@@ -89,8 +95,16 @@ class IdleGate:
         gate.stats()   # {"waited_s": ..., "pieces": ..., "chunk_bytes": ..., "rate": ...}
     """
 
-    def __init__(self, signal: CommSignal, *, fraction: float = FRACTION, stale_s: float = 10.0,
-                 patience_s: float = 1.0, lo: int = MIN_CHUNK, hi: int = MAX_CHUNK) -> None:
+    def __init__(
+        self,
+        signal: CommSignal,
+        *,
+        fraction: float = FRACTION,
+        stale_s: float = 10.0,
+        patience_s: float = 1.0,
+        lo: int = MIN_CHUNK,
+        hi: int = MAX_CHUNK,
+    ) -> None:
         self.signal = signal
         self.fraction, self.stale_s, self.patience_s, self.lo, self.hi = fraction, stale_s, patience_s, lo, hi
         self._turn = threading.Lock()
@@ -113,11 +127,17 @@ class IdleGate:
 
     def piece(self) -> int:
         """Bytes of the next piece: two of them queued delay a collective by at most ``fraction``."""
-        return choose_chunk(self.rate, self.signal.collective_s(), fraction=self.fraction / 2, lo=self.lo,
-                            hi=self.hi)
+        return choose_chunk(self.rate, self.signal.collective_s(), fraction=self.fraction / 2, lo=self.lo, hi=self.hi)
 
-    def send(self, sock, view: memoryview, send: Callable[[memoryview], int], check: Callable[[], None], *,
-             patience_s: Optional[float] = None) -> None:
+    def send(
+        self,
+        sock,
+        view: memoryview,
+        send: Callable[[memoryview], int],
+        check: Callable[[], None],
+        *,
+        patience_s: Optional[float] = None,
+    ) -> None:
         """Write ``view`` (one piece, at most :meth:`piece` bytes) through ``send`` once training is
         idle (or after ``patience_s``, default :attr:`patience_s`), then wait for the kernel to pass
         it on until at most this piece is left in the kernel, over every socket this gate has
@@ -198,6 +218,13 @@ class IdleGate:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"engaged": self.engaged(), "waited_s": round(self.waited_s, 6), "pieces": self.pieces,
-                    "forced": self.forced, "gated_bytes": self.gated_bytes, "chunk_bytes": self.piece(),
-                    "rate": self.rate, "collective_s": self.signal.collective_s()}
+            return {
+                "engaged": self.engaged(),
+                "waited_s": round(self.waited_s, 6),
+                "pieces": self.pieces,
+                "forced": self.forced,
+                "gated_bytes": self.gated_bytes,
+                "chunk_bytes": self.piece(),
+                "rate": self.rate,
+                "collective_s": self.signal.collective_s(),
+            }

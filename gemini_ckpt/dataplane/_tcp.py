@@ -90,8 +90,12 @@ def tune(sock: socket.socket, config: TcpConfig, *, sending: bool = True) -> Non
     host's lower-effort sends and slow the flow they acknowledge (and its progress timeout)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", int(1000 * max(2.0, 2 * config.progress_timeout_s)))):
+    for name, value in (
+        ("TCP_KEEPIDLE", 1),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", int(1000 * max(2.0, 2 * config.progress_timeout_s))),
+    ):
         option = getattr(socket, name, None)
         if option is not None:
             try:

@@ -53,21 +53,21 @@ _LOG_EVERY_S = 10.0  # refusals a stranger can repeat at will are logged at most
 class TcpListener(Listener):
     """Accepts authenticated senders into a sink (see :meth:`TcpTransport.listen`)."""
 
-    def __init__(self, parts: Parts, sink: Sink, bind_host: str, port: int,
-                 advertise_host: Optional[str]) -> None:
+    def __init__(self, parts: Parts, sink: Sink, bind_host: str, port: int, advertise_host: Optional[str]) -> None:
         if not isinstance(sink, Sink):
             raise TypeError(f"sink must implement buffer_for, received and failed, got {type(sink).__name__}")
         if advertise_host is None and bind_host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"listening on the wildcard address {bind_host!r} needs advertise_host (the node "
-                             f"address peers should dial; Ray's node IP)")
+            raise ValueError(
+                f"listening on the wildcard address {bind_host!r} needs advertise_host (the node "
+                f"address peers should dial; Ray's node IP)"
+            )
         self._parts = parts
         self._config = parts.config
         self._sink = sink
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.create_server((bind_host, port), family=family, backlog=128)
         self._sock.settimeout(self._config.tick_s)
-        self._endpoint = Endpoint("tcp", advertise_host or bind_host, self._sock.getsockname()[1],
-                                  parts.host_name)
+        self._endpoint = Endpoint("tcp", advertise_host or bind_host, self._sock.getsockname()[1], parts.host_name)
         self._lock = threading.Lock()
         self._closed = False
         self._conns: set[socket.socket] = set()
@@ -80,8 +80,9 @@ class TcpListener(Listener):
         self._accept_log = LogThrottle(_LOG_EVERY_S)
         self._sessions: dict[bytes, Session] = {}
         self._threads: set[threading.Thread] = set()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"transport-accept-{self._endpoint.port}",
-                                               daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"transport-accept-{self._endpoint.port}", daemon=True
+        )
         self._accept_thread.start()
 
     @property
@@ -94,11 +95,18 @@ class TcpListener(Listener):
             sessions = list(self._sessions.values())
         deadline = time.monotonic() + timeout
         for session in [s for s in sessions if s.holds(wanted)]:
-            session.fail(ChannelClosedError(f"the receiver at {self._endpoint.host}:{self._endpoint.port} gave up "
-                                            f"on transfers from {session.label}", session.label))
+            session.fail(
+                ChannelClosedError(
+                    f"the receiver at {self._endpoint.host}:{self._endpoint.port} gave up "
+                    f"on transfers from {session.label}",
+                    session.label,
+                )
+            )
             if not session.wait_quiet(deadline):
-                raise ProgressTimeoutError(f"a stream from {session.label} still wrote into a transfer given up "
-                                           f"on {timeout:.1f}s later", session.label)
+                raise ProgressTimeoutError(
+                    f"a stream from {session.label} still wrote into a transfer given up on {timeout:.1f}s later",
+                    session.label,
+                )
 
     def close(self) -> None:
         with self._lock:
@@ -110,8 +118,11 @@ class TcpListener(Listener):
         self._accept_thread.join(timeout=5)
         self._sock.close()
         for session in sessions:
-            session.fail(ChannelClosedError(f"the listener at {self._endpoint.host}:{self._endpoint.port} was closed",
-                                            session.label))
+            session.fail(
+                ChannelClosedError(
+                    f"the listener at {self._endpoint.host}:{self._endpoint.port} was closed", session.label
+                )
+            )
         for conn in conns:
             shutdown(conn)
         with self._lock:
@@ -130,8 +141,12 @@ class TcpListener(Listener):
                 if self._closed:
                     return
                 if (n := self._accept_log.due()) is not None:
-                    log.warning("transport listener %s: accept failed: %s (%d failures since the last line)",
-                                self._endpoint.label(), exc, n)
+                    log.warning(
+                        "transport listener %s: accept failed: %s (%d failures since the last line)",
+                        self._endpoint.label(),
+                        exc,
+                        n,
+                    )
                 time.sleep(self._config.tick_s)
                 continue
             self._admit(conn, addr)
@@ -157,15 +172,22 @@ class TcpListener(Listener):
             if admitted:
                 self._preauth[conn] = now
                 self._conns.add(conn)
-                thread = threading.Thread(target=self._serve, args=(conn, addr, now), daemon=True,
-                                          name=f"transport-recv-{addr[0]}:{addr[1]}")
+                thread = threading.Thread(
+                    target=self._serve, args=(conn, addr, now), daemon=True, name=f"transport-recv-{addr[0]}:{addr[1]}"
+                )
                 self._threads.add(thread)
         if full and (n := self._busy_log.due()) is not None:
-            log.warning("transport listener %s: %d connections at once have not proved namespace %r's secret "
-                        "(the cap): %s (a flood of strangers? %d such events since the last line)",
-                        self._endpoint.label(), self._max_preauth, self._parts.namespace,
-                        "dropped the oldest for a newcomer" if evicted is not None
-                        else f"closed a newcomer from {addr[0]}:{addr[1]} at once", n)
+            log.warning(
+                "transport listener %s: %d connections at once have not proved namespace %r's secret "
+                "(the cap): %s (a flood of strangers? %d such events since the last line)",
+                self._endpoint.label(),
+                self._max_preauth,
+                self._parts.namespace,
+                "dropped the oldest for a newcomer"
+                if evicted is not None
+                else f"closed a newcomer from {addr[0]}:{addr[1]} at once",
+                n,
+            )
         if not admitted:
             return
         if evicted is not None:
@@ -182,9 +204,14 @@ class TcpListener(Listener):
                 self._preauth.pop(conn, None)
             if hello is None:
                 if (n := self._refused_log.due()) is not None:
-                    log.warning("transport listener %s: refused %s: it could not prove namespace %r's secret "
-                                "(%d refused since the last line)", self._endpoint.label(), label,
-                                self._parts.namespace, n)
+                    log.warning(
+                        "transport listener %s: refused %s: it could not prove namespace %r's secret "
+                        "(%d refused since the last line)",
+                        self._endpoint.label(),
+                        label,
+                        self._parts.namespace,
+                        n,
+                    )
                 return
             key, _stream, client_name = hello
             label = f"{client_name or 'sender'} at {addr[0]}:{addr[1]}"
@@ -197,8 +224,13 @@ class TcpListener(Listener):
             if session is not None:
                 session.fail(exc)
             elif (n := self._refused_log.due()) is not None:
-                log.info("transport listener %s: handshake with %s failed: %s (%d refused since the last line)",
-                         self._endpoint.label(), label, exc, n)
+                log.info(
+                    "transport listener %s: handshake with %s failed: %s (%d refused since the last line)",
+                    self._endpoint.label(),
+                    label,
+                    exc,
+                    n,
+                )
         except OSError as exc:
             if session is not None:
                 session.fail(PeerLostError(f"the connection from {label} broke: {exc}", label))

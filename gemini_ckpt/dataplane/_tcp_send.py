@@ -42,8 +42,11 @@ from ._tcp import TurnedAway, shutdown, tune
 _RETRY_FIRST_S = 0.05  # a turned-away stream dials again after about this, doubling up to _RETRY_MAX_S
 _RETRY_MAX_S = 0.4
 
-_DONE_ERRORS = {wire.DONE_REJECTED: TransferRejectedError, wire.DONE_CHECKSUM: ChecksumMismatchError,
-                wire.DONE_PROTOCOL: ProtocolError}
+_DONE_ERRORS = {
+    wire.DONE_REJECTED: TransferRejectedError,
+    wire.DONE_CHECKSUM: ChecksumMismatchError,
+    wire.DONE_PROTOCOL: ProtocolError,
+}
 
 
 class _Outgoing:
@@ -109,8 +112,12 @@ class TcpChannel(Channel):
         self._streams = [_StreamState(sock) for sock in self._socks]
         for i, stream in enumerate(self._streams):
             for target, role in ((self._send_loop, "send"), (self._read_loop, "ack")):
-                thread = threading.Thread(target=self._run, args=(target, stream), daemon=True,
-                                          name=f"transport-{role}-{endpoint.host}:{endpoint.port}-{i}")
+                thread = threading.Thread(
+                    target=self._run,
+                    args=(target, stream),
+                    daemon=True,
+                    name=f"transport-{role}-{endpoint.host}:{endpoint.port}-{i}",
+                )
                 self._threads.append(thread)
         for thread in self._threads:
             thread.start()
@@ -129,9 +136,12 @@ class TcpChannel(Channel):
                 sock.close()
                 wait = pause * random.uniform(0.5, 1.5)
                 if time.monotonic() + wait >= deadline:
-                    raise PeerLostError(f"{self._label} kept turning our connection away for "
-                                        f"{self._config.connect_timeout_s}s: it is at its cap of unauthenticated "
-                                        f"connections (something may be flooding it) or closing", self._label) from None
+                    raise PeerLostError(
+                        f"{self._label} kept turning our connection away for "
+                        f"{self._config.connect_timeout_s}s: it is at its cap of unauthenticated "
+                        f"connections (something may be flooding it) or closing",
+                        self._label,
+                    ) from None
                 time.sleep(wait)
                 pause = min(2 * pause, _RETRY_MAX_S)
             except BaseException:
@@ -140,11 +150,13 @@ class TcpChannel(Channel):
 
     def _dial(self) -> socket.socket:
         try:
-            sock = socket.create_connection((self._endpoint.host, self._endpoint.port),
-                                            timeout=self._config.connect_timeout_s)
+            sock = socket.create_connection(
+                (self._endpoint.host, self._endpoint.port), timeout=self._config.connect_timeout_s
+            )
         except socket.timeout:
-            raise ProgressTimeoutError(f"{self._label} did not accept a connection within "
-                                       f"{self._config.connect_timeout_s}s", self._label) from None
+            raise ProgressTimeoutError(
+                f"{self._label} did not accept a connection within {self._config.connect_timeout_s}s", self._label
+            ) from None
         except OSError as exc:
             raise PeerLostError(f"cannot connect to {self._label}: {exc}", self._label) from None
         tune(sock, self._config)
@@ -195,8 +207,9 @@ class TcpChannel(Channel):
         except TransportError as exc:
             self._fail(exc)
         except OSError as exc:
-            self._fail(PeerLostError(f"the connection to {self._label} broke: {exc} (the peer died or reset it)",
-                                     self._label))
+            self._fail(
+                PeerLostError(f"the connection to {self._label} broke: {exc} (the peer died or reset it)", self._label)
+            )
         except Exception as exc:  # noqa: BLE001 - never let a stream thread die silently
             self._fail(ProtocolError(f"sending to {self._label} failed: {exc!r}", self._label))
 
@@ -212,7 +225,7 @@ class TcpChannel(Channel):
             head = wire.CHUNK_HEAD.pack(outgoing.tid, offset, chunk) + outgoing.header_bytes
             self._write(stream, memoryview(wire.frame(wire.CHUNK, head, n)), payload=False)
             if n:
-                self._write(stream, outgoing.view[offset:offset + n], payload=True)
+                self._write(stream, outgoing.view[offset : offset + n], payload=True)
             with self._lock:
                 outgoing.chunks_left -= 1
                 if not outgoing.chunks_left:
@@ -231,8 +244,13 @@ class TcpChannel(Channel):
                 end = pos + min(gate.piece(), n - pos)
                 if limiter is not None:
                     limiter.acquire(end - pos)
-                gate.send(stream.sock, view[pos:end], lambda part: self._send_some(stream, part), self._check_stall,
-                          patience_s=min(gate.patience_s, self._timeout / 3))
+                gate.send(
+                    stream.sock,
+                    view[pos:end],
+                    lambda part: self._send_some(stream, part),
+                    self._check_stall,
+                    patience_s=min(gate.patience_s, self._timeout / 3),
+                )
                 pos = end
                 continue
             end = n
@@ -260,8 +278,9 @@ class TcpChannel(Channel):
             if not self._recv_into(sock, memoryview(prefix), idle_ok=True):
                 if self._closed or self._error is not None:
                     return
-                raise PeerLostError(f"{self._label} closed the connection (it died, or its listener was closed)",
-                                    self._label)
+                raise PeerLostError(
+                    f"{self._label} closed the connection (it died, or its listener was closed)", self._label
+                )
             kind, head_len, payload_len = wire.PREFIX.unpack(prefix)
             if payload_len or head_len > wire.MAX_FRAME_HEADER:
                 raise ProtocolError(f"{self._label} sent a frame of type {kind} with a payload", self._label)
@@ -272,7 +291,7 @@ class TcpChannel(Channel):
                 (stream.acked,) = wire.PROGRESS_HEAD.unpack(head)
             elif kind == wire.DONE and head_len >= wire.DONE_HEAD.size:
                 tid, status = wire.DONE_HEAD.unpack_from(head)
-                self._done(tid, status, bytes(head[wire.DONE_HEAD.size:]).decode(errors="replace"))
+                self._done(tid, status, bytes(head[wire.DONE_HEAD.size :]).decode(errors="replace"))
             else:
                 raise ProtocolError(f"{self._label} sent a frame of unknown type {kind}", self._label)
 
@@ -305,8 +324,11 @@ class TcpChannel(Channel):
                 if outgoing.written_at:
                     waited = max(waited, now - max(self._last_frame, outgoing.written_at))
         if waited > self._timeout:
-            raise ProgressTimeoutError(f"{self._label} made no progress for {self._timeout:.1f}s with {pending} "
-                                       f"transfer(s) pending (it stopped reading, hung or vanished)", self._label)
+            raise ProgressTimeoutError(
+                f"{self._label} made no progress for {self._timeout:.1f}s with {pending} "
+                f"transfer(s) pending (it stopped reading, hung or vanished)",
+                self._label,
+            )
 
     # --- outcomes ---------------------------------------------------------------------------
     def _done(self, tid: int, status: int, message: str) -> None:
@@ -318,8 +340,9 @@ class TcpChannel(Channel):
             outgoing.future.set_result(None)
             return
         error = _DONE_ERRORS.get(status, ProtocolError)
-        outgoing.future.set_exception(error(f"{self._label} refused {outgoing.header.describe()}: {message}",
-                                            self._label))
+        outgoing.future.set_exception(
+            error(f"{self._label} refused {outgoing.header.describe()}: {message}", self._label)
+        )
 
     def _fail(self, error: TransportError) -> None:
         with self._lock:
@@ -333,5 +356,6 @@ class TcpChannel(Channel):
         for _ in self._socks:
             self._queue.put(None)
         for outgoing in pending:
-            outgoing.future.set_exception(type(error)(
-                f"sending {outgoing.header.describe()} to {self._label} failed: {error}", self._label))
+            outgoing.future.set_exception(
+                type(error)(f"sending {outgoing.header.describe()} to {self._label} failed: {error}", self._label)
+            )

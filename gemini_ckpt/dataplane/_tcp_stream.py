@@ -36,8 +36,19 @@ _OPEN, _COMPLETING, _FAILED = 0, 1, 2
 
 
 class Incoming:
-    __slots__ = ("tid", "header", "header_bytes", "view", "chunk", "offsets", "got", "writers", "state",
-                 "error", "notified")
+    __slots__ = (
+        "tid",
+        "header",
+        "header_bytes",
+        "view",
+        "chunk",
+        "offsets",
+        "got",
+        "writers",
+        "state",
+        "error",
+        "notified",
+    )
 
     def __init__(self, tid: int, header: Header, header_bytes: bytes, view: memoryview, chunk: int) -> None:
         self.tid = tid
@@ -113,9 +124,10 @@ class Session:
 
 
 def _for_transfer(error: TransportError, header: Header, got: int) -> TransportError:
-    return type(error)(f"{header.describe()} arrived incomplete ({got:,} of {header.length:,} bytes in whole chunks): "
-                       f"{error}",
-                       error.peer)
+    return type(error)(
+        f"{header.describe()} arrived incomplete ({got:,} of {header.length:,} bytes in whole chunks): {error}",
+        error.peer,
+    )
 
 
 def _notify_failed(sink: Sink, incoming: Incoming) -> None:
@@ -150,19 +162,20 @@ class Stream:
                 return
             kind, head_len, payload_len = wire.PREFIX.unpack(self.prefix)
             if kind != wire.CHUNK or not wire.CHUNK_HEAD.size <= head_len <= wire.MAX_FRAME_HEADER:
-                raise ProtocolError(f"{self.label} sent a frame of type {kind} with a {head_len}-byte header",
-                                    self.label)
+                raise ProtocolError(
+                    f"{self.label} sent a frame of type {kind} with a {head_len}-byte header", self.label
+                )
             head = bytearray(head_len)
             self._recv_into(memoryview(head), idle_ok=False)
             tid, chunk_offset, chunk_size = wire.CHUNK_HEAD.unpack_from(head)
-            incoming = self._begin(tid, bytes(head[wire.CHUNK_HEAD.size:]), chunk_offset, chunk_size, payload_len)
+            incoming = self._begin(tid, bytes(head[wire.CHUNK_HEAD.size :]), chunk_offset, chunk_size, payload_len)
             if incoming is None:
                 self._drain(payload_len)
                 continue
             ok = False
             try:
                 if payload_len:
-                    self._recv_into(incoming.view[chunk_offset:chunk_offset + payload_len], idle_ok=False)
+                    self._recv_into(incoming.view[chunk_offset : chunk_offset + payload_len], idle_ok=False)
                 ok = True
             finally:
                 complete = self._end(incoming, ok, payload_len)
@@ -188,10 +201,17 @@ class Stream:
             elif header_bytes != incoming.header_bytes or chunk != incoming.chunk:
                 raise ProtocolError(f"{self.label} changed the header of transfer {tid} mid-way", self.label)
             length = incoming.header.length
-            if (offset % chunk or n != min(chunk, length - offset) or offset in incoming.offsets
-                    or (offset >= length and not (offset == 0 and length == 0))):
-                raise ProtocolError(f"{self.label} sent chunk [{offset}, {offset + n}) (chunk size {chunk}) "
-                                    f"of {incoming.header.describe()}: out of range or repeated", self.label)
+            if (
+                offset % chunk
+                or n != min(chunk, length - offset)
+                or offset in incoming.offsets
+                or (offset >= length and not (offset == 0 and length == 0))
+            ):
+                raise ProtocolError(
+                    f"{self.label} sent chunk [{offset}, {offset + n}) (chunk size {chunk}) "
+                    f"of {incoming.header.describe()}: out of range or repeated",
+                    self.label,
+                )
             incoming.offsets.add(offset)
             incoming.writers += 1
             return incoming
@@ -241,8 +261,10 @@ class Stream:
             actual = self._checksum(incoming.view)
             if actual != header.checksum:
                 status = wire.DONE_CHECKSUM
-                message = (f"{header.describe()} failed verification: checksum {actual:#x}, the sender "
-                           f"computed {header.checksum:#x} ({header.checksum_algo or 'unnamed algorithm'})")
+                message = (
+                    f"{header.describe()} failed verification: checksum {actual:#x}, the sender "
+                    f"computed {header.checksum:#x} ({header.checksum_algo or 'unnamed algorithm'})"
+                )
                 incoming.error = ChecksumMismatchError(message, self.label)
                 _notify_failed(self.sink, incoming)
         if status == wire.DONE_OK:
@@ -255,7 +277,7 @@ class Stream:
     def _checksum(self, view: memoryview) -> int:
         value = 0
         for start in range(0, len(view), _VERIFY_BLOCK):
-            value = self.verify_fn(view[start:start + _VERIFY_BLOCK], value)
+            value = self.verify_fn(view[start : start + _VERIFY_BLOCK], value)
             self._maybe_progress(time.monotonic())  # the sender waits on DONE meanwhile
         return value & 0xFFFFFFFFFFFFFFFF
 
@@ -293,8 +315,11 @@ class Stream:
         if session.error is not None:
             raise session.error
         if (mid_frame or session.busy()) and time.monotonic() - session.last_rx > self.timeout:
-            raise ProgressTimeoutError(f"{self.label} sent nothing for {self.timeout:.1f}s in the middle of a "
-                                       f"transfer (it stopped, hung or vanished)", self.label)
+            raise ProgressTimeoutError(
+                f"{self.label} sent nothing for {self.timeout:.1f}s in the middle of a "
+                f"transfer (it stopped, hung or vanished)",
+                self.label,
+            )
 
     def _maybe_progress(self, now: float, force: bool = False) -> None:
         if force or now - self.last_progress_sent >= _PROGRESS_EVERY_S:

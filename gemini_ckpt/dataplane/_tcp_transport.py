@@ -44,9 +44,16 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, secret: bytes, namespace: str, *, host_name: str = "",
-                 config: Optional[TcpConfig] = None, limiter: Optional[TokenBucket] = None,
-                 gate: Optional[IdleGate] = None) -> None:
+    def __init__(
+        self,
+        secret: bytes,
+        namespace: str,
+        *,
+        host_name: str = "",
+        config: Optional[TcpConfig] = None,
+        limiter: Optional[TokenBucket] = None,
+        gate: Optional[IdleGate] = None,
+    ) -> None:
         if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
             raise ValueError("TcpTransport secret must be at least 16 bytes (the namespace's secret)")
         if not namespace or len(namespace.encode()) > MAX_NAME_BYTES:
@@ -56,8 +63,11 @@ class TcpTransport(Transport):
         self.namespace = namespace
         self.host_name = host_name
         self.config = config or TcpConfig()
-        self.limiter = limiter if limiter is not None else (
-            TokenBucket(self.config.max_send_bytes_per_s) if self.config.max_send_bytes_per_s else None)
+        self.limiter = (
+            limiter
+            if limiter is not None
+            else (TokenBucket(self.config.max_send_bytes_per_s) if self.config.max_send_bytes_per_s else None)
+        )
         self.handshake = Handshake(secret, namespace, host_name)
         self.gate = gate
         self._lock = threading.Lock()

@@ -88,14 +88,24 @@ def unpack_str(buf: bytes, pos: int) -> tuple[str, int]:
     pos += U16.size
     if pos + n > len(buf):
         raise ValueError("truncated string")
-    return bytes(buf[pos:pos + n]).decode(), pos + n
+    return bytes(buf[pos : pos + n]).decode(), pos + n
 
 
 def encode_header(h: Header) -> bytes:
-    fixed = _HEADER_FIXED.pack(h.step, h.offset, h.length, -1 if h.total is None else h.total,
-                               h.checksum or 0, h.checksum is not None)
-    return b"".join([fixed, pack_str(h.namespace), pack_str(h.name), pack_str(h.put_id),
-                     pack_str(h.checksum_algo), U16.pack(len(h.meta)), h.meta])
+    fixed = _HEADER_FIXED.pack(
+        h.step, h.offset, h.length, -1 if h.total is None else h.total, h.checksum or 0, h.checksum is not None
+    )
+    return b"".join(
+        [
+            fixed,
+            pack_str(h.namespace),
+            pack_str(h.name),
+            pack_str(h.put_id),
+            pack_str(h.checksum_algo),
+            U16.pack(len(h.meta)),
+            h.meta,
+        ]
+    )
 
 
 def decode_header(buf: bytes, pos: int = 0) -> Header:
@@ -110,33 +120,70 @@ def decode_header(buf: bytes, pos: int = 0) -> Header:
         algo, pos = unpack_str(buf, pos)
         (n,) = U16.unpack_from(buf, pos)
         pos += U16.size
-        meta = bytes(buf[pos:pos + n])
+        meta = bytes(buf[pos : pos + n])
         if len(meta) != n or pos + n != len(buf):
             raise ValueError("header length does not match its fields")
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"malformed header: {exc}") from None
-    return Header(namespace, step, name, offset, length, None if total < 0 else total,
-                  checksum if has_checksum else None, algo, put_id, meta)
+    return Header(
+        namespace,
+        step,
+        name,
+        offset,
+        length,
+        None if total < 0 else total,
+        checksum if has_checksum else None,
+        algo,
+        put_id,
+        meta,
+    )
 
 
 def frame(kind: int, head: bytes, payload_len: int = 0) -> bytes:
     return PREFIX.pack(kind, len(head), payload_len) + head
 
 
-def _mac(secret: bytes, role: bytes, namespace: str, session: bytes, stream: int, client_name: str,
-         server_name: Optional[str], nonce_s: bytes, nonce_c: bytes) -> bytes:
-    parts = [b"gemini-ckpt/transport/v1/", role, pack_str(namespace), session, U16.pack(stream),
-             pack_str(client_name), pack_str(server_name or ""), nonce_s, nonce_c]
+def _mac(
+    secret: bytes,
+    role: bytes,
+    namespace: str,
+    session: bytes,
+    stream: int,
+    client_name: str,
+    server_name: Optional[str],
+    nonce_s: bytes,
+    nonce_c: bytes,
+) -> bytes:
+    parts = [
+        b"gemini-ckpt/transport/v1/",
+        role,
+        pack_str(namespace),
+        session,
+        U16.pack(stream),
+        pack_str(client_name),
+        pack_str(server_name or ""),
+        nonce_s,
+        nonce_c,
+    ]
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def client_proof(secret: bytes, namespace: str, session: bytes, stream: int, client_name: str,
-                 nonce_s: bytes, nonce_c: bytes) -> bytes:
+def client_proof(
+    secret: bytes, namespace: str, session: bytes, stream: int, client_name: str, nonce_s: bytes, nonce_c: bytes
+) -> bytes:
     return _mac(secret, b"client", namespace, session, stream, client_name, None, nonce_s, nonce_c)
 
 
-def server_proof(secret: bytes, namespace: str, session: bytes, stream: int, client_name: str,
-                 server_name: str, nonce_s: bytes, nonce_c: bytes) -> bytes:
+def server_proof(
+    secret: bytes,
+    namespace: str,
+    session: bytes,
+    stream: int,
+    client_name: str,
+    server_name: str,
+    nonce_s: bytes,
+    nonce_c: bytes,
+) -> bytes:
     return _mac(secret, b"server", namespace, session, stream, client_name, server_name, nonce_s, nonce_c)
 
 

@@ -32,27 +32,44 @@ def add_demo_command(subcommands: argparse._SubParsersAction) -> None:
     """Register ``demo`` on the ``python -m gemini_ckpt`` parser."""
     d = DemoOptions()
     p = subcommands.add_parser(
-        "demo", help="kill a host mid-run on a local Ray cluster and resume from peer memory",
+        "demo",
+        help="kill a host mid-run on a local Ray cluster and resume from peer memory",
         description="Train a tiny LM with Ray Train on simulated hosts, checkpoint every step to peer "
-                    "memory, kill a host, resume from memory, and report what it cost.")
+        "memory, kill a host, resume from memory, and report what it cost.",
+    )
     p.add_argument("--hosts", type=int, default=d.hosts, help="simulated hosts (Ray nodes), one worker each")
     p.add_argument("--replicas", type=int, default=d.replicas, help="copies of each shard in memory")
-    p.add_argument("--fault", choices=FAULTS, default=d.fault,
-                   help="host: the host dies (raylet and every process) and a replacement joins; process: its "
-                        "training worker is SIGKILLed; hang: its training worker is SIGSTOPped")
+    p.add_argument(
+        "--fault",
+        choices=FAULTS,
+        default=d.fault,
+        help="host: the host dies (raylet and every process) and a replacement joins; process: its "
+        "training worker is SIGKILLed; hang: its training worker is SIGSTOPped",
+    )
     p.add_argument("--kill-host", type=int, default=d.kill_host, help="host the fault hits (0-based)")
-    p.add_argument("--full-restart", action="store_true",
-                   help="let Ray Train restart every worker at the failure (default: replace only the failed one "
-                        "and keep the others' processes: in-place recovery)")
-    p.add_argument("--hang-s", type=float, default=d.hang_s,
-                   help="with --fault hang: seconds without an answer before Ray Train counts a worker as failed")
+    p.add_argument(
+        "--full-restart",
+        action="store_true",
+        help="let Ray Train restart every worker at the failure (default: replace only the failed one "
+        "and keep the others' processes: in-place recovery)",
+    )
+    p.add_argument(
+        "--hang-s",
+        type=float,
+        default=d.hang_s,
+        help="with --fault hang: seconds without an answer before Ray Train counts a worker as failed",
+    )
     p.add_argument("--kill-at-step", type=int, default=d.kill_at_step, help="kill once this step is done")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")
     p.add_argument("--persist-every", type=int, default=d.persist_every, help="durable version every N steps")
     p.add_argument("--no-failure", action="store_true", help="run without killing a host")
     p.add_argument("--out", default=d.out, help="directory for durable versions, the report and the timeline")
-    p.add_argument("--network", choices=("loopback", "netns"), default=d.network,
-                   help="netns: each host in its own network namespace with its own address (needs root)")
+    p.add_argument(
+        "--network",
+        choices=("loopback", "netns"),
+        default=d.network,
+        help="netns: each host in its own network namespace with its own address (needs root)",
+    )
     p.add_argument("--link", metavar="RATE", help="with --network netns: each host's link rate, e.g. 1gbit")
     p.set_defaults(func=_run_cli)
 
@@ -68,15 +85,29 @@ def missing_extra() -> Optional[str]:
 def _run_cli(args: argparse.Namespace) -> int:
     missing = missing_extra()
     if missing:
-        print(f"error: the demo needs {missing} (the optional extra gemini_ckpt[demo]); install it with "
-              f"`python -m pip install -c constraints.txt -e \".[demo]\"` in a checkout, or "
-              f"`python -m pip install 'gemini_ckpt[demo]'`", file=sys.stderr)
+        print(
+            f"error: the demo needs {missing} (the optional extra gemini_ckpt[demo]); install it with "
+            f'`python -m pip install -c constraints.txt -e ".[demo]"` in a checkout, or '
+            f"`python -m pip install 'gemini_ckpt[demo]'`",
+            file=sys.stderr,
+        )
         return 2
     try:
-        options = DemoOptions(hosts=args.hosts, replicas=args.replicas, kill_host=args.kill_host,
-                              kill_at_step=args.kill_at_step, steps=args.steps, persist_every=args.persist_every,
-                              failure=not args.no_failure, out=args.out, network=args.network, link=args.link,
-                              fault=args.fault, in_place=not args.full_restart, hang_s=args.hang_s)
+        options = DemoOptions(
+            hosts=args.hosts,
+            replicas=args.replicas,
+            kill_host=args.kill_host,
+            kill_at_step=args.kill_at_step,
+            steps=args.steps,
+            persist_every=args.persist_every,
+            failure=not args.no_failure,
+            out=args.out,
+            network=args.network,
+            link=args.link,
+            fault=args.fault,
+            in_place=not args.full_restart,
+            hang_s=args.hang_s,
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

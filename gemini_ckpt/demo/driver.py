@@ -20,22 +20,27 @@ from .options import DemoOptions
 from .report import DemoReport, build_report, mb
 
 # what train_loop imports beyond torch, Ray Train and gemini_ckpt's integration (warm_runtime_env adds those)
-WARM_MODULES = ("torch.distributed.device_mesh", "torch.distributed.fsdp", "torchdata.stateful_dataloader",
-                "gemini_ckpt.toy", "gemini_ckpt.demo.job")
+WARM_MODULES = (
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torchdata.stateful_dataloader",
+    "gemini_ckpt.toy",
+    "gemini_ckpt.demo.job",
+)
 
 OBJECT_STORE_BYTES = 96 << 20
 
 
 # --- the cluster ---------------------------------------------------------------------------------
-def start_cluster(hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES, network: str = "loopback",
-                  link: str | None = None):
+def start_cluster(
+    hosts: int, *, object_store_bytes: int = OBJECT_STORE_BYTES, network: str = "loopback", link: str | None = None
+):
     """A head node (no CPUs: it runs Ray Train's controller and the registry, never a worker)
     plus ``hosts`` simulated hosts with one CPU each (:class:`~gemini_ckpt.testing.cluster.LocalCluster`),
     this process connected."""
     from ..testing.cluster import LocalCluster
 
-    return LocalCluster(hosts, head_cpus=0, object_store_bytes=object_store_bytes, network=network,
-                        link=link).start()
+    return LocalCluster(hosts, head_cpus=0, object_store_bytes=object_store_bytes, network=network, link=link).start()
 
 
 # --- the driver ----------------------------------------------------------------------------------
@@ -50,8 +55,11 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
     own_cluster = cluster is None
     with expected_deaths_hidden():
         if own_cluster:
-            where = "" if options.network == "loopback" else \
-                f", each in its own network namespace{f' on a {options.link} link' if options.link else ''}"
+            where = (
+                ""
+                if options.network == "loopback"
+                else f", each in its own network namespace{f' on a {options.link} link' if options.link else ''}"
+            )
             echo(f"starting a local Ray cluster: head + {options.hosts} hosts{where} ...")
             cluster = start_cluster(options.hosts, network=options.network, link=options.link)
         try:
@@ -70,12 +78,20 @@ def run_demo(options: DemoOptions, *, echo: Callable[[str], None] = print, clust
     title = f"{options.hosts} hosts, 1 rank each, replicas={options.replicas}: " + (
         f"{report.failure_text} after step {report.failure_step}, restored step {report.restored_step} from "
         f"{report.restored_from} ({'in place' if options.in_place else 'full restart'})"
-        if options.failure else "no failure")
-    stages = [] if report.failure_t is None else [
-        {"kind": "stage", "t": report.failure_t + after, "what": what, "whose": whose}
-        for after, what, whose in report.stages]
-    report.timeline = plot_timeline([{**e, "t": e["unix"] - t0} for e in events] + stages,
-                                    os.path.join(run_dir, "timeline.png"), title=title)
+        if options.failure
+        else "no failure"
+    )
+    stages = (
+        []
+        if report.failure_t is None
+        else [
+            {"kind": "stage", "t": report.failure_t + after, "what": what, "whose": whose}
+            for after, what, whose in report.stages
+        ]
+    )
+    report.timeline = plot_timeline(
+        [{**e, "t": e["unix"] - t0} for e in events] + stages, os.path.join(run_dir, "timeline.png"), title=title
+    )
     with open(os.path.join(run_dir, "report.txt"), "w") as f:
         f.write(report.format().strip() + "\n")
     return report
@@ -90,14 +106,24 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..integrations.ray_train import (detection_env, host_stores, ranks_on_hosts, recoverable, torch_config,
-                                          warm_runtime_env)
+    from ..integrations.ray_train import (
+        detection_env,
+        host_stores,
+        ranks_on_hosts,
+        recoverable,
+        torch_config,
+        warm_runtime_env,
+    )
 
     progress_name = f"{run_name}::progress"
-    progress = (ray.remote(Progress).options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0,
-                                             resources={"node:__internal_head__": 0.001}).remote())
-    ckpt_config = CheckpointConfig(replicas=options.replicas, keep_in_memory=2,
-                                   persist_every=options.persist_every, timeout_s=60.0)
+    progress = (
+        ray.remote(Progress)
+        .options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
+        .remote()
+    )
+    ckpt_config = CheckpointConfig(
+        replicas=options.replicas, keep_in_memory=2, persist_every=options.persist_every, timeout_s=60.0
+    )
     if options.in_place:  # Ray Train's controller reads them from this process's environment at fit()
         os.environ.update(detection_env(poll_s=0.25, hang_s=options.hang_s))
     trainer = TorchTrainer(
@@ -106,15 +132,24 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
         train_loop_config={"ckpt": ckpt_config, "steps": options.steps, "progress": progress_name},
         # rank r on host r after every restart, so the replacement of a lost host restores from its memory
         scaling_config=ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts)),
-        run_config=RunConfig(name=run_name, storage_path=os.path.abspath(options.out),
-                             # each Train worker (a warm spare too) imports what train_loop does as it starts
-                             worker_runtime_env=warm_runtime_env(*WARM_MODULES) if options.in_place else None,
-                             failure_config=FailureConfig(max_failures=-1 if options.in_place else 3),
-                             checkpoint_config=RayCheckpointConfig(num_to_keep=3)))
-    echo(f"training {options.steps} steps on {options.hosts} workers; "
-         + (f"{FAULT_TEXT[options.fault].format(host=options.kill_host)} after step {options.kill_at_step}; "
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=os.path.abspath(options.out),
+            # each Train worker (a warm spare too) imports what train_loop does as it starts
+            worker_runtime_env=warm_runtime_env(*WARM_MODULES) if options.in_place else None,
+            failure_config=FailureConfig(max_failures=-1 if options.in_place else 3),
+            checkpoint_config=RayCheckpointConfig(num_to_keep=3),
+        ),
+    )
+    echo(
+        f"training {options.steps} steps on {options.hosts} workers; "
+        + (
+            f"{FAULT_TEXT[options.fault].format(host=options.kill_host)} after step {options.kill_at_step}; "
             + ("only the failed worker is replaced (in place)" if options.in_place else "every worker restarts")
-            if options.failure else "no failure"))
+            if options.failure
+            else "no failure"
+        )
+    )
     box: dict = {}
 
     def fit() -> None:
@@ -150,8 +185,11 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     return events, t0, box["result"]
 
 
-FAULT_TEXT = {"host": "host {host} will be killed", "process": "the worker on host {host} will be SIGKILLed",
-              "hang": "the worker on host {host} will be SIGSTOPped"}
+FAULT_TEXT = {
+    "host": "host {host} will be killed",
+    "process": "the worker on host {host} will be SIGKILLed",
+    "hang": "the worker on host {host} will be SIGSTOPped",
+}
 
 
 def _inject(options: DemoOptions, cluster, events: list[dict], echo, t0: float) -> dict:
@@ -167,8 +205,10 @@ def _inject(options: DemoOptions, cluster, events: list[dict], echo, t0: float) 
     # rank i runs on host i (ranks_on_hosts); its newest process, from the workers' start events
     pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == i][-1]
     signum = signal.SIGKILL if options.fault == "process" else signal.SIGSTOP
-    echo(f"[{time.time() - t0:6.1f}s] !!! {signal.Signals(signum).name} to the training worker of host {i} "
-         f"(rank {i}, pid {pid})")
+    echo(
+        f"[{time.time() - t0:6.1f}s] !!! {signal.Signals(signum).name} to the training worker of host {i} "
+        f"(rank {i}, pid {pid})"
+    )
     t_kill = time.time()
     os.kill(pid, signum)  # the local cluster's hosts are processes of this machine
     return {"kind": "failure", "fault": options.fault, "host": i, "unix": t_kill, "rank": i, "pid": pid}
@@ -191,10 +231,13 @@ class _Printer:
             self.echo(f"{at} step {e['step']} persisted to {os.path.relpath(e['location'])}")
         elif kind == "restore" and e["rank"] == 0:
             self.committed = e["step"]
-            self.echo(f"{at} restored step {e['step']} from {e['source']} in {e['seconds']:.2f}s "
-                      f"(rank 0: local {mb(e['bytes_local'])}, peer {mb(e['bytes_peer'])})")
+            self.echo(
+                f"{at} restored step {e['step']} from {e['source']} in {e['seconds']:.2f}s "
+                f"(rank 0: local {mb(e['bytes_local'])}, peer {mb(e['bytes_peer'])})"
+            )
         elif kind == "start" and e["rank"] == 0:
             self.echo(f"{at} workers started (attempt {e['attempt'] + 1})")
         elif kind == "done" and e["rank"] == 0:
-            self.echo(f"{at} training finished; durable versions reported to Ray Train by this attempt: "
-                      f"steps {e['reported']}")
+            self.echo(
+                f"{at} training finished; durable versions reported to Ray Train by this attempt: steps {e['reported']}"
+            )

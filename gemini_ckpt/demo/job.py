@@ -72,16 +72,25 @@ def train_loop(config: dict) -> dict:
     context = ray.train.get_context()
     rank = context.get_world_rank()
     emit = _emitter(config.get("progress"), rank)
-    emit("start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), process_t=_process_start(),
-         in_place=recovery_info())
+    emit(
+        "start",
+        pid=os.getpid(),
+        node_id=ray.get_runtime_context().get_node_id(),
+        process_t=_process_start(),
+        in_place=recovery_info(),
+    )
     steps, seed = config["steps"], config.get("seed", 0)
     # FSDP2 over the process group TorchTrainer set up: each rank holds (and saves) its shard.
     mesh = init_device_mesh("cpu", (context.get_world_size(),))
     t = build_training(seed=seed, total_steps=steps, dataset_size=config.get("dataset_size", 512), mesh=mesh)
     model = t.model
     # Each rank shuffles its own way: a different slice of data per rank and step.
-    loader = StatefulDataLoader(TokenDataset(n=config.get("dataset_size", 512)), batch_size=8, shuffle=True,
-                                generator=torch.Generator().manual_seed(1000 * (seed + 1) + rank))
+    loader = StatefulDataLoader(
+        TokenDataset(n=config.get("dataset_size", 512)),
+        batch_size=8,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(1000 * (seed + 1) + rank),
+    )
     torch.manual_seed(7919 * (seed + 1) + rank)  # dropout streams differ per rank
     extra = {"tokens": 0}
     state = TrainState(model=model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=loader, extra=extra)
@@ -93,22 +102,31 @@ def train_loop(config: dict) -> dict:
     result = ckpt.restore() if checkpointing else None
     restored = None
     if result is not None:
-        restored = {"step": result.step, "source": result.source, "seconds": result.seconds,
-                    "bytes_local": result.bytes_read.get("local", 0), "bytes_peer": result.bytes_read.get("peer", 0),
-                    "bytes_durable": result.bytes_read.get("durable", 0), "path": result.path,
-                    "timeline": [list(m) for m in result.timeline], "recovery": list(result.recovery)}
+        restored = {
+            "step": result.step,
+            "source": result.source,
+            "seconds": result.seconds,
+            "bytes_local": result.bytes_read.get("local", 0),
+            "bytes_peer": result.bytes_read.get("peer", 0),
+            "bytes_durable": result.bytes_read.get("durable", 0),
+            "path": result.path,
+            "timeline": [list(m) for m in result.timeline],
+            "recovery": list(result.recovery),
+        }
         emit("restore", t_start=t0, pid=os.getpid(), **restored)
 
     def on_commit(step: int, saved_at: float):
         def done(fut) -> None:
             if fut.exception() is None:
                 emit("commit", step=step, latency_s=time.time() - saved_at)
+
         return done
 
     def on_persist(step: int):
         def done(fut) -> None:
             if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
                 emit("persist", step=step, location=fut.result())
+
         return done
 
     kill = config.get("kill")
@@ -152,9 +170,14 @@ def train_loop(config: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
-    return {"digest": digest_state([state.tensor_state(), extra]), "restore": restored, "rank": rank,
-            "model_digest": digest_state(full),
-            "reported": reported, "loss": loss_value}
+    return {
+        "digest": digest_state([state.tensor_state(), extra]),
+        "restore": restored,
+        "rank": rank,
+        "model_digest": digest_state(full),
+        "reported": reported,
+        "loss": loss_value,
+    }
 
 
 _RUNS_HERE = 0  # the training function's starts in this process (a survivor of in-place recovery: > 1)

@@ -48,5 +48,8 @@ class DemoOptions:
             if not 0 <= self.kill_at_step < self.steps - 1:
                 raise ValueError(f"--kill-at-step must be between 0 and --steps - 2 ({self.steps - 2})")
             if self.replicas < 2:
-                print("note: with --replicas 1 a dead host's shards have no other copy: the restore "
-                      "falls back to durable storage", file=sys.stderr)
+                print(
+                    "note: with --replicas 1 a dead host's shards have no other copy: the restore "
+                    "falls back to durable storage",
+                    file=sys.stderr,
+                )

@@ -43,9 +43,11 @@ class DemoReport:
     @property
     def failure_text(self) -> str:
         o = self.options
-        return {"host": f"host {o.kill_host} killed (raylet and all its processes)",
-                "process": f"the training worker of host {o.kill_host} SIGKILLed",
-                "hang": f"the training worker of host {o.kill_host} SIGSTOPped (hung)"}[o.fault]
+        return {
+            "host": f"host {o.kill_host} killed (raylet and all its processes)",
+            "process": f"the training worker of host {o.kill_host} SIGKILLed",
+            "hang": f"the training worker of host {o.kill_host} SIGSTOPped (hung)",
+        }[o.fault]
 
     @property
     def steps_lost(self) -> Optional[int]:
@@ -63,56 +65,88 @@ class DemoReport:
 
     def format(self) -> str:
         o = self.options
-        lines = ["", "=" * 78, "gemini_ckpt demo: report", "=" * 78,
-                 f"setup        {o.hosts} hosts x 1 rank (Ray Train, gloo, FSDP2), replicas={o.replicas}, "
-                 f"every step to memory, every {o.persist_every}th to {os.path.relpath(self.run_dir)}"]
+        lines = [
+            "",
+            "=" * 78,
+            "gemini_ckpt demo: report",
+            "=" * 78,
+            f"setup        {o.hosts} hosts x 1 rank (Ray Train, gloo, FSDP2), replicas={o.replicas}, "
+            f"every step to memory, every {o.persist_every}th to {os.path.relpath(self.run_dir)}",
+        ]
         if not o.failure:
             lines.append("failure      none (--no-failure)")
         if self.failure_step is not None:
             joined = "; a replacement host joined" if o.fault == "host" else ""
-            lines.append(f"failure      {self.failure_text} after step {self.failure_step} finished, at "
-                         f"t={self.failure_t:.1f}s{joined}")
+            lines.append(
+                f"failure      {self.failure_text} after step {self.failure_step} finished, at "
+                f"t={self.failure_t:.1f}s{joined}"
+            )
             if self.kept_processes is not None:
-                lines.append(f"in place     {self.kept_processes} of {o.hosts} workers kept their processes (Ray Train "
-                             f"replaced only the failed one); every rank rolled back in its own process"
-                             if o.in_place else "full restart (Ray Train restarted every worker)")
+                lines.append(
+                    f"in place     {self.kept_processes} of {o.hosts} workers kept their processes (Ray Train "
+                    f"replaced only the failed one); every rank rolled back in its own process"
+                    if o.in_place
+                    else "full restart (Ray Train restarted every worker)"
+                )
         if self.restored_step is not None:
-            where = f"local {mb(self.bytes_local)}, peer {mb(self.bytes_peer)}" if self.restored_from == "memory" \
+            where = (
+                f"local {mb(self.bytes_local)}, peer {mb(self.bytes_peer)}"
+                if self.restored_from == "memory"
                 else f"{mb(self.bytes_durable)}"
-            lines.append(f"restored     step {self.restored_step} from {self.restored_from} ({where}, all ranks) "
-                         f"in {self.restore_s:.2f}s (slowest rank)")
+            )
+            lines.append(
+                f"restored     step {self.restored_step} from {self.restored_from} ({where}, all ranks) "
+                f"in {self.restore_s:.2f}s (slowest rank)"
+            )
             if self.recovery_s is not None:
-                lines.append(f"recovery     {self.recovery_s:.1f}s from the failure to the next step; seconds after it:")
-                lines.append("             " + " > ".join(f"{what} {t:.1f} [{whose}]" for t, what, whose in self.stages))
+                lines.append(
+                    f"recovery     {self.recovery_s:.1f}s from the failure to the next step; seconds after it:"
+                )
+                lines.append(
+                    "             " + " > ".join(f"{what} {t:.1f} [{whose}]" for t, what, whose in self.stages)
+                )
         if self.steps_lost is not None:
             d = self.durable_before_failure
-            redone = (f"redone: {self.restored_step + 1}..{self.failure_step}" if self.steps_lost
-                      else "the newest finished step was committed in memory")
+            redone = (
+                f"redone: {self.restored_step + 1}..{self.failure_step}"
+                if self.steps_lost
+                else "the newest finished step was committed in memory"
+            )
             then = f"newest durable version then: step {d}" if d is not None else "none yet: from scratch"
-            lines.append(f"steps lost   {self.steps_lost} ({redone}); durable-only checkpointing every "
-                         f"{o.persist_every} steps would have lost {self.steps_lost_durable_only} ({then})")
+            lines.append(
+                f"steps lost   {self.steps_lost} ({redone}); durable-only checkpointing every "
+                f"{o.persist_every} steps would have lost {self.steps_lost_durable_only} ({then})"
+            )
         elif o.failure:
             lines.append("steps lost   unknown: no restore was recorded")
         if self.stalls_s:
             ms = sorted(1e3 * s for s in self.stalls_s)
-            lines.append(f"save stall   median {statistics.median(ms):.1f} ms, p95 {_pct(ms, 95):.1f} ms, "
-                         f"max {ms[-1]:.1f} ms over {len(ms)} saves (rank 0; the copy into staging buffers, "
-                         f"plus any wait for the previous version)")
+            lines.append(
+                f"save stall   median {statistics.median(ms):.1f} ms, p95 {_pct(ms, 95):.1f} ms, "
+                f"max {ms[-1]:.1f} ms over {len(ms)} saves (rank 0; the copy into staging buffers, "
+                f"plus any wait for the previous version)"
+            )
         if self.commit_s:
             ms = sorted(1e3 * s for s in self.commit_s)
-            lines.append(f"commit       median {statistics.median(ms):.0f} ms from save() to every copy acknowledged "
-                         f"({len(ms)} versions)")
+            lines.append(
+                f"commit       median {statistics.median(ms):.0f} ms from save() to every copy acknowledged "
+                f"({len(ms)} versions)"
+            )
         if self.step_s:
             med = statistics.median(self.step_s)
             text = f"step time    median {1e3 * med:.0f} ms (rank 0, save included)"
             if self.after_persist_s:
                 after = statistics.median(self.after_persist_s)
-                text += (f"; the step after a persisted version median {1e3 * after:.0f} ms ({after / med:.2f}x, "
-                         f"{len(self.after_persist_s)} versions)")
+                text += (
+                    f"; the step after a persisted version median {1e3 * after:.0f} ms ({after / med:.2f}x, "
+                    f"{len(self.after_persist_s)} versions)"
+                )
             lines.append(text)
         if self.persisted:
-            lines.append(f"persisted    steps {', '.join(map(str, sorted(set(self.persisted))))}; "
-                         f"Ray Train result.checkpoint = {self.ray_checkpoint}")
+            lines.append(
+                f"persisted    steps {', '.join(map(str, sorted(set(self.persisted))))}; "
+                f"Ray Train result.checkpoint = {self.ray_checkpoint}"
+            )
         if self.final_loss is not None:
             lines.append(f"final loss   {self.final_loss:.3f} (step {o.steps - 1})")
         if self.timeline:
@@ -169,8 +203,11 @@ def build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: flo
         # Each rank's process after the failure, from its restore (every recovery ends in one) or
         # its start: one lost progress event must not miscount the workers kept.
         first_pids = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure["unix"]}
-        after_pids = {e["rank"]: e["pid"] for e in events
-                      if e["kind"] in ("start", "restore") and e["unix"] > failure["unix"] and "pid" in e}
+        after_pids = {
+            e["rank"]: e["pid"]
+            for e in events
+            if e["kind"] in ("start", "restore") and e["unix"] > failure["unix"] and "pid" in e
+        }
         report.kept_processes = sum(1 for rank, pid in after_pids.items() if first_pids.get(rank) == pid)
     return report
 
@@ -194,8 +231,9 @@ def step_times(steps: list[dict], persisted: set) -> tuple[list[float], list[flo
     return times, after
 
 
-def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict],
-                    next_step_unix: Optional[float]) -> list[tuple[float, str, str]]:
+def recovery_stages(
+    failure_unix: float, events: list[dict], restores: list[dict], next_step_unix: Optional[float]
+) -> list[tuple[float, str, str]]:
     """The stages of one recovery, as ``(seconds after the failure, stage, whose)``: the library's
     (``gemini``: the host stores noticed the loss, made the copies again, seeded the replacement;
     the restore), Ray's (the node declared dead) and Ray Train's (its new workers in the training
@@ -203,10 +241,13 @@ def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict
     out: list[tuple[float, str, str]] = []
     recovery = next((r["recovery"][-1] for r in restores if r.get("recovery")), None)
     if recovery:
-        for key, what, whose in (("noticed", "stores noticed", "gemini"), ("node_dead", "node dead", "Ray"),
-                                 ("rereplicated", "copies made again", "gemini"),
-                                 ("replacement_joined", "replacement joined", "cluster"),
-                                 ("replacement_seeded", "replacement seeded", "gemini")):
+        for key, what, whose in (
+            ("noticed", "stores noticed", "gemini"),
+            ("node_dead", "node dead", "Ray"),
+            ("rereplicated", "copies made again", "gemini"),
+            ("replacement_joined", "replacement joined", "cluster"),
+            ("replacement_seeded", "replacement seeded", "gemini"),
+        ):
             if recovery.get(key):
                 out.append((recovery[key] - failure_unix, what, whose))
     starts = [e for e in events if e["kind"] == "start" and e["unix"] > failure_unix]
@@ -220,8 +261,13 @@ def recovery_stages(failure_unix: float, events: list[dict], restores: list[dict
         if fresh:
             out.append((max(e["process_t"] for e in fresh) - failure_unix, "replacement process", "Ray Train"))
         if new:
-            out.append((max(e["in_place"]["entered"] for e in new) - failure_unix,
-                        "replacement in train fn" + ("" if len(fresh) == len(new) else " (warm spare)"), "Ray Train"))
+            out.append(
+                (
+                    max(e["in_place"]["entered"] for e in new) - failure_unix,
+                    "replacement in train fn" + ("" if len(fresh) == len(new) else " (warm spare)"),
+                    "Ray Train",
+                )
+            )
         formed = [dict(i["stages"]).get("formed") for i in in_place]
         if all(formed):
             out.append((max(formed) - failure_unix, "group formed", "gemini"))

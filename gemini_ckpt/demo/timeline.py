@@ -36,34 +36,63 @@ def plot_timeline(events: Sequence[dict], path: str, *, title: str = "") -> str:
         by_kind.setdefault(e["kind"], []).append(e)
     steps = sorted(by_kind.get("step", []), key=lambda e: e["t"])
     fig, (ax_step, ax_stall, ax_ev) = plt.subplots(
-        3, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4, 1.2]})
+        3, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4, 1.2]}
+    )
 
     # 1. progress: the step each attempt reached over time; a rollback shows as a drop.
     attempts = sorted({e.get("attempt", 0) for e in steps})
     for i, attempt in enumerate(attempts):
         pts = [e for e in steps if e.get("attempt", 0) == attempt]
-        ax_step.plot([e["t"] for e in pts], [e["step"] for e in pts], ".-", ms=3, lw=1,
-                     color=f"C{i}", label=f"training (attempt {attempt + 1})")
+        ax_step.plot(
+            [e["t"] for e in pts],
+            [e["step"] for e in pts],
+            ".-",
+            ms=3,
+            lw=1,
+            color=f"C{i}",
+            label=f"training (attempt {attempt + 1})",
+        )
     persists = by_kind.get("persist", [])
     if persists:
-        ax_step.plot([e["t"] for e in persists], [e["step"] for e in persists], "D", color="black", ms=5,
-                     label="persisted to durable storage")
+        ax_step.plot(
+            [e["t"] for e in persists],
+            [e["step"] for e in persists],
+            "D",
+            color="black",
+            ms=5,
+            label="persisted to durable storage",
+        )
     ax_step.set_ylabel("step")
 
     # 2. cost: what each save blocked training for, and when each version committed.
     if steps:
-        ax_stall.plot([e["t"] for e in steps], [1e3 * e.get("stall_s", 0.0) for e in steps], "|",
-                      color="C2", ms=8, label="save stall (ms)")
+        ax_stall.plot(
+            [e["t"] for e in steps],
+            [1e3 * e.get("stall_s", 0.0) for e in steps],
+            "|",
+            color="C2",
+            ms=8,
+            label="save stall (ms)",
+        )
     commits = by_kind.get("commit", [])
     if commits:
-        ax_stall.plot([e["t"] for e in commits], [1e3 * e.get("latency_s", 0.0) for e in commits], ".",
-                      color="C4", ms=3, label="save -> committed (ms)")
+        ax_stall.plot(
+            [e["t"] for e in commits],
+            [1e3 * e.get("latency_s", 0.0) for e in commits],
+            ".",
+            color="C4",
+            ms=3,
+            label="save -> committed (ms)",
+        )
     ax_stall.set_ylabel("ms")
     ax_stall.legend(loc="upper left", fontsize=8)
 
     # 3. events, one row each.
-    rows = [("saves", [e["t"] for e in steps], "C2"), ("commits", [e["t"] for e in commits], "C4"),
-            ("persists", [e["t"] for e in persists], "black")]
+    rows = [
+        ("saves", [e["t"] for e in steps], "C2"),
+        ("commits", [e["t"] for e in commits], "C4"),
+        ("persists", [e["t"] for e in persists], "black"),
+    ]
     for y, (name, ts, color) in enumerate(rows):
         ax_ev.vlines(ts, y - 0.35, y + 0.35, color=color, lw=1)
     ax_ev.set_yticks(range(len(rows)), [r[0] for r in rows])
@@ -77,12 +106,25 @@ def plot_timeline(events: Sequence[dict], path: str, *, title: str = "") -> str:
         if failure is not None:
             ax.axvline(failure["t"], color="red", ls="--", lw=1.5)
     if failure is not None:
-        ax_step.plot([], [], color="red", ls="--", label=f"{failure.get('fault', 'host')} fault on host "
-                                                        f"{failure.get('host', '?')}")
+        ax_step.plot(
+            [],
+            [],
+            color="red",
+            ls="--",
+            label=f"{failure.get('fault', 'host')} fault on host {failure.get('host', '?')}",
+        )
         _draw_stages(failure["t"], stages, (ax_step, ax_stall, ax_ev))
     if restore is not None:
-        ax_step.plot([restore["t"]], [restore["step"]], "o", mfc="none", mec="C1", ms=10, mew=2,
-                     label=f"restored step {restore['step']} from {restore.get('source', '?')}")
+        ax_step.plot(
+            [restore["t"]],
+            [restore["step"]],
+            "o",
+            mfc="none",
+            mec="C1",
+            ms=10,
+            mew=2,
+            label=f"restored step {restore['step']} from {restore.get('source', '?')}",
+        )
     ax_step.legend(loc="upper left", fontsize=8)
     ax_step.grid(alpha=0.3)
     if title:
@@ -105,8 +147,9 @@ def _draw_stages(start: float, stages: list[dict], axes) -> None:
         colour = WHOSE_COLOURS.get(stage["whose"], "grey")
         for ax in axes:
             ax.axvspan(before, max(before, stage["t"]), color=colour, alpha=0.18 + 0.1 * (i % 2), lw=0)
-        axes[-1].text(stage["t"], axes[-1].get_ylim()[1], f" {stage['what']}", rotation=90, fontsize=6,
-                      va="top", ha="right")
+        axes[-1].text(
+            stage["t"], axes[-1].get_ylim()[1], f" {stage['what']}", rotation=90, fontsize=6, va="top", ha="right"
+        )
         if stage["whose"] not in seen:
             seen.add(stage["whose"])
             axes[0].fill_between([], [], color=colour, alpha=0.3, label=f"recovery: {stage['whose']}")

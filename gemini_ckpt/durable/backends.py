@@ -58,11 +58,15 @@ def register_durable_backend(scheme: str, opener: Opener) -> None:
         CheckpointConfig(durable_uri="acme://bucket/run", persist_every=10)
     """
     if not isinstance(scheme, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
-        raise ConfigError(f"register_durable_backend(scheme={scheme!r}): a URI scheme (letters, digits, '+', '-', "
-                          f"'.'; starting with a letter), without '://'")
+        raise ConfigError(
+            f"register_durable_backend(scheme={scheme!r}): a URI scheme (letters, digits, '+', '-', "
+            f"'.'; starting with a letter), without '://'"
+        )
     if not callable(opener):
-        raise ConfigError(f"register_durable_backend({scheme!r}, opener={opener!r}): a function "
-                          f"opener(uri) -> (pyarrow.fs.FileSystem, root path)")
+        raise ConfigError(
+            f"register_durable_backend({scheme!r}, opener={opener!r}): a function "
+            f"opener(uri) -> (pyarrow.fs.FileSystem, root path)"
+        )
     with _lock:
         _registered[scheme.lower()] = opener
 
@@ -94,11 +98,15 @@ def opener_for(uri: str) -> Optional[Opener]:
     try:
         opener = entry.load()
     except Exception as exc:  # noqa: BLE001 - a broken plugin: say which, not a bare ImportError
-        raise ConfigError(f"durable URI {uri!r}: the backend {entry.value!r} that package entry point "
-                          f"{ENTRY_POINT_GROUP}:{scheme} names cannot be loaded ({type(exc).__name__}: {exc})") from exc
+        raise ConfigError(
+            f"durable URI {uri!r}: the backend {entry.value!r} that package entry point "
+            f"{ENTRY_POINT_GROUP}:{scheme} names cannot be loaded ({type(exc).__name__}: {exc})"
+        ) from exc
     if not callable(opener):
-        raise ConfigError(f"durable URI {uri!r}: entry point {ENTRY_POINT_GROUP}:{scheme} ({entry.value!r}) is not "
-                          f"a function opener(uri) -> (pyarrow.fs.FileSystem, root path)")
+        raise ConfigError(
+            f"durable URI {uri!r}: entry point {ENTRY_POINT_GROUP}:{scheme} ({entry.value!r}) is not "
+            f"a function opener(uri) -> (pyarrow.fs.FileSystem, root path)"
+        )
     return opener
 
 
@@ -117,10 +125,16 @@ def open_uri(uri: str, opener: Optional[Opener] = None) -> tuple[pafs.FileSystem
     opener = opener if opener is not None else opener_for(uri)
     if opener is not None:
         opened = opener(uri)
-        if (not isinstance(opened, tuple) or len(opened) != 2 or not isinstance(opened[0], pafs.FileSystem)
-                or not isinstance(opened[1], str)):
-            raise ConfigError(f"durable URI {uri!r}: its backend {_name(opener)} returned {type(opened).__name__}, "
-                              f"not (pyarrow.fs.FileSystem, root path)")
+        if (
+            not isinstance(opened, tuple)
+            or len(opened) != 2
+            or not isinstance(opened[0], pafs.FileSystem)
+            or not isinstance(opened[1], str)
+        ):
+            raise ConfigError(
+                f"durable URI {uri!r}: its backend {_name(opener)} returned {type(opened).__name__}, "
+                f"not (pyarrow.fs.FileSystem, root path)"
+            )
         return opened
     if scheme_of(uri) is None:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
@@ -129,9 +143,11 @@ def open_uri(uri: str, opener: Optional[Opener] = None) -> tuple[pafs.FileSystem
     except Exception as exc:  # pyarrow: ArrowInvalid "Unrecognized filesystem type", or a bad URI
         if "nrecognized filesystem" not in str(exc):
             raise
-        raise ConfigError(f"durable URI {uri!r}: no backend for scheme {scheme_of(uri)!r} (pyarrow opens file, s3, "
-                          f"gs, hdfs, ...). Register one: gemini_ckpt.register_durable_backend({scheme_of(uri)!r}, "
-                          f"opener), or declare it as a package entry point in {ENTRY_POINT_GROUP!r}") from exc
+        raise ConfigError(
+            f"durable URI {uri!r}: no backend for scheme {scheme_of(uri)!r} (pyarrow opens file, s3, "
+            f"gs, hdfs, ...). Register one: gemini_ckpt.register_durable_backend({scheme_of(uri)!r}, "
+            f"opener), or declare it as a package entry point in {ENTRY_POINT_GROUP!r}"
+        ) from exc
 
 
 def _name(opener) -> str:

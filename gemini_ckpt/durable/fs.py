@@ -42,8 +42,9 @@ MAX_UNRECORDED_METADATA_BYTES = 1 << 30  # legacy markers record no .metadata si
 class FsStore:
     """Versions as DCP directories on a ``pyarrow.fs`` filesystem (local, S3, ...)."""
 
-    def __init__(self, uri: Optional[str] = None, *, filesystem: Optional[pafs.FileSystem] = None,
-                 root: Optional[str] = None) -> None:
+    def __init__(
+        self, uri: Optional[str] = None, *, filesystem: Optional[pafs.FileSystem] = None, root: Optional[str] = None
+    ) -> None:
         if filesystem is not None:
             self.fs, self.root = filesystem, root or ""
         elif uri is not None:
@@ -69,8 +70,10 @@ class FsStore:
             entry = self.files.entry(self.rel(step, name))
             if entry is None or entry.kind != "file" or entry.size != size:
                 found = "missing" if entry is None else entry.kind if entry.kind != "file" else f"{entry.size} bytes"
-                raise ValueError(f"cannot commit step {step}: {name} is missing, not a regular file or has the "
-                                 f"wrong size ({found}; {size} bytes expected)")
+                raise ValueError(
+                    f"cannot commit step {step}: {name} is missing, not a regular file or has the "
+                    f"wrong size ({found}; {size} bytes expected)"
+                )
         self.files.write_atomically(self.rel(step, METADATA_FILE), manifest.metadata)
         marker = json.dumps(manifest_to_json(manifest), indent=1, sort_keys=True).encode()
         self.files.write_atomically(self.rel(step, MARKER_FILE), marker)
@@ -92,8 +95,9 @@ class FsStore:
         """Names under the root that look like versions (``step_...``) but are not ours (or
         not directories: a link planted under a version's name): never read, never deleted
         by retention; tools report them."""
-        return sorted(n for n, e in self.files.list_dir()
-                      if looks_like_step(n) and (parse_step_dir(n) is None or e.kind != "dir"))
+        return sorted(
+            n for n, e in self.files.list_dir() if looks_like_step(n) and (parse_step_dir(n) is None or e.kind != "dir")
+        )
 
     def _marker(self, step: int, where: str) -> dict:
         try:
@@ -130,8 +134,7 @@ class FsStore:
         except VerificationError as exc:
             raise VerificationError(f"{where}: {exc}") from None
         try:
-            metadata = self.files.read(self.rel(step, METADATA_FILE), size=recorded,
-                                       cap=MAX_UNRECORDED_METADATA_BYTES)
+            metadata = self.files.read(self.rel(step, METADATA_FILE), size=recorded, cap=MAX_UNRECORDED_METADATA_BYTES)
         except FileNotFoundError:
             raise VerificationError(f"{where}: {METADATA_FILE} is missing although {MARKER_FILE} exists") from None
         except DamagedFileError as exc:
@@ -141,8 +144,9 @@ class FsStore:
         except VerificationError as exc:
             raise VerificationError(f"{where}: {exc}") from None
         if manifest.step != step:
-            raise VerificationError(f"{where}: {MARKER_FILE} describes step {manifest.step} (moved or copied "
-                                    f"from another version); refused")
+            raise VerificationError(
+                f"{where}: {MARKER_FILE} describes step {manifest.step} (moved or copied from another version); refused"
+            )
         return manifest
 
     def read_range(self, step: int, name: str, offset: int, length: int, *, size: Optional[int] = None) -> memoryview:

@@ -70,7 +70,6 @@ def version_dir(root: str, step: int) -> str:
     return posixpath.join(root, step_dir_name(step))
 
 
-
 @dataclass(frozen=True)
 class Entry:
     """What a name under a root is, without following it: ``kind`` is ``"file"`` (a regular
@@ -132,3 +131,13 @@ def read_latest(files: Files) -> tuple[Optional[int], Optional[str]]:
     if step is None:
         return None, f"{LATEST_FILE} holds {raw[:64]!r}, not a step directory name"
     return step, None
+
+
+TMP_SUFFIX = ".tmp"  # a file being written, renamed into place when whole
+
+
+def check_size(where: str, size: int, expected: Optional[int], cap: Optional[int]) -> None:
+    if expected is not None and size != expected:
+        raise DamagedFileError(f"{where} holds {size} bytes, {expected} recorded (truncated or replaced)")
+    if cap is not None and size > cap:
+        raise DamagedFileError(f"{where} holds {size} bytes, more than the {cap} it may hold; refused")

@@ -86,8 +86,9 @@ def persist_policy(persist_every: int, durable_uri: Optional[str]) -> PersistPol
 class DurableTier(Tier):
     """A durable location (any ``pyarrow.fs`` URI or local path) holding complete versions."""
 
-    def __init__(self, uri: Optional[str] = None, *, keep: "int | Retention" = 3, filesystem=None,
-                 root: str = "") -> None:
+    def __init__(
+        self, uri: Optional[str] = None, *, keep: "int | Retention" = 3, filesystem=None, root: str = ""
+    ) -> None:
         """``uri``: a local path, ``file://`` or any ``pyarrow.fs`` URI (``s3://bucket/run?...``).
         Or pass a ready ``pyarrow.fs`` ``filesystem`` and a ``root`` inside it. ``keep``: how many
         complete versions :meth:`apply_retention` keeps, or a :mod:`~gemini_ckpt.retention` policy."""
@@ -117,7 +118,8 @@ class DurableTier(Tier):
             raise FileExistsError(
                 f"durable tier {self.uri}: {step_dir_name(step)} exists but was not written by gemini_ckpt "
                 f"(no {MARKER_FILE} or {IN_PROGRESS_FILE}); it is left alone. Move it away, or load it "
-                f"with CheckpointConfig(init_from=...) in a job that saves elsewhere")
+                f"with CheckpointConfig(init_from=...) in a job that saves elsewhere"
+            )
         self.store.drop(step)
         files.make_dir(self.store.rel(step))
         with files.create(self.store.rel(step, IN_PROGRESS_FILE)) as out:
@@ -234,16 +236,27 @@ class DurableTier(Tier):
                 continue
             if not self._ours(step):
                 if torn is None:
-                    log.warning("durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
-                                "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
-                                self.uri, step_dir_name(step))
+                    log.warning(
+                        "durable tier %s: %s has no gemini_ckpt marker (a stock DCP checkpoint?); it is "
+                        "not restored and not deleted (CheckpointConfig.init_from can start a job from it)",
+                        self.uri,
+                        step_dir_name(step),
+                    )
                 else:
-                    log.warning("durable tier %s: %s has a damaged marker (%s); it is not complete, never counted "
-                                "by retention, and not deleted (nothing shows it is ours)", self.uri,
-                                step_dir_name(step), torn)
+                    log.warning(
+                        "durable tier %s: %s has a damaged marker (%s); it is not complete, never counted "
+                        "by retention, and not deleted (nothing shows it is ours)",
+                        self.uri,
+                        step_dir_name(step),
+                        torn,
+                    )
                 continue
-            log.warning("durable tier %s: removing incomplete version step %d (a persist that never finished%s)",
-                        self.uri, step, "" if torn is None else f"; its marker is damaged: {torn}")
+            log.warning(
+                "durable tier %s: removing incomplete version step %d (a persist that never finished%s)",
+                self.uri,
+                step,
+                "" if torn is None else f"; its marker is damaged: {torn}",
+            )
             self.store.drop(step)
             doomed.append(step)
         return doomed

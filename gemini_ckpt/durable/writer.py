@@ -52,6 +52,7 @@ from ..trust.values import value_loads
 
 log = logging.getLogger("gemini_ckpt")
 
+
 @dataclass
 class _Job:
     handle: SaveHandle
@@ -61,9 +62,20 @@ class _Job:
 class Persister:
     """Persists the versions it is given, one at a time (see the module docstring)."""
 
-    def __init__(self, durable: DurableTier, tier: MemoryTier, *, rank: int, world_size: int, timeout_s: float,
-                 signing_key, run_id: str, job: dict, stats: CheckpointStats,
-                 on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        durable: DurableTier,
+        tier: MemoryTier,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        signing_key,
+        run_id: str,
+        job: dict,
+        stats: CheckpointStats,
+        on_error: Callable[[BaseException], None],
+    ) -> None:
         """Versions go to ``durable``, whose retention runs after each commit. ``stats``: the
         Checkpointer's counters (``persisted``, ``persist_failed``, ...), updated here;
         ``on_error``: called with each failure (on the persist thread)."""
@@ -108,8 +120,7 @@ class Persister:
             if step in self.durable.complete_steps():
                 return
         except OSError as exc:
-            log.warning("rank %d: cannot list the durable tier on close (%s); trying to persist anyway",
-                        self.rank, exc)
+            log.warning("rank %d: cannot list the durable tier on close (%s); trying to persist anyway", self.rank, exc)
         log.info("rank %d: persisting step %d on close", self.rank, step)
         self.queue(SaveHandle(step), pinned=False)
 
@@ -134,9 +145,11 @@ class Persister:
                 self.stats.last_persisted_step = step
                 job.handle.persisted.set_result(location)
             except BaseException as exc:  # noqa: BLE001 - the thread must outlive any failure
-                err = BackgroundError(f"rank {self.rank}: version {step} was not persisted to {self.durable.uri}: "
-                                      f"{type(exc).__name__}: {exc}; the memory tier is unaffected and the next "
-                                      f"persist retries")
+                err = BackgroundError(
+                    f"rank {self.rank}: version {step} was not persisted to {self.durable.uri}: "
+                    f"{type(exc).__name__}: {exc}; the memory tier is unaffected and the next "
+                    f"persist retries"
+                )
                 err.__cause__ = exc
                 self.stats.persist_failed += 1
                 self.stats.last_persist_error = str(err)
@@ -176,8 +189,10 @@ class Persister:
         view = self.tier.open(step)
         try:
             if view.health.unhealthy:  # the Checkpointer never asks; the last line of defence (persist() cleans up)
-                raise CheckpointError(f"step {step} is unhealthy ({view.health.reason}); an unhealthy version is "
-                                      f"never persisted over healthy ones")
+                raise CheckpointError(
+                    f"step {step} is unhealthy ({view.health.reason}); an unhealthy version is "
+                    f"never persisted over healthy ones"
+                )
             return self._write_version(step, view)
         finally:
             view.close()
@@ -199,8 +214,13 @@ class Persister:
         try:
             durable.apply_retention()
         except OSError as exc:  # the version is durable; old ones go at the next commit instead
-            log.error("durable tier %s: step %d is committed, but removing older versions failed (%s: %s)",
-                      durable.uri, step, type(exc).__name__, exc)
+            log.error(
+                "durable tier %s: step %d is committed, but removing older versions failed (%s: %s)",
+                durable.uri,
+                step,
+                type(exc).__name__,
+                exc,
+            )
         return location
 
     def _write_file(self, step: int, view, rank: int, section: bytes) -> list[FileItem]:
@@ -208,8 +228,9 @@ class Persister:
         region = _whole_region(view, rank, plan.region_bytes)
         with self.durable.open_output(step, data_file_name(rank)) as out:
             out.write(section)
-            return write_tensors(out, region, [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors],
-                                 start=len(section))
+            return write_tensors(
+                out, region, [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors], start=len(section)
+            )
 
     def _manifest(self, step: int, view, value_items: dict, placed: dict, sections: dict) -> VersionManifest:
         metadata = metadata_loads(view.plans[0].metadata)
@@ -219,8 +240,9 @@ class Persister:
             name = data_file_name(rank)
             tensors = [FileItem(*p) if not isinstance(p, FileItem) else p for p in placed[rank]]
             if len(tensors) != len(plan.tensors):
-                raise CheckpointError(f"step {step}: rank {rank}'s file holds {len(tensors)} tensor items, its plan "
-                                      f"{len(plan.tensors)}")
+                raise CheckpointError(
+                    f"step {step}: rank {rank}'s file holds {len(tensors)} tensor items, its plan {len(plan.tensors)}"
+                )
             for v, item in zip(plan.values, value_items[rank]):
                 storage[MetadataIndex(v.fqn, None, v.index)] = _StorageInfo(name, item.offset, item.length)
                 checksums.append(ItemChecksum(name, item.offset, item.length, item.crc))
@@ -234,13 +256,26 @@ class Persister:
         metadata.storage_data = storage
         metadata.storage_meta = StorageMeta(checkpoint_id=f"gemini-step-{step}", save_id=f"{view.epoch}-{step}")
         metadata_bytes = pickle.dumps(metadata)
-        return sign(VersionManifest(
-            step=step, world_size=view.world_size, metadata=metadata_bytes,
-            checksums=tuple(sorted(checksums, key=lambda c: (c.file, c.offset))), file_sizes=sizes,
-            # memory_fingerprint: which version of this step it is, so that a restore falls back
-            # to this copy only for the memory version it was written from (never mixes two)
-            job={**self.job, **view.plans[0].job, "created_unix": time.time(), "memory_fingerprint": view.fingerprint},
-            metadata_crc=checksum(metadata_bytes), health=view.health.to_json()), resolve_key(self.signing_key))
+        return sign(
+            VersionManifest(
+                step=step,
+                world_size=view.world_size,
+                metadata=metadata_bytes,
+                checksums=tuple(sorted(checksums, key=lambda c: (c.file, c.offset))),
+                file_sizes=sizes,
+                # memory_fingerprint: which version of this step it is, so that a restore falls back
+                # to this copy only for the memory version it was written from (never mixes two)
+                job={
+                    **self.job,
+                    **view.plans[0].job,
+                    "created_unix": time.time(),
+                    "memory_fingerprint": view.fingerprint,
+                },
+                metadata_crc=checksum(metadata_bytes),
+                health=view.health.to_json(),
+            ),
+            resolve_key(self.signing_key),
+        )
 
     # --- telling the other ranks ------------------------------------------------------------------
     def _key(self, step: int) -> str:

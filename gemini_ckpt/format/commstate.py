@@ -61,8 +61,9 @@ class CommState:
 
     def __init__(self, fd: int, nbytes: int, *, owner: bool) -> None:
         if nbytes < HEADER_BYTES or nbytes > segment_bytes(MAX_SLOTS):
-            raise ValueError(f"a comm-state segment of {nbytes} bytes (expected {HEADER_BYTES} to "
-                             f"{segment_bytes(MAX_SLOTS)})")
+            raise ValueError(
+                f"a comm-state segment of {nbytes} bytes (expected {HEADER_BYTES} to {segment_bytes(MAX_SLOTS)})"
+            )
         self.fd: Optional[int] = fd
         self.nbytes = nbytes
         self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -152,8 +153,12 @@ class CommState:
 
     def stats(self) -> dict:
         rows = [self.read(s) for s in range(self.slots)]
-        return {"collectives": sum(r[2] for r in rows), "busy_s": round(sum(r[4] for r in rows), 6),
-                "collective_s": self.collective_s(), "marked_now": sum(1 for r in rows if r[0] > 0)}
+        return {
+            "collectives": sum(r[2] for r in rows),
+            "busy_s": round(sum(r[4] for r in rows), 6),
+            "collective_s": self.collective_s(),
+            "marked_now": sum(1 for r in rows if r[0] > 0),
+        }
 
     # --- the trainer's side --------------------------------------------------------------------
     def marker(self, slot: int) -> "Marker":

@@ -56,8 +56,12 @@ _FLOATS = {"float32": np.float32, "float64": np.float64}
 _HALVES = {"float16": 0x7C00, "bfloat16": 0x7F80}  # the all-ones exponent of the 16-bit formats
 CHECKED_DTYPES = frozenset(_FLOATS) | frozenset(_HALVES)
 """Item dtypes (torch's names) the tensor check reads; other items are skipped."""
-NAN_BITS = {"float32": np.array([np.nan], np.float32).tobytes(), "float64": np.array([np.nan], np.float64).tobytes(),
-            "float16": np.array([0x7E00], np.uint16).tobytes(), "bfloat16": np.array([0x7FC0], np.uint16).tobytes()}
+NAN_BITS = {
+    "float32": np.array([np.nan], np.float32).tobytes(),
+    "float64": np.array([np.nan], np.float64).tobytes(),
+    "float16": np.array([0x7E00], np.uint16).tobytes(),
+    "bfloat16": np.array([0x7FC0], np.uint16).tobytes(),
+}
 """The bytes of one quiet NaN in each checked format (little-endian): what a test or the chaos
 harness writes to poison a value (``gemini_ckpt.chaos.damage_copy(..., data=NAN_BITS[dtype])``)."""
 
@@ -75,8 +79,9 @@ class NotFinite:
 
     @property
     def detail(self) -> str:
-        parts = [f"{n:,} {what}" for n, what in ((self.nan, "NaN"), (self.pos_inf, "+Inf"),
-                                                  (self.neg_inf, "-Inf")) if n]
+        parts = [
+            f"{n:,} {what}" for n, what in ((self.nan, "NaN"), (self.pos_inf, "+Inf"), (self.neg_inf, "-Inf")) if n
+        ]
         return f"{', '.join(parts)} of {self.count:,} values, the first at flat index {self.first:,}"
 
 
@@ -202,8 +207,13 @@ def _scan_then_help(shared: _Shared, todo: Sequence[tuple[int, int, int, str]]) 
     return bad
 
 
-def checksum_items(region: np.ndarray, items: Sequence[tuple[int, int, str]], checked: Sequence[int], *,
-                   beside: Optional[Executor] = None) -> tuple[tuple[int, ...], Optional[NotFinite]]:
+def checksum_items(
+    region: np.ndarray,
+    items: Sequence[tuple[int, int, str]],
+    checked: Sequence[int],
+    *,
+    beside: Optional[Executor] = None,
+) -> tuple[tuple[int, ...], Optional[NotFinite]]:
     """CRC32C of every item ``(at, nbytes, dtype)`` of ``region`` (uint8) and the first item of
     ``checked`` (indices; their dtypes in :data:`CHECKED_DTYPES`) that is not finite.
 

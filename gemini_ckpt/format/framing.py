@@ -76,18 +76,31 @@ class Template:
 
     # --- JSON (plans travel as JSON, never as pickles) -----------------------------------
     def to_json(self) -> dict:
-        return {"prefix": _b64(self.prefix), "suffix": _b64(self.suffix), "nbytes": self.nbytes,
-                "crc_at": list(self.crc_at), "sid_at": self.sid_at, "sid_prefix": _b64(self.sid_prefix),
-                "sid_crc_at": list(self.sid_crc_at), "crcs_before": list(self.crcs_before),
-                "crcs_after": list(self.crcs_after)}
+        return {
+            "prefix": _b64(self.prefix),
+            "suffix": _b64(self.suffix),
+            "nbytes": self.nbytes,
+            "crc_at": list(self.crc_at),
+            "sid_at": self.sid_at,
+            "sid_prefix": _b64(self.sid_prefix),
+            "sid_crc_at": list(self.sid_crc_at),
+            "crcs_before": list(self.crcs_before),
+            "crcs_after": list(self.crcs_after),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Template":
-        t = cls(prefix=_unb64(d["prefix"]), suffix=_unb64(d["suffix"]), nbytes=_nat(d["nbytes"]),
-                crc_at=tuple(_nat(x) for x in d["crc_at"]), sid_at=int(d["sid_at"]),
-                sid_prefix=_unb64(d["sid_prefix"]), sid_crc_at=tuple(_nat(x) for x in d["sid_crc_at"]),
-                crcs_before=tuple(_nat(x) for x in d["crcs_before"]),
-                crcs_after=tuple(_nat(x) for x in d["crcs_after"]))
+        t = cls(
+            prefix=_unb64(d["prefix"]),
+            suffix=_unb64(d["suffix"]),
+            nbytes=_nat(d["nbytes"]),
+            crc_at=tuple(_nat(x) for x in d["crc_at"]),
+            sid_at=int(d["sid_at"]),
+            sid_prefix=_unb64(d["sid_prefix"]),
+            sid_crc_at=tuple(_nat(x) for x in d["sid_crc_at"]),
+            crcs_before=tuple(_nat(x) for x in d["crcs_before"]),
+            crcs_after=tuple(_nat(x) for x in d["crcs_after"]),
+        )
         for at in (*t.crc_at, *t.sid_crc_at):
             if at + 4 > len(t.suffix):
                 raise ValueError("template position outside its suffix")
@@ -132,8 +145,9 @@ def value_section(archives: Iterable[bytes]) -> tuple[bytes, list[FileItem]]:
     return b"".join(out), items
 
 
-def write_tensors(out, region, items: Iterable[tuple[int, int, Template]], *, start: int,
-                  chunk_bytes: int = 8 << 20) -> list[FileItem]:
+def write_tensors(
+    out, region, items: Iterable[tuple[int, int, Template]], *, start: int, chunk_bytes: int = 8 << 20
+) -> list[FileItem]:
     """Append every tensor item to ``out`` (a writable binary stream that is ``start`` bytes
     in): ``items`` are ``(offset in region, nbytes, template)`` in plan order. Returns where
     each landed, with its CRC32C."""

@@ -26,8 +26,16 @@ class Segment:
     its attach socket), or anonymous memory. The memory lives while any process maps it, so a
     store that dies leaves nothing behind in ``/dev/shm``."""
 
-    def __init__(self, nbytes: int, *, shared: bool = False, fd: Optional[int] = None, seg_id: Optional[int] = None,
-                 writable: bool = True, populate: bool = False) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        shared: bool = False,
+        fd: Optional[int] = None,
+        seg_id: Optional[int] = None,
+        writable: bool = True,
+        populate: bool = False,
+    ) -> None:
         self.nbytes = int(nbytes)
         self.id = seg_id if seg_id is not None else _next_id()
         length = max(self.nbytes, 1)
@@ -92,11 +100,13 @@ class SegmentPool:
     def reserve(self, nbytes: int) -> Segment:
         """A segment of at least ``nbytes`` (MemoryError over budget)."""
         if not self.fits(nbytes):
-            raise MemoryError(f"{nbytes:,} bytes more would exceed the budget of {self.budget_bytes:,} bytes "
-                              f"({self.held:,} held)")
+            raise MemoryError(
+                f"{nbytes:,} bytes more would exceed the budget of {self.budget_bytes:,} bytes ({self.held:,} held)"
+            )
         slack = max(1 << 20, nbytes // 8)
-        fits = [s for s in self._free if nbytes <= s.nbytes <= nbytes + slack
-                and self.held + s.nbytes <= self.budget_bytes]
+        fits = [
+            s for s in self._free if nbytes <= s.nbytes <= nbytes + slack and self.held + s.nbytes <= self.budget_bytes
+        ]
         if fits:
             seg = min(fits, key=lambda s: s.nbytes)
             self._free = [s for s in self._free if s is not seg]

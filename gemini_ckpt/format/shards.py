@@ -102,13 +102,29 @@ class ShardPlan:
 
     def fields(self) -> dict:
         return {
-            "plan_id": self.plan_id, "rank": self.rank, "world_size": self.world_size,
-            "tensors": [[t.fqn, None if t.chunk is None else list(t.chunk), t.index, t.dtype, list(t.shape),
-                         t.at, t.nbytes, t.template] for t in self.tensors],
+            "plan_id": self.plan_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tensors": [
+                [
+                    t.fqn,
+                    None if t.chunk is None else list(t.chunk),
+                    t.index,
+                    t.dtype,
+                    list(t.shape),
+                    t.at,
+                    t.nbytes,
+                    t.template,
+                ]
+                for t in self.tensors
+            ],
             "values": [[v.fqn, v.index, v.kind] for v in self.values],
             "templates": [t.to_json() for t in self.templates],
-            "metadata_bytes": len(self.metadata), "metadata_crc": crc32c.crc32c(self.metadata),
-            "job": self.job, "checked": list(self.checked), "signature": self.signature,
+            "metadata_bytes": len(self.metadata),
+            "metadata_crc": crc32c.crc32c(self.metadata),
+            "job": self.job,
+            "checked": list(self.checked),
+            "signature": self.signature,
         }
 
     def encode(self, key: Optional[bytes] = None) -> bytes:
@@ -134,9 +150,18 @@ class ShardPlan:
             tensors = tuple(_tensor_item(row, len(templates)) for row in body["tensors"])
             values = tuple(_value_item(row) for row in body["values"])
             checked = tuple(_nat(i) for i in body.get("checked", ()))
-            plan = cls(plan_id=_text(body["plan_id"]), rank=_nat(body["rank"]), world_size=_nat(body["world_size"]),
-                       tensors=tensors, values=values, templates=templates, metadata=metadata,
-                       job=_dict(body["job"]), checked=checked, signature=_text(body.get("signature", "")))
+            plan = cls(
+                plan_id=_text(body["plan_id"]),
+                rank=_nat(body["rank"]),
+                world_size=_nat(body["world_size"]),
+                tensors=tensors,
+                values=values,
+                templates=templates,
+                metadata=metadata,
+                job=_dict(body["job"]),
+                checked=checked,
+                signature=_text(body.get("signature", "")),
+            )
         except ShardFormatError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
@@ -151,7 +176,8 @@ class ShardPlan:
                 raise ShardFormatError(f"tensor item {t.fqn} does not match its template's size")
             end = t.at + t.nbytes
         if len(set(plan.checked)) != len(plan.checked) or any(
-                i >= len(tensors) or tensors[i].dtype not in CHECKED_DTYPES for i in plan.checked):
+            i >= len(tensors) or tensors[i].dtype not in CHECKED_DTYPES for i in plan.checked
+        ):
             raise ShardFormatError("the shard plan's checked items are not distinct floating-point tensor items")
         return plan
 
@@ -160,9 +186,16 @@ def _tensor_item(row: Any, n_templates: int) -> TensorItem:
     fqn, chunk, index, dtype, shape, at, nbytes, template = row
     if not 0 <= _nat(template) < n_templates:
         raise ShardFormatError(f"tensor item {fqn!r} names template {template} of {n_templates}")
-    return TensorItem(_text(fqn), None if chunk is None else tuple(_nat(c) for c in chunk),
-                      None if index is None else _nat(index), _text(dtype), tuple(_nat(s) for s in shape),
-                      _nat(at), _nat(nbytes), template)
+    return TensorItem(
+        _text(fqn),
+        None if chunk is None else tuple(_nat(c) for c in chunk),
+        None if index is None else _nat(index),
+        _text(dtype),
+        tuple(_nat(s) for s in shape),
+        _nat(at),
+        _nat(nbytes),
+        template,
+    )
 
 
 def _value_item(row: Any) -> ValueItem:
@@ -190,10 +223,17 @@ class ShardRecord:
     health: Optional[Health] = None
 
     def fields(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "rank": self.rank, "world_size": self.world_size,
-                "plan_id": self.plan_id, "crcs": list(self.crcs), "value_lengths": [len(v) for v in self.values],
-                "value_crcs": list(self.value_crcs),
-                "health": None if self.health is None else self.health.to_json()}
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "plan_id": self.plan_id,
+            "crcs": list(self.crcs),
+            "value_lengths": [len(v) for v in self.values],
+            "value_crcs": list(self.value_crcs),
+            "health": None if self.health is None else self.health.to_json(),
+        }
 
     def encode(self, key: Optional[bytes] = None) -> bytes:
         body = self.fields()
@@ -222,18 +262,33 @@ class ShardRecord:
                 values.append(blob)
                 at += n
             health = body.get("health")
-            return cls(epoch=_nat(body["epoch"]), step=_nat(body["step"]), rank=_nat(body["rank"]),
-                       world_size=_nat(body["world_size"]), plan_id=_text(body["plan_id"]),
-                       crcs=tuple(_nat(c) for c in body["crcs"]), values=tuple(values), value_crcs=crcs,
-                       health=None if health is None else Health.from_json(health))
+            return cls(
+                epoch=_nat(body["epoch"]),
+                step=_nat(body["step"]),
+                rank=_nat(body["rank"]),
+                world_size=_nat(body["world_size"]),
+                plan_id=_text(body["plan_id"]),
+                crcs=tuple(_nat(c) for c in body["crcs"]),
+                values=tuple(values),
+                value_crcs=crcs,
+                health=None if health is None else Health.from_json(health),
+            )
         except ShardFormatError:
             raise
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ShardFormatError(f"malformed shard record ({type(exc).__name__}: {exc})") from None
 
 
-def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int, step: int,
-                verdict: Optional[Health] = None, beside=None) -> ShardRecord:
+def make_record(
+    plan: ShardPlan,
+    region,
+    values: Iterable[bytes],
+    *,
+    epoch: int,
+    step: int,
+    verdict: Optional[Health] = None,
+    beside=None,
+) -> ShardRecord:
     """The record of one staged shard: a CRC32C of every tensor item's bytes in ``region`` and
     of every blob, and the shard's health (the store that took the shard from its rank computes it).
 
@@ -250,8 +305,9 @@ def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int,
         raise ValueError(f"rank {plan.rank}: a region of {len(view)} bytes for a plan of {plan.region_bytes}")
     failed = verdict is not None and verdict.unhealthy
     array = np.frombuffer(view, dtype=np.uint8) if len(view) else np.empty(0, np.uint8)
-    crcs, bad = checksum_items(array, [(t.at, t.nbytes, t.dtype) for t in plan.tensors],
-                               () if failed else plan.checked, beside=beside)
+    crcs, bad = checksum_items(
+        array, [(t.at, t.nbytes, t.dtype) for t in plan.tensors], () if failed else plan.checked, beside=beside
+    )
     if failed:
         health: Optional[Health] = verdict.with_rank(plan.rank)
     elif bad is not None:
@@ -260,15 +316,26 @@ def make_record(plan: ShardPlan, region, values: Iterable[bytes], *, epoch: int,
         health = HEALTHY_VERDICT
     else:
         health = None
-    return ShardRecord(epoch=epoch, step=step, rank=plan.rank, world_size=plan.world_size, plan_id=plan.plan_id,
-                       crcs=crcs, values=values, value_crcs=tuple(crc32c.crc32c(v) for v in values), health=health)
+    return ShardRecord(
+        epoch=epoch,
+        step=step,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        plan_id=plan.plan_id,
+        crcs=crcs,
+        values=values,
+        value_crcs=tuple(crc32c.crc32c(v) for v in values),
+        health=health,
+    )
 
 
 def check_record(record: ShardRecord, plan: ShardPlan) -> None:
     """Raise ShardFormatError unless ``record`` fits ``plan`` (same plan, rank, item counts)."""
     if (record.plan_id, record.rank, record.world_size) != (plan.plan_id, plan.rank, plan.world_size):
-        raise ShardFormatError(f"the record of rank {record.rank} (plan {record.plan_id[:8]}) does not belong to "
-                               f"the plan of rank {plan.rank} (plan {plan.plan_id[:8]})")
+        raise ShardFormatError(
+            f"the record of rank {record.rank} (plan {record.plan_id[:8]}) does not belong to "
+            f"the plan of rank {plan.rank} (plan {plan.plan_id[:8]})"
+        )
     if len(record.crcs) != len(plan.tensors) or len(record.values) != len(plan.values):
         raise ShardFormatError(f"the record of rank {record.rank} does not have one entry per item of its plan")
 

@@ -58,8 +58,10 @@ leaves the health verdict out of its records made a NaN step healthy). Each end 
 version in the handshake and refuses another; change it with any change of the messages
 (3: the outcome says whether every shard carries a verdict, ``checked``)."""
 
-RESTART_STORES = ("end the old host stores (they are detached Ray actors: `ray stop` on a cluster of your own, "
-                  "or ray.kill() on each actor `gemini_ckpt status` lists) and run the job again")
+RESTART_STORES = (
+    "end the old host stores (they are detached Ray actors: `ray stop` on a cluster of your own, "
+    "or ray.kill() on each actor `gemini_ckpt status` lists) and run the job again"
+)
 
 MAX_HELLO = 4 << 10
 """Bytes the store reads of a message before its proof checks (the hello is a JSON header of
@@ -90,8 +92,9 @@ class Connection:
             if payload:
                 self.sock.sendall(payload)
 
-    def recv(self, *, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD,
-             deadline: Optional[float] = None) -> tuple[dict, bytes, list[int]]:
+    def recv(
+        self, *, max_header: int = MAX_HEADER, max_payload: int = MAX_PAYLOAD, deadline: Optional[float] = None
+    ) -> tuple[dict, bytes, list[int]]:
         """The next message (header, payload, received fds); EOFError when the peer closed,
         AttachError when it declares more than ``max_header`` / ``max_payload`` bytes (refused
         before they are read), TimeoutError past ``deadline`` (monotonic; None: the socket's
@@ -101,8 +104,10 @@ class Connection:
             head = self._exact(_HEAD.size, fds, deadline)
             n_head, n_payload = _HEAD.unpack(head)
             if n_head > max_header or n_payload > max_payload:
-                raise AttachError(f"an attach message of {n_head} + {n_payload} bytes (at most {max_header} + "
-                                  f"{max_payload} here); refused")
+                raise AttachError(
+                    f"an attach message of {n_head} + {n_payload} bytes (at most {max_header} + "
+                    f"{max_payload} here); refused"
+                )
             header = json.loads(self._exact(n_head, fds, deadline))
             if not isinstance(header, dict):
                 raise AttachError("an attach message whose header is not an object")
@@ -122,8 +127,9 @@ class Connection:
                 self.sock.settimeout(left)
             # MSG_CMSG_CLOEXEC: the received segment and comm-page fds are not inherited by a
             # child process the trainer starts (they would keep the memory after both ends close).
-            msg, anc, _flags, _addr = self.sock.recvmsg(n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4),
-                                                        socket.MSG_CMSG_CLOEXEC)
+            msg, anc, _flags, _addr = self.sock.recvmsg(
+                n - len(buf), socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC
+            )
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     got = array.array("i")
@@ -148,4 +154,3 @@ def close_all(fds) -> None:
             os.close(fd)
         except OSError:
             pass
-

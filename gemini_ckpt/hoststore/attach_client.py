@@ -54,8 +54,9 @@ class AttachClient:
         try:
             sock = connect_until(address, deadline)
         except OSError as exc:
-            raise AttachError(f"rank {rank}: cannot reach the host store's attach socket within {timeout_s:g}s: "
-                              f"{exc}") from None
+            raise AttachError(
+                f"rank {rank}: cannot reach the host store's attach socket within {timeout_s:g}s: {exc}"
+            ) from None
         self.conn = Connection(sock)
         try:
             greeting, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
@@ -63,15 +64,18 @@ class AttachClient:
             nonce = bytes.fromhex(greeting["nonce"])
             if greeting.get("protocol") != PROTOCOL:
                 raise _Skew(greeting.get("protocol", 1))
-            self.conn.send({"rank": rank, "epoch": epoch, "proof": proof(secret, nonce, rank, epoch),
-                            "protocol": PROTOCOL})
+            self.conn.send(
+                {"rank": rank, "epoch": epoch, "proof": proof(secret, nonce, rank, epoch), "protocol": PROTOCOL}
+            )
             verdict, _, fds = self.conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
             close_all(fds)
         except _Skew as skew:
             self.conn.close()
-            raise AttachError(f"rank {rank}: the host store on this node speaks attach protocol {skew.args[0]!r} and "
-                              f"this trainer {PROTOCOL}: the store was started by another gemini_ckpt version; "
-                              f"{RESTART_STORES}") from None
+            raise AttachError(
+                f"rank {rank}: the host store on this node speaks attach protocol {skew.args[0]!r} and "
+                f"this trainer {PROTOCOL}: the store was started by another gemini_ckpt version; "
+                f"{RESTART_STORES}"
+            ) from None
         except (EOFError, OSError, KeyError, ValueError) as exc:
             self.conn.close()
             raise AttachError(f"rank {rank}: the host store closed the attach socket ({exc})") from None
@@ -88,8 +92,7 @@ class AttachClient:
         self._thread = threading.Thread(target=self._read, name="gemini-attach-client", daemon=True)
         self._thread.start()
 
-    def request(self, header: dict, payload: bytes = b"", *, timeout: Optional[float] = None
-                ) -> tuple[dict, list[int]]:
+    def request(self, header: dict, payload: bytes = b"", *, timeout: Optional[float] = None) -> tuple[dict, list[int]]:
         """Send a message and wait for its reply: ``(reply header, received fds)``."""
         return self.reply(self.request_async(header, payload), timeout=timeout)
 
@@ -132,8 +135,10 @@ class AttachClient:
             return fut
 
     def _broken_error(self) -> AttachError:
-        return AttachError(f"rank {self.rank}: the attach channel to this host's host store is broken (the "
-                           f"store died or closed it): {self._broken}")
+        return AttachError(
+            f"rank {self.rank}: the attach channel to this host's host store is broken (the "
+            f"store died or closed it): {self._broken}"
+        )
 
     def forget_outcome(self, step: int) -> None:
         with self._lock:
@@ -168,8 +173,12 @@ class AttachClient:
                 self._replies = {}
             for fut in pending:
                 if not fut.done():
-                    fut.set_exception(AttachError(f"rank {self.rank}: the host store's attach socket closed "
-                                                  f"({type(exc).__name__}: {exc}); the store died or restarted"))
+                    fut.set_exception(
+                        AttachError(
+                            f"rank {self.rank}: the host store's attach socket closed "
+                            f"({type(exc).__name__}: {exc}); the store died or restarted"
+                        )
+                    )
 
     def close(self) -> None:
         self.conn.close()

@@ -54,8 +54,9 @@ def _checked(kind: str, name: str, annotation: str, value: Any) -> Any:
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
         "str": lambda v: isinstance(v, str),
         "bool": lambda v: isinstance(v, bool),
-        "tuple[int, ...]": lambda v: isinstance(v, (list, tuple)) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in v),
+        "tuple[int, ...]": lambda v: (
+            isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        ),
         "Optional[dict]": lambda v: v is None or isinstance(v, dict),
     }[annotation]
     if not ok(value):
@@ -114,8 +115,9 @@ class Unmap(_Message):
 
 
 Request = Union[SendPlan, AskSegment, GiveBack, Staged, AskComm, MapShard, Unmap]
-REQUESTS: dict[str, type] = {cls.TYPE: cls for cls in (SendPlan, AskSegment, GiveBack, Staged, AskComm, MapShard,
-                                                         Unmap)}
+REQUESTS: dict[str, type] = {
+    cls.TYPE: cls for cls in (SendPlan, AskSegment, GiveBack, Staged, AskComm, MapShard, Unmap)
+}
 
 
 def request_from_wire(header: dict) -> Request:

@@ -39,8 +39,7 @@ class PeerCredentials(NamedTuple):
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     """The connecting process's pid, uid and gid (Linux ``SO_PEERCRED``; what it was at connect)."""
-    return PeerCredentials(*_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                              _PEERCRED.size)))
+    return PeerCredentials(*_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)))
 
 
 def peer_refusal(peer: PeerCredentials, uid: int) -> Optional[str]:
@@ -53,10 +52,11 @@ def peer_refusal(peer: PeerCredentials, uid: int) -> Optional[str]:
         peer_refusal(PeerCredentials(pid=4242, uid=1001, gid=1001), uid=1000)  # "pid 4242 runs as uid 1001, ..."
     """
     if peer.uid != uid:
-        return (f"pid {peer.pid} runs as uid {peer.uid}, the host store as uid {uid}: only processes of the "
-                f"store's own user may attach")
+        return (
+            f"pid {peer.pid} runs as uid {peer.uid}, the host store as uid {uid}: only processes of the "
+            f"store's own user may attach"
+        )
     return None
-
 
 
 # --- the store's side --------------------------------------------------------------------------
@@ -65,8 +65,9 @@ class AttachServer:
     fds)`` answers each message (return ``(reply header, payload, fds)`` or None for no reply;
     raise to send an error reply); ``closed(conn, rank)`` runs when a trainer's socket closes."""
 
-    def __init__(self, secret: bytes, epoch: Callable[[], int], handler: Callable, closed: Callable, *,
-                 uid: Optional[int] = None) -> None:
+    def __init__(
+        self, secret: bytes, epoch: Callable[[], int], handler: Callable, closed: Callable, *, uid: Optional[int] = None
+    ) -> None:
         """``uid``: the user whose processes may attach (default: this process's; see
         :func:`peer_refusal`)."""
         self.secret, self._epoch, self._handler, self._closed = secret, epoch, handler, closed
@@ -135,10 +136,17 @@ class AttachServer:
             conn.send({"ok": False, "error": "refused: the proof does not match this store's secret"})
             return -1
         if hello.get("protocol") != PROTOCOL:
-            self._refused(f"refused a trainer of attach protocol {hello.get('protocol', 1)!r} (this store's: {PROTOCOL})")
-            conn.send({"ok": False, "error": f"refused: this host store speaks attach protocol {PROTOCOL} and the "
-                                             f"trainer {hello.get('protocol', 1)!r}: they come from different "
-                                             f"gemini_ckpt versions; {RESTART_STORES}"})
+            self._refused(
+                f"refused a trainer of attach protocol {hello.get('protocol', 1)!r} (this store's: {PROTOCOL})"
+            )
+            conn.send(
+                {
+                    "ok": False,
+                    "error": f"refused: this host store speaks attach protocol {PROTOCOL} and the "
+                    f"trainer {hello.get('protocol', 1)!r}: they come from different "
+                    f"gemini_ckpt versions; {RESTART_STORES}",
+                }
+            )
             return -1
         if epoch != self._epoch():
             conn.send({"ok": False, "error": f"refused: epoch {epoch} is not this store's ({self._epoch()})"})

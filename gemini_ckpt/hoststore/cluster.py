@@ -1,6 +1,6 @@
 """Host stores on a Ray cluster: starting (or finding) a job's host stores and registry, and
 stopping them. Names, lookup and the actors' environment are in :mod:`gemini_ckpt.hoststore.names`
-(re-exported here); making one actor is :func:`~gemini_ckpt.hoststore.actors.host_store.get_or_create_store`
+(re-exported here); making one actor is :func:`~gemini_ckpt.hoststore.actors.store_handle.get_or_create_store`
 and :func:`~gemini_ckpt.hoststore.actors.registry.get_or_create_registry`.
 """
 
@@ -14,20 +14,44 @@ from typing import Optional
 import ray
 
 from ..config import CheckpointConfig
-from .actors.host_store import get_or_create_store
+from .actors.store_handle import get_or_create_store
 from .actors.registry import get_or_create_registry
-from .names import (ACTOR_ENV, RAY_NAMESPACE, alive_node_ids, current_node_id, ensure_ray, find_registry,
-                    find_store, named_actors, registry_name, store_name)
+from .names import (
+    ACTOR_ENV,
+    RAY_NAMESPACE,
+    alive_node_ids,
+    current_node_id,
+    ensure_ray,
+    find_registry,
+    find_store,
+    named_actors,
+    registry_name,
+    store_name,
+)
 
-__all__ = ["ACTOR_ENV", "RAY_NAMESPACE", "alive_node_ids", "current_node_id", "ensure_ray", "find_registry",
-           "find_store", "get_or_create_registry", "get_or_create_store", "named_actors", "registry_name",
-           "shutdown_host_stores", "start_host_stores", "store_name"]
+__all__ = [
+    "ACTOR_ENV",
+    "RAY_NAMESPACE",
+    "alive_node_ids",
+    "current_node_id",
+    "ensure_ray",
+    "find_registry",
+    "find_store",
+    "get_or_create_registry",
+    "get_or_create_store",
+    "named_actors",
+    "registry_name",
+    "shutdown_host_stores",
+    "start_host_stores",
+    "store_name",
+]
 
 log = logging.getLogger("gemini_ckpt")
 
 
-def start_host_stores(config: CheckpointConfig, node_ids: Optional[Iterable[str]] = None,
-                      *, timeout_s: Optional[float] = None) -> dict[str, object]:
+def start_host_stores(
+    config: CheckpointConfig, node_ids: Optional[Iterable[str]] = None, *, timeout_s: Optional[float] = None
+) -> dict[str, object]:
     """Start (or find) the host store of every alive node, or of ``node_ids``, and the registry.
 
     Call it on the driver before training to create the stores with the job's budget; ranks
@@ -46,8 +70,17 @@ def start_host_stores(config: CheckpointConfig, node_ids: Optional[Iterable[str]
     get_or_create_registry(namespace)
     named = named_actors()  # once: each store's budget is judged with the other namespaces' on its node
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
-        futures = {n: pool.submit(get_or_create_store, namespace, n, config.host_memory_budget_bytes,
-                                  timeout_s=timeout_s or config.timeout_s, named=named) for n in nodes}
+        futures = {
+            n: pool.submit(
+                get_or_create_store,
+                namespace,
+                n,
+                config.host_memory_budget_bytes,
+                timeout_s=timeout_s or config.timeout_s,
+                named=named,
+            )
+            for n in nodes
+        }
         handles = {n: f.result() for n, f in futures.items()}
     ray.get([h.ping.remote() for h in handles.values()], timeout=timeout_s or config.timeout_s)
     return handles

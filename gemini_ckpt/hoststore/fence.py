@@ -2,15 +2,8 @@
 
 A machine cut off from the cluster (a switch failure) is declared dead by the GCS and replaced;
 when its link comes back, its old host store and rank processes must not live on beside the
-replacement. Ray ends a worker whose raylet is gone (it checks the raylet's pid every second),
-but in the chaos matrix under network namespaces (docs/chaos.md, `partition-host`):
-
-- once, a returning machine's raylet exited at once (the GCS told it it was dead), yet its host
-  store and rank process ran on for more than 30 s and never logged Ray's shutdown;
-- in most partitions every old process took 27-30 s after the link came back to end. A TCP
-  connection whose packets were lost retransmits with exponential backoff (0.2 s doubling:
-  ~25 s and ~51 s after the cut), so after a ~22 s outage nothing on the old machine hears from
-  the GCS until the retransmission ~51 s after the cut, whatever the link does meanwhile.
+replacement. Ray's own checks were not enough under partitions (docs/chaos.md, "fenced": what
+was seen, and TCP's retransmission backoff that keeps a returning machine deaf for a while).
 
 :func:`fence_when_node_lost` starts one daemon thread that ends the process (``os._exit(1)``)
 on the first of:
@@ -28,25 +21,17 @@ on the first of:
    it changes nothing there; it matters where the cluster declares deaths fast
    (``LocalCluster``: 15 s, lease 22 s).
 
-   A silent GCS is not always a lost node: a GCS that is stopped, starved or restarting (GCS
-   fault tolerance) is silent to every node at once, and ending every host store then would
-   lose every in-memory version of the job together. So when the lease runs out the fence takes
-   a second look (:func:`second_look`), on fresh connections (so it does not wait out the
-   retransmission backoff of the old ones): a TCP connection to the GCS's address, then the
-   same question on a new GCS client. The GCS answering decides (dead: end; alive: the old
-   connection was stuck, the lease is renewed). The GCS's machine answering while the GCS does
-   not (connected: the kernel accepts for a stopped process; or refused: nothing listens while
-   it restarts) means the network is fine and the GCS is what is silent: the process serves on,
-   with one warning, looking again every :data:`ASK_EVERY_S`, until Ray's own limit
-   (:func:`limit_s`: the longer of the lease and ``gcs_rpc_server_reconnect_timeout_s``, by
-   which Ray's own processes give the GCS up). No answer at all (a timeout, an unreachable
-   network) is a partition: the process ends, as before. The look runs on a thread of its own,
-   so the raylet is still watched every tick. A refusal reads as a restarting GCS: behind a
-   firewall that rejects (a reset) rather than drops, a cut-off node serves on to the limit, or
-   until its link returns and the GCS, asked again, says it is dead.
+   A silent GCS is not always a lost node: a GCS that is stopped, starved or restarting is
+   silent to every node at once, and ending every host store then would lose every in-memory
+   version together. So when the lease runs out the fence takes a second look
+   (:func:`second_look`) on fresh connections: a TCP connection to the GCS's address, then the
+   same question on a new GCS client. The GCS answering decides (dead: end; alive: renew). The
+   GCS's machine answering while the GCS does not (connected, or refused) means the GCS is what
+   is silent: serve on, warning once, until Ray's own limit (:func:`limit_s`). No answer at all
+   is a partition: end. The look runs on a thread of its own, so the raylet is still watched.
 
 The question of check 2 is about this node only (the GCS's ``CheckAlive``, a few bytes), not
-the whole node table: at 1,024 hosts every 3 s that is ~340 small calls a second.
+the whole node table, so it stays small on a large cluster.
 """
 
 from __future__ import annotations
@@ -90,7 +75,9 @@ def lease_s() -> float:
     from ray._raylet import Config
 
     period, timeout = Config.health_check_period_ms() / 1e3, Config.health_check_timeout_ms() / 1e3
-    declared = Config.health_check_initial_delay_ms() / 1e3 + Config.health_check_failure_threshold() * (period + timeout)
+    declared = Config.health_check_initial_delay_ms() / 1e3 + Config.health_check_failure_threshold() * (
+        period + timeout
+    )
     return declared + LEASE_MARGIN_S
 
 
@@ -152,7 +139,7 @@ def process_identity(pid: int) -> Optional[str]:
             stat = fh.read().decode(errors="replace")
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
     if not fields or fields[0] in ("Z", "X"):
         return None
     return fields[19]  # starttime (field 22 of stat)
@@ -166,9 +153,17 @@ class Fence:
     :data:`DEAD`, :data:`STALLED` or :data:`CUT_OFF`; ``limit``: how long to serve on while the
     GCS is stalled (:func:`limit_s`)."""
 
-    def __init__(self, what: str, ask: Callable[[], bool], *, raylet_pid: Optional[int], lease: float,
-                 exit: Callable[[str], None], reach: Optional[Callable[[], str]] = None,
-                 limit: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        ask: Callable[[], bool],
+        *,
+        raylet_pid: Optional[int],
+        lease: float,
+        exit: Callable[[str], None],
+        reach: Optional[Callable[[], str]] = None,
+        limit: Optional[float] = None,
+    ) -> None:
         self.what, self.ask, self.lease, self._exit = what, ask, lease, exit
         self.reach, self.limit = reach, max(lease, limit if limit is not None else lease)
         self._probed_at: Optional[float] = None  # when the last second look began, this silence
@@ -182,8 +177,9 @@ class Fence:
             try:
                 self.raylet_identity = process_identity(raylet_pid)
             except OSError as exc:
-                log.warning("%s: the raylet (pid %d) cannot be looked at (%s); fenced by the GCS only", what,
-                            raylet_pid, exc)
+                log.warning(
+                    "%s: the raylet (pid %d) cannot be looked at (%s); fenced by the GCS only", what, raylet_pid, exc
+                )
             if self.raylet_identity is None:
                 log.warning("%s: the raylet (pid %d) is not running; fenced by the GCS only", what, raylet_pid)
             self.child_of_raylet = os.getppid() == raylet_pid
@@ -286,9 +282,13 @@ class Fence:
             return f"{silent}, and its machine does not answer a new connection either: this node is cut off"
         if not self.serving_on:
             self.serving_on = True
-            log.warning("%s: %s, but its machine answers a new connection: the GCS is stalled or restarting, "
-                        "not this node cut off. Serving on, up to Ray's own limit (%.0fs)", self.what, silent,
-                        self.limit)
+            log.warning(
+                "%s: %s, but its machine answers a new connection: the GCS is stalled or restarting, "
+                "not this node cut off. Serving on, up to Ray's own limit (%.0fs)",
+                self.what,
+                silent,
+                self.limit,
+            )
         return None
 
     def run(self) -> None:
@@ -302,8 +302,13 @@ class Fence:
                 why = None
                 self._errors += 1
                 if self._errors in (1, 10, 100) or self._errors % 1000 == 0:
-                    log.warning("%s: the fence's check failed (%s: %s; %d times)", self.what, type(exc).__name__,
-                                exc, self._errors)
+                    log.warning(
+                        "%s: the fence's check failed (%s: %s; %d times)",
+                        self.what,
+                        type(exc).__name__,
+                        exc,
+                        self._errors,
+                    )
             last = now
             if why is not None:
                 self._exit(why)
@@ -314,6 +319,7 @@ def _exit(what: str, node_id: str) -> Callable[[str], None]:
     def end(why: str) -> None:
         log.error("%s on node %s: %s; exiting (fenced)", what, node_id[:12], why)
         os._exit(1)  # no logging.shutdown(): a handler's lock held by a stuck thread must not keep us
+
     return end
 
 
@@ -339,8 +345,11 @@ def asker(node_id: str) -> Callable[[], bool]:
             raise TypeError("no check_alive")
         check([node], timeout=PROBE_TIMEOUT_S)
     except TypeError:
-        log.info("this Ray's GCS client cannot ask about one node by id: the fence asks for the whole node table "
-                 "every %.0fs", ASK_EVERY_S)
+        log.info(
+            "this Ray's GCS client cannot ask about one node by id: the fence asks for the whole node table "
+            "every %.0fs",
+            ASK_EVERY_S,
+        )
         return lambda: declared_dead(ray.nodes(), node_id)
     except Exception:  # noqa: BLE001 - a GCS slow to answer right now: the question itself is the right one
         pass
@@ -363,11 +372,22 @@ def fence_when_node_lost(what: str) -> threading.Thread:
         address, cluster = gcs_address()
         reach: Optional[Callable[[], str]] = lambda: second_look(address, cluster, node_id)  # noqa: E731
     except Exception as exc:  # noqa: BLE001 - a Ray whose client hides them: the lease alone decides, as before
-        log.warning("%s: the GCS's address is not known here (%s: %s): past the lease the fence takes no second look",
-                    what, type(exc).__name__, exc)
+        log.warning(
+            "%s: the GCS's address is not known here (%s: %s): past the lease the fence takes no second look",
+            what,
+            type(exc).__name__,
+            exc,
+        )
         reach = None
-    fence = Fence(what, asker(node_id), raylet_pid=int(pid) if pid.isdigit() else None, lease=lease,
-                  exit=_exit(what, node_id), reach=reach, limit=limit_s(lease))
+    fence = Fence(
+        what,
+        asker(node_id),
+        raylet_pid=int(pid) if pid.isdigit() else None,
+        lease=lease,
+        exit=_exit(what, node_id),
+        reach=reach,
+        limit=limit_s(lease),
+    )
     thread = threading.Thread(target=fence.run, name="gemini-fence", daemon=True)
     thread.start()
     return thread

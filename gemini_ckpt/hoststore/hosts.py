@@ -1,7 +1,7 @@
 """The host stores of a namespace as one rank sees them: each slot's actor handle, which ones
 are unusable (and why), one call on every live store at once, and what an actor's exception
 means in the library's terms (:func:`cause`). The tier's writes, reads, persist and discards
-(:class:`~gemini_ckpt.hoststore.client.RayTier`) share one :class:`HostStores`, so a store found dead
+(:class:`~gemini_ckpt.hoststore.ray_tier.RayTier`) share one :class:`HostStores`, so a store found dead
 by one is skipped by all.
 """
 
@@ -56,8 +56,13 @@ class HostStores:
             if slot in self._dead:
                 return
             self._dead[slot] = why
-        log.warning("rank %d: host store of slot %d (node %s) is unusable: %s", self.rank, slot,
-                    self.table.nodes[slot][:12], why)
+        log.warning(
+            "rank %d: host store of slot %d (node %s) is unusable: %s",
+            self.rank,
+            slot,
+            self.table.nodes[slot][:12],
+            why,
+        )
         if self._registry is not None:
             self._registry.suspect.remote(slot, f"rank {self.rank}: {why}")
 
@@ -75,8 +80,13 @@ class HostStores:
             except RayTaskError as exc:
                 raise cause(exc, f"{self.describe(slot)}: ") from None
             except GetTimeoutError:
-                log.warning("rank %d: %s did not answer %s within %ss", self.rank, self.describe(slot), method,
-                            self.config.timeout_s)
+                log.warning(
+                    "rank %d: %s did not answer %s within %ss",
+                    self.rank,
+                    self.describe(slot),
+                    method,
+                    self.config.timeout_s,
+                )
         return out
 
     def describe(self, slot: int) -> str:

@@ -28,8 +28,11 @@ SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 # name -> (kind, description, tag keys): what docs/metrics.md and the dashboard name
 TRAINER = {
-    "save_stall_seconds": ("histogram", "save(): the training thread's stall (the copy into staging memory)",
-                           ("namespace", "rank")),
+    "save_stall_seconds": (
+        "histogram",
+        "save(): the training thread's stall (the copy into staging memory)",
+        ("namespace", "rank"),
+    ),
     "commit_seconds": ("histogram", "from save() to every copy of the version acknowledged", ("namespace", "rank")),
     "staged_bytes": ("counter", "bytes of this rank's shards staged by save()", ("namespace", "rank")),
     "versions": ("counter", "versions by outcome: committed, failed, unhealthy", ("namespace", "rank", "outcome")),
@@ -38,20 +41,35 @@ TRAINER = {
     "persist_seconds": ("histogram", "from a version's commit to its durable commit", ("namespace", "rank")),
     "newest_committed_step": ("gauge", "the newest step committed in memory", ("namespace", "rank")),
     "newest_durable_step": ("gauge", "the newest step persisted", ("namespace", "rank")),
-    "restores": ("counter", "restores by where the version came from (memory, durable, init)",
-                 ("namespace", "rank", "source")),
-    "restore_stage_seconds": ("gauge", "the last restore's stages (called, connected, surveyed, ..., done)",
-                              ("namespace", "rank", "stage")),
+    "restores": (
+        "counter",
+        "restores by where the version came from (memory, durable, init)",
+        ("namespace", "rank", "source"),
+    ),
+    "restore_stage_seconds": (
+        "gauge",
+        "the last restore's stages (called, connected, surveyed, ..., done)",
+        ("namespace", "rank", "stage"),
+    ),
     "restored_step": ("gauge", "the step the last restore loaded", ("namespace", "rank")),
 }
 STORE = {
-    "host_held_bytes": ("gauge", "bytes of kept versions' shards on this host (own and replicas)",
-                        ("namespace", "host")),
-    "host_reserved_bytes": ("gauge", "bytes counted against the budget (shards, staging, pooled buffers)",
-                            ("namespace", "host")),
+    "host_held_bytes": (
+        "gauge",
+        "bytes of kept versions' shards on this host (own and replicas)",
+        ("namespace", "host"),
+    ),
+    "host_reserved_bytes": (
+        "gauge",
+        "bytes counted against the budget (shards, staging, pooled buffers)",
+        ("namespace", "host"),
+    ),
     "host_budget_bytes": ("gauge", "this host store's memory budget", ("namespace", "host")),
-    "host_versions": ("gauge", "versions held on this host, by state (committed, pending)",
-                      ("namespace", "host", "state")),
+    "host_versions": (
+        "gauge",
+        "versions held on this host, by state (committed, pending)",
+        ("namespace", "host", "state"),
+    ),
     "host_replicated_bytes": ("counter", "bytes this host sent to peers as copies", ("namespace", "host")),
 }
 
@@ -133,6 +151,22 @@ class StoreMetrics:
         if replicated > self._replicated:
             self.m["host_replicated_bytes"].inc(replicated - self._replicated, tags=self.tags)
             self._replicated = replicated
+
+
+def store_figures(table, replicated: int) -> dict:
+    """What :meth:`StoreMetrics.update` takes, read from a host store's version table (its lock held)."""
+    pool = table.pool
+    states: dict[str, int] = {}
+    for v in table.versions.values():
+        key = "committed" if v.state == "committed" else "pending"
+        states[key] = states.get(key, 0) + 1
+    return dict(
+        held=table.held_bytes(),
+        reserved=pool.held + pool.pooled,
+        budget=pool.budget_bytes,
+        versions=states,
+        replicated=replicated,
+    )
 
 
 def trainer_metrics(namespace: str, rank: int) -> Optional[TrainerMetrics]:

@@ -1,7 +1,7 @@
 """Persist with failover: the host stores write a version's data files from their memory, each
 rank's file by a store holding an intact copy, the owner's host first (so each host writes its
 own ranks' shards) and the next holder when one fails. Used by
-:meth:`~gemini_ckpt.hoststore.client.RayTier.persist_files`.
+:meth:`~gemini_ckpt.hoststore.ray_tier.RayTier.persist_files`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from .hosts import HostStores
 from .resolve import Resolved
 
 
-def persist_files(hosts: HostStores, step: int, where: Resolved, uri: str, directory: str,
-                  sections: dict[int, bytes], opener=None) -> dict:
+def persist_files(
+    hosts: HostStores, step: int, where: Resolved, uri: str, directory: str, sections: dict[int, bytes], opener=None
+) -> dict:
     """Have the live ``hosts`` that hold ``step`` (``where``) write its data files, in parallel:
     rank -> what the writing store returned; ReplicationError when no store could write a
     rank's file. ``opener``: the URI's backend, sent along (None: pyarrow's own)."""
+
     def write(rank: int) -> list:
         problems = []
         for slot in sorted(where.copies[rank], key=lambda s: s != _owner(where, rank)):
@@ -29,16 +31,19 @@ def persist_files(hosts: HostStores, step: int, where: Resolved, uri: str, direc
             if handle is None:
                 continue
             try:
-                return ray.get(handle.persist_shard.remote(step, rank, uri, directory, data_file_name(rank),
-                                                           sections[rank], opener), timeout=hosts.config.timeout_s)
+                return ray.get(
+                    handle.persist_shard.remote(
+                        step, rank, uri, directory, data_file_name(rank), sections[rank], opener
+                    ),
+                    timeout=hosts.config.timeout_s,
+                )
             except RayActorError:
                 hosts.mark_dead(slot, "died while persisting")
                 problems.append(f"{hosts.describe(slot)} died")
             except (RayTaskError, GetTimeoutError) as exc:
                 cause = getattr(exc, "cause", exc)
                 problems.append(f"{hosts.describe(slot)}: {type(cause).__name__}: {cause}")
-        raise ReplicationError(f"step {step}: no host store could write rank {rank}'s file: "
-                               + "; ".join(problems))
+        raise ReplicationError(f"step {step}: no host store could write rank {rank}'s file: " + "; ".join(problems))
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, where.world_size))) as pool:
         futures = {rank: pool.submit(write, rank) for rank in range(where.world_size)}

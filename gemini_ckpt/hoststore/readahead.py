@@ -127,8 +127,17 @@ class LocalCopy:
 class PeerCopy:
     """A shard held by a peer: ranges pushed into buffers here, in blocks read ahead."""
 
-    def __init__(self, reads: PeerReads, slot: int, handle, step: int, rank: int, size: int, *,
-                 block_bytes: int = READ_BLOCK_BYTES) -> None:
+    def __init__(
+        self,
+        reads: PeerReads,
+        slot: int,
+        handle,
+        step: int,
+        rank: int,
+        size: int,
+        *,
+        block_bytes: int = READ_BLOCK_BYTES,
+    ) -> None:
         self.reads, self.slot, self.handle = reads, slot, handle
         self.step, self.rank, self.size, self.block = step, rank, size, block_bytes
         self.blocks: dict[int, Any] = {}
@@ -177,21 +186,24 @@ class PeerCopy:
             self.reads.sink.expect(tag, into)
             tags.append(tag)
         try:
-            ref = self.handle.push_ranges.remote(self.step, self.rank,
-                                                 [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint)
+            ref = self.handle.push_ranges.remote(
+                self.step, self.rank, [(o, into.nbytes, t) for (o, into), t in zip(ranges, tags)], endpoint
+            )
         except BaseException:
             for tag in tags:
                 self.reads.sink.forget(tag)
             raise
-        return _Received(self, _Pending(ref, None, tuple(tags), sum(into.nbytes for _, into in ranges)),
-                         [into for _, into in ranges])
+        return _Received(
+            self, _Pending(ref, None, tuple(tags), sum(into.nbytes for _, into in ranges)), [into for _, into in ranges]
+        )
 
     def _push(self, offset: int, length: int) -> "_Pending":
         endpoint = self.reads.endpoint()
         tag, into = uuid.uuid4().hex, np.empty(length, dtype=np.uint8)
         self.reads.sink.expect(tag, into)
-        return _Pending(self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,),
-                        length)
+        return _Pending(
+            self.handle.push_range.remote(self.step, self.rank, offset, length, endpoint, tag), into, (tag,), length
+        )
 
     def _resolve(self, pending: "_Pending") -> np.ndarray:
         """Wait for a push; on any failure it is cancelled first (see :meth:`_cancel`), so when
@@ -204,8 +216,10 @@ class PeerCopy:
         except RayTaskError as exc:
             error = LookupError(f"{self.reads.describe(self.slot)}: {getattr(exc, 'cause', exc)}")
         except GetTimeoutError:
-            error = LookupError(f"{self.reads.describe(self.slot)} did not send in time "
-                                f"({self.reads.timeout_s:g}s, CheckpointConfig.timeout_s)")
+            error = LookupError(
+                f"{self.reads.describe(self.slot)} did not send in time "
+                f"({self.reads.timeout_s:g}s, CheckpointConfig.timeout_s)"
+            )
         except BaseException:
             self._cancel(pending)
             raise
@@ -215,8 +229,10 @@ class PeerCopy:
                     self.reads.sink.forget(tag)
                 return pending.into
             # Refused here (a tag no longer expected): never read a buffer that was not filled.
-            error = LookupError(f"{self.reads.describe(self.slot)} sent {landed} of the {pending.nbytes} bytes "
-                                f"asked for (this reader refused the rest)")
+            error = LookupError(
+                f"{self.reads.describe(self.slot)} sent {landed} of the {pending.nbytes} bytes "
+                f"asked for (this reader refused the rest)"
+            )
         self._cancel(pending)
         raise error
 

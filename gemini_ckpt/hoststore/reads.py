@@ -35,8 +35,17 @@ class TierReads:
     says which stores are live, ``attach`` maps this node's copies, ``secret`` opens the data
     plane."""
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, slot: int, node_id: str, secret: bytes,
-                 attach: AttachClient, hosts: HostStores) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        rank: int,
+        slot: int,
+        node_id: str,
+        secret: bytes,
+        attach: AttachClient,
+        hosts: HostStores,
+    ) -> None:
         self.config, self.rank, self.slot, self.node_id = config, rank, slot, node_id
         self._secret, self._attach, self._hosts = secret, attach, hosts
         self._lock = threading.Lock()
@@ -45,8 +54,14 @@ class TierReads:
         self._transport: Optional[TcpTransport] = None
         self._read_sink = ReadSink()
         self._read_listener = None
-        self.peer_reads = PeerReads(sink=self._read_sink, endpoint=self._reader_endpoint, cancel=self._cancel,
-                                    lost=hosts.mark_dead, describe=hosts.describe, timeout_s=config.timeout_s)
+        self.peer_reads = PeerReads(
+            sink=self._read_sink,
+            endpoint=self._reader_endpoint,
+            cancel=self._cancel,
+            lost=hosts.mark_dead,
+            describe=hosts.describe,
+            timeout_s=config.timeout_s,
+        )
 
     def where(self, step: int) -> Optional[Resolved]:
         """Where ``step``'s copies are, as the last survey found (None: not seen)."""
@@ -76,9 +91,12 @@ class TierReads:
         if not state:
             return
         # The surveying rank put its own node's copies first; this rank reads its own node's first.
-        where = {step: dataclasses.replace(r, copies={rank: tuple(sorted(slots, key=lambda s: s != self.slot))
-                                                      for rank, slots in r.copies.items()})
-                 for step, r in state["where"].items()}
+        where = {
+            step: dataclasses.replace(
+                r, copies={rank: tuple(sorted(slots, key=lambda s: s != self.slot)) for rank, slots in r.copies.items()}
+            )
+            for step, r in state["where"].items()
+        }
         with self._lock:
             self._where = where
             self._surveyed_infos = dict(state["infos"])
@@ -91,8 +109,9 @@ class TierReads:
             with self._lock:
                 where = self._where.get(step)
         if where is None or not where.committed:
-            raise VersionNotFoundError(f"step {step} is not committed on the live host stores of namespace "
-                                       f"{self.config.resolved_namespace!r}")
+            raise VersionNotFoundError(
+                f"step {step} is not committed on the live host stores of namespace {self.config.resolved_namespace!r}"
+            )
         plans, records, copies, problems = {}, {}, {}, []
         with self._lock:
             held = self._surveyed_infos.pop(step, None)  # rank 0 asked for them at the survey
@@ -108,11 +127,18 @@ class TierReads:
                     break
                 except ShardFormatError as exc:
                     problems.append(f"{self._hosts.describe(slot)}: rank {rank}: {exc}")
-                    log.warning("rank %d: the plan or record of rank %d held by %s is damaged: %s", self.rank, rank,
-                                self._hosts.describe(slot), exc)
+                    log.warning(
+                        "rank %d: the plan or record of rank %d held by %s is damaged: %s",
+                        self.rank,
+                        rank,
+                        self._hosts.describe(slot),
+                        exc,
+                    )
             if rank not in plans:
-                raise ShardFormatError(f"step {step}: no live store has an intact plan and record of rank {rank}'s "
-                                       f"shard" + (f" ({'; '.join(problems)})" if problems else ""))
+                raise ShardFormatError(
+                    f"step {step}: no live store has an intact plan and record of rank {rank}'s "
+                    f"shard" + (f" ({'; '.join(problems)})" if problems else "")
+                )
             copies[rank] = [self._copy(step, rank, slot, plans[rank].region_bytes) for slot in where.copies[rank]]
         return MemoryVersion(step, plans, records, copies, on_close=lambda: self._release_maps(copies))
 
@@ -131,8 +157,13 @@ class TierReads:
             except RayActorError:
                 self._hosts.mark_dead(slot, "died")
             except (RayTaskError, GetTimeoutError) as exc:
-                log.warning("rank %d: %s did not say what it holds of step %d: %s", self.rank, self._hosts.describe(slot),
-                            step, type(exc).__name__)
+                log.warning(
+                    "rank %d: %s did not say what it holds of step %d: %s",
+                    self.rank,
+                    self._hosts.describe(slot),
+                    step,
+                    type(exc).__name__,
+                )
         return out
 
     def _copy(self, step: int, rank: int, slot: int, nbytes: int) -> ShardCopy:
@@ -186,10 +217,13 @@ class TierReads:
     def _data_plane(self) -> TcpTransport:
         with self._lock:
             if self._transport is None:
-                self._transport = TcpTransport(self._secret, self.config.resolved_namespace, host_name=self.node_id,
-                                               config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s))
+                self._transport = TcpTransport(
+                    self._secret,
+                    self.config.resolved_namespace,
+                    host_name=self.node_id,
+                    config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s),
+                )
             return self._transport
-
 
     def close(self) -> None:
         """Close this reader's listener and data plane."""

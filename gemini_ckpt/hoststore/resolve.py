@@ -53,8 +53,16 @@ def resolve(index: dict[int, dict], *, local_slot: Optional[int] = None) -> dict
         ordered = {rank: tuple(s for _, s in sorted(c)) for rank, c in copies.items()}
         whole = world > 0 and all(r in ordered for r in range(world))
         health, reason = _health(same, world)
-        out[step] = Resolved(step, epoch, world, bool(committed_epochs) and whole, ordered,
-                             lost=bool(committed_epochs) and not whole, health=health, reason=reason)
+        out[step] = Resolved(
+            step,
+            epoch,
+            world,
+            bool(committed_epochs) and whole,
+            ordered,
+            lost=bool(committed_epochs) and not whole,
+            health=health,
+            reason=reason,
+        )
     return out
 
 

@@ -67,8 +67,13 @@ class SlotTable:
     @classmethod
     def from_registry(cls, namespace: str, data: dict) -> "SlotTable":
         domains = data.get("domains")  # absent from a registry of before failure domains
-        return cls(namespace, tuple(data["nodes"]), data["epoch"], dict(data.get("ranks", {})),
-                   None if domains is None else tuple(domains))
+        return cls(
+            namespace,
+            tuple(data["nodes"]),
+            data["epoch"],
+            dict(data.get("ranks", {})),
+            None if domains is None else tuple(domains),
+        )
 
     @property
     def hosts(self) -> int:
@@ -81,8 +86,9 @@ class SlotTable:
             raise LookupError(f"node {node_id[:12]} has no slot in namespace {self.namespace!r}") from None
 
 
-def node_domains(nodes: Sequence[str], labels: Mapping[str, Mapping[str, str]], label: Optional[str]
-                 ) -> Optional[tuple[Optional[str], ...]]:
+def node_domains(
+    nodes: Sequence[str], labels: Mapping[str, Mapping[str, str]], label: Optional[str]
+) -> Optional[tuple[Optional[str], ...]]:
     """Each slot's failure domain: the value of node label ``label`` of the slot's node
     (``labels``: node id -> its Ray labels), None where the node has no such label (it is its
     own domain: :func:`unlabelled` says so). None when ``label`` is None (no failure domains)."""
@@ -98,12 +104,15 @@ def unlabelled(nodes: Sequence[str], domains: Optional[Sequence[Optional[str]]],
     missing = [f"slot {s} (node {nodes[s][:12]})" for s, d in enumerate(domains) if d is None]
     if not missing:
         return ""
-    return (f"CheckpointConfig.failure_domain={label!r}: {', '.join(missing)} has no {label!r} node label, so "
-            f"each is a failure domain of its own; start such nodes with `ray start --labels {label}=...`")
+    return (
+        f"CheckpointConfig.failure_domain={label!r}: {', '.join(missing)} has no {label!r} node label, so "
+        f"each is a failure domain of its own; start such nodes with `ray start --labels {label}=...`"
+    )
 
 
-def placement_for(*, hosts: int, replicas: int, strategy: str = "auto",
-                  domains: Optional[Sequence[Optional[str]]] = None) -> placement.Placement:
+def placement_for(
+    *, hosts: int, replicas: int, strategy: str = "auto", domains: Optional[Sequence[Optional[str]]] = None
+) -> placement.Placement:
     """The placement of a job's slots (no host dead): ``placement.make(strategy, ..., domains=...)``
     over the slots' failure domains (a slot with domain None is a domain of its own), or without
     domains when there are none, every slot is its own, or there are fewer than ``replicas``
@@ -115,8 +124,15 @@ def placement_for(*, hosts: int, replicas: int, strategy: str = "auto",
     return _placement(hosts, replicas, strategy, _labels(domains, hosts, replicas))
 
 
-def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
-                dead: Iterable[int] = (), domains: Optional[Sequence[Optional[str]]] = None) -> tuple[int, ...]:
+def holders_for(
+    slot: int,
+    *,
+    hosts: int,
+    replicas: int,
+    strategy: str = "auto",
+    dead: Iterable[int] = (),
+    domains: Optional[Sequence[Optional[str]]] = None,
+) -> tuple[int, ...]:
     """The slots that keep ``slot``'s shards of the next version (see the module docstring).
 
     >>> holders_for(2, hosts=4, replicas=2, strategy="group")
@@ -130,7 +146,8 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
     if replicas > hosts:
         raise ConfigError(
             f"CheckpointConfig.replicas={replicas} needs {replicas} hosts but the job spans {hosts}; "
-            f"lower replicas to at most {hosts} or run on more hosts")
+            f"lower replicas to at most {hosts} or run on more hosts"
+        )
     labels = _labels(domains, hosts, replicas)
     base = _placement(hosts, replicas, strategy, labels).holders(slot)
     chosen = [h for h in base if h not in dead]
@@ -146,10 +163,12 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
                 used.add(labels[candidate])
         if len(chosen) < replicas:
             live = sorted({str(_shown(labels[h])) for h in range(hosts) if h not in dead})
-            _warn_once(("few-live", labels, replicas, tuple(live)),
-                       f"failure domains: only {len(live)} domain(s) with live hosts ({', '.join(live)}) for "
-                       f"CheckpointConfig.replicas={replicas}: some copies share a domain until the dead hosts "
-                       f"are replaced; add hosts in other domains or lower replicas")
+            _warn_once(
+                ("few-live", labels, replicas, tuple(live)),
+                f"failure domains: only {len(live)} domain(s) with live hosts ({', '.join(live)}) for "
+                f"CheckpointConfig.replicas={replicas}: some copies share a domain until the dead hosts "
+                f"are replaced; add hosts in other domains or lower replicas",
+            )
     for candidate in ring:
         if len(chosen) >= replicas:
             break
@@ -159,7 +178,8 @@ def holders_for(slot: int, *, hosts: int, replicas: int, strategy: str = "auto",
         live = hosts - len(dead)
         raise ConfigError(
             f"only {live} of {hosts} host stores are alive but CheckpointConfig.replicas={replicas}; "
-            f"restart the dead hosts' stores (start_host_stores) or lower replicas")
+            f"restart the dead hosts' stores (start_host_stores) or lower replicas"
+        )
     return tuple(chosen)
 
 
@@ -177,11 +197,13 @@ def _labels(domains: Optional[Sequence[Optional[str]]], hosts: int, replicas: in
         return None
     if distinct < replicas:
         shown = sorted({str(_shown(d)) for d in labels})
-        _warn_once(("few", labels, replicas),
-                   f"failure domains: {replicas} copies of each shard (CheckpointConfig.replicas) but the job's "
-                   f"{hosts} hosts are in only {distinct} domain(s) ({', '.join(shown)}): copies cannot all be in "
-                   f"different domains, so they follow slot order as without failure_domain; run on hosts in at "
-                   f"least {replicas} domains or lower replicas")
+        _warn_once(
+            ("few", labels, replicas),
+            f"failure domains: {replicas} copies of each shard (CheckpointConfig.replicas) but the job's "
+            f"{hosts} hosts are in only {distinct} domain(s) ({', '.join(shown)}): copies cannot all be in "
+            f"different domains, so they follow slot order as without failure_domain; run on hosts in at "
+            f"least {replicas} domains or lower replicas",
+        )
         return None
     return labels
 
@@ -191,10 +213,12 @@ def _placement(hosts: int, replicas: int, strategy: str, labels: Optional[tuple]
     p = placement.make(strategy, hosts=hosts, replicas=replicas, domains=labels)
     clashes = placement.domain_violations(p)
     if clashes:
-        _warn_once(("clash", labels, replicas, strategy),
-                   f"failure domains: no {p.strategy} placement of {replicas} copies over these hosts' domains keeps "
-                   f"the copies of slot(s) {list(clashes)} in different domains (a domain holds too many of the "
-                   f"job's hosts); `python -m placement show --domains ...` draws it; spread the hosts more evenly")
+        _warn_once(
+            ("clash", labels, replicas, strategy),
+            f"failure domains: no {p.strategy} placement of {replicas} copies over these hosts' domains keeps "
+            f"the copies of slot(s) {list(clashes)} in different domains (a domain holds too many of the "
+            f"job's hosts); `python -m placement show --domains ...` draws it; spread the hosts more evenly",
+        )
     return p
 
 

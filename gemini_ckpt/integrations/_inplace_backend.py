@@ -48,8 +48,10 @@ def support() -> Optional[str]:
     version = ray_version()
     low, high = SUPPORTED_RAY
     if not low <= version <= high:
-        return (f"Ray {'.'.join(map(str, version))} is outside the versions whose in-place replacement this "
-                f"release was tested with ({'.'.join(map(str, low))} to {'.'.join(map(str, high))})")
+        return (
+            f"Ray {'.'.join(map(str, version))} is outside the versions whose in-place replacement this "
+            f"release was tested with ({'.'.join(map(str, low))} to {'.'.join(map(str, high))})"
+        )
     try:
         from ray.train.backend import Backend
         from ray.train.torch.config import TorchConfig, _TorchBackend  # noqa: F401
@@ -57,12 +59,16 @@ def support() -> Optional[str]:
         from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
     except ImportError as exc:
         return f"Ray Train's replica-group interfaces cannot be imported ({exc})"
-    missing = [name for name, ok in (
-        ("Backend.has_replica_groups", hasattr(Backend, "has_replica_groups")),
-        ("WorkerGroup.replace_replica_group", hasattr(WorkerGroup, "replace_replica_group")),
-        ("WorkerGroup.get_workers", hasattr(WorkerGroup, "get_workers")),
-        ("ReplicaGroup.get_workers", hasattr(ReplicaGroup, "get_workers")),
-    ) if not ok]
+    missing = [
+        name
+        for name, ok in (
+            ("Backend.has_replica_groups", hasattr(Backend, "has_replica_groups")),
+            ("WorkerGroup.replace_replica_group", hasattr(WorkerGroup, "replace_replica_group")),
+            ("WorkerGroup.get_workers", hasattr(WorkerGroup, "get_workers")),
+            ("ReplicaGroup.get_workers", hasattr(ReplicaGroup, "get_workers")),
+        )
+        if not ok
+    ]
     if missing:
         return f"Ray Train lacks {', '.join(missing)}"
     if os.environ.get("RAY_TRAIN_V2_ENABLED", "1") == "0":
@@ -134,8 +140,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._reapers_lock = threading.Lock()
             self._host = ray.util.get_node_ip_address()
             self._server = _rounds.server(self._host, timeout_s=config.reform_timeout_s)
-            self._attempts = _rounds.Attempts(max_stuck=config.max_stuck,
-                                              max_starts=4 * len(group) + config.max_stuck)
+            self._attempts = _rounds.Attempts(max_stuck=config.max_stuck, max_starts=4 * len(group) + config.max_stuck)
             self._spares = _spares.Spares(config.spares)
         if not isinstance(group, _ReplicaGroup):
             self._whole = group
@@ -155,10 +160,19 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         for worker in group.get_workers():
             rank = worker.distributed_context.world_rank
             local, local_size, node_rank = placed[rank]
-            env = _rounds.worker_env(host=self._host, port=self._server.port, round_=round_, rank=rank,
-                                     world_size=len(workers), local_rank=local, local_world_size=local_size,
-                                     node_rank=node_rank, backend=backend, timeout_s=config.timeout_s,
-                                     reform_timeout_s=config.reform_timeout_s)
+            env = _rounds.worker_env(
+                host=self._host,
+                port=self._server.port,
+                round_=round_,
+                rank=rank,
+                world_size=len(workers),
+                local_rank=local,
+                local_world_size=local_size,
+                node_rank=node_rank,
+                backend=backend,
+                timeout_s=config.timeout_s,
+                reform_timeout_s=config.reform_timeout_s,
+            )
             refs.append(worker.execute_async(_set_env, env))
         described = ray.get(refs, timeout=config.reform_timeout_s)
         nodes = {w.metadata.node_id for w in group.get_workers()}
@@ -177,8 +191,13 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._spares.start(nodes, count=1, delay_s=_spares.REFILL_DELAY_S)
         else:
             self._spares.start(nodes)
-        log.info("gemini_ckpt: %s, round %d", f"replacement for rank {group.get_workers()[0].distributed_context.world_rank}"
-                 if isinstance(group, _ReplicaGroup) else f"group of {len(workers)} workers started", round_)
+        log.info(
+            "gemini_ckpt: %s, round %d",
+            f"replacement for rank {group.get_workers()[0].distributed_context.world_rank}"
+            if isinstance(group, _ReplicaGroup)
+            else f"group of {len(workers)} workers started",
+            round_,
+        )
 
     def on_shutdown(self, group, config) -> None:
         # A failed worker's process is ended at once (Ray Train would wait 5 s for it to shut
@@ -223,8 +242,11 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
 
         with self._reapers_lock:  # a timer's thread may start them too: one reaper per node
             for node in {w.metadata.node_id for w in workers} - set(self._reapers):
-                self._reapers[node] = ray.remote(num_cpus=0)(Reaper).options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                self._reapers[node] = (
+                    ray.remote(num_cpus=0)(Reaper)
+                    .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                    .remote()
+                )
 
     def _reap(self, workers) -> None:
         import ray
@@ -237,8 +259,12 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 outcome = ray.get(reaper.kill.remote(worker.metadata.pid), timeout=REAP_S)
             except Exception as exc:  # noqa: BLE001 - a lost node's reaper is gone with it; Ray kills
                 outcome = f"{type(exc).__name__}"
-            log.info("gemini_ckpt: failed worker of rank %d (pid %d): %s", worker.distributed_context.world_rank,
-                     worker.metadata.pid, outcome)
+            log.info(
+                "gemini_ckpt: failed worker of rank %d (pid %d): %s",
+                worker.distributed_context.world_rank,
+                worker.metadata.pid,
+                outcome,
+            )
 
 
 @dataclass

@@ -43,9 +43,22 @@ PUBLISH_EVERY = 5  # polls between two looks at the listeners this process opene
 
 # What torch.distributed's gloo and NCCL backends say when a peer is gone (older releases raise
 # a plain RuntimeError with the transport's message rather than a DistError).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
-             "connectFullMesh", "NCCL communicator was aborted", "ncclRemoteError", "ncclSystemError",
-             "Socket Timeout", "Timed out waiting", "timed out", "Read error", "Write error", "gloo/transport/tcp")
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "connectFullMesh",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ncclSystemError",
+    "Socket Timeout",
+    "Timed out waiting",
+    "timed out",
+    "Read error",
+    "Write error",
+    "gloo/transport/tcp",
+)
 
 
 # Errors of this library's that a peer's loss causes, often before anything names the peer: a
@@ -117,8 +130,15 @@ class Session:
         if self.round is not None and dist.is_initialized():
             return self.round
         t = self.told
-        self.round = _rounds.form(self._store(), self.wanted, rank=t.rank, world_size=t.world_size,
-                                  backend=t.backend, timeout_s=t.timeout_s, patience_s=t.reform_timeout_s)
+        self.round = _rounds.form(
+            self._store(),
+            self.wanted,
+            rank=t.rank,
+            world_size=t.world_size,
+            backend=t.backend,
+            timeout_s=t.timeout_s,
+            patience_s=t.reform_timeout_s,
+        )
         self.stages.append(("formed", time.time()))
         log.info("rank %d: process group round %d formed (%d ranks)", t.rank, self.round, t.world_size)
         return self.round
@@ -142,8 +162,9 @@ class Session:
             except Exception as exc:  # noqa: BLE001 - the groups are destroyed right after anyway
                 log.debug("aborting the NCCL groups of round %d: %s", round_, exc)
         try:
-            peers = _rounds.peer_listeners(self._watch_store(), round_, rank=self.told.rank,
-                                           world_size=self.told.world_size)
+            peers = _rounds.peer_listeners(
+                self._watch_store(), round_, rank=self.told.rank, world_size=self.told.world_size
+            )
         except Exception as exc:  # noqa: BLE001 - cut what this side accepted, at least
             log.debug("rank %d: the peers' listeners of round %d: %s", self.told.rank, round_, exc)
             peers = []
@@ -154,8 +175,9 @@ class Session:
         """A second client of the round store, for the watching thread."""
         with self._store_lock:
             if self._watcher_store is None:
-                self._watcher_store = _rounds.client(self.told.host, self.told.port,
-                                                     timeout_s=self.told.reform_timeout_s)
+                self._watcher_store = _rounds.client(
+                    self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s
+                )
             return self._watcher_store
 
     def _publish(self, round_: int, published: list) -> list:
@@ -187,8 +209,9 @@ class Session:
         while True:
             round_ = self.ensure_formed()
             stop = threading.Event()
-            watcher = threading.Thread(target=self._watch, args=(round_, stop), name="gemini-ckpt-round-watch",
-                                       daemon=True)
+            watcher = threading.Thread(
+                target=self._watch, args=(round_, stop), name="gemini-ckpt-round-watch", daemon=True
+            )
             watcher.start()
             with attempts.attempt(on_commit=self._progress) as attempt:
                 try:
@@ -198,9 +221,14 @@ class Session:
                         self._escaped(exc)
                         raise
                     noticed = time.time()
-                    log.warning("rank %d: a peer failed in round %d (%s: %s); forming the process group again "
-                                "with its replacement and restarting the training function in this process",
-                                self.told.rank, round_, type(exc).__name__, _short(exc))
+                    log.warning(
+                        "rank %d: a peer failed in round %d (%s: %s); forming the process group again "
+                        "with its replacement and restarting the training function in this process",
+                        self.told.rank,
+                        round_,
+                        type(exc).__name__,
+                        _short(exc),
+                    )
                     try:  # every other rank's watcher cuts its connections of this round now
                         _rounds.raise_latest(self._store(), round_ + 1)
                     except Exception:  # noqa: BLE001 - the run is ending: the error below says why
@@ -238,8 +266,12 @@ class Session:
 
     def _await_newer_round(self, patience_s: float) -> bool:
         deadline = time.monotonic() + patience_s
-        log.info("rank %d: checkpointing failed in round %d; waiting up to %.0fs for a failed peer to be found",
-                 self.told.rank, self.round if self.round is not None else -1, patience_s)
+        log.info(
+            "rank %d: checkpointing failed in round %d; waiting up to %.0fs for a failed peer to be found",
+            self.told.rank,
+            self.round if self.round is not None else -1,
+            patience_s,
+        )
         while time.monotonic() < deadline:
             if self._newer_round_asked():
                 return True
@@ -293,8 +325,12 @@ def recovery_info() -> Optional[dict]:
     session = Session.current()
     if session is None:
         return None
-    return {"round": session.round, "recoveries": session.recoveries, "entered": session.entered,
-            "stages": list(session.stages)}
+    return {
+        "round": session.round,
+        "recoveries": session.recoveries,
+        "entered": session.entered,
+        "stages": list(session.stages),
+    }
 
 
 def in_place_job() -> bool:

@@ -28,8 +28,11 @@ def generators(dl: Any) -> dict[str, torch.Generator]:
     """The generators a loader's next iterator draws from: its own (workers' base seed) and its
     sampler's (the shuffle; torchdata's sampler makes its own when the loader has none)."""
     found: dict[str, torch.Generator] = {}
-    for name, owner in (("generator", dl), ("sampler", getattr(dl, "sampler", None)),
-                        ("batch_sampler.sampler", getattr(getattr(dl, "batch_sampler", None), "sampler", None))):
+    for name, owner in (
+        ("generator", dl),
+        ("sampler", getattr(dl, "sampler", None)),
+        ("batch_sampler.sampler", getattr(getattr(dl, "batch_sampler", None), "sampler", None)),
+    ):
         gen = getattr(owner, "generator", None)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
             found[name] = gen
@@ -58,8 +61,11 @@ def then(first: list, rest: Any):
 
 
 def set_epoch(dl: Any, epoch: int) -> None:
-    samplers = {id(s): s for s in (getattr(dl, "sampler", None),
-                                   getattr(getattr(dl, "batch_sampler", None), "sampler", None)) if s is not None}
+    samplers = {
+        id(s): s
+        for s in (getattr(dl, "sampler", None), getattr(getattr(dl, "batch_sampler", None), "sampler", None))
+        if s is not None
+    }
     for sampler in samplers.values():
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
@@ -79,8 +85,11 @@ class Loops:
     def check_version(cls) -> None:
         if not pl.__version__.startswith(_TESTED) and not cls._warned:
             cls._warned = True
-            warnings.warn(f"gemini_ckpt's Lightning integration was tested with Lightning {', '.join(_TESTED)}x; "
-                          f"this is {pl.__version__}: check that resumes are exact", stacklevel=3)
+            warnings.warn(
+                f"gemini_ckpt's Lightning integration was tested with Lightning {', '.join(_TESTED)}x; "
+                f"this is {pl.__version__}: check that resumes are exact",
+                stacklevel=3,
+            )
 
     def combined_loader(self):
         return self.fit._combined_loader

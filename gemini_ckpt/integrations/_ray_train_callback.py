@@ -20,8 +20,10 @@ from ._ray_train_run import resolve_config, stop_host_stores
 log = logging.getLogger("gemini_ckpt")
 
 SUPPORTED_RAY = (2, 45)  # the first Ray 2.x with these callback interfaces (checked up to 2.60)
-_PUBLIC_PATH = ("start nothing on the driver (workers start their node's store) and wrap fit() in "
-                "`with gemini_ckpt.integrations.ray_train.host_stores(ckpt_config, run_name=...):`")
+_PUBLIC_PATH = (
+    "start nothing on the driver (workers start their node's store) and wrap fit() in "
+    "`with gemini_ckpt.integrations.ray_train.host_stores(ckpt_config, run_name=...):`"
+)
 
 
 def ray_version() -> tuple[int, int]:
@@ -39,8 +41,10 @@ def _callback_bases() -> tuple[Optional[str], tuple[type, ...]]:
     """``(why the hook is unavailable or None, base classes)``."""
     version = ray_version()
     if version < SUPPORTED_RAY or version[0] != SUPPORTED_RAY[0]:
-        return (f"Ray {'.'.join(map(str, version))} is outside the versions this callback supports "
-                f"(2.x from {'.'.join(map(str, SUPPORTED_RAY))})"), (object,)
+        return (
+            f"Ray {'.'.join(map(str, version))} is outside the versions this callback supports "
+            f"(2.x from {'.'.join(map(str, SUPPORTED_RAY))})"
+        ), (object,)
     try:
         from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     except ImportError as exc:  # Ray Train v1, or the internal module moved
@@ -67,12 +71,14 @@ class HostStores(*_BASES):  # type: ignore[misc]
 
     def __init__(self, config: Optional[CheckpointConfig] = None, *, keep: bool = False) -> None:
         if _UNAVAILABLE is not None:
-            raise CheckpointError(f"gemini_ckpt.integrations.ray_train.HostStores is unavailable: {_UNAVAILABLE}; "
-                                  f"{_PUBLIC_PATH}")
+            raise CheckpointError(
+                f"gemini_ckpt.integrations.ray_train.HostStores is unavailable: {_UNAVAILABLE}; {_PUBLIC_PATH}"
+            )
         self.config = config if config is not None else CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
-            raise TypeError(f"HostStores(config=...) must be a gemini_ckpt.CheckpointConfig, "
-                            f"got {type(self.config).__name__}")
+            raise TypeError(
+                f"HostStores(config=...) must be a gemini_ckpt.CheckpointConfig, got {type(self.config).__name__}"
+            )
         self.keep = keep
         self.namespace: Optional[str] = self.config.namespace
         self._resolved: Optional[CheckpointConfig] = None
@@ -85,8 +91,7 @@ class HostStores(*_BASES):  # type: ignore[misc]
         self._resolved, _ = resolve_config(self.config, run_name=train_run_context.run_config.name)
         self.namespace = self._resolved.resolved_namespace
         start_host_stores(self._resolved, node_ids=())  # the registry: slots outlive worker restarts
-        log.info("gemini_ckpt: run %s uses host-store namespace %r", train_run_context.run_config.name,
-                 self.namespace)
+        log.info("gemini_ckpt: run %s uses host-store namespace %r", train_run_context.run_config.name, self.namespace)
 
     async def before_controller_shutdown(self) -> None:
         self._stop()

@@ -24,8 +24,9 @@ DURABLE_DIR = "gemini"
 """Durable versions go to ``<Ray Train run directory>/gemini/step_XXXXXXXXX``."""
 
 
-def resolve_config(config: Optional[CheckpointConfig], *, run_name: str, storage=None,
-                   report: bool = True) -> tuple[CheckpointConfig, Optional[DurableTier]]:
+def resolve_config(
+    config: Optional[CheckpointConfig], *, run_name: str, storage=None, report: bool = True
+) -> tuple[CheckpointConfig, Optional[DurableTier]]:
     """The run's settings: ``namespace`` defaults to ``run_name``; with a durable tier and
     ``storage`` (Ray Train's ``StorageContext``), ``durable_uri`` defaults to the run's
     directory. Returns ``(config, durable tier or None)``; the tier is built here only when the
@@ -43,14 +44,18 @@ def resolve_config(config: Optional[CheckpointConfig], *, run_name: str, storage
             if _is_local(storage.storage_filesystem):
                 changes["durable_uri"] = root
             else:
-                durable = DurableTier(filesystem=storage.storage_filesystem, root=root,
-                                      keep=LeftToRayTrain() if report else config.keep_durable)
+                durable = DurableTier(
+                    filesystem=storage.storage_filesystem,
+                    root=root,
+                    keep=LeftToRayTrain() if report else config.keep_durable,
+                )
         elif report and not _inside(config.durable_uri, storage):
             raise ConfigError(
                 f"CheckpointConfig.durable_uri={config.durable_uri!r} is outside this Ray Train run's "
                 f"directory ({storage.experiment_fs_path}), so its versions cannot be reported as Ray "
                 f"checkpoints; leave durable_uri=None (versions go to <run directory>/{DURABLE_DIR}) or "
-                f"pass report=False")
+                f"pass report=False"
+            )
     if changes:
         config = dataclasses.replace(config, **changes)
     return config, durable
@@ -84,8 +89,9 @@ def stop_host_stores(namespace: str) -> list[str]:
 
 # --- driver side ---------------------------------------------------------------------------------
 @contextlib.contextmanager
-def host_stores(config: Optional[CheckpointConfig] = None, *, run_name: Optional[str] = None,
-                run_config=None, keep: bool = False) -> Iterator[Optional[str]]:
+def host_stores(
+    config: Optional[CheckpointConfig] = None, *, run_name: Optional[str] = None, run_config=None, keep: bool = False
+) -> Iterator[Optional[str]]:
     """Around ``trainer.fit()`` on the driver: when the block ends (normally or by an error), the
     run's host stores and slot registry are stopped, unless ``keep=True``. Yields the namespace
     (None when it is not known before ``fit()``: see below).
@@ -117,7 +123,8 @@ def host_stores(config: Optional[CheckpointConfig] = None, *, run_name: Optional
             "host_stores() needs the run's name to know which host stores to stop: pass the trainer's "
             "RunConfig (host_stores(ckpt_config, run_config=run_config); a RunConfig without a name has "
             "the one Ray generated), run_name=RunConfig.name, or CheckpointConfig.namespace; or connect "
-            "to Ray (ray.init) before the block, so the stores that appear during it can be told apart")
+            "to Ray (ray.init) before the block, so the stores that appear during it can be told apart"
+        )
     else:
         namespace, before = None, _namespaces()
     try:

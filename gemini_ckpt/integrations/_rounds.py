@@ -146,14 +146,15 @@ def arrive(store, round_: int, *, world_size: int, patience_s: float) -> int:
                 break
             if time.monotonic() > deadline:
                 count = int(store.add(f"{PREFIX}r{n}/arrived", 0))
-                raise RoundTimeoutError(f"{count} of {world_size} ranks arrived at round {n} of the process "
-                                        f"group, and no worker was started for {patience_s:.0f}s: the others "
-                                        f"did not come back")
+                raise RoundTimeoutError(
+                    f"{count} of {world_size} ranks arrived at round {n} of the process "
+                    f"group, and no worker was started for {patience_s:.0f}s: the others "
+                    f"did not come back"
+                )
             time.sleep(POLL_S)
 
 
-def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeout_s: float,
-         patience_s: float) -> int:
+def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeout_s: float, patience_s: float) -> int:
     """Arrive and form the process group of the newest round (``torch.distributed``'s default
     group, under that round's prefix); returns the round. A round that fails to form (a rank died
     while it formed) is given up for the next one."""
@@ -171,8 +172,13 @@ def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeou
         try:
             # Formed with a short timeout: a rank that died after the round closed is waited for
             # FORM_S, not the collectives' timeout; then the group gets its own.
-            dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=min(FORM_S, timeout_s)))
+            dist.init_process_group(
+                backend,
+                store=prefixed,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=min(FORM_S, timeout_s)),
+            )
             from torch.distributed.distributed_c10d import _set_pg_timeout
 
             _set_pg_timeout(timedelta(seconds=timeout_s))
@@ -233,8 +239,9 @@ def server(host: str, *, timeout_s: float):
     """The job's round store (on Ray Train's controller, which outlives every worker)."""
     import torch.distributed as dist
 
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                         use_libuv=True)
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s), use_libuv=True
+    )
 
 
 @dataclass
@@ -264,23 +271,47 @@ class Attempts:
         last = escaped(store)
         because = f"; the last error that ended a worker: {last}" if last else ""
         if self.stuck >= self.max_stuck:
-            return (f"{self.stuck} recoveries in a row ended without a newer version committed (the newest is "
-                    f"step {now_progress}): the failure repeats at the same place{because}")
+            return (
+                f"{self.stuck} recoveries in a row ended without a newer version committed (the newest is "
+                f"step {now_progress}): the failure repeats at the same place{because}"
+            )
         if self.starts_since_formed > self.max_starts:
-            return (f"{self.starts_since_formed} workers were started without the process group forming again"
-                    f"{because}")
+            return f"{self.starts_since_formed} workers were started without the process group forming again{because}"
         return None
 
 
-def worker_env(*, host: str, port: int, round_: int, rank: int, world_size: int, local_rank: int,
-               local_world_size: int, node_rank: int, backend: str, timeout_s: float,
-               reform_timeout_s: float, grace_s: float = GRACE_S) -> dict[str, str]:
+def worker_env(
+    *,
+    host: str,
+    port: int,
+    round_: int,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    node_rank: int,
+    backend: str,
+    timeout_s: float,
+    reform_timeout_s: float,
+    grace_s: float = GRACE_S,
+) -> dict[str, str]:
     """What a worker is told (environment variables) to join the job's rounds."""
-    return {"GEMINI_ROUNDS_ADDR": host, "GEMINI_ROUNDS_PORT": str(port), "GEMINI_ROUND": str(round_),
-            "GEMINI_ROUNDS_BACKEND": backend, "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
-            "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s), "GEMINI_ROUNDS_GRACE_S": str(grace_s),
-            "MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(local_world_size), "NODE_RANK": str(node_rank)}
+    return {
+        "GEMINI_ROUNDS_ADDR": host,
+        "GEMINI_ROUNDS_PORT": str(port),
+        "GEMINI_ROUND": str(round_),
+        "GEMINI_ROUNDS_BACKEND": backend,
+        "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
+        "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s),
+        "GEMINI_ROUNDS_GRACE_S": str(grace_s),
+        "MASTER_ADDR": host,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "NODE_RANK": str(node_rank),
+    }
 
 
 @dataclass(frozen=True)
@@ -302,7 +333,14 @@ class Told:
         env = os.environ
         if "GEMINI_ROUNDS_ADDR" not in env:
             return None
-        return Told(env["GEMINI_ROUNDS_ADDR"], int(env["GEMINI_ROUNDS_PORT"]), int(env["GEMINI_ROUND"]),
-                    int(env["RANK"]), int(env["WORLD_SIZE"]), env["GEMINI_ROUNDS_BACKEND"],
-                    float(env["GEMINI_ROUNDS_TIMEOUT_S"]), float(env["GEMINI_ROUNDS_REFORM_S"]),
-                    float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)))
+        return Told(
+            env["GEMINI_ROUNDS_ADDR"],
+            int(env["GEMINI_ROUNDS_PORT"]),
+            int(env["GEMINI_ROUND"]),
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            env["GEMINI_ROUNDS_BACKEND"],
+            float(env["GEMINI_ROUNDS_TIMEOUT_S"]),
+            float(env["GEMINI_ROUNDS_REFORM_S"]),
+            float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)),
+        )

@@ -49,7 +49,7 @@ def _socket_fds() -> dict[int, int]:
 def _address(hex_addr: str) -> str:
     """/proc/net/tcp's address (little-endian 32-bit words in hex) as text."""
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     if len(words) == 4:
         return socket.inet_ntop(socket.AF_INET, words)
     if words[:12] == b"\0" * 10 + b"\xff\xff":  # an IPv4 address mapped into IPv6
@@ -85,8 +85,9 @@ def listeners() -> set[int]:
 def opened_since(baseline: set[int]) -> list[tuple[str, int]]:
     """(ip, port) of the TCP listeners this process opened since ``baseline`` (listener inodes)."""
     fds = _socket_fds()
-    return sorted((row[1], row[2]) for row in _tcp_rows()
-                  if row[3] == LISTEN and row[0] in fds and row[0] not in baseline)
+    return sorted(
+        (row[1], row[2]) for row in _tcp_rows() if row[3] == LISTEN and row[0] in fds and row[0] not in baseline
+    )
 
 
 _ANY = {"0.0.0.0", "::"}

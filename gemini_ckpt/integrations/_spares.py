@@ -76,12 +76,20 @@ class Spares:
         try:
             raylets = _live_raylets()  # one read of the node table for all the hosts
             for node in set(node_ids) & raylets.keys():
-                _prestart(raylets[node], self._runtime_env, self._job_id,
-                          self.per_node if count is None else count, self.keep_alive_s)
+                _prestart(
+                    raylets[node],
+                    self._runtime_env,
+                    self._job_id,
+                    self.per_node if count is None else count,
+                    self.keep_alive_s,
+                )
         except Exception as exc:  # noqa: BLE001 - an internal call of Ray's: any failure turns spares off
             self._off = f"{type(exc).__name__}: {exc}"
-            log.warning("gemini_ckpt: warm spare processes are off (Ray's PrestartWorkers failed: %s); a replaced "
-                        "worker starts a new process", self._off)
+            log.warning(
+                "gemini_ckpt: warm spare processes are off (Ray's PrestartWorkers failed: %s); a replaced "
+                "worker starts a new process",
+                self._off,
+            )
             return
         self._nodes = (self._nodes | set(node_ids)) & raylets.keys()  # a lost host's spares went with it
         if self._timer is None:
@@ -123,9 +131,13 @@ def _prestart(address: str, runtime_env: str, job_id: str, count: int, keep_aliv
     try:
         node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
             node_manager_pb2.PrestartWorkersRequest(
-                language=common_pb2.PYTHON, job_id=bytes.fromhex(job_id),
+                language=common_pb2.PYTHON,
+                job_id=bytes.fromhex(job_id),
                 runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=runtime_env),
-                keep_alive_duration_secs=int(keep_alive_s), num_workers=count),
-            timeout=CALL_TIMEOUT_S)
+                keep_alive_duration_secs=int(keep_alive_s),
+                num_workers=count,
+            ),
+            timeout=CALL_TIMEOUT_S,
+        )
     finally:
         channel.close()

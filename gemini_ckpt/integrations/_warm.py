@@ -42,8 +42,9 @@ def warm_up() -> None:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - never end a worker over a warm-up
-            log.warning("gemini_ckpt: warming up this worker, importing %s failed: %s: %s", name,
-                        type(exc).__name__, exc)
+            log.warning(
+                "gemini_ckpt: warming up this worker, importing %s failed: %s: %s", name, type(exc).__name__, exc
+            )
 
 
 def check_modules(what: str, modules) -> None:
@@ -55,13 +56,16 @@ def check_modules(what: str, modules) -> None:
 def runtime_env(modules: tuple[str, ...], base: Optional[dict]) -> dict:
     """``base`` (a runtime env dict, not changed) with the hook and ``modules`` added."""
     if base is not None and not isinstance(base, dict):
-        raise ConfigError(f"warm_runtime_env(runtime_env={base!r}): a runtime env dict such as "
-                          f"{{'env_vars': {{...}}}}, or None")
+        raise ConfigError(
+            f"warm_runtime_env(runtime_env={base!r}): a runtime env dict such as {{'env_vars': {{...}}}}, or None"
+        )
     out = dict(base or {})
     env_vars = dict(out.get("env_vars") or {})
     if env_vars.get(SETUP_HOOK_VAR, HOOK) != HOOK:
-        raise ConfigError(f"warm_runtime_env: runtime_env's env_vars already name a setup hook "
-                          f"({env_vars[SETUP_HOOK_VAR]!r}); call it from a hook of your own instead")
+        raise ConfigError(
+            f"warm_runtime_env: runtime_env's env_vars already name a setup hook "
+            f"({env_vars[SETUP_HOOK_VAR]!r}); call it from a hook of your own instead"
+        )
     env_vars[SETUP_HOOK_VAR] = HOOK
     env_vars[MODULES_VAR] = ",".join(dict.fromkeys(modules))
     out["env_vars"] = env_vars

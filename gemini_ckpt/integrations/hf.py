@@ -59,13 +59,21 @@ log = logging.getLogger("gemini_ckpt")
 __all__ = ["GeminiTrainerMixin", "prepare_trainer"]
 
 SUPPORTED = ((5, 0), (6, 0))  # transformers versions whose private hooks below were read (5.23, 5.25)
-HOOKS = ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
-         "_load_rng_state", "_inner_training_loop", "store_flos")
+HOOKS = (
+    "_save_checkpoint",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_rng_state",
+    "_inner_training_loop",
+    "store_flos",
+)
 MARKER = ".gemini_ckpt"  # in a resume directory we made: the Trainer reads only its trainer_state.json
 
 
-def prepare_trainer(trainer, config: Optional[CheckpointConfig] = None, *, hf_checkpoints: bool = False,
-                    keep_log_history: int = 1000):
+def prepare_trainer(
+    trainer, config: Optional[CheckpointConfig] = None, *, hf_checkpoints: bool = False, keep_log_history: int = 1000
+):
     """Make ``trainer`` (a ``transformers.Trainer``) checkpoint into gemini_ckpt and resume from it.
 
     ``config``: where versions go (``store="local"`` in one process; host stores on Ray);
@@ -78,9 +86,11 @@ def prepare_trainer(trainer, config: Optional[CheckpointConfig] = None, *, hf_ch
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     missing = [h for h in HOOKS if not callable(getattr(transformers.Trainer, h, None))]
     if not SUPPORTED[0] <= version < SUPPORTED[1] or missing:
-        raise CheckpointError(f"gemini_ckpt.integrations.hf supports transformers 5.x, whose Trainer has "
-                              f"{', '.join(HOOKS)}; this is {transformers.__version__}"
-                              + (f" (missing: {', '.join(missing)})" if missing else ""))
+        raise CheckpointError(
+            f"gemini_ckpt.integrations.hf supports transformers 5.x, whose Trainer has "
+            f"{', '.join(HOOKS)}; this is {transformers.__version__}"
+            + (f" (missing: {', '.join(missing)})" if missing else "")
+        )
     if not isinstance(trainer, transformers.Trainer):
         raise TypeError(f"prepare_trainer() needs a transformers.Trainer, got {type(trainer).__name__}")
     if isinstance(trainer, GeminiTrainerMixin):
@@ -99,28 +109,41 @@ def prepare_trainer(trainer, config: Optional[CheckpointConfig] = None, *, hf_ch
 def _refuse(trainer, hf_checkpoints: bool) -> None:
     args = trainer.args
     if trainer.is_deepspeed_enabled:
-        raise ConfigError("gemini_ckpt does not checkpoint DeepSpeed engines (their ZeRO state is not reachable "
-                          "through torch.distributed.checkpoint); use FSDP or DDP, or DeepSpeed's own checkpoints")
+        raise ConfigError(
+            "gemini_ckpt does not checkpoint DeepSpeed engines (their ZeRO state is not reachable "
+            "through torch.distributed.checkpoint); use FSDP or DDP, or DeepSpeed's own checkpoints"
+        )
     if args.ignore_data_skip:
-        raise ConfigError("TrainingArguments(ignore_data_skip=True) restarts the resumed epoch from its first "
-                          "batch, which cannot be resumed exactly; leave it False with gemini_ckpt")
+        raise ConfigError(
+            "TrainingArguments(ignore_data_skip=True) restarts the resumed epoch from its first "
+            "batch, which cannot be resumed exactly; leave it False with gemini_ckpt"
+        )
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False):
-        raise ConfigError("train_sampling_strategy='group_by_length' shuffles from the global random generator when "
-                          "an epoch starts, so a resumed epoch's order differs; use the default 'random' sampler")
+        raise ConfigError(
+            "train_sampling_strategy='group_by_length' shuffles from the global random generator when "
+            "an epoch starts, so a resumed epoch's order differs; use the default 'random' sampler"
+        )
     if args.load_best_model_at_end and not hf_checkpoints:
-        raise ConfigError("TrainingArguments(load_best_model_at_end=True) loads a Hugging Face checkpoint "
-                          "directory; pass prepare_trainer(..., hf_checkpoints=True) to write them as well")
+        raise ConfigError(
+            "TrainingArguments(load_best_model_at_end=True) loads a Hugging Face checkpoint "
+            "directory; pass prepare_trainer(..., hf_checkpoints=True) to write them as well"
+        )
     for cb in trainer.callback_handler.callbacks:
         if type(cb).__name__ == "RayTrainReportCallback":
-            raise ConfigError("remove Ray's RayTrainReportCallback from the Trainer's callbacks: gemini_ckpt reports "
-                              "its durable versions to Ray Train itself (two reporters would pair up differently "
-                              "on different ranks)")
+            raise ConfigError(
+                "remove Ray's RayTrainReportCallback from the Trainer's callbacks: gemini_ckpt reports "
+                "its durable versions to Ray Train itself (two reporters would pair up differently "
+                "on different ranks)"
+            )
     collator = trainer.data_collator
     if type(collator).__name__ == "DataCollatorForLanguageModeling" and getattr(collator, "mlm", False):
         if getattr(collator, "seed", None) is not None or args.dataloader_num_workers > 0:
-            warnings.warn("the MLM collator draws its masks from a generator of its own (seed=...) or in loader "
-                          "worker processes; neither is checkpointed, so the masks after a resume differ from an "
-                          "uninterrupted run's (the rest is restored exactly)", stacklevel=3)
+            warnings.warn(
+                "the MLM collator draws its masks from a generator of its own (seed=...) or in loader "
+                "worker processes; neither is checkpointed, so the masks after a resume differ from an "
+                "uninterrupted run's (the rest is restored exactly)",
+                stacklevel=3,
+            )
 
 
 class _Run:
@@ -138,8 +161,11 @@ class _Run:
         self.pending_rng: Optional[RestoreResult] = None
 
     def ours(self, path: Optional[str]) -> bool:
-        return (path is not None and self.resume_dir is not None
-                and os.path.normpath(str(path)) == os.path.normpath(self.resume_dir))
+        return (
+            path is not None
+            and self.resume_dir is not None
+            and os.path.normpath(str(path)) == os.path.normpath(self.resume_dir)
+        )
 
     def apply_rng(self) -> None:
         pending, self.pending_rng = self.pending_rng, None
@@ -163,8 +189,12 @@ class GeminiTrainerMixin:
                 peeked = run.ckpt.peek()
                 if peeked is not None:
                     resume_from_checkpoint = self._gemini_resume_dir(peeked.step, peeked.extra)
-            output = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                                   ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+            output = super().train(
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+                **kwargs,
+            )
         except BaseException:
             run.ckpt.abort()
             raise
@@ -178,14 +208,18 @@ class GeminiTrainerMixin:
     def _gemini_resume_dir(self, step: int, extra: dict) -> str:
         run = self._gemini
         if not isinstance(extra.get("trainer_state"), str):
-            raise CheckpointError(f"version {step} was not saved by a Hugging Face Trainer prepared by gemini_ckpt "
-                                  f"(it has no TrainerState); use another CheckpointConfig.namespace for this job")
+            raise CheckpointError(
+                f"version {step} was not saved by a Hugging Face Trainer prepared by gemini_ckpt "
+                f"(it has no TrainerState); use another CheckpointConfig.namespace for this job"
+            )
         saved = extra.get("seeds")
         now = [self.args.seed, self.args.data_seed]
         if saved is not None and list(saved) != now:
-            raise ConfigError(f"version {step} was saved with TrainingArguments seed/data_seed {saved}, this run has "
-                              f"{now}; the data order follows them, so resuming would not continue the same run. "
-                              f"Use the saved seeds, or CheckpointConfig(overwrite=True) to start afresh")
+            raise ConfigError(
+                f"version {step} was saved with TrainingArguments seed/data_seed {saved}, this run has "
+                f"{now}; the data order follows them, so resuming would not continue the same run. "
+                f"Use the saved seeds, or CheckpointConfig(overwrite=True) to start afresh"
+            )
         run.resume_dir = tempfile.mkdtemp(prefix="gemini-ckpt-hf-")
         with open(os.path.join(run.resume_dir, "trainer_state.json"), "w", encoding="utf-8") as f:
             f.write(extra["trainer_state"])
@@ -212,24 +246,30 @@ class GeminiTrainerMixin:
                     else:
                         self.state.stateful_callbacks[name] = value
         state = dataclasses.asdict(self.state)
-        state["log_history"] = state["log_history"][-run.keep_log_history:]
-        run.extra.update({
-            "trainer_state": json.dumps(state, sort_keys=True),
-            "tr_loss": float(self._tr_loss.item()),
-            "globalstep_last_logged": int(self._globalstep_last_logged),
-            "seeds": [self.args.seed, self.args.data_seed],
-        })
+        state["log_history"] = state["log_history"][-run.keep_log_history :]
+        run.extra.update(
+            {
+                "trainer_state": json.dumps(state, sort_keys=True),
+                "tr_loss": float(self._tr_loss.item()),
+                "globalstep_last_logged": int(self._globalstep_last_logged),
+                "seeds": [self.args.seed, self.args.data_seed],
+            }
+        )
         last = self.state.log_history[-1] if self.state.log_history else {}
-        metrics = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
-            if last.get("step") == self.state.global_step else {}
+        metrics = (
+            {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if last.get("step") == self.state.global_step
+            else {}
+        )
         if not run.state.optimizers:  # the Trainer made them in train(); restore attached them already
             self._gemini_attach()
         run.ckpt.save(self.state.global_step, metrics=metrics)
 
     def _gemini_attach(self) -> None:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
-        self._gemini.state.attach(optimizer=inner, scheduler=self.lr_scheduler,
-                                  scaler=getattr(self.accelerator, "scaler", None))
+        self._gemini.state.attach(
+            optimizer=inner, scheduler=self.lr_scheduler, scaler=getattr(self.accelerator, "scaler", None)
+        )
 
     # --- resume: the Trainer's hooks, on a directory we made -------------------------------------
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

@@ -41,14 +41,17 @@ def interleave(model: torch.nn.Module, checkpointer: Checkpointer) -> torch.nn.M
     docstring); returns ``model``. A DDP model or one with FSDP2 (``fully_shard``) modules;
     anything else is a TypeError (mark with ``checkpointer.communicating()``)."""
     if not isinstance(checkpointer, Checkpointer):
-        raise TypeError(f"interleave(model, checkpointer) needs a gemini_ckpt.Checkpointer, got "
-                        f"{type(checkpointer).__name__}")
+        raise TypeError(
+            f"interleave(model, checkpointer) needs a gemini_ckpt.Checkpointer, got {type(checkpointer).__name__}"
+        )
     if isinstance(model, DistributedDataParallel):
         try:
             model.register_comm_hook(_DdpState(checkpointer, model.process_group), _marked_allreduce)
         except RuntimeError as exc:
-            raise ValueError(f"interleave: this DDP model already has a comm hook ({exc}); mark inside it with "
-                             f"checkpointer.comm_marker() (enter() when it issues, exit() when it completes)") from None
+            raise ValueError(
+                f"interleave: this DDP model already has a comm hook ({exc}); mark inside it with "
+                f"checkpointer.comm_marker() (enter() when it issues, exit() when it completes)"
+            ) from None
         return model
     fsdp = _fsdp_modules(model)
     if fsdp:
@@ -56,8 +59,10 @@ def interleave(model: torch.nn.Module, checkpointer: Checkpointer) -> torch.nn.M
             module.set_custom_all_gather(_MarkedAllGather(checkpointer))
             module.set_custom_reduce_scatter(_MarkedReduceScatter(checkpointer))
         return model
-    raise TypeError(f"interleave: {type(model).__name__} is neither DistributedDataParallel nor FSDP2 "
-                    f"(fully_shard); mark its communication with `with checkpointer.communicating():`")
+    raise TypeError(
+        f"interleave: {type(model).__name__} is neither DistributedDataParallel nor FSDP2 "
+        f"(fully_shard); mark its communication with `with checkpointer.communicating():`"
+    )
 
 
 # --- DDP ------------------------------------------------------------------------------------------
@@ -97,8 +102,10 @@ def _fsdp_modules(model: torch.nn.Module) -> list:
         return []
     found = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if found and not hasattr(FSDPModule, "set_custom_all_gather"):
-        raise TypeError("interleave: this torch's FSDP2 has no set_custom_all_gather (torch >= 2.8 has); mark "
-                        "the model's communication with `with checkpointer.communicating():`")
+        raise TypeError(
+            "interleave: this torch's FSDP2 has no set_custom_all_gather (torch >= 2.8 has); mark "
+            "the model's communication with `with checkpointer.communicating():`"
+        )
     return found
 
 
@@ -135,5 +142,8 @@ class _MarkedAllGather(_Marked):
 
 class _MarkedReduceScatter(_Marked):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return self._run(lambda: dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group,
-                                                            op=op, async_op=async_op))
+        return self._run(
+            lambda: dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+            )
+        )

@@ -112,8 +112,9 @@ class GeminiCallback(pl.Callback):
 
     def __init__(self, config: CheckpointConfig, *, every_n_steps: int = 1) -> None:
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(f"GeminiCallback(config=...) must be a gemini_ckpt.CheckpointConfig, "
-                            f"got {type(config).__name__}")
+            raise TypeError(
+                f"GeminiCallback(config=...) must be a gemini_ckpt.CheckpointConfig, got {type(config).__name__}"
+            )
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ConfigError(f"GeminiCallback(every_n_steps={every_n_steps!r}): a positive int (optimizer steps)")
         self.config = config
@@ -149,20 +150,26 @@ class GeminiCallback(pl.Callback):
                     "GeminiCallback and Ray's RayTrainReportCallback are both in Trainer(callbacks=...): remove "
                     "RayTrainReportCallback. gemini_ckpt's checkpointer reports every persisted version to Ray "
                     "Train itself (CheckpointConfig.persist_every); two reporters would pair up differently on "
-                    "different ranks")
+                    "different ranks"
+                )
         if getattr(trainer, "_val_check_time_interval", None) is not None:
             raise ConfigError(
                 "GeminiCallback: Trainer(val_check_interval=...) is a time; whether validation follows a step is "
                 "then decided by the clock, so the save cannot be placed after it reproducibly. Use a number of "
-                "batches (int) or a fraction of an epoch (float)")
+                "batches (int) or a fraction of an epoch (float)"
+            )
         Loops.check_version()
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._restored, self._resume, self._deferred, self._last_saved = None, None, None, -1
         self._extra = {}
-        state = TrainState(model=pl_module, optimizer=list(trainer.optimizers),
-                           scheduler=[c.scheduler for c in trainer.lr_scheduler_configs],
-                           scaler=trainer.precision_plugin, extra=self._extra)
+        state = TrainState(
+            model=pl_module,
+            optimizer=list(trainer.optimizers),
+            scheduler=[c.scheduler for c in trainer.lr_scheduler_configs],
+            scaler=trainer.precision_plugin,
+            extra=self._extra,
+        )
         self._ckpt = checkpointer_here(state, self.config)
         if trainer.ckpt_path is not None:
             peeked = self._ckpt.peek()
@@ -174,14 +181,18 @@ class GeminiCallback(pl.Callback):
             return
         saved = self._extra.get(_KEY)
         if not isinstance(saved, dict):
-            raise CheckpointError(f"step {result.step} of namespace {self.config.resolved_namespace!r} was not "
-                                  f"saved by GeminiCallback (no Lightning state in it); use another namespace")
+            raise CheckpointError(
+                f"step {result.step} of namespace {self.config.resolved_namespace!r} was not "
+                f"saved by GeminiCallback (no Lightning state in it); use another namespace"
+            )
         self._restored = result
         loops = Loops(trainer)
         trainer.fit_loop.load_state_dict(saved["fit_loop"])
         if trainer.max_epochs not in (None, -1) and trainer.current_epoch > trainer.max_epochs:
-            raise ConfigError(f"GeminiCallback restored step {result.step} at current_epoch={trainer.current_epoch}, "
-                              f"but Trainer(max_epochs={trainer.max_epochs}); raise max_epochs or use a new namespace")
+            raise ConfigError(
+                f"GeminiCallback restored step {result.step} at current_epoch={trainer.current_epoch}, "
+                f"but Trainer(max_epochs={trainer.max_epochs}); raise max_epochs or use a new namespace"
+            )
         states = saved["callbacks"]
         for cb in trainer.callbacks:
             if cb is not self and cb.state_key in states:
@@ -203,8 +214,10 @@ class GeminiCallback(pl.Callback):
     # --- saving -----------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._deferred is not None:
-            log.warning("GeminiCallback: the version of step %d waited for a validation that did not run; "
-                        "not saved", self._deferred)
+            log.warning(
+                "GeminiCallback: the version of step %d waited for a validation that did not run; not saved",
+                self._deferred,
+            )
             self._deferred = None
         self._step_before = trainer.global_step
 
@@ -264,7 +277,8 @@ class GeminiCallback(pl.Callback):
         return ConfigError(
             f"fit(ckpt_path={trainer.ckpt_path!r}) and GeminiCallback's version {step} of namespace "
             f"{self.config.resolved_namespace!r} would both be loaded. To resume from gemini_ckpt's newest version, "
-            f"call fit() without ckpt_path; to start from the file, give CheckpointConfig a new namespace")
+            f"call fit() without ckpt_path; to start from the file, give CheckpointConfig a new namespace"
+        )
 
 
 class _Resume:
@@ -309,7 +323,8 @@ class _Resume:
                     f"GeminiCallback restored step {self.result.step}, in the middle of an epoch, but the train "
                     f"loader ({', '.join(plain)}) cannot resume there: Lightning would start the epoch again and "
                     f"train on its first batches twice. Use torchdata's StatefulDataLoader (a drop-in "
-                    f"replacement for DataLoader), or save only at epoch ends (every_n_steps = steps per epoch)")
+                    f"replacement for DataLoader), or save only at epoch ends (every_n_steps = steps per epoch)"
+                )
             wrapped = [type(dl).__name__ for dl in loaders if wraps_a_sampler(dl)]
             if wrapped:
                 raise ConfigError(
@@ -318,7 +333,8 @@ class _Resume:
                     f"(a StatefulDataLoader(shuffle=True) under DDP gets one): the wrapped sampler's shuffle is not "
                     f"part of the loader's state, so the resumed run would read other samples. Give the loader a "
                     f"torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=...) yourself and pass "
-                    f"Trainer(use_distributed_sampler=False)")
+                    f"Trainer(use_distributed_sampler=False)"
+                )
             loops.load_loader_states()
             for dl, states in zip(loaders, saved["generators"], strict=True):
                 # the resuming iterator leaves the loader's generator and the global RNG as saved

@@ -70,34 +70,46 @@ Decisions worth knowing:
 from __future__ import annotations
 
 import logging
-import posixpath
 import warnings
 from typing import Optional
 
 import torch.distributed as dist
 
 from ..checkpointer import Checkpointer
-from ..events import CheckpointListener
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, ConfigError, RecoveryGaveUpError
 from ..state.train_state import TrainState
 from ..durable.tier import DurableTier
 from ..retention import LeftToRayTrain
 from ..durable.backends import open_uri
-from ..durable.layout import parse_step_dir, step_dir_name
 from ..hoststore.slots import HOST_LABEL
 from . import _warm
 from ._inplace_worker import recoverable, recovery_info
 from ._ray_train_callback import HostStores
-from ._ray_train_report import Reported, Reporter
+from ._ray_train_report import RayTrainReporting
 from ._ray_train_run import DURABLE_DIR, host_stores, resolve_config, stop_host_stores
 
-__all__ = ["DURABLE_DIR", "HOST_LABEL", "HostStores", "RayTrainCheckpointer", "RayTrainReporting", "RecoveryGaveUpError", "checkpointer",
-           "detection_env", "host_stores", "preload_env", "ranks_on_hosts", "recoverable", "recovery_info", "resolve_config",
-           "stop_host_stores", "torch_config", "warm_runtime_env"]
+__all__ = [
+    "DURABLE_DIR",
+    "HOST_LABEL",
+    "HostStores",
+    "RayTrainCheckpointer",
+    "RayTrainReporting",
+    "RecoveryGaveUpError",
+    "checkpointer",
+    "detection_env",
+    "host_stores",
+    "preload_env",
+    "ranks_on_hosts",
+    "recoverable",
+    "recovery_info",
+    "resolve_config",
+    "stop_host_stores",
+    "torch_config",
+    "warm_runtime_env",
+]
 
 log = logging.getLogger("gemini_ckpt")
-
 
 
 def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[str, str]]:
@@ -124,8 +136,15 @@ def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[st
 
 
 # --- in-place recovery (docs/recovery.md) ---------------------------------------------------------
-def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform_timeout_s: float = 120.0,
-                 max_stuck: int = 3, spares: int = 1, in_place: bool = True):
+def torch_config(
+    *,
+    backend: Optional[str] = None,
+    timeout_s: int = 1800,
+    reform_timeout_s: float = 120.0,
+    max_stuck: int = 3,
+    spares: int = 1,
+    in_place: bool = True,
+):
     """The ``TorchTrainer(torch_config=...)`` for in-place recovery: when a worker fails, Ray
     Train replaces only that worker, and the others (their processes, imports, CUDA context and
     host-store connections) stay; with :func:`recoverable` around the training function, every
@@ -158,19 +177,29 @@ def torch_config(*, backend: Optional[str] = None, timeout_s: int = 1800, reform
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"torch_config({name}={value!r}): a positive number of seconds")
     if isinstance(max_stuck, bool) or not isinstance(max_stuck, int) or max_stuck < 1:
-        raise ConfigError(f"torch_config(max_stuck={max_stuck!r}): a positive int (recoveries in a row without "
-                          f"progress before the run ends)")
+        raise ConfigError(
+            f"torch_config(max_stuck={max_stuck!r}): a positive int (recoveries in a row without "
+            f"progress before the run ends)"
+        )
     if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
         raise ConfigError(f"torch_config(spares={spares!r}): an int >= 0 (warm processes kept per host; 0 for none)")
     why = support() if in_place else "in_place=False"
     if why is None:
-        return GeminiTorchConfig(backend=backend, timeout_s=timeout_s, reform_timeout_s=float(reform_timeout_s),
-                                 max_stuck=max_stuck, spares=spares)
+        return GeminiTorchConfig(
+            backend=backend,
+            timeout_s=timeout_s,
+            reform_timeout_s=float(reform_timeout_s),
+            max_stuck=max_stuck,
+            spares=spares,
+        )
     from ray.train.torch import TorchConfig
 
     if in_place:
-        warnings.warn(f"gemini_ckpt: in-place recovery is unavailable ({why}); every failure restarts all workers "
-                      f"(Ray Train's full restart), and restore() still resumes from memory", stacklevel=2)
+        warnings.warn(
+            f"gemini_ckpt: in-place recovery is unavailable ({why}); every failure restarts all workers "
+            f"(Ray Train's full restart), and restore() still resumes from memory",
+            stacklevel=2,
+        )
     return TorchConfig(backend=backend, timeout_s=timeout_s)
 
 
@@ -187,8 +216,10 @@ def detection_env(*, poll_s: float = 0.25, hang_s: float = 30.0) -> dict[str, st
     for name, value in (("poll_s", poll_s), ("hang_s", hang_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"detection_env({name}={value!r}): a positive number of seconds")
-    return {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": repr(float(poll_s)),
-            "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": repr(float(hang_s))}
+    return {
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": repr(float(poll_s)),
+        "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": repr(float(hang_s)),
+    }
 
 
 PRELOAD = ("torch", "torch.distributed.checkpoint", "ray.train.torch", "gemini_ckpt.integrations.ray_train")
@@ -225,8 +256,9 @@ def warm_runtime_env(*modules: str, runtime_env: Optional[dict] = None) -> dict:
 
 
 # --- worker side ---------------------------------------------------------------------------------
-def checkpointer(state: TrainState, config: Optional[CheckpointConfig] = None, *,
-                 report: bool = True) -> "RayTrainCheckpointer":
+def checkpointer(
+    state: TrainState, config: Optional[CheckpointConfig] = None, *, report: bool = True
+) -> "RayTrainCheckpointer":
     """A :class:`RayTrainCheckpointer` for this Ray Train worker (call it on every worker).
 
     Example::
@@ -244,17 +276,18 @@ def checkpointer(state: TrainState, config: Optional[CheckpointConfig] = None, *
         raise CheckpointError(
             f"rank {rank}: torch.distributed is not initialized in this Ray Train worker; run the loop "
             f"with ray.train.torch.TorchTrainer (it sets up the process group) or call "
-            f"torch.distributed.init_process_group before gemini_ckpt.integrations.ray_train.checkpointer")
+            f"torch.distributed.init_process_group before gemini_ckpt.integrations.ray_train.checkpointer"
+        )
     if initialized and (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
         raise CheckpointError(
             f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()} but Ray Train says "
-            f"{rank} of {world_size}; the process group must be the one TorchTrainer set up")
+            f"{rank} of {world_size}; the process group must be the one TorchTrainer set up"
+        )
     try:
         storage = ctx.get_storage()
     except NotImplementedError:  # Ray Train's local mode (num_workers=0): nothing to report to
         storage = None
-    resolved, durable = resolve_config(config, run_name=ctx.get_experiment_name(), storage=storage,
-                                       report=report)
+    resolved, durable = resolve_config(config, run_name=ctx.get_experiment_name(), storage=storage, report=report)
     return RayTrainCheckpointer(state, resolved, durable=durable, report=report, storage=storage)
 
 
@@ -264,8 +297,10 @@ def _train_context():
 
         return ray.train.get_context()
     except (RuntimeError, ImportError) as exc:
-        raise CheckpointError("gemini_ckpt.integrations.ray_train.checkpointer must be called inside a Ray Train "
-                              "training function (train_loop_per_worker)") from exc
+        raise CheckpointError(
+            "gemini_ckpt.integrations.ray_train.checkpointer must be called inside a Ray Train "
+            "training function (train_loop_per_worker)"
+        ) from exc
 
 
 class RayTrainCheckpointer(Checkpointer):
@@ -285,106 +320,32 @@ class RayTrainCheckpointer(Checkpointer):
     ``report=False`` to :func:`checkpointer` to report yourself.
     """
 
-    def __init__(self, state: TrainState, config: CheckpointConfig, *, durable: Optional[DurableTier] = None,
-                 report: bool = True, storage=None) -> None:
-        reporting = bool(report and storage is not None and config.persist_every > 0
-                         and (config.durable_uri or durable is not None))
+    def __init__(
+        self,
+        state: TrainState,
+        config: CheckpointConfig,
+        *,
+        durable: Optional[DurableTier] = None,
+        report: bool = True,
+        storage=None,
+    ) -> None:
+        reporting = bool(
+            report and storage is not None and config.persist_every > 0 and (config.durable_uri or durable is not None)
+        )
         self.reporting: Optional[RayTrainReporting] = None
         if reporting:
             uri = config.durable_uri or durable.uri
             root = durable.store.root if durable is not None else open_uri(uri)[1]
             self.reporting = RayTrainReporting(storage=storage, report_root=root, timeout_s=config.timeout_s)
-        super().__init__(state, config, durable=durable,
-                         durable_retention=LeftToRayTrain() if report and storage is not None else None,
-                         listeners=[self.reporting] if self.reporting is not None else [])
+        super().__init__(
+            state,
+            config,
+            durable=durable,
+            durable_retention=LeftToRayTrain() if report and storage is not None else None,
+            listeners=[self.reporting] if self.reporting is not None else [],
+        )
 
     @property
     def reported_steps(self) -> list[int]:
         """The versions reported to Ray Train by this process, in order."""
         return list(self.reporting.reported_steps) if self.reporting is not None else []
-
-
-class RayTrainReporting(CheckpointListener):
-    """The listener that reports a Checkpointer's durable versions to Ray Train (see
-    :class:`RayTrainCheckpointer`): rank 0 decides what is reported (each persisted version,
-    in step order; at ``restore`` and at ``close``, durable versions Ray does not know of yet)
-    and its :class:`~._ray_train_report.Reporter` thread tells every rank's over the
-    checkpointer's own gloo group, where each calls ``ray.train.report``."""
-
-    def __init__(self, *, storage, report_root: str, timeout_s: float) -> None:
-        self._storage, self._report_root, self._timeout_s = storage, report_root, timeout_s
-        self._ckpt: Optional[Checkpointer] = None
-        self._reporter: Optional[Reporter] = None
-        self.reported_steps: list[int] = []
-
-    def on_start(self, ckpt: Checkpointer) -> None:
-        self._ckpt = ckpt
-        # every rank starts at its first save/restore, so the groups are created in one order
-        group = dist.new_group(backend="gloo") if ckpt.world_size > 1 else None
-        self._reporter = Reporter(rank=ckpt.rank, world_size=ckpt.world_size, group=group,
-                                  timeout_s=self._timeout_s, report=self._report_one)
-        self._reporter.start()
-
-    def on_committed(self, event) -> None:
-        self._reporter.raise_error()  # a failed report surfaces on the training thread
-
-    def on_persisted(self, event) -> None:
-        if event.rank == 0:  # an unhealthy version is never persisted, so never reported
-            self._reporter.offer(Reported(event.step, self._path(event.step), dict(event.metrics)))
-
-    def on_restored(self, event) -> None:
-        if event.rank == 0:
-            for item in self._unreported():
-                self._reporter.offer(item)
-
-    def on_close(self, ckpt: Checkpointer, *, aborted: bool) -> None:
-        if self._reporter is None:
-            return
-        if aborted:
-            self._reporter.stop()
-            return
-        if ckpt.rank == 0:
-            seen = set(self._reporter.offered)
-            for item in self._unreported():
-                if item.step not in seen:
-                    self._reporter.offer(item)
-        self._reporter.finish(self._timeout_s)
-        self._reporter.raise_error()
-
-    # --- which versions are reported (rank 0 decides) ------------------------------------------------
-    def _unreported(self) -> list[Reported]:
-        """Complete durable versions newer than the last one Ray knows of (rank 0)."""
-        import ray.train
-
-        last = max(self.reported_steps, default=-1)
-        known = ray.train.get_checkpoint()
-        if known is not None and posixpath.dirname(known.path.rstrip("/")) == self._report_root:
-            name = posixpath.basename(known.path.rstrip("/"))
-            step = parse_step_dir(name)
-            if step is not None:
-                last = max(last, step)
-        return [Reported(s, self._path(s)) for s in self._ckpt.durable.complete_steps() if s > last]
-
-    def _path(self, step: int) -> str:
-        return posixpath.join(self._report_root, step_dir_name(step))
-
-    def _report_one(self, item: Reported) -> None:
-        """Report one version to Ray Train (on the reporter thread of every rank, with rank 0's metrics)."""
-        import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
-
-        if item.path is None or (self.reported_steps and item.step <= self.reported_steps[-1]):
-            return
-        checkpoint = Checkpoint(item.path, filesystem=self._storage.storage_filesystem)
-        ray.train.report({**item.metrics, "step": item.step}, checkpoint=checkpoint,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-        known = ray.train.get_checkpoint()
-        if known is None or known.path.rstrip("/") != item.path.rstrip("/"):
-            # Ray Train skips a report whose barrier a worker's replacement reset (in-place
-            # recovery): not reported, so the next restore() offers it again
-            log.info("rank %d: Ray Train skipped the report of durable version %d (a worker was replaced)",
-                     self._ckpt.rank, item.step)
-            return
-        self.reported_steps.append(item.step)
-        log.info("rank %d: reported durable version %d to Ray Train (%s)", self._ckpt.rank, item.step, item.path)
-

@@ -23,5 +23,11 @@ The path, module by module:
 from .newest import UnhealthyRestoreWarning, restore_newest, survey
 from .version import WorldSizeChangeWarning, check_structure, load_version
 
-__all__ = ["UnhealthyRestoreWarning", "WorldSizeChangeWarning", "check_structure", "load_version", "restore_newest",
-           "survey"]
+__all__ = [
+    "UnhealthyRestoreWarning",
+    "WorldSizeChangeWarning",
+    "check_structure",
+    "load_version",
+    "restore_newest",
+    "survey",
+]

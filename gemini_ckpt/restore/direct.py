@@ -112,18 +112,31 @@ def direct_plan(target: dict, version: MemoryVersion, live: set[int]) -> tuple[O
             return None, f"{req.storage_index.fqn} is not in the memory version"
         saved = version.plans[loc.rank].tensors[loc.item]
         dest = planner.lookup_tensor(req.dest_index)
-        whole = (tuple(req.lengths) == tuple(dest.shape) == tuple(saved.shape)
-                 and not any(req.dest_offsets) and not any(req.storage_offsets))
+        whole = (
+            tuple(req.lengths) == tuple(dest.shape) == tuple(saved.shape)
+            and not any(req.dest_offsets)
+            and not any(req.storage_offsets)
+        )
         if not whole:
             return None, f"{req.storage_index.fqn} is resharded (a part of a saved chunk)"
-        if (dest.device.type != "cpu" or dest.layout != torch.strided or not dest.is_contiguous()
-                or dest.is_conj() or dest.is_neg() or dtype_name(dest.dtype) != saved.dtype):
-            return None, (f"{req.storage_index.fqn}: the live tensor is not a plain contiguous CPU {saved.dtype} "
-                          f"tensor")
+        if (
+            dest.device.type != "cpu"
+            or dest.layout != torch.strided
+            or not dest.is_contiguous()
+            or dest.is_conj()
+            or dest.is_neg()
+            or dtype_name(dest.dtype) != saved.dtype
+        ):
+            return None, (
+                f"{req.storage_index.fqn}: the live tensor is not a plain contiguous CPU {saved.dtype} tensor"
+            )
         if dest.numel() * dest.element_size() != saved.nbytes:
             return None, f"{req.storage_index.fqn}: {saved.nbytes} bytes saved, the live tensor has another size"
-        tensors.append(DirectItem(req.storage_index, loc.rank, saved.at, saved.nbytes,
-                                  version.records[loc.rank].crcs[loc.item], dest))
+        tensors.append(
+            DirectItem(
+                req.storage_index, loc.rank, saved.at, saved.nbytes, version.records[loc.rank].crcs[loc.item], dest
+            )
+        )
     in_place = all(t.dest.untyped_storage().data_ptr() in live for t in tensors)
     return DirectPlan(planner, tensors, values, in_place), ""
 
@@ -344,5 +357,12 @@ def _problem(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem], w
         version.problems.append(f"{copy.source} {copy.label}: {where}: {why}")
     if items:
         more = f" and {len(items) - 1} more item(s)" if len(items) > 1 else ""
-        log.warning("the %s copy (%s) of step %d %s%s: %s; trying the next copy", copy.source, copy.label,
-                    version.step, items[0].index.fqn, more, why)
+        log.warning(
+            "the %s copy (%s) of step %d %s%s: %s; trying the next copy",
+            copy.source,
+            copy.label,
+            version.step,
+            items[0].index.fqn,
+            more,
+            why,
+        )

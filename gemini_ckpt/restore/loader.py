@@ -76,12 +76,16 @@ class VersionReader(StorageReader):
             try:
                 tensor = narrow_to_chunk(value, req.storage_offsets, req.lengths)
             except (RuntimeError, IndexError, ValueError) as exc:
-                raise VerificationError(f"step {self.views[0].step} {req.storage_index.fqn}: the saved tensor does "
-                                        f"not match its metadata ({exc})") from None
+                raise VerificationError(
+                    f"step {self.views[0].step} {req.storage_index.fqn}: the saved tensor does "
+                    f"not match its metadata ({exc})"
+                ) from None
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
-                raise VerificationError(f"step {self.views[0].step} {req.storage_index.fqn}: saved shape "
-                                        f"{tuple(tensor.size())} does not fit the target's {tuple(target.size())}")
+                raise VerificationError(
+                    f"step {self.views[0].step} {req.storage_index.fqn}: saved shape "
+                    f"{tuple(tensor.size())} does not fit the target's {tuple(target.size())}"
+                )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
         for view in self.views:
@@ -126,8 +130,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         holds keys this state lacks may use DCP's pre-2.4 flattening: DCP's own plan finds them."""
         if self.metadata is None:
             raise ValueError("the load planner was set up without the checkpoint's metadata")
-        if (self.flatten_state_dict and getattr(self.metadata, "version", None) is None
-                and set(self.metadata.state_dict_metadata) - set(self.state_dict)):
+        if (
+            self.flatten_state_dict
+            and getattr(self.metadata, "version", None) is None
+            and set(self.metadata.state_dict_metadata) - set(self.state_dict)
+        ):
             return super().create_local_plan()
         return local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
@@ -150,6 +157,7 @@ def load(state_dict: dict, views: list, *, group, world_size: int) -> ReadReport
     reader = VersionReader(views)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group,
-                 no_dist=world_size == 1)
+        dcp.load(
+            state_dict, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=world_size == 1
+        )
     return reader.report

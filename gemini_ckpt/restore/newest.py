@@ -13,8 +13,15 @@ from typing import Any, Optional
 
 from ..collective import everyones
 from ..config import CheckpointConfig
-from ..errors import (CheckpointError, ChecksumError, ConfigError, UnhealthyCandidate, UnhealthyVersionError,
-                      UnreadableCandidate, VersionNotFoundError)
+from ..errors import (
+    CheckpointError,
+    ChecksumError,
+    ConfigError,
+    UnhealthyCandidate,
+    UnhealthyVersionError,
+    UnreadableCandidate,
+    VersionNotFoundError,
+)
 from ..faults import fire
 from ..results import RestoreResult
 from ..state.train_state import TrainState
@@ -45,9 +52,18 @@ def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, st
     return [(step, tuple(held[step])) for step in sorted(held, reverse=True)], unreachable
 
 
-def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int, group,
-                   config: CheckpointConfig, marks: Optional[list] = None,
-                   step: Optional[int] = None, plans: Optional[dict] = None) -> Optional[RestoreResult]:
+def restore_newest(
+    state: TrainState,
+    tiers: list,
+    *,
+    rank: int,
+    world_size: int,
+    group,
+    config: CheckpointConfig,
+    marks: Optional[list] = None,
+    step: Optional[int] = None,
+    plans: Optional[dict] = None,
+) -> Optional[RestoreResult]:
     """Try versions newest first (memory before durable at equal steps) until a healthy one loads.
 
     Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
@@ -74,8 +90,10 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
         order = [(s, holding) for s, holding in order if s == named]
         if not order:
             blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
-            raise VersionNotFoundError(f"restore(step={named}): no tier holds a committed version of step {named} "
-                                       f"(they hold {sorted(held)}){blind}")
+            raise VersionNotFoundError(
+                f"restore(step={named}): no tier holds a committed version of step {named} "
+                f"(they hold {sorted(held)}){blind}"
+            )
     skipped: list[int] = []
     reasons: list[str] = []
     why_skipped: dict[int, str] = {}
@@ -83,9 +101,19 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
     for step, holding in order:
         name = tiers[holding[0]].name
         try:
-            result = load_version(state, [tiers[i] for i in holding], step, rank=rank, world_size=world_size,
-                                  group=group, config=config, t0=t0, marks=marks, allow_unhealthy=named is not None,
-                                  plans=plans)
+            result = load_version(
+                state,
+                [tiers[i] for i in holding],
+                step,
+                rank=rank,
+                world_size=world_size,
+                group=group,
+                config=config,
+                t0=t0,
+                marks=marks,
+                allow_unhealthy=named is not None,
+                plans=plans,
+            )
         except UnhealthyCandidate as exc:
             if rank == 0:
                 log.warning("skipping step %d from %s: it is unhealthy: %s", step, name, exc)
@@ -95,35 +123,50 @@ def restore_newest(state: TrainState, tiers: list, *, rank: int, world_size: int
             reasons.append(f"step {step} ({name}): unhealthy: {short(str(exc))}")
             continue
         except UnreadableCandidate as exc:
-            warnings.warn(f"step {step} ({name}) could not be restored and was skipped: {exc}; "
-                          f"falling back to the next newest complete version", stacklevel=3)
+            warnings.warn(
+                f"step {step} ({name}) could not be restored and was skipped: {exc}; "
+                f"falling back to the next newest complete version",
+                stacklevel=3,
+            )
             log.warning("rank %d: skipping step %d from %s: %s", rank, step, name, exc)
             skipped.append(step)
             why_skipped[step] = short(str(exc))
             reasons.append(f"step {step} ({name}): {short(str(exc))}")
             continue
         if unreachable and rank == 0:
-            log.warning("restored step %d although the %s tier could not be listed (%s)", step,
-                        " and ".join(unreachable), "; ".join(unreachable.values()))
+            log.warning(
+                "restored step %d although the %s tier could not be listed (%s)",
+                step,
+                " and ".join(unreachable),
+                "; ".join(unreachable.values()),
+            )
         if result.health is not None and result.health.unhealthy:
-            warnings.warn(f"restored step {step}, whose state is UNHEALTHY ({result.health.reason}), because "
-                          f"restore(step={step}) asked for it; training on from it trains on that state",
-                          UnhealthyRestoreWarning, stacklevel=3)
+            warnings.warn(
+                f"restored step {step}, whose state is UNHEALTHY ({result.health.reason}), because "
+                f"restore(step={step}) asked for it; training on from it trains on that state",
+                UnhealthyRestoreWarning,
+                stacklevel=3,
+            )
         return _with_skipped(result, skipped, why_skipped)
     blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
     if skipped and len(unhealthy) == len(skipped) and not unreachable:
         raise UnhealthyVersionError(
-            f"no healthy version to restore: step(s) {skipped} are unhealthy: " + "; ".join(reasons)
+            f"no healthy version to restore: step(s) {skipped} are unhealthy: "
+            + "; ".join(reasons)
             + f". restore(step={skipped[0]}) loads one anyway (for debugging); CheckpointConfig(overwrite=True) "
-              f"starts afresh over them", step=skipped[0])
+            f"starts afresh over them",
+            step=skipped[0],
+        )
     if skipped:
-        raise ChecksumError(f"no committed version could be restored; tried steps {skipped}{blind}: "
-                            + "; ".join(reasons))
+        raise ChecksumError(
+            f"no committed version could be restored; tried steps {skipped}{blind}: " + "; ".join(reasons)
+        )
     if unreachable:
         raise CheckpointError(
             f"nothing to restore from the readable tiers{blind}. Refusing to report 'no checkpoint' "
             f"(which would start training from scratch): make the storage reachable and restore "
-            f"again, or remove CheckpointConfig.durable_uri to start without it")
+            f"again, or remove CheckpointConfig.durable_uri to start without it"
+        )
     return None
 
 
@@ -148,8 +191,10 @@ def _agree(step: Optional[int], surveyed, rank: int, world_size: int, group) -> 
     everyone = everyones((step, surveyed if rank == 0 else None), world_size=world_size, group=group)
     steps = [named for named, _ in everyone]
     if len(set(steps)) > 1:
-        raise ConfigError(f"restore(step=...) was called with different steps on different ranks "
-                          f"({dict(enumerate(steps))}); every rank must name the same version")
+        raise ConfigError(
+            f"restore(step=...) was called with different steps on different ranks "
+            f"({dict(enumerate(steps))}); every rank must name the same version"
+        )
     return step, everyone[0][1]
 
 

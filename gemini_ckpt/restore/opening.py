@@ -20,8 +20,9 @@ def open_views(tiers: list, step: int, key, namespace: Optional[str] = None) -> 
         if views and views[0].tier == "memory":
             # A restore from memory rarely reads an item from a later tier: open it when it does
             # (reading and verifying a durable version's metadata costs tens of milliseconds).
-            views.append(_Deferred(tier.name, step, lambda tier=tier: open_views([tier], step, key, namespace),
-                                   views[0]))
+            views.append(
+                _Deferred(tier.name, step, lambda tier=tier: open_views([tier], step, key, namespace), views[0])
+            )
             continue
         try:
             view = tier.open(step, key=key)
@@ -31,14 +32,18 @@ def open_views(tiers: list, step: int, key, namespace: Optional[str] = None) -> 
         written_for = _durable_job(view).get("namespace")
         if key is not None and namespace is not None and written_for is not None and written_for != namespace:
             view.close()
-            problems.append(f"{tier.name}: step {step} is signed for namespace {written_for!r}, not this job's "
-                            f"{namespace!r} (copied from another run?); refused. CheckpointConfig.init_from "
-                            f"starts a job from another run's version")
+            problems.append(
+                f"{tier.name}: step {step} is signed for namespace {written_for!r}, not this job's "
+                f"{namespace!r} (copied from another run?); refused. CheckpointConfig.init_from "
+                f"starts a job from another run's version"
+            )
             continue
         if views and not _same_version(views[0], view):
             view.close()
-            problems.append(f"{tier.name}: holds another version of step {step} than {views[0].tier} (not written "
-                            f"from it); not mixed in")
+            problems.append(
+                f"{tier.name}: holds another version of step {step} than {views[0].tier} (not written "
+                f"from it); not mixed in"
+            )
             continue
         views.append(view)
     return views, problems
@@ -61,8 +66,13 @@ class _Deferred:
             view = opened[0] if opened else None
             if view is not None and not _same_version(self._first, view):
                 view.close()
-                view, problems = None, [f"{self.tier}: holds another version of step {self.step} than "
-                                        f"{self._first.tier} (not written from it); not mixed in"]
+                view, problems = (
+                    None,
+                    [
+                        f"{self.tier}: holds another version of step {self.step} than "
+                        f"{self._first.tier} (not written from it); not mixed in"
+                    ],
+                )
             self._view, self._problem = view, "; ".join(problems) if view is None else None
         if self._view is None:
             raise LookupError(self._problem or f"{self.tier}: step {self.step} could not be opened")

@@ -44,13 +44,15 @@ def peek_newest(tiers: list, *, rank: int, world_size: int, group, config: Check
         if not any(everyone):
             return found
         if rank == 0:
-            log.info("peek: step %d passed over: %s", step, "; ".join(f"rank {r}: {w}" for r, w in
-                                                                   enumerate(everyone) if w))
+            log.info(
+                "peek: step %d passed over: %s", step, "; ".join(f"rank {r}: {w}" for r, w in enumerate(everyone) if w)
+            )
     return None
 
 
-def _peek_one(tiers: list, step: int, *, rank: int, world_size: int,
-              config: CheckpointConfig) -> tuple[Optional[Peeked], Optional[str]]:
+def _peek_one(
+    tiers: list, step: int, *, rank: int, world_size: int, config: CheckpointConfig
+) -> tuple[Optional[Peeked], Optional[str]]:
     views, problems = open_views(tiers, step, resolve_key(config.signing_key), config.resolved_namespace)
     try:
         if not views:

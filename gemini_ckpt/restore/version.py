@@ -17,8 +17,15 @@ from torch.distributed.tensor import DTensor
 
 from ..collective import everyones
 from ..config import CheckpointConfig
-from ..errors import (CheckpointError, ChecksumError, ConfigError, ReadNotStoppedError, StructureMismatchError,
-                      UnhealthyCandidate, UnreadableCandidate)
+from ..errors import (
+    CheckpointError,
+    ChecksumError,
+    ConfigError,
+    ReadNotStoppedError,
+    StructureMismatchError,
+    UnhealthyCandidate,
+    UnreadableCandidate,
+)
 from ..results import RestoreResult
 from ..state.dcp import flatten, live_storages
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
@@ -34,9 +41,20 @@ class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
 
 
-def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_size: int, group,
-                 config: CheckpointConfig, t0: float, marks: Optional[list] = None,
-                 allow_unhealthy: bool = False, plans: Optional[dict] = None) -> RestoreResult:
+def load_version(
+    state: TrainState,
+    tiers: list,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    group,
+    config: CheckpointConfig,
+    t0: float,
+    marks: Optional[list] = None,
+    allow_unhealthy: bool = False,
+    plans: Optional[dict] = None,
+) -> RestoreResult:
     marks = marks if marks is not None else []
     outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "unhealthy", "structure" or "config"
     fingerprint = None
@@ -58,8 +76,9 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
             saved_keys = set(metadata.state_dict_metadata)
             saved_ws = primary.world_size
             source_rank = source_rank_of(rank, saved_ws, world_size, config)
-            target = state.load_target(rank=rank, saved_keys=saved_keys, source_rank=source_rank,
-                                       saved=metadata.state_dict_metadata)
+            target = state.load_target(
+                rank=rank, saved_keys=saved_keys, source_rank=source_rank, saved=metadata.state_dict_metadata
+            )
             check_structure(target, metadata)
             marks.append(("targeted", time.time()))  # the live state's load target, checked against it
             if primary.tier == "memory" and saved_ws == world_size:
@@ -111,8 +130,12 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     derived = source_rank != rank
     if outcome is None:
         try:
-            state.apply(target, source_rank=source_rank, restore_rng=not derived,
-                        tensors_in_place=path == "direct" and direct.in_place)
+            state.apply(
+                target,
+                source_rank=source_rank,
+                restore_rng=not derived,
+                tensors_in_place=path == "direct" and direct.in_place,
+            )
             if derived:
                 restore_rng_state(derive_rng_state(rank, step))
         except Exception as exc:  # noqa: BLE001 - values the live objects reject: an older version may fit
@@ -127,10 +150,18 @@ def load_version(state: TrainState, tiers: list, step: int, *, rank: int, world_
     marks.append(("done", time.time()))
     if plans is not None and primary.tier == "memory" and saved_ws == world_size:
         plans["restored"] = primary.plans.get(rank)
-    return RestoreResult(step=step, source=primary.tier, sources=sources,
-                         bytes_read=bytes_read, seconds=time.perf_counter() - t0,
-                         world_size=world_size, saved_world_size=saved_ws, timeline=tuple(marks), path=path,
-                         health=health)
+    return RestoreResult(
+        step=step,
+        source=primary.tier,
+        sources=sources,
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - t0,
+        world_size=world_size,
+        saved_world_size=saved_ws,
+        timeline=tuple(marks),
+        path=path,
+        health=health,
+    )
 
 
 def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
@@ -139,8 +170,9 @@ def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
     saved = metadata.state_dict_metadata
     tensor_prefixes = (MODEL + ".", OPTIM + ".", GRADS + ".")
     missing = sorted(k for k in flat if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith(tensor_prefixes) and k not in flat
-                        and not k.startswith(GRADS + "."))
+    unexpected = sorted(
+        k for k in saved if k.startswith(tensor_prefixes) and k not in flat and not k.startswith(GRADS + ".")
+    )
     shapes = []
     for key, value in flat.items():
         md = saved.get(key)
@@ -157,8 +189,10 @@ def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
         if shapes:
             parts.append(f"different shapes ({len(shapes)}): {_few(shapes)}")
         raise StructureMismatchError(
-            "the state being restored does not match the saved version: " + "; ".join(parts)
-            + ". Build the same model/optimizer/scheduler as the run that saved it.")
+            "the state being restored does not match the saved version: "
+            + "; ".join(parts)
+            + ". Build the same model/optimizer/scheduler as the run that saved it."
+        )
 
 
 def source_rank_of(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
@@ -168,13 +202,17 @@ def source_rank_of(rank: int, saved_ws: int, world_size: int, config: Checkpoint
         raise ConfigError(
             f"the version was saved at world size {saved_ws} and this job has {world_size}; "
             f"CheckpointConfig.world_size_change='error' forbids mapping rank-local state; "
-            f"use world_size_change='derive' to apply the documented rule")
+            f"use world_size_change='derive' to apply the documented rule"
+        )
     if rank == 0:
         warnings.warn(
             f"world size changed {saved_ws} -> {world_size}: model and optimizer are resharded; "
             f"rank-local state follows the 'derive' rule: rank r takes the data-loader state and "
             f"extra values of saved rank r mod {saved_ws}, and ranks >= {saved_ws} get RNG streams "
-            f"derived from (step, rank)", WorldSizeChangeWarning, stacklevel=4)
+            f"derived from (step, rank)",
+            WorldSizeChangeWarning,
+            stacklevel=4,
+        )
     return rank % saved_ws
 
 
@@ -197,11 +235,11 @@ def raise_agreed(everyone: list, rank: int) -> None:
         raise UnhealthyCandidate(bad[0])
     failed = [(e[0], e[1][1]) for e in everyone if e[1] is not None]
     if failed:
-        raise UnreadableCandidate("; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}"
-                                    for r, why in failed[:4]))
+        raise UnreadableCandidate(
+            "; ".join(why if r == rank or len(everyone) == 1 else f"rank {r}: {why}" for r, why in failed[:4])
+        )
     if len({e[2] for e in everyone}) > 1:
         raise UnreadableCandidate("the ranks read different manifests for this step (copies disagree)")
-
 
 
 def _first_failure(exc: CheckpointException) -> str:

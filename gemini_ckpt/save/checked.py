@@ -24,8 +24,9 @@ def _storage(value: Any) -> Optional[int]:
     return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
 
 
-def checked_items(plan: SnapshotPlan, flat: dict[str, Any], state: TrainState,
-                  check: Optional[HealthCheck]) -> tuple[int, ...]:
+def checked_items(
+    plan: SnapshotPlan, flat: dict[str, Any], state: TrainState, check: Optional[HealthCheck]
+) -> tuple[int, ...]:
     """Indices of the plan's tensor items ``check`` covers (floating-point dtypes only).
 
     ``flat``: the flattened state dict the plan was made from. A ``model.`` item is a

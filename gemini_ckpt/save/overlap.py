@@ -55,7 +55,7 @@ def split(state: TrainState, tensors: list[torch.Tensor], volatile: tuple[int, .
     now, behind = [], []
     for i, t in enumerate(tensors):
         local = _local(t.detach())
-        if (i not in volatile and local.untyped_storage().data_ptr() in owned and version_of(t) is not None):
+        if i not in volatile and local.untyped_storage().data_ptr() in owned and version_of(t) is not None:
             behind.append(i)
         else:
             now.append(i)

@@ -68,8 +68,16 @@ def signature(flat: dict[str, Any]) -> tuple:
     for key, value in flat.items():
         if isinstance(value, DTensor):
             local = value._local_tensor
-            out.append((key, dtype_name(value.dtype), tuple(value.shape), tuple(local.shape),
-                        tuple(value.placements), tuple(value.device_mesh.shape)))
+            out.append(
+                (
+                    key,
+                    dtype_name(value.dtype),
+                    tuple(value.shape),
+                    tuple(local.shape),
+                    tuple(value.placements),
+                    tuple(value.device_mesh.shape),
+                )
+            )
         elif isinstance(value, torch.Tensor):
             out.append((key, dtype_name(value.dtype), tuple(value.shape)))
         else:
@@ -125,8 +133,10 @@ class _PlanCapture(StorageWriter):
         self.items, self.planner = list(plan.items), planner
         tensors = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         values = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        results = [WriteResult(index=item.index, size_in_bytes=0, storage_data=RawLocation(rank, j))
-                   for j, item in enumerate(tensors + values)]
+        results = [
+            WriteResult(index=item.index, size_in_bytes=0, storage_data=RawLocation(rank, j))
+            for j, item in enumerate(tensors + values)
+        ]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -151,8 +161,7 @@ def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict)
     planner = _SavePlanner()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state_dict, storage_writer=capture, planner=planner, process_group=group,
-                 no_dist=world_size == 1)
+        dcp.save(state_dict, storage_writer=capture, planner=planner, process_group=group, no_dist=world_size == 1)
     flat = planner.state_dict
     tensors, values, templates, keyed = [], [], [], {}
     tensor_index, value_index = [], []
@@ -173,8 +182,9 @@ def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict)
         nbytes = tensor.numel() * tensor.element_size()
         at = align(at)
         chunk = None if item.index.offset is None else tuple(int(x) for x in item.index.offset)
-        tensors.append(TensorItem(item.index.fqn, chunk, item.index.index, dtype_name(dtype), shape, at, nbytes,
-                                  keyed[key]))
+        tensors.append(
+            TensorItem(item.index.fqn, chunk, item.index.index, dtype_name(dtype), shape, at, nbytes, keyed[key])
+        )
         tensor_index.append(item.index)
         at += nbytes
     skeleton = b""
@@ -182,9 +192,17 @@ def make_plan(state_dict: dict, *, rank: int, world_size: int, group, job: dict)
         bare = dataclasses.replace(capture.metadata, storage_data={}, storage_meta=None)
         skeleton = pickle.dumps(bare, protocol=pickle.HIGHEST_PROTOCOL)
     sig = signature(flat)
-    shard = ShardPlan(plan_id=capture.plan_id, rank=rank, world_size=world_size, tensors=tuple(tensors),
-                      values=tuple(values), templates=tuple(templates), metadata=skeleton, job=dict(job),
-                      signature=digest(sig))
+    shard = ShardPlan(
+        plan_id=capture.plan_id,
+        rank=rank,
+        world_size=world_size,
+        tensors=tuple(tensors),
+        values=tuple(values),
+        templates=tuple(templates),
+        metadata=skeleton,
+        job=dict(job),
+        signature=digest(sig),
+    )
     return SnapshotPlan(shard, sig, tensor_index, value_index), flat
 
 
@@ -198,9 +216,14 @@ def adoptable(shard: Optional[ShardPlan], sig: tuple, *, rank: int, world_size: 
     live state of :func:`signature` ``sig``: made for this rank and world by the same code, for a
     state of the same signature. Every rank must be able to, or every rank plans again
     (planning is a collective)."""
-    return (shard is not None and shard.signature != "" and shard.rank == rank and shard.world_size == world_size
-            and all(shard.job.get(k) == job.get(k) for k in ADOPT_JOB_KEYS)
-            and shard.signature == digest(sig))
+    return (
+        shard is not None
+        and shard.signature != ""
+        and shard.rank == rank
+        and shard.world_size == world_size
+        and all(shard.job.get(k) == job.get(k) for k in ADOPT_JOB_KEYS)
+        and shard.signature == digest(sig)
+    )
 
 
 def adopt(shard: ShardPlan, sig: tuple, *, run_id: str, job: dict) -> SnapshotPlan:
@@ -208,9 +231,11 @@ def adopt(shard: ShardPlan, sig: tuple, *, run_id: str, job: dict) -> SnapshotPl
     offsets, templates and metadata skeleton, under a plan id derived from the restored one and
     ``run_id`` (the same on every rank; a new id, so the host stores never mix it up with the
     restored version's, whose job and checked items may differ)."""
-    tensor_index = [MetadataIndex(t.fqn, None if t.chunk is None else torch.Size(t.chunk), t.index)
-                    for t in shard.tensors]
+    tensor_index = [
+        MetadataIndex(t.fqn, None if t.chunk is None else torch.Size(t.chunk), t.index) for t in shard.tensors
+    ]
     value_index = [MetadataIndex(v.fqn, None, v.index) for v in shard.values]
     plan_id = hashlib.sha256(f"{shard.plan_id}/{run_id}".encode()).hexdigest()[:32]
-    return SnapshotPlan(dataclasses.replace(shard, plan_id=plan_id, job=dict(job), checked=()),
-                        sig, tensor_index, value_index)
+    return SnapshotPlan(
+        dataclasses.replace(shard, plan_id=plan_id, job=dict(job), checked=()), sig, tensor_index, value_index
+    )

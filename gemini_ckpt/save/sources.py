@@ -117,16 +117,21 @@ class Sources:
 
     def _capture_from(self, flat: dict[str, Any]) -> tuple[list[torch.Tensor], list[bytes]]:
         tensors = [find_state_dict_object(flat, index) for index in self.plan.tensor_index]
-        blobs = [_blob(find_state_dict_object(flat, index), item.kind)
-                 for index, item in zip(self.plan.value_index, self.plan.shard.values)]
+        blobs = [
+            _blob(find_state_dict_object(flat, index), item.kind)
+            for index, item in zip(self.plan.value_index, self.plan.shard.values)
+        ]
         return tensors, blobs
 
     def _resolve(self, flat: dict[str, Any]) -> None:
         """Cache each item's source and decide whether the fast path is exact."""
         plan = self.plan
         self._tensors = [find_state_dict_object(flat, index) for index in plan.tensor_index]
-        self._grads = [(i, index.fqn[len(GRADS) + 1:], index) for i, index in enumerate(plan.tensor_index)
-                       if index.fqn.startswith(GRADS + ".")]
+        self._grads = [
+            (i, index.fqn[len(GRADS) + 1 :], index)
+            for i, index in enumerate(plan.tensor_index)
+            if index.fqn.startswith(GRADS + ".")
+        ]
         self.volatile = tuple(i for i, _, _ in self._grads)
         self.generation += 1
         self._modules = list(self.state.module.modules())
@@ -150,8 +155,10 @@ class Sources:
             if getter is not _OPAQUE and getter({}) != _blob(flat[index.fqn], item.kind):
                 return f"{index.fqn} does not read back as the state dict has it"
             getters.append(getter)
-        self._values = [(lambda opaque, fqn=index.fqn: _opaque_blob(opaque, fqn)) if g is _OPAQUE else g
-                        for g, index in zip(getters, self.plan.value_index)]
+        self._values = [
+            (lambda opaque, fqn=index.fqn: _opaque_blob(opaque, fqn)) if g is _OPAQUE else g
+            for g, index in zip(getters, self.plan.value_index)
+        ]
         return None
 
     def _value_getter(self, fqn: str, kind: str, flat: dict[str, Any]):
@@ -168,7 +175,8 @@ class Sources:
             fixed = _blob(flat[fqn], "pickle")
             return lambda opaque: fixed
         return lambda opaque, g=g, key=key: _blob(
-            [gr for opt in self.state.optimizers for gr in opt.param_groups][g][key], "pickle")
+            [gr for opt in self.state.optimizers for gr in opt.param_groups][g][key], "pickle"
+        )
 
     def _with_grads(self, tensors: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         if not self._grads:

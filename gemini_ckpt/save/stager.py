@@ -47,8 +47,15 @@ class Stager:
         self._pinned: set[int] = set()
         self._stream = None
 
-    def stage(self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor], *,
-              generation: Optional[int] = None, volatile: tuple[int, ...] = ()) -> None:
+    def stage(
+        self,
+        plan: ShardPlan,
+        segment: Segment,
+        tensors: list[torch.Tensor],
+        *,
+        generation: Optional[int] = None,
+        volatile: tuple[int, ...] = (),
+    ) -> None:
         """Copy ``tensors`` (one per tensor item of ``plan``) into ``segment``. With a
         ``generation`` (the sources' cache generation: the same tensors as last time, except the
         ``volatile`` items), the memcpy pairs of the last version into this segment are reused."""
@@ -102,8 +109,9 @@ class Stager:
                 del self._pairs[k]
             self._pairs[(segment.id, plan.plan_id, generation)] = (cached_pairs, slow)
 
-    def copy_items(self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor], items: list[int], *,
-                   after=None) -> None:
+    def copy_items(
+        self, plan: ShardPlan, segment: Segment, tensors: list[torch.Tensor], items: list[int], *, after=None
+    ) -> None:
         """Copy only the tensor items ``items`` into ``segment``, uncached (the overlapped
         staging: part now, the rest on the copying thread). ``after``: a CUDA event recorded on
         the training stream when the sources were final; the device copies wait for it."""
@@ -153,8 +161,9 @@ class Stager:
                 raise RuntimeError(f"cudaHostRegister returned {err}")
             self._pinned.add(segment.id)
         except Exception as exc:  # noqa: BLE001 - unpinned memory still copies, synchronously
-            log.warning("could not pin a staging segment of %d bytes (%s); device copies are synchronous",
-                        segment.nbytes, exc)
+            log.warning(
+                "could not pin a staging segment of %d bytes (%s); device copies are synchronous", segment.nbytes, exc
+            )
             self._pinned.add(-segment.id)
 
 
@@ -165,7 +174,8 @@ def check_saveable(name: str, tensor: torch.Tensor) -> None:
             f"tensor {name!r} (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}) is an expand()ed view "
             f"whose elements share memory: it can be saved but never restored in place. Register it as a real "
             f"tensor (.clone() or .contiguous()), or as a non-persistent buffer "
-            f"(register_buffer(..., persistent=False)) if it is derived")
+            f"(register_buffer(..., persistent=False)) if it is derived"
+        )
 
 
 _copy_pool: Optional[ThreadPoolExecutor] = None
@@ -217,8 +227,15 @@ def _pool(size: int) -> ThreadPoolExecutor:
 
 def _raw_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     # Conjugate and negative views hold other bytes than they read as: Tensor.copy_ resolves them.
-    return (src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.numel() > 0
-            and not src.is_conj() and not src.is_neg() and src.shape == dst.shape)
+    return (
+        src.dtype == dst.dtype
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and src.numel() > 0
+        and not src.is_conj()
+        and not src.is_neg()
+        and src.shape == dst.shape
+    )
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

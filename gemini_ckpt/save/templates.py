@@ -67,11 +67,11 @@ class _Archive:
         d0, d1 = self.data_at, self.data_at + self.data.nbytes
         out = b""
         if a < d0:
-            out += self.head[a:min(b, d0)]
+            out += self.head[a : min(b, d0)]
         if a < d1 and b > d0:
-            out += bytes(self.data[max(a, d0) - d0:min(b, d1) - d0])
+            out += bytes(self.data[max(a, d0) - d0 : min(b, d1) - d0])
         if b > d1:
-            out += self.tail[max(a, d1) - d1:b - d1]
+            out += self.tail[max(a, d1) - d1 : b - d1]
         return out
 
 
@@ -91,8 +91,12 @@ class _Sink:
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
         n = view.nbytes
-        if (self.data_at is None and n == self.data.nbytes and n and
-                np.frombuffer(view, np.uint8).ctypes.data == self.address):
+        if (
+            self.data_at is None
+            and n == self.data.nbytes
+            and n
+            and np.frombuffer(view, np.uint8).ctypes.data == self.address
+        ):
             self.data_at = self.pos
         else:
             (self.before if self.data_at is None else self.after).append(bytes(view))
@@ -175,9 +179,11 @@ def _make(dtype: torch.dtype, shape: tuple[int, ...]) -> Template:
         other = _sample(dtype, shape, 2 * attempt + 1)
         if _frames_as_torch_saves(template, other):
             return template
-    raise TemplateError(f"torch.save of {what} does not have a layout gemini_ckpt can lay out without torch "
-                        f"(its archive records are not what this version knows); please report it with your "
-                        f"torch version ({torch.__version__})")
+    raise TemplateError(
+        f"torch.save of {what} does not have a layout gemini_ckpt can lay out without torch "
+        f"(its archive records are not what this version knows); please report it with your "
+        f"torch version ({torch.__version__})"
+    )
 
 
 def _frames_as_torch_saves(template: Template, other: torch.Tensor) -> bool:
@@ -186,8 +192,11 @@ def _frames_as_torch_saves(template: Template, other: torch.Tensor) -> bool:
     saved = _saved(other, data)
     if saved.data_at is None:  # the sink did not see the data as one write: compare every byte
         return template.frame(data) == saved.head
-    return (saved.data_at == len(template.prefix) and saved.head == template.prefix
-            and saved.tail == template.suffix_for(zlib.crc32(data)))
+    return (
+        saved.data_at == len(template.prefix)
+        and saved.head == template.prefix
+        and saved.tail == template.suffix_for(zlib.crc32(data))
+    )
 
 
 def cut(raw, data: memoryview) -> Optional[Template]:
@@ -234,10 +243,17 @@ def cut(raw, data: memoryview) -> Optional[Template]:
         combined = hash_combine(combined, c)
     if sid[SID_DIGITS:] != str(combined).zfill(SID_DIGITS).encode():
         return None  # the serialization id is not what we know how to recompute
-    return Template(prefix=arch.read(0, start), suffix=suffix, nbytes=n,
-                    crc_at=tuple(crc_at), sid_at=sid_start + SID_DIGITS - suffix_start,
-                    sid_prefix=sid[:SID_DIGITS], sid_crc_at=tuple(sid_crc_at),
-                    crcs_before=tuple(crcs[:d]), crcs_after=tuple(crcs[d + 1 :]))
+    return Template(
+        prefix=arch.read(0, start),
+        suffix=suffix,
+        nbytes=n,
+        crc_at=tuple(crc_at),
+        sid_at=sid_start + SID_DIGITS - suffix_start,
+        sid_prefix=sid[:SID_DIGITS],
+        sid_crc_at=tuple(sid_crc_at),
+        crcs_before=tuple(crcs[:d]),
+        crcs_after=tuple(crcs[d + 1 :]),
+    )
 
 
 def _data_offset(arch: _Archive, header_offset: int) -> Optional[int]:

@@ -32,19 +32,36 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem,
-                                                  WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import (_create_read_items, _create_write_items,
-                                                          create_read_items_for_chunk_list)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_items,
+    _create_write_items,
+    create_read_items_for_chunk_list,
+)
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 if TYPE_CHECKING:
     from .train_state import TrainState
 
-__all__ = ["RawLocation", "chunk_of", "dtype_name", "flatten", "live_storages", "local_load_plan", "local_save_plan",
-           "local_tensor", "shard_range", "torch_dtype"]
+__all__ = [
+    "RawLocation",
+    "chunk_of",
+    "dtype_name",
+    "flatten",
+    "live_storages",
+    "local_load_plan",
+    "local_save_plan",
+    "local_tensor",
+    "shard_range",
+    "torch_dtype",
+]
 
 
 @dataclass(frozen=True)
@@ -92,8 +109,9 @@ def live_storages(state: "TrainState") -> set[int]:
     return found
 
 
-def shard_range(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int],
-                placements: tuple) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+def shard_range(
+    global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: tuple
+) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
     """``(local shape, global offset)`` of the shard at ``coordinate``, as torch's
     ``compute_local_shape_and_global_offset`` gives it, or None when a placement is not a plain
     ``Shard`` or ``Replicate`` (torch's computation then decides)."""
@@ -125,8 +143,9 @@ def chunk_of(tensor: DTensor) -> Optional[ChunkStorageMetadata]:
     coordinate = tensor.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    found = shard_range(tuple(tensor.shape), tuple(tensor.device_mesh.shape), list(coordinate),
-                        tuple(tensor.placements))
+    found = shard_range(
+        tuple(tensor.shape), tuple(tensor.device_mesh.shape), list(coordinate), tuple(tensor.placements)
+    )
     if found is None:
         return None
     sizes, offsets = found
@@ -144,10 +163,15 @@ def local_save_plan(state_dict: dict[str, Any]) -> SavePlan:
             if chunk is None:
                 requests += _create_write_items(fqn, obj)
                 continue
-            requests.append(WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(obj.to_local()),
-                                            size=obj.size())))
+            requests.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk, properties=TensorProperties.create_from_tensor(obj.to_local()), size=obj.size()
+                    ),
+                )
+            )
         else:
             requests += _create_write_items(fqn, obj)
     return SavePlan(requests)
@@ -162,8 +186,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
                 raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
             continue
         md = metadata.state_dict_metadata[fqn]
-        if (isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None
-                and md.size != obj.size()):
+        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None and md.size != obj.size():
             raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
         if isinstance(obj, DTensor):
             if obj.device_mesh.get_coordinate() is None:

@@ -79,10 +79,18 @@ class TrainState(Stateful):
         self.grads = grads
         for name, obj in (("dataloader", dataloader), ("scaler", scaler)):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"TrainState({name}=...) needs state_dict() and load_state_dict(); got {type(obj).__name__}")
+                raise TypeError(
+                    f"TrainState({name}=...) needs state_dict() and load_state_dict(); got {type(obj).__name__}"
+                )
 
-    def attach(self, *, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-               scheduler: Any = None, scaler: Any = None, dataloader: Any = None) -> "TrainState":
+    def attach(
+        self,
+        *,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        dataloader: Any = None,
+    ) -> "TrainState":
         """Add what did not exist when this state was built (a framework that creates its
         optimizer, scheduler and scaler inside its own ``train()``), before the first ``save``
         or ``restore`` that needs them; ``peek()`` needs none of them. Replaces what was given before.
@@ -98,8 +106,9 @@ class TrainState(Stateful):
         """
         for name, obj in (("dataloader", dataloader), ("scaler", scaler)):
             if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"TrainState.attach({name}=...) needs state_dict() and load_state_dict(); "
-                                f"got {type(obj).__name__}")
+                raise TypeError(
+                    f"TrainState.attach({name}=...) needs state_dict() and load_state_dict(); got {type(obj).__name__}"
+                )
         if optimizer is not None:
             self.optimizers = _as_list(optimizer)
         if scheduler is not None:
@@ -122,7 +131,8 @@ class TrainState(Stateful):
             raise ValueError(
                 f"TrainState(model=...): the model ({type(self._module).__name__}) has no parameters or persistent "
                 f"buffers yet, so there is nothing to checkpoint; build (or run once, for lazy modules) the model "
-                f"before save()/restore()")
+                f"before save()/restore()"
+            )
         model_sd, optim_sd = get_state_dict(self._module, self.optimizers)
         out: dict[str, Any] = {MODEL: model_sd}
         if self.optimizers:
@@ -140,8 +150,9 @@ class TrainState(Stateful):
             out[SCALER] = _dumps(self.scaler.state_dict())
         local = {RNG: _dumps(capture_rng()), EXTRA: _dumps(self.extra)}
         if self.dataloader is not None:
-            local[DATALOADER] = _dumps({"state": self.dataloader.state_dict(),
-                                        "generator": loader_generator_state(self.dataloader)})
+            local[DATALOADER] = _dumps(
+                {"state": self.dataloader.state_dict(), "generator": loader_generator_state(self.dataloader)}
+            )
         out[RANK_LOCAL] = {str(rank): local}
         return out
 
@@ -150,8 +161,9 @@ class TrainState(Stateful):
         return {**self.tensor_state(), **self.opaque_state(_current_rank())}
 
     # --- restore -----------------------------------------------------------------------------
-    def load_target(self, *, rank: int, saved_keys: set[str], source_rank: int,
-                    saved: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    def load_target(
+        self, *, rank: int, saved_keys: set[str], source_rank: int, saved: Optional[Mapping[str, Any]] = None
+    ) -> dict[str, Any]:
         """A state dict for DCP to load into: live model/optimizer tensors, placeholders for
         the opaque blobs. ``source_rank`` is the saved rank whose rank-local state this rank
         takes (itself at the same world size). ``saved``: the version's
@@ -181,8 +193,9 @@ class TrainState(Stateful):
         target[RANK_LOCAL] = {str(source_rank): local}
         return target
 
-    def apply(self, loaded: dict[str, Any], *, source_rank: int, restore_rng: bool = True,
-              tensors_in_place: bool = False) -> None:
+    def apply(
+        self, loaded: dict[str, Any], *, source_rank: int, restore_rng: bool = True, tensors_in_place: bool = False
+    ) -> None:
         """Apply a loaded state dict in the order that is correct: model and optimizer (the
         scheduler already exists, so its initial lr does not clobber the loaded one), then
         scheduler, scaler, grads, extra, data loader, and the RNG streams last so nothing
@@ -235,7 +248,7 @@ class TrainState(Stateful):
             if key.startswith(prefix):
                 if not isinstance(md, TensorStorageMetadata):
                     return False
-                fqn, _, name = key[len(prefix):].rpartition(".")
+                fqn, _, name = key[len(prefix) :].rpartition(".")
                 names.setdefault(fqn, []).append(name)
         fqn_of = {id(p): name for name, p in self._named_parameters()}
         plan: list[tuple[torch.optim.Optimizer, Any, dict, torch.device]] = []
@@ -264,9 +277,12 @@ class TrainState(Stateful):
             return False
         with torch.no_grad():
             for opt, p, entries, device in plan:
-                opt.state[p] = {name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                                if kind == "like" else torch.zeros((), dtype=dtype, device=device)
-                                for name, (kind, dtype) in entries.items()}
+                opt.state[p] = {
+                    name: torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                    if kind == "like"
+                    else torch.zeros((), dtype=dtype, device=device)
+                    for name, (kind, dtype) in entries.items()
+                }
         return True
 
     def _set_param_groups(self, saved: Any) -> bool:
@@ -338,8 +354,11 @@ def derive_rng_state(rank: int, step: int) -> dict[str, Any]:
     seed = (step * 1_000_003 + rank * 7_919 + 0x6E6D) % (2**31)
     py = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    return {"python": py.getstate(), "numpy": np.random.RandomState(seed).get_state(),
-            "torch": _state_bytes(gen.get_state())}
+    return {
+        "python": py.getstate(),
+        "numpy": np.random.RandomState(seed).get_state(),
+        "torch": _state_bytes(gen.get_state()),
+    }
 
 
 def _state_bytes(t: torch.Tensor) -> bytes:

@@ -113,8 +113,16 @@ class MemoryTier(Tier):
         """A segment from :meth:`segment` that will not be handed off (the save failed)."""
 
     @abc.abstractmethod
-    def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
-                 persist: bool = False, verdict: Optional[Health] = None) -> "Future[Outcome]":
+    def hand_off(
+        self,
+        step: int,
+        plan: ShardPlan,
+        segment: Segment,
+        blobs: list[bytes],
+        *,
+        persist: bool = False,
+        verdict: Optional[Health] = None,
+    ) -> "Future[Outcome]":
         """The staged shard of ``step`` now belongs to the tier; the future resolves once the
         version is committed or failed. ``persist``: keep it until :meth:`unpin`. ``verdict``:
         the trainer's health verdict (None: checks off); the tier records it with the shard's,
@@ -163,8 +171,7 @@ class MemoryTier(Tier):
         replacement seeded; see :meth:`gemini_ckpt.hoststore.actors.registry.Registry.recovery`)."""
         return ()
 
-    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes],
-                      opener=None) -> dict:
+    def persist_files(self, step: int, uri: str, directory: str, sections: dict[int, bytes], opener=None) -> dict:
         """With ``capabilities.persists_itself``: write each rank's data file of ``step`` under
         ``uri``/``directory`` from the stores' memory, ``sections[rank]`` (the non-tensor items,
         already ``torch.save``-d) first; ``opener``: the URI's backend, when it is not pyarrow's

@@ -65,7 +65,8 @@ class LocalStore:
             raise FencedError(
                 f"a newer Checkpointer opened namespace {self.namespace!r} in this process (epoch {self._epoch}, "
                 f"this one has {epoch}); this one's writes are refused. Two Checkpointers that live at the "
-                f"same time (a GAN's G and D) need their own CheckpointConfig.namespace")
+                f"same time (a GAN's G and D) need their own CheckpointConfig.namespace"
+            )
 
     def _segment(self, epoch: int, plan: ShardPlan) -> Segment:
         with self._lock:  # not a write: a fenced tier is refused at hand-off, in the background
@@ -87,8 +88,18 @@ class LocalStore:
         with self._lock:
             self._pool.release(seg)
 
-    def _commit(self, epoch: int, step: int, plan: ShardPlan, seg: Segment, blobs: list[bytes], persist: bool,
-                keep: Retention, verdict: Optional[Health] = None, beside=None) -> ShardRecord:
+    def _commit(
+        self,
+        epoch: int,
+        step: int,
+        plan: ShardPlan,
+        seg: Segment,
+        blobs: list[bytes],
+        persist: bool,
+        keep: Retention,
+        verdict: Optional[Health] = None,
+        beside=None,
+    ) -> ShardRecord:
         record = make_record(plan, seg.array, blobs, epoch=epoch, step=step, verdict=verdict, beside=beside)
         with self._lock:
             self._check(epoch)
@@ -140,8 +151,9 @@ class LocalStore:
         with self._lock:
             v = self._versions.get(step)
             if v is None:
-                raise VersionNotFoundError(f"step {step} is not committed in this process's memory "
-                                           f"(namespace {self.namespace!r})")
+                raise VersionNotFoundError(
+                    f"step {step} is not committed in this process's memory (namespace {self.namespace!r})"
+                )
             return v
 
     def held_bytes(self) -> int:
@@ -178,11 +190,20 @@ class LocalTier(MemoryTier):
             raise MemoryBudgetError(
                 f"namespace {self.store.namespace!r}: {versions} versions (keep_in_memory + max_inflight) of a "
                 f"{sum(sizes.values()):,}-byte shard need {need:,} bytes, over this process's store budget of "
-                f"{budget:,} bytes; lower CheckpointConfig.keep_in_memory or max_inflight")
+                f"{budget:,} bytes; lower CheckpointConfig.keep_in_memory or max_inflight"
+            )
         return {"this process": need}
 
-    def hand_off(self, step: int, plan: ShardPlan, segment: Segment, blobs: list[bytes], *,
-                 persist: bool = False, verdict: Optional[Health] = None) -> "Future[Outcome]":
+    def hand_off(
+        self,
+        step: int,
+        plan: ShardPlan,
+        segment: Segment,
+        blobs: list[bytes],
+        *,
+        persist: bool = False,
+        verdict: Optional[Health] = None,
+    ) -> "Future[Outcome]":
         """Checksums, health check and commit run on the tier's own threads, not the caller's."""
         self._verdicts[step] = verdict
         return self._worker().submit(self._commit, step, plan, segment, blobs, persist)
@@ -190,8 +211,17 @@ class LocalTier(MemoryTier):
     def _commit(self, step, plan, segment, blobs, persist) -> Outcome:
         verdict = self._verdicts.pop(step, None)
         try:
-            record = self.store._commit(self.epoch, step, plan, segment, blobs, persist, self.keep, verdict,
-                                        self._check_thread() if plan.checked else None)
+            record = self.store._commit(
+                self.epoch,
+                step,
+                plan,
+                segment,
+                blobs,
+                persist,
+                self.keep,
+                verdict,
+                self._check_thread() if plan.checked else None,
+            )
         except BaseException:
             self.store._give_back(segment)
             raise

@@ -70,8 +70,15 @@ class MemoryVersion:
 
     tier = "memory"
 
-    def __init__(self, step: int, plans: dict[int, ShardPlan], records: dict[int, ShardRecord],
-                 copies: dict[int, list[ShardCopy]], *, on_close: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        plans: dict[int, ShardPlan],
+        records: dict[int, ShardRecord],
+        copies: dict[int, list[ShardCopy]],
+        *,
+        on_close: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.step = step
         self._on_close = on_close
         self.plans, self.records, self.copies = plans, records, copies
@@ -81,10 +88,16 @@ class MemoryVersion:
         self.world_size = first.world_size
         self.epoch = first.epoch
         if sorted(plans) != list(range(self.world_size)) or sorted(records) != list(range(self.world_size)):
-            raise VerificationError(f"step {step}: shards of ranks {sorted(records)} of a world of "
-                                    f"{self.world_size}; a version needs every rank's")
+            raise VerificationError(
+                f"step {step}: shards of ranks {sorted(records)} of a world of "
+                f"{self.world_size}; a version needs every rank's"
+            )
         ids = {p.plan_id for p in plans.values()} | {r.plan_id for r in records.values()}
-        if len(ids) != 1 or {r.step for r in records.values()} != {step} or len({r.epoch for r in records.values()}) != 1:
+        if (
+            len(ids) != 1
+            or {r.step for r in records.values()} != {step}
+            or len({r.epoch for r in records.values()}) != 1
+        ):
             raise VerificationError(f"step {step}: its shards come from different versions or plans")
         self.metadata = self._metadata()
         self.fingerprint = checksum(canonical([records[r].fields() for r in sorted(records)]))
@@ -96,8 +109,11 @@ class MemoryVersion:
         not checked by its store: the version is unhealthy (``verdict``), never healthy."""
         for r in sorted(self.records):
             if self.plans[r].checked and self.records[r].health is None:
-                return no_verdict(f"its record carries no verdict, though its plan asks for the finite check of "
-                                  f"{len(self.plans[r].checked)} items: its store did not check it", r)
+                return no_verdict(
+                    f"its record carries no verdict, though its plan asks for the finite check of "
+                    f"{len(self.plans[r].checked)} items: its store did not check it",
+                    r,
+                )
         return combine(self.records[r].health for r in sorted(self.records))
 
     def _metadata(self) -> Metadata:
@@ -137,19 +153,27 @@ class MemoryVersion:
                 raw = copy.fetch(t.at, t.nbytes)
             except (LookupError, OSError, ValueError, CheckpointError) as exc:
                 self.problems.append(f"{copy.source} {copy.label}: {where}: {type(exc).__name__}: {exc}")
-                log.warning("the %s copy (%s) of %s could not be read (%s: %s); trying the next copy", copy.source,
-                            copy.label, where, type(exc).__name__, exc)
+                log.warning(
+                    "the %s copy (%s) of %s could not be read (%s: %s); trying the next copy",
+                    copy.source,
+                    copy.label,
+                    where,
+                    type(exc).__name__,
+                    exc,
+                )
                 continue
             arr = as_uint8(raw)
             if arr.nbytes != t.nbytes or checksum(arr) != record.crcs[loc.item]:
                 self.problems.append(f"{copy.source} {copy.label}: {where}: checksum mismatch (corrupt copy skipped)")
-                log.warning("the %s copy %s of %s failed its checksum; trying the next copy", copy.source,
-                            copy.label, where)
+                log.warning(
+                    "the %s copy %s of %s failed its checksum; trying the next copy", copy.source, copy.label, where
+                )
                 continue
             self.bytes_by_source[copy.source] = self.bytes_by_source.get(copy.source, 0) + t.nbytes
             return _tensor_from(arr, t.dtype, t.shape)
-        raise ChecksumError(f"{where}: no copy in memory passes its checksum: "
-                            + "; ".join(p for p in self.problems if where in p))
+        raise ChecksumError(
+            f"{where}: no copy in memory passes its checksum: " + "; ".join(p for p in self.problems if where in p)
+        )
 
 
 class DurableVersion:
@@ -196,8 +220,9 @@ class DurableVersion:
         if isinstance(self.metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             return safe_opaque(index.fqn, value)
         if not isinstance(value, torch.Tensor):
-            raise VerificationError(f"step {self.step} {index.fqn}: the item holds a {type(value).__name__}, "
-                                    f"not a tensor")
+            raise VerificationError(
+                f"step {self.step} {index.fqn}: the item holds a {type(value).__name__}, not a tensor"
+            )
         return value
 
 

@@ -64,10 +64,19 @@ class LocalCluster:
     """Head + ``hosts`` simulated hosts (see the module docstring). ``head_cpus=0`` keeps
     training workers off the head (it runs Ray Train's controller and the registries)."""
 
-    def __init__(self, hosts: int, *, head_cpus: int = 0, object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
-                 namespace: Optional[str] = None, cpus_per_host: int = 1, network: str = "loopback",
-                 link: str | int | None = None, labels: Optional[Callable[[int], dict[str, str]]] = None,
-                 qos: bool = False) -> None:
+    def __init__(
+        self,
+        hosts: int,
+        *,
+        head_cpus: int = 0,
+        object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
+        namespace: Optional[str] = None,
+        cpus_per_host: int = 1,
+        network: str = "loopback",
+        link: str | int | None = None,
+        labels: Optional[Callable[[int], dict[str, str]]] = None,
+        qos: bool = False,
+    ) -> None:
         if network not in NETWORKS:
             raise ConfigError(f"LocalCluster(network={network!r}): choose one of {', '.join(NETWORKS)}")
         if link is not None and network != "netns":
@@ -75,8 +84,10 @@ class LocalCluster:
         if link is not None:
             parse_rate(link)
         if qos and link is None:
-            raise ConfigError("LocalCluster(qos=True) makes the hosts' shaped links honour traffic priority: it needs "
-                              "network='netns' and a link rate, e.g. link='1gbit'")
+            raise ConfigError(
+                "LocalCluster(qos=True) makes the hosts' shaped links honour traffic priority: it needs "
+                "network='netns' and a link rate, e.g. link='1gbit'"
+            )
         self.qos = qos
         self.hosts, self.head_cpus, self.cpus_per_host = hosts, head_cpus, cpus_per_host
         self.labels = labels  # host i -> extra Ray node labels, e.g. lambda i: {"rack": str(i // 2)}
@@ -99,19 +110,29 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         if ray.is_initialized():
-            raise RuntimeError("this process is already connected to Ray; a LocalCluster starts its own: "
-                               "call ray.shutdown() first (or pass the running LocalCluster along)")
+            raise RuntimeError(
+                "this process is already connected to Ray; a LocalCluster starts its own: "
+                "call ray.shutdown() first (or pass the running LocalCluster along)"
+            )
         self._thread = threading.get_ident()
-        head = {"num_cpus": self.head_cpus, "include_dashboard": False, "object_store_memory": self.object_store_bytes,
-                "_system_config": HEALTH_CHECKS}
+        head = {
+            "num_cpus": self.head_cpus,
+            "include_dashboard": False,
+            "object_store_memory": self.object_store_bytes,
+            "_system_config": HEALTH_CHECKS,
+        }
         if self.network == "netns":
             self.net = Network.create(link=self.link, qos=self.qos)
             head["node_ip_address"] = self.net.head_address
         try:
             self.cluster = Cluster(initialize_head=True, head_node_args=head)
             # connected before the hosts start: a netns host is known alive through the driver
-            ray.init(address=self.cluster.address, log_to_driver=log_to_driver, include_dashboard=False,
-                     namespace=self.namespace)
+            ray.init(
+                address=self.cluster.address,
+                log_to_driver=log_to_driver,
+                include_dashboard=False,
+                namespace=self.namespace,
+            )
             for i in range(self.hosts):
                 self.add_host(i)
         except BaseException:
@@ -135,13 +156,23 @@ class LocalCluster:
             if beside:
                 taken = set(self.net.hosts()) | set(self._netns_of.values()) | set(range(self.hosts))
                 where = next(k for k in range(self.hosts, 10**6) if k not in taken)
-            node = NetnsNode.start(self.net, where, address=self.cluster.address, cpus=self.cpus_per_host,
-                                   resources={f"host{i}": 1}, labels=labels,
-                                   object_store_bytes=self.object_store_bytes)
+            node = NetnsNode.start(
+                self.net,
+                where,
+                address=self.cluster.address,
+                cpus=self.cpus_per_host,
+                resources={f"host{i}": 1},
+                labels=labels,
+                object_store_bytes=self.object_store_bytes,
+            )
             self._netns_of[i] = where
         else:
-            node = self.cluster.add_node(num_cpus=self.cpus_per_host, resources={f"host{i}": 1},
-                                         labels=labels, object_store_memory=self.object_store_bytes)
+            node = self.cluster.add_node(
+                num_cpus=self.cpus_per_host,
+                resources={f"host{i}": 1},
+                labels=labels,
+                object_store_memory=self.object_store_bytes,
+            )
         self._nodes[i] = node
         return node
 
@@ -234,8 +265,11 @@ class LocalCluster:
         except Exception:  # noqa: BLE001 - best effort while diagnosing
             available = {}
         for n in ray.nodes():
-            name = f"host {host_of[n['NodeID']]}" if n["NodeID"] in host_of else (
-                "head" if "node:__internal_head__" in n.get("Resources", {}) else "node")
+            name = (
+                f"host {host_of[n['NodeID']]}"
+                if n["NodeID"] in host_of
+                else ("head" if "node:__internal_head__" in n.get("Resources", {}) else "node")
+            )
             state = "alive" if n["Alive"] else "DEAD"
             cpus = n.get("Resources", {}).get("CPU", 0)
             lines.append(f"{name:8s} {n['NodeID'][:12]} {state:5s} CPU {cpus:g}")
@@ -245,8 +279,10 @@ class LocalCluster:
 
             for pg_id, pg in placement_group_table().items():
                 if pg.get("state") not in ("CREATED", "REMOVED"):
-                    lines.append(f"placement group {pg_id[:12]} {pg.get('state')}: bundles {pg.get('bundles')} "
-                                 f"({pg.get('strategy')})")
+                    lines.append(
+                        f"placement group {pg_id[:12]} {pg.get('state')}: bundles {pg.get('bundles')} "
+                        f"({pg.get('strategy')})"
+                    )
         except Exception as exc:  # noqa: BLE001
             lines.append(f"placement groups: unknown ({type(exc).__name__})")
         missing = sorted(set(range(self.hosts)) - set(self._nodes))

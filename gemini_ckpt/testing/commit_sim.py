@@ -60,15 +60,28 @@ class Simulator:
     ``holders(slot, dead)`` is the placement rule (``gemini_ckpt.hoststore.slots.holders_for``).
     """
 
-    def __init__(self, *, hosts: int, replicas: int, holders: Callable, ranks_per_host: int = 1,
-                 keep: int = 2, fanout: int = DEFAULT_FANOUT, seed: int = 0, epoch: int = 0,
-                 idle: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        hosts: int,
+        replicas: int,
+        holders: Callable,
+        ranks_per_host: int = 1,
+        keep: int = 2,
+        fanout: int = DEFAULT_FANOUT,
+        seed: int = 0,
+        epoch: int = 0,
+        idle: Iterable[int] = (),
+    ) -> None:
         self.hosts, self.replicas, self.ranks_per_host, self.epoch = hosts, replicas, ranks_per_host, epoch
         self._holders = holders
         self.rng = random.Random(seed)
         self.idle = frozenset(idle)  # slots without ranks: they keep copies and acknowledge them, nothing more
-        self.stores: dict = {s: HostCommit(s, hosts=hosts, replicas=replicas, keep=keep, fanout=fanout, idle=self.idle)
-                             for s in range(hosts) if s not in self.idle}
+        self.stores: dict = {
+            s: HostCommit(s, hosts=hosts, replicas=replicas, keep=keep, fanout=fanout, idle=self.idle)
+            for s in range(hosts)
+            if s not in self.idle
+        }
         self.coordinator = Coordinator(hosts=hosts, keep=keep, fanout=fanout, idle=self.idle)
         self.dead: set = set()
         self.committed_at: set = set()  # (slot, version): stores that marked a version committed
@@ -91,9 +104,17 @@ class Simulator:
         self._kill(slot)
         self._drain()
 
-    def run_version(self, step: int, *, kill_after: Mapping[int, int] = (), unstaged: Mapping[int, int] = (),
-                    rank_failures: Iterable[int] = (), replica_failures: Iterable[tuple] = (),
-                    unhealthy: Mapping[int, str] = (), unchecked: Iterable[int] = ()) -> VersionReport:
+    def run_version(
+        self,
+        step: int,
+        *,
+        kill_after: Mapping[int, int] = (),
+        unstaged: Mapping[int, int] = (),
+        rank_failures: Iterable[int] = (),
+        replica_failures: Iterable[tuple] = (),
+        unhealthy: Mapping[int, str] = (),
+        unchecked: Iterable[int] = (),
+    ) -> VersionReport:
         """Save ``VersionId(epoch, step)`` until every participant is quiet, then time out
         whatever is undecided. ``kill_after={slot: n}`` kills that store after ``n``
         deliveries of this version (0: before it starts); ``unstaged={slot: k}``: ``k`` ranks
@@ -132,8 +153,16 @@ class Simulator:
             self._queue.append(("start", s, plan))
             for rank in range(self.ranks_per_host - unstaged.get(s, 0)):
                 global_rank = s * self.ranks_per_host + rank
-                self._queue.append(("msg", None, s, ShardStaged(v, global_rank, unhealthy.get(global_rank, ""),
-                                                                      checked=global_rank not in unchecked)))
+                self._queue.append(
+                    (
+                        "msg",
+                        None,
+                        s,
+                        ShardStaged(
+                            v, global_rank, unhealthy.get(global_rank, ""), checked=global_rank not in unchecked
+                        ),
+                    )
+                )
             if unstaged.get(s) and s in set(rank_failures):
                 self._queue.append(("fail", s, f"{unstaged[s]} rank(s) died before staging"))
         pending_kills = sorted((n, s) for s, n in kill_after.items() if n > 0)
@@ -146,11 +175,24 @@ class Simulator:
             for s in self.live:
                 self._apply(s, self.stores[s].on_timeout(v))
             self._drain()
-        acknowledged = all(self._staged.get(s, 0) >= self.ranks_per_host
-                           and self._acked.get(s, set()) >= set(self._plans[s][1:]) for s in starting)
-        return VersionReport(v, self.coordinator.outcome(v), {s: p.outcome(v) for s, p in self.stores.items()},
-                             dict(self._sent), dict(self._received), dict(self._local), dict(self._liveness),
-                             acknowledged, tuple(died), self._decided_at, timed_out, self._deliveries)
+        acknowledged = all(
+            self._staged.get(s, 0) >= self.ranks_per_host and self._acked.get(s, set()) >= set(self._plans[s][1:])
+            for s in starting
+        )
+        return VersionReport(
+            v,
+            self.coordinator.outcome(v),
+            {s: p.outcome(v) for s, p in self.stores.items()},
+            dict(self._sent),
+            dict(self._received),
+            dict(self._local),
+            dict(self._liveness),
+            acknowledged,
+            tuple(died),
+            self._decided_at,
+            timed_out,
+            self._deliveries,
+        )
 
     # --- internals -------------------------------------------------------------------------
     def _kill(self, slot: int) -> None:
@@ -213,8 +255,7 @@ class Simulator:
             self._local[to] = self._local.get(to, 0) + 1
             owner = event[2]
             bad = (to, owner) in self._bad_copies
-            self._apply(to, participant.replica_stored(self._v, owner, ok=not bad,
-                                                       reason="over budget" if bad else ""))
+            self._apply(to, participant.replica_stored(self._v, owner, ok=not bad, reason="over budget" if bad else ""))
 
     def _apply(self, sender: int, actions: list) -> None:
         if sender == COORDINATOR and self._decided_at is None and self.coordinator.outcome(self._v) is not None:
@@ -228,8 +269,9 @@ class Simulator:
                     self._queue.append(("stored", h, sender))
             elif isinstance(a, Committed):
                 if self.coordinator.outcome(a.version) is not True:
-                    raise CommitProtocolError(f"slot {sender} marked {a.version} committed before the coordinator "
-                                        f"decided COMMIT")
+                    raise CommitProtocolError(
+                        f"slot {sender} marked {a.version} committed before the coordinator decided COMMIT"
+                    )
                 if a.version in self.aborted:
                     raise CommitProtocolError(f"{a.version} was aborted somewhere, yet slot {sender} committed it")
                 self.committed_at.add((sender, a.version))

@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -56,58 +55,16 @@ from typing import Iterator, Optional
 
 from ..errors import ConfigError, NetworkUnavailable
 from ..dataplane import LOWER_EFFORT_DSCP
+from .netns_check import parse_rate, unavailable_reason
 
 log = logging.getLogger("gemini_ckpt")
+
+__all__ = ["MAX_HOSTS", "Network", "parse_rate", "sweep_stale", "unavailable_reason"]
 
 RANGE = ipaddress.ip_network("198.18.0.0/15")
 NETWORKS = 512  # the /24s of RANGE
 MAX_HOSTS = 240
 STATE_DIR = Path(os.environ.get("GEMINI_CKPT_NETNS_STATE", "/run/gemini_ckpt/netns"))
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
-          "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
-_CAP_NET_ADMIN = 12
-
-
-def parse_rate(text: str | int) -> int:
-    """A link rate in ``tc`` units as bits per second: ``"1gbit"`` -> 10**9, ``"10mbit"``,
-    ``"500kbit"``, ``"100mbps"`` (bytes), or a bare number of bits per second.
-
-    >>> parse_rate("1gbit"), parse_rate("10mbit"), parse_rate(2_000_000)
-    (1000000000, 10000000, 2000000)
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        bits = text
-    else:
-        match = _RATE.match(str(text).lower())
-        if not match or match.group(2) not in _UNITS | {"": 1}:
-            raise ConfigError(f"link={text!r} is not a rate; write it as tc does: '1gbit', '100mbit', '500kbit'")
-        bits = int(float(match.group(1)) * (_UNITS.get(match.group(2)) or 1))
-    if bits < 100_000:
-        raise ConfigError(f"link={text!r} is {bits} bit/s; a link needs at least 100kbit (e.g. '10mbit')")
-    return bits
-
-
-def unavailable_reason() -> Optional[str]:
-    """Why network namespaces can't be made on this machine, or None where they can."""
-    if not os.path.isdir("/proc/self/ns") or not os.path.exists("/proc/self/ns/net"):
-        return "network namespaces need Linux (/proc/self/ns/net is missing)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"the '{tool}' tool is not installed (Debian: apt-get install iproute2)"
-    try:
-        caps = int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
-                        if line.startswith("CapEff:")), 16)
-    except (OSError, StopIteration, ValueError):
-        caps = 0
-    if not caps & (1 << _CAP_NET_ADMIN):
-        return "making network namespaces needs CAP_NET_ADMIN (run as root, or grant the capability)"
-    probe = f"gckprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"'ip netns add' failed: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -165,8 +122,14 @@ class Network:
         self.index, self.link_bits, self.state_file, self.qos = index, link_bits, state_file, qos
         self.bridge = f"gck{index}br"
         self._hosts: dict[int, Optional[int]] = {}  # host -> its link's rate (None: unshaped)
-        self._record: dict = {"owner": os.getpid(), "owner_start": _start_time(os.getpid()), "index": index,
-                              "bridge": None, "namespaces": [], "links": []}
+        self._record: dict = {
+            "owner": os.getpid(),
+            "owner_start": _start_time(os.getpid()),
+            "index": index,
+            "bridge": None,
+            "namespaces": [],
+            "links": [],
+        }
 
     # -- names -----------------------------------------------------------------------------
     def namespace(self, host: int) -> str:
@@ -202,8 +165,9 @@ class Network:
             raise ConfigError("Network.create(qos=True) prioritizes traffic on shaped links: give it a link rate too")
         reason = unavailable_reason()
         if reason is not None:
-            raise NetworkUnavailable(f"LocalCluster(network='netns') can't make network namespaces here: {reason}; "
-                                     f"use network='loopback'")
+            raise NetworkUnavailable(
+                f"LocalCluster(network='netns') can't make network namespaces here: {reason}; use network='loopback'"
+            )
         sweep_stale()
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         for index in range(NETWORKS):
@@ -217,8 +181,10 @@ class Network:
             try:
                 net._save()
                 if _ip("link", "show", net.bridge, check=False).returncode == 0:
-                    raise NetworkUnavailable(f"a device named {net.bridge} exists but no state file claims it; "
-                                             f"remove it (ip link del {net.bridge}) if nothing of yours uses it")
+                    raise NetworkUnavailable(
+                        f"a device named {net.bridge} exists but no state file claims it; "
+                        f"remove it (ip link del {net.bridge}) if nothing of yours uses it"
+                    )
                 _ip("link", "add", net.bridge, "type", "bridge")
                 net._record["bridge"] = net.bridge
                 net._save()
@@ -297,8 +263,7 @@ class Network:
                 self._shape_qos(ns, dev, bits, burst, change=self._hosts.get(host) is not None)
             else:
                 verb = "change" if self._hosts.get(host) is not None else "add"
-                _tc(ns, "qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{bits}bit", "burst", str(burst),
-                    "latency", "50ms")
+                _tc(ns, *f"qdisc {verb} dev {dev} root tbf rate {bits}bit burst {burst} latency 50ms".split())
         self._hosts[host] = bits
 
     @staticmethod
@@ -307,18 +272,22 @@ class Network:
         leaves: its own share, 1%, is what keeps it from starving)."""
         verb = "change" if change else "add"
         if not change:
-            _tc(ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
-        common = ["burst", str(burst), "cburst", str(burst), "quantum", "60000"]
-        _tc(ns, "class", verb, "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", f"{bits}bit",
-            "ceil", f"{bits}bit", *common)
+            _tc(ns, *f"qdisc add dev {dev} root handle 1: htb default 10".split())
+        common = f"burst {burst} cburst {burst} quantum 60000".split()
         low = max(8000, bits // 100)
-        _tc(ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate",
-            f"{max(8000, bits - low)}bit", "ceil", f"{bits}bit", "prio", "0", *common)
-        _tc(ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", f"{low}bit",
-            "ceil", f"{bits}bit", "prio", "1", *common)
+        for parent, classid, rate, prio in (
+            ("1:", "1:1", bits, None),
+            ("1:1", "1:10", max(8000, bits - low), "0"),
+            ("1:1", "1:20", low, "1"),
+        ):
+            args = f"class {verb} dev {dev} parent {parent} classid {classid} htb rate {rate}bit ceil {bits}bit"
+            _tc(ns, *args.split(), *(["prio", prio] if prio is not None else []), *common)
         if not change:
-            _tc(ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
-                "tos", f"{LOWER_EFFORT_DSCP << 2:#04x}", "0xfc", "flowid", "1:20")
+            tos = f"{LOWER_EFFORT_DSCP << 2:#04x}"
+            _tc(
+                ns,
+                *f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip tos {tos} 0xfc flowid 1:20".split(),
+            )
 
     def class_bytes(self, host: int, *, inside: bool = True) -> dict[str, int]:
         """Bytes sent so far through each class of host ``host``'s link (``qos=True``): what host

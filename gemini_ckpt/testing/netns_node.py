@@ -41,39 +41,76 @@ class NetnsNode:
         self.node_id: Optional[str] = None
 
     @classmethod
-    def start(cls, net: Network, host: int, *, address: str, cpus: int, resources: dict, labels: dict,
-              object_store_bytes: int, timeout: float = START_TIMEOUT_S) -> "NetnsNode":
+    def start(
+        cls,
+        net: Network,
+        host: int,
+        *,
+        address: str,
+        cpus: int,
+        resources: dict,
+        labels: dict,
+        object_store_bytes: int,
+        timeout: float = START_TIMEOUT_S,
+    ) -> "NetnsNode":
         """Make host ``host``'s namespace and start its node; returns once Ray lists it alive."""
         import ray
 
         if host in net.hosts():
             net.remove_host(host)  # what a lost machine left: a replacement starts clean
         ip = net.add_host(host)
-        argv = [_ray_cli(), "start", "--block", "--address", address, "--node-ip-address", ip,
-                "--num-cpus", str(cpus), "--resources", json.dumps(resources),
-                "--labels", ",".join(f"{k}={v}" for k, v in labels.items()),
-                "--object-store-memory", str(object_store_bytes), "--disable-usage-stats"]
+        argv = [
+            _ray_cli(),
+            "start",
+            "--block",
+            "--address",
+            address,
+            "--node-ip-address",
+            ip,
+            "--num-cpus",
+            str(cpus),
+            "--resources",
+            json.dumps(resources),
+            "--labels",
+            ",".join(f"{k}={v}" for k, v in labels.items()),
+            "--object-store-memory",
+            str(object_store_bytes),
+            "--disable-usage-stats",
+        ]
         log_path = os.path.join(tempfile.gettempdir(), f"gemini_ckpt-{net.namespace(host)}.log")
         # Inside a namespace the host's one interface is eth0: gloo's pairs (which otherwise use
         # the address the hostname resolves to, not in the namespace) go over it.
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
         with open(log_path, "w") as log_file:
-            process = net.exec(host, argv, stdout=subprocess.DEVNULL, stderr=log_file, stdin=subprocess.DEVNULL,
-                               start_new_session=True, env=env)
+            process = net.exec(
+                host,
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
         node = cls(net, host, process, log_path)
         deadline = time.monotonic() + timeout
         while node.node_id is None:
-            node.node_id = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip),
-                                None)
+            node.node_id = next(
+                (n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ip), None
+            )
             if node.node_id is not None:
                 break
             if process.poll() is not None or time.monotonic() > deadline:
                 tail = Path(log_path).read_text(errors="replace")[-2000:]
                 node.kill()
-                why = f"exited with {process.returncode}" if process.returncode is not None else \
-                    f"did not join within {timeout:.0f}s"
-                raise NetworkUnavailable(f"host {host}'s Ray node in namespace {net.namespace(host)} {why}; "
-                                         f"its log ({log_path}) ends:\n{tail}")
+                why = (
+                    f"exited with {process.returncode}"
+                    if process.returncode is not None
+                    else f"did not join within {timeout:.0f}s"
+                )
+                raise NetworkUnavailable(
+                    f"host {host}'s Ray node in namespace {net.namespace(host)} {why}; "
+                    f"its log ({log_path}) ends:\n{tail}"
+                )
             time.sleep(0.1)
         return node
 

@@ -6,8 +6,22 @@ from __future__ import annotations
 
 from typing import Any
 
-BUILTINS = {"set", "frozenset", "complex", "slice", "range", "bytearray", "int", "float", "str", "bytes",
-            "bool", "list", "dict", "tuple"}
+BUILTINS = {
+    "set",
+    "frozenset",
+    "complex",
+    "slice",
+    "range",
+    "bytearray",
+    "int",
+    "float",
+    "str",
+    "bytes",
+    "bool",
+    "list",
+    "dict",
+    "tuple",
+}
 
 
 def torch_constant(name: str) -> Any:

@@ -24,8 +24,9 @@ def torch_load_value(data: Any, what: str, *, storage_bytes: Optional[int] = Non
     except Exception as exc:  # noqa: BLE001 - any failure decoding hostile bytes means "refused"
         first = str(exc).strip().splitlines()
         reason = next((line for line in first if "Unsupported" in line or "global" in line.lower()), None)
-        raise VerificationError(f"{what} cannot be loaded safely ({type(exc).__name__}: "
-                                f"{reason or (first[0] if first else '')})") from None
+        raise VerificationError(
+            f"{what} cannot be loaded safely ({type(exc).__name__}: {reason or (first[0] if first else '')})"
+        ) from None
 
 
 def item_nbytes(metadata: Any, index: Any) -> Optional[int]:

@@ -49,12 +49,17 @@ def check_signature(manifest: VersionManifest, key: Optional[bytes], metadata_by
         return
     where = f"step {manifest.step}"
     if manifest.signature is None:
-        raise VerificationError(f"{where} is not signed, and a signing key is set (CheckpointConfig.signing_key "
-                                f"or ${ENV_KEY}); an unsigned version is refused")
-    if manifest.metadata_crc is None or not mac_matches(manifest.signature, key, _SIGN_CONTEXT,
-                                                        canonical_bytes(manifest, metadata_bytes)):
-        raise VerificationError(f"{where} has a signature that does not match this signing key (forged, "
-                                f"damaged, or written with another key); refused")
+        raise VerificationError(
+            f"{where} is not signed, and a signing key is set (CheckpointConfig.signing_key "
+            f"or ${ENV_KEY}); an unsigned version is refused"
+        )
+    if manifest.metadata_crc is None or not mac_matches(
+        manifest.signature, key, _SIGN_CONTEXT, canonical_bytes(manifest, metadata_bytes)
+    ):
+        raise VerificationError(
+            f"{where} has a signature that does not match this signing key (forged, "
+            f"damaged, or written with another key); refused"
+        )
 
 
 # --- manifest encoding -------------------------------------------------------------------------
@@ -92,8 +97,20 @@ def manifest_to_json(m: VersionManifest) -> dict:
     return out
 
 
-_MARKER_KEYS = {"format", "step", "world_size", "file_sizes", "checksum_algorithm", "checksums", "metadata_bytes",
-                "metadata_crc", "job", "manifest_crc", "signature", "health"}
+_MARKER_KEYS = {
+    "format",
+    "step",
+    "world_size",
+    "file_sizes",
+    "checksum_algorithm",
+    "checksums",
+    "metadata_bytes",
+    "metadata_crc",
+    "job",
+    "manifest_crc",
+    "signature",
+    "health",
+}
 
 
 def manifest_from_json(d: Any, metadata: bytes) -> VersionManifest:
@@ -132,8 +149,10 @@ def _from_json(d: Any, metadata: bytes) -> VersionManifest:
     manifest, fmt = _decode(d, metadata)
     if fmt == FORMAT:
         if _int(d["metadata_bytes"], "metadata_bytes") != len(metadata):
-            raise VerificationError(f".metadata holds {len(metadata)} bytes, the manifest says "
-                                    f"{d['metadata_bytes']} (truncated or replaced)")
+            raise VerificationError(
+                f".metadata holds {len(metadata)} bytes, the manifest says "
+                f"{d['metadata_bytes']} (truncated or replaced)"
+            )
         check_metadata(manifest)  # (a manifest without ``metadata_crc`` is refused when signing)
         if checksum(canonical_bytes(manifest)) != _int(d.get("manifest_crc"), "manifest_crc"):
             raise VerificationError("the manifest fails its checksum (damaged)")
@@ -170,8 +189,9 @@ def _decode(d: Any, metadata: bytes) -> tuple[VersionManifest, str]:
         step=_int(d["step"], "step"),
         world_size=_int(d["world_size"], "world_size", low=1),
         metadata=metadata,
-        checksums=tuple(ItemChecksum(_name(f), _int(o, "offset"), _int(n, "length"), _int(c, "crc"))
-                        for f, o, n, c in checksums),
+        checksums=tuple(
+            ItemChecksum(_name(f), _int(o, "offset"), _int(n, "length"), _int(c, "crc")) for f, o, n, c in checksums
+        ),
         file_sizes={_name(k): _int(v, "file size") for k, v in file_sizes.items()},
         job=job,
         metadata_crc=None if metadata_crc is None else _int(metadata_crc, "metadata_crc"),
@@ -205,5 +225,6 @@ def _signature(v: Any) -> Optional[str]:
 def check_metadata(manifest: VersionManifest) -> None:
     """Raise VerificationError when ``.metadata`` does not match its recorded checksum."""
     if manifest.metadata_crc is not None and checksum(manifest.metadata) != manifest.metadata_crc:
-        raise VerificationError(f"step {manifest.step}: .metadata fails its checksum "
-                                f"({len(manifest.metadata)} bytes; damaged or replaced)")
+        raise VerificationError(
+            f"step {manifest.step}: .metadata fails its checksum ({len(manifest.metadata)} bytes; damaged or replaced)"
+        )

@@ -14,8 +14,16 @@ from ..unpickle import safe_load
 from .common import BUILTINS, torch_constant
 from .manifest import check_metadata, check_signature
 
-_METADATA_CLASSES = {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                     "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}
+_METADATA_CLASSES = {
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+}
 
 
 def _metadata_global(module: str, name: str) -> Any:
@@ -74,10 +82,16 @@ def warm_up() -> None:
         TensorStorageMetadata,
     )
 
-    md = Metadata(state_dict_metadata={
-        "t": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([2]),
-                                   [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))]),
-        "b": BytesStorageMetadata()})
+    md = Metadata(
+        state_dict_metadata={
+            "t": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([2]),
+                [ChunkStorageMetadata(torch.Size([0]), torch.Size([2]))],
+            ),
+            "b": BytesStorageMetadata(),
+        }
+    )
     metadata_loads(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
 
 

@@ -24,18 +24,41 @@ def _safe_storage_from_bytes(b: bytes) -> Any:
     return torch.load(io.BytesIO(b), weights_only=True)
 
 
-_NUMPY = {"dtype": "numpy", "ndarray": "numpy", "_reconstruct": "numpy._core.multiarray",
-          "scalar": "numpy._core.multiarray", "_frombuffer": "numpy._core.numeric"}
-_NUMPY_MODULES = {"numpy", "numpy._core.multiarray", "numpy.core.multiarray", "numpy._core.numeric",
-                  "numpy.core.numeric"}
-_TORCH_VALUE_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
-                        ("torch._utils", "_rebuild_parameter"), ("torch.nn.parameter", "Parameter"),
-                        ("torch", "Tensor"), ("torch", "Size"), ("torch", "device"),
-                        ("torch.serialization", "_get_layout")}
-_STDLIB_VALUE_GLOBALS = {("collections", "OrderedDict"), ("collections", "defaultdict"),
-                         ("collections", "deque"), ("collections", "Counter"), ("datetime", "date"),
-                         ("datetime", "datetime"), ("datetime", "time"), ("datetime", "timedelta"),
-                         ("datetime", "timezone")}
+_NUMPY = {
+    "dtype": "numpy",
+    "ndarray": "numpy",
+    "_reconstruct": "numpy._core.multiarray",
+    "scalar": "numpy._core.multiarray",
+    "_frombuffer": "numpy._core.numeric",
+}
+_NUMPY_MODULES = {
+    "numpy",
+    "numpy._core.multiarray",
+    "numpy.core.multiarray",
+    "numpy._core.numeric",
+    "numpy.core.numeric",
+}
+_TORCH_VALUE_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch.serialization", "_get_layout"),
+}
+_STDLIB_VALUE_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("collections", "deque"),
+    ("collections", "Counter"),
+    ("datetime", "date"),
+    ("datetime", "datetime"),
+    ("datetime", "time"),
+    ("datetime", "timedelta"),
+    ("datetime", "timezone"),
+}
 
 
 def _value_global(module: str, name: str) -> Any:
@@ -105,8 +128,9 @@ def check_torch_bytes(data: Any, what: str, storage_bytes: Optional[int] = None)
         except VerificationError:
             raise
         except Exception as exc:  # noqa: BLE001 - anything failing on hostile bytes means "refused"
-            raise VerificationError(f"{what} is not a torch.save archive that loads safely "
-                                    f"({type(exc).__name__}: {exc})") from None
+            raise VerificationError(
+                f"{what} is not a torch.save archive that loads safely ({type(exc).__name__}: {exc})"
+            ) from None
 
 
 def _check_zip(view: memoryview, what: str, storage_bytes: Optional[int]) -> None:
@@ -119,8 +143,10 @@ def _check_zip(view: memoryview, what: str, storage_bytes: Optional[int]) -> Non
     pickled, records, total = None, {}, 0
     for info in infos:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1:
-            raise VerificationError(f"{what}: record {info.filename!r} is compressed or encrypted ({info.file_size} "
-                                    f"bytes unpacked from {info.compress_size}); torch.save never writes one, refused")
+            raise VerificationError(
+                f"{what}: record {info.filename!r} is compressed or encrypted ({info.file_size} "
+                f"bytes unpacked from {info.compress_size}); torch.save never writes one, refused"
+            )
         if info.header_offset + info.file_size > len(view):
             raise VerificationError(f"{what}: record {info.filename!r} lies outside the item")
         total += info.file_size
@@ -128,21 +154,24 @@ def _check_zip(view: memoryview, what: str, storage_bytes: Optional[int]) -> Non
         if rest == "data.pkl":
             pickled = info
         elif rest.startswith("data/"):
-            records[rest[len("data/"):]] = info.file_size
+            records[rest[len("data/") :]] = info.file_size
     if total > len(view):
         raise VerificationError(f"{what}: its records claim {total} bytes in an item of {len(view)}")
     if pickled is None:
         raise VerificationError(f"{what}: no data.pkl record (not a torch.save archive)")
     if storage_bytes is not None and sum(records.values()) != storage_bytes:
-        raise VerificationError(f"{what}: holds {sum(records.values())} bytes of tensor data, its metadata says "
-                                f"{storage_bytes}; refused")
+        raise VerificationError(
+            f"{what}: holds {sum(records.values())} bytes of tensor data, its metadata says {storage_bytes}; refused"
+        )
     raw = archive.read(pickled)
 
     def storage(pid: Any) -> Any:
         typ, key, numel = _storage_pid(pid, 5, what)
         if records.get(key) != numel * typ.itemsize:
-            raise VerificationError(f"{what}: storage {key!r} holds {records.get(key)} bytes, its pickle says "
-                                    f"{numel * typ.itemsize}; refused")
+            raise VerificationError(
+                f"{what}: storage {key!r} holds {records.get(key)} bytes, its pickle says "
+                f"{numel * typ.itemsize}; refused"
+            )
         return _DryStorage(numel * typ.itemsize, typ.itemsize)
 
     AllowList(io.BytesIO(raw), _archive_global, what, Budget(len(view), what), storage).load()
@@ -159,8 +188,7 @@ def _check_legacy(view: memoryview, what: str, storage_bytes: Optional[int]) -> 
         typ, _, numel = _storage_pid(pid, 6, what)
         claimed[0] += numel * typ.itemsize
         if claimed[0] > len(view):
-            raise VerificationError(f"{what}: its storages claim {claimed[0]} bytes in an item of {len(view)}; "
-                                    f"refused")
+            raise VerificationError(f"{what}: its storages claim {claimed[0]} bytes in an item of {len(view)}; refused")
         return _DryStorage(numel * typ.itemsize, typ.itemsize)
 
     for _ in range(3):  # magic number, protocol version, system info: plain values
@@ -168,8 +196,9 @@ def _check_legacy(view: memoryview, what: str, storage_bytes: Optional[int]) -> 
     AllowList(f, _archive_global, what, budget, storage).load()
     AllowList(f, _value_global, what, budget).load()
     if storage_bytes is not None and claimed[0] != storage_bytes:
-        raise VerificationError(f"{what}: holds {claimed[0]} bytes of tensor data, its metadata says "
-                                f"{storage_bytes}; refused")
+        raise VerificationError(
+            f"{what}: holds {claimed[0]} bytes of tensor data, its metadata says {storage_bytes}; refused"
+        )
 
 
 class _StorageType:
@@ -205,9 +234,13 @@ def _dry_rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, *rest
     import torch
 
     dims = (size, stride)
-    if (not isinstance(storage, _DryStorage) or not isinstance(offset, int) or offset < 0
-            or not all(isinstance(t, tuple) and all(isinstance(d, int) and d >= 0 for d in t) for t in dims)
-            or len(size) != len(stride)):
+    if (
+        not isinstance(storage, _DryStorage)
+        or not isinstance(offset, int)
+        or offset < 0
+        or not all(isinstance(t, tuple) and all(isinstance(d, int) and d >= 0 for d in t) for t in dims)
+        or len(size) != len(stride)
+    ):
         raise VerificationError("a tensor whose storage, offset, size or stride is malformed")
     itemsize = storage.itemsize
     if len(rest) >= 3 and isinstance(rest[2], torch.dtype):  # _rebuild_tensor_v3: an untyped storage and a dtype
@@ -243,7 +276,10 @@ def _archive_global(module: str, name: str) -> Any:
         import codecs
 
         return codecs.encode
-    if (module, name) in (("torch.storage", "_load_from_bytes"), ("torch", "Tensor"),
-                          ("torch.nn.parameter", "Parameter")):
+    if (module, name) in (
+        ("torch.storage", "_load_from_bytes"),
+        ("torch", "Tensor"),
+        ("torch.nn.parameter", "Parameter"),
+    ):
         return None
     return _value_global(module, name)

@@ -65,8 +65,10 @@ def _healthy_cluster(request, ray_cluster):
         return
     state = ray_cluster.describe()
     ray_cluster.heal()
-    message = (f"{request.node.nodeid}: hosts {dead} were declared dead by Ray although no test removed them; "
-               f"replaced. The cluster before the replacement:\n{state}")
+    message = (
+        f"{request.node.nodeid}: hosts {dead} were declared dead by Ray although no test removed them; "
+        f"replaced. The cluster before the replacement:\n{state}"
+    )
     watch.incidents.append(message)
     watch.say("CLUSTER INCIDENT " + message)
     request.node.add_report_section("teardown", "cluster incident", message)

@@ -113,8 +113,9 @@ class _UserJob:
         self.rank, self.seed = rank, seed
         # find_unused_parameters=True: no bucket rebuild after the first step, so a restarted
         # process sums gradients in the same order as the uninterrupted run.
-        self.model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)),
-                                             find_unused_parameters=True)
+        self.model = DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)), find_unused_parameters=True
+        )
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
         return TrainState(model=self.model, optimizer=self.opt, scheduler=self.sched)
@@ -182,8 +183,13 @@ class _LosesItsRendezvousOnce(TinyJob):
                 with socket.socket() as taken:
                     taken.bind(("127.0.0.1", 0))
                     taken.listen()
-                    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{taken.getsockname()[1]}",
-                                            rank=0, world_size=2, timeout=datetime.timedelta(seconds=5))
+                    dist.init_process_group(
+                        "gloo",
+                        init_method=f"tcp://127.0.0.1:{taken.getsockname()[1]}",
+                        rank=0,
+                        world_size=2,
+                        timeout=datetime.timedelta(seconds=5),
+                    )
                 raise RuntimeError("the process group started on a port already taken")
         return super().build(rank, world_size, seed)
 
@@ -193,8 +199,10 @@ class _LosesItsRendezvousOnce(TinyJob):
 @pytest.mark.ci  # with the CI matrix: one harness cluster for all, after the default run
 def test_a_scenario_that_fails_at_setup_is_an_infra_error_and_the_next_one_passes(harness, tmp_path):
     job = _LosesItsRendezvousOnce(str(tmp_path / "builds-of-rank-1"))
-    scenarios = [Scenario(name="fails-at-setup", at=At(step=2), faults=(KillStore((1,)),)),
-                 Scenario(name="runs-next", at=At(step=2), faults=(KillStore((1,)),))]
+    scenarios = [
+        Scenario(name="fails-at-setup", at=At(step=2), faults=(KillStore((1,)),)),
+        Scenario(name="runs-next", at=At(step=2), faults=(KillStore((1,)),)),
+    ]
     report = run_matrix(scenarios, harness=harness, job=job, json_path=str(tmp_path / "chaos.json"))
     print("\n" + report.format_table())
     failed, after = report.results

@@ -29,8 +29,21 @@ def test_ray_train_fsdp_runs_on_a_cluster_without_a_run_name(ray_cluster, tmp_pa
     from gemini_ckpt.hoststore.cluster import named_actors
 
     before = set(named_actors())
-    out = _run([os.path.join(EXAMPLES, "ray_train_fsdp.py"), "--address", ray_cluster.address, "--workers", "2",
-                "--steps", "12", "--storage", str(tmp_path / "runs")], str(tmp_path), timeout=600)
+    out = _run(
+        [
+            os.path.join(EXAMPLES, "ray_train_fsdp.py"),
+            "--address",
+            ray_cluster.address,
+            "--workers",
+            "2",
+            "--steps",
+            "12",
+            "--storage",
+            str(tmp_path / "runs"),
+        ],
+        str(tmp_path),
+        timeout=600,
+    )
     assert "final metrics" in out and "'step': 11" in out
     runs = os.listdir(tmp_path / "runs")
     assert len(runs) == 1 and runs[0].startswith("ray_train_run-"), runs

@@ -21,9 +21,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.ci
 def test_a_killed_trainer_worker_resumes_from_memory_bit_identically(ray_cluster, tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_trainer_ray.py"), "--address",
-                           ray_cluster.address, "--steps", "12", "--kill-at", "5", "--storage", str(tmp_path)],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "hf_trainer_ray.py"),
+            "--address",
+            ray_cluster.address,
+            "--steps",
+            "12",
+            "--kill-at",
+            "5",
+            "--storage",
+            str(tmp_path),
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "killed run: restored step 5 from memory" in out, out[-4000:]

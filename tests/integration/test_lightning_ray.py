@@ -21,9 +21,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_lightning_on_ray_train_resumes_from_memory_bit_identically(ray_cluster, tmp_path):
     pytest.importorskip("lightning")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "lightning_ray.py"), "--quick", "--address",
-                           ray_cluster.address],
-                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "lightning_ray.py"),
+            "--quick",
+            "--address",
+            ray_cluster.address,
+        ],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "VERDICT: PASS" in out, out[-4000:]

@@ -23,7 +23,7 @@ import pytest
 import ray
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>.*)\})? (?P<value>\S+)$')
+SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>.*)\})? (?P<value>\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -77,8 +77,10 @@ def test_the_job_is_visible_in_rays_prometheus_export(job):
     ns = job
 
     def complete(samples) -> bool:
-        committed = [_value(samples, "ray_gemini_ckpt_versions_total", namespace=ns, rank=r, outcome="committed")
-                     for r in range(4)]
+        committed = [
+            _value(samples, "ray_gemini_ckpt_versions_total", namespace=ns, rank=r, outcome="committed")
+            for r in range(4)
+        ]
         restores = _value(samples, "ray_gemini_ckpt_restores_total", namespace=ns, source="memory")
         stores = _value(samples, "ray_gemini_ckpt_host_budget_bytes", namespace=ns)
         return all(c == [6.0] for c in committed) and len(restores) == 4 and len(stores) == 4
@@ -121,23 +123,39 @@ def _query(port: int, expr: str) -> list[dict]:
 
 
 @pytest.mark.ray
-@pytest.mark.skipif(shutil.which("prometheus") is None,
-                    reason="Debian's prometheus server is not installed (.ci/run installs it where it can: "
-                           "apt-get install prometheus)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="Debian's prometheus server is not installed (.ci/run installs it where it can: apt-get install prometheus)",
+)
 def test_a_prometheus_server_scrapes_the_nodes_and_answers_every_dashboard_query(job, tmp_path):
     ns = job
-    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes()
-               if n["Alive"] and n.get("MetricsExportPort")]
+    targets = [
+        f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}"
+        for n in ray.nodes()
+        if n["Alive"] and n.get("MetricsExportPort")
+    ]
     assert len(targets) >= 4, ray.nodes()
     config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({  # JSON is YAML
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}]}))
+    config.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
+            }
+        )
+    )
     port = _free_port()
     log = open(tmp_path / "prometheus.log", "w")
     server = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         committed = f'sum(ray_gemini_ckpt_versions_total{{namespace="{ns}",outcome="committed"}})'
         deadline = time.monotonic() + 90

@@ -39,8 +39,15 @@ def _restore_then_watch(worker, watch_s: float) -> dict:
         changed = (ballast != 7.0).float().mean().item()
         if changed and first_change is None:
             first_change = time.monotonic() - returned
-    return {"step": result.step, "source": result.source, "path": result.path, "changed": changed,
-            "first_change_s": first_change, "restore_s": returned - t0, "skipped": result.skipped_reasons}
+    return {
+        "step": result.step,
+        "source": result.source,
+        "path": result.path,
+        "changed": changed,
+        "first_change_s": first_change,
+        "restore_s": returned - t0,
+        "skipped": result.skipped_reasons,
+    }
 
 
 @pytest.mark.ray
@@ -58,6 +65,8 @@ def test_nothing_writes_into_the_live_state_after_restore_gave_up_on_a_slow_peer
     # Step 2 could not be read in time on rank 1 (its other copy is too slow): step 1, from memory, directly.
     assert [(r["step"], r["source"], r["path"]) for r in out] == [(1, "memory", "direct")] * HOSTS, out
     for rank, r in enumerate(out):
-        assert r["changed"] == 0.0, (f"rank {rank}: {r['changed']:.0%} of the ballast was overwritten "
-                                     f"{r['first_change_s']:.1f}s after restore() returned")
+        assert r["changed"] == 0.0, (
+            f"rank {rank}: {r['changed']:.0%} of the ballast was overwritten "
+            f"{r['first_change_s']:.1f}s after restore() returned"
+        )
     assert "model.ballast" in out[1]["skipped"][2] and "LookupError" in out[1]["skipped"][2], out[1]["skipped"]

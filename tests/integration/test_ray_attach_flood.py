@@ -58,8 +58,10 @@ def test_every_restart_attaches_and_commits_while_local_processes_flood_the_atta
     store = find_store(CheckpointConfig(namespace=namespace).resolved_namespace, node_id_of_host(0))
     address = ray.get(store.__ray_call__.remote(lambda self: self.attach_server.address), timeout=60)
     assert address.startswith("\0gemini-ckpt-")
-    flooders = [subprocess.Popen([sys.executable, "-c", FLOODER, address[1:], "240"], stdout=subprocess.PIPE,
-                                 text=True) for _ in range(FLOODERS)]
+    flooders = [
+        subprocess.Popen([sys.executable, "-c", FLOODER, address[1:], "240"], stdout=subprocess.PIPE, text=True)
+        for _ in range(FLOODERS)
+    ]
     try:
         for f in flooders:
             assert f.stdout.readline().strip() == "flooding"
@@ -74,7 +76,9 @@ def test_every_restart_attaches_and_commits_while_local_processes_flood_the_atta
         # what each saw comes from its last line; a select on the buffered pipe missed a "full" that had
         # arrived with "flooding" in one read (CI, stop 50)
         seen = [f.communicate(timeout=30)[0].split() for f in flooders]
-        assert any(s[-1:] == ["full"] for s in seen), f"no flooder ever found the attach queue full: the test flooded nothing: {seen}"
+        assert any(s[-1:] == ["full"] for s in seen), (
+            f"no flooder ever found the attach queue full: the test flooded nothing: {seen}"
+        )
         assert not failed, f"{len(failed)} rank-restarts of {RESTARTS * len(out)} failed under the flood: {failed[:3]}"
     finally:
         for f in flooders:

@@ -22,8 +22,11 @@ RACKS = ("0", "0", "1", "1")
 
 def _copies(namespace: str) -> dict[int, dict[int, tuple[int, ...]]]:
     """step -> rank -> slots holding a complete copy (committed versions only)."""
-    return {v.step: {s.rank: tuple(sorted(s.copies)) for s in v.shards}
-            for v in status(namespace).versions if v.state == "committed"}
+    return {
+        v.step: {s.rank: tuple(sorted(s.copies)) for s in v.shards}
+        for v in status(namespace).versions
+        if v.state == "committed"
+    }
 
 
 def test_copies_land_in_the_other_rack_and_losing_a_rack_restores_from_memory(ray_cluster, ranks):
@@ -34,8 +37,9 @@ def test_copies_land_in_the_other_rack_and_losing_a_rack_restores_from_memory(ra
     assert all(r["committed"] for per_rank in trained for r in per_rank)
     copies = _copies(ns)
     assert sorted(copies) == [1, 2]
-    spread = {r: tuple(sorted(holders_for(r, hosts=HOSTS, replicas=2, strategy="group", domains=RACKS)))
-              for r in range(HOSTS)}
+    spread = {
+        r: tuple(sorted(holders_for(r, hosts=HOSTS, replicas=2, strategy="group", domains=RACKS))) for r in range(HOSTS)
+    }
     assert spread == {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
     for step in copies:  # rank i runs on host i (slot i): one copy in each rack
         assert copies[step] == spread, (step, copies[step])

@@ -18,11 +18,13 @@ from gemini_ckpt.durable.tier import DurableTier
 def _vault(base: str, seen: str):
     """``vault://NAME`` -> ``base/NAME`` on the local disk; each process that opens one leaves
     its pid in ``seen``."""
+
     def opener(uri: str):
         import pyarrow.fs as pafs
 
         open(os.path.join(seen, str(os.getpid())), "w").close()
         return pafs.SubTreeFileSystem(base, pafs.LocalFileSystem()), uri.split("://", 1)[1]
+
     return opener
 
 
@@ -37,9 +39,15 @@ def test_a_backend_registered_in_the_trainer_persists_through_the_host_stores(ra
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(16, 8)
-        config = CheckpointConfig(namespace=f"vault-{uuid.uuid4().hex[:8]}", replicas=1, persist_every=2,
-                                  durable_uri="vault://run-1", persist_on_close=False, timeout_s=120,
-                                  host_memory_budget_bytes=1 << 24)
+        config = CheckpointConfig(
+            namespace=f"vault-{uuid.uuid4().hex[:8]}",
+            replicas=1,
+            persist_every=2,
+            durable_uri="vault://run-1",
+            persist_on_close=False,
+            timeout_s=120,
+            host_memory_budget_bytes=1 << 24,
+        )
         ckpt = Checkpointer(TrainState(model=model), config)
         try:
             assert ckpt.store.capabilities.persists_itself  # the host stores write the data files

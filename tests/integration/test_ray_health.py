@@ -32,8 +32,15 @@ def _train(worker, steps: list[int], bad_step: int, bad_rank: int) -> list[dict]
         handle = worker.ckpt.save(step)
         handle.committed.result(timeout=120)
         health = handle.health.result(timeout=120)
-        out.append({"step": step, "health": health.status, "reason": health.reason, "digest": worker.digest(),
-                    "persisted": handle.persisted.result(timeout=120)})
+        out.append(
+            {
+                "step": step,
+                "health": health.status,
+                "reason": health.reason,
+                "digest": worker.digest(),
+                "persisted": handle.persisted.result(timeout=120),
+            }
+        )
     worker.ckpt.wait_persisted()
     return out
 
@@ -42,9 +49,15 @@ def _restore(worker, step=None) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = worker.ckpt.restore(step)
-    return {"step": result.step, "source": result.source, "health": result.health.status,
-            "skipped": result.skipped_steps, "reasons": result.skipped_reasons, "digest": worker.digest(),
-            "warnings": [str(w.message) for w in caught if "UNHEALTHY" in str(w.message)]}
+    return {
+        "step": result.step,
+        "source": result.source,
+        "health": result.health.status,
+        "skipped": result.skipped_steps,
+        "reasons": result.skipped_reasons,
+        "digest": worker.digest(),
+        "warnings": [str(w.message) for w in caught if "UNHEALTHY" in str(w.message)],
+    }
 
 
 def _on_every_rank(ranks, fn, *args, timeout: float = 600) -> list:
@@ -54,7 +67,8 @@ def _on_every_rank(ranks, fn, *args, timeout: float = 600) -> list:
 
 @pytest.mark.ray
 def test_a_nan_on_one_host_is_never_kept_over_persisted_over_or_restored_instead_of_healthy_versions(
-        ray_cluster, ranks, tmp_path):
+    ray_cluster, ranks, tmp_path
+):
     ns = f"health-{uuid.uuid4().hex[:8]}"
     config = dict(persist_every=2, keep_durable=2, keep_in_memory=3, durable_uri=str(tmp_path / ns))
     ranks.restart(ns, **config)
@@ -64,7 +78,8 @@ def test_a_nan_on_one_host_is_never_kept_over_persisted_over_or_restored_instead
         assert [s["health"] for s in per_step] == ["healthy"] * 6 + ["unhealthy"] * 4, rank
         # every rank hears why, from the store of the rank whose shard failed
         assert per_step[BAD_STEP]["reason"].startswith(
-            f"rank {BAD_RANK}: model.0.weight failed the finite check (1 NaN of 512 values"), per_step[BAD_STEP]
+            f"rank {BAD_RANK}: model.0.weight failed the finite check (1 NaN of 512 values"
+        ), per_step[BAD_STEP]
         assert [s["persisted"] is None for s in per_step] == [True, False, True, False, True, False] + [True] * 4
     st = status(ns)
     assert st.committed_steps == [3, 4, 5, 6] and st.unhealthy_steps == [6]  # 3 healthy + where it went bad

@@ -23,13 +23,17 @@ HOSTS = 4
 
 def _copies(namespace: str) -> dict[int, dict[int, tuple[int, ...]]]:
     """step -> rank -> slots holding a complete copy (committed versions only)."""
-    return {v.step: {s.rank: tuple(sorted(s.copies)) for s in v.shards}
-            for v in status(namespace).versions if v.state == "committed"}
+    return {
+        v.step: {s.rank: tuple(sorted(s.copies)) for s in v.shards}
+        for v in status(namespace).versions
+        if v.state == "committed"
+    }
 
 
 def _placed(dead: set) -> dict[int, tuple[int, ...]]:
-    return {r: tuple(sorted(holders_for(r, hosts=HOSTS, replicas=2, strategy="group", dead=dead)))
-            for r in range(HOSTS)}
+    return {
+        r: tuple(sorted(holders_for(r, hosts=HOSTS, replicas=2, strategy="group", dead=dead))) for r in range(HOSTS)
+    }
 
 
 def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_the_restart(ray_cluster, ranks):
@@ -43,8 +47,11 @@ def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_t
     t0 = time.monotonic()
     ray_cluster.remove_hosts((1,), wait=False)
     # Slot 1's shards (and the copies of slot 0's it held) go to slot 2, the next live slot.
-    wait_for(lambda: all(_copies(ns).get(s) == _placed({1}) for s in kept), timeout=60,
-             what="every kept version back to 2 copies on the live hosts")
+    wait_for(
+        lambda: all(_copies(ns).get(s) == _placed({1}) for s in kept),
+        timeout=60,
+        what="every kept version back to 2 copies on the live hosts",
+    )
     rereplicated_s = time.monotonic() - t0
     events = [e["message"] for e in status(ns).events]
     assert any("re-replicated" in m for m in events), events
@@ -52,9 +59,14 @@ def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_t
     ray_cluster.add_host(1)
     new_node = node_id_of_host(1)
     # The replacement takes slot 1 before any rank of the job runs there, and holds its copies.
-    wait_for(lambda: status(ns).host(1).node_id == new_node and all(
-        1 in _copies(ns).get(s, {}).get(1, ()) and 1 in _copies(ns).get(s, {}).get(0, ()) for s in kept),
-        timeout=60, what="the replacement host to hold the lost host's copies")
+    wait_for(
+        lambda: (
+            status(ns).host(1).node_id == new_node
+            and all(1 in _copies(ns).get(s, {}).get(1, ()) and 1 in _copies(ns).get(s, {}).get(0, ()) for s in kept)
+        ),
+        timeout=60,
+        what="the replacement host to hold the lost host's copies",
+    )
     assert any("took over slot 1" in m for m in (e["message"] for e in status(ns).events))
 
     ranks.restart(ns, ballast_mb=8)
@@ -70,8 +82,11 @@ def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_t
     # and seeded included), so no store keeps more than it did before the failure.
     more = ranks.train(range(3, 7))
     assert all(r["committed"] for per_rank in more for r in per_rank)
-    wait_for(lambda: sorted(_copies(ns)) == [5, 6], timeout=30,
-             what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})")
+    wait_for(
+        lambda: sorted(_copies(ns)) == [5, 6],
+        timeout=30,
+        what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})",
+    )
     held = {h: status(ns).host(h).held_bytes for h in range(HOSTS)}
     assert all(v <= (2 + 1) * 2 * (9 << 20) for v in held.values()), held
 
@@ -91,8 +106,11 @@ def test_a_replacement_that_joins_at_once_leaves_no_copies_behind_as_training_go
     assert [r["step"] for r in restored] == [2] * HOSTS
     more = ranks.train(range(3, 9))
     assert all(r["committed"] for per_rank in more for r in per_rank)
-    wait_for(lambda: sorted(_copies(ns)) == [7, 8], timeout=30,
-             what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})")
+    wait_for(
+        lambda: sorted(_copies(ns)) == [7, 8],
+        timeout=30,
+        what=f"only the newest 2 versions kept (held: {sorted(_copies(ns))})",
+    )
     time.sleep(2)  # anything late (a copy made again after its version was let go) has landed
     held = {h: status(ns).host(h).held_bytes for h in range(HOSTS)}
     assert all(v <= (2 + 1) * 2 * (9 << 20) for v in held.values()), held

@@ -65,9 +65,13 @@ def _scenario(cluster, ranks, reference, failed: set[int], tmp_path) -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("failed", [pytest.param(f, marks=() if f in FAST else pytest.mark.slow,
-                                                  id="lose-" + "-".join(map(str, sorted(f))))
-                                    for f in SURVIVABLE])
+@pytest.mark.parametrize(
+    "failed",
+    [
+        pytest.param(f, marks=() if f in FAST else pytest.mark.slow, id="lose-" + "-".join(map(str, sorted(f))))
+        for f in SURVIVABLE
+    ],
+)
 def test_survivable_failures_restore_newest_committed_from_memory(ray_cluster, ranks, reference, failed, tmp_path):
     assert placement.plan_recovery(LAYOUT, failed).from_memory
     _scenario(ray_cluster, ranks, reference, failed, tmp_path)
@@ -94,8 +98,9 @@ def test_persisted_versions_are_written_by_the_host_stores_and_load_with_stock_d
     ranks.teardown()  # close(): waits for persists
     complete = sorted(p.name for p in durable.iterdir() if (p / ".gemini_complete").exists())
     assert complete == ["step_000000002", "step_000000005"]
-    assert sorted(f.name for f in (durable / "step_000000005").iterdir()) == \
-        [".gemini_complete", ".metadata"] + [f"__{r}_0.distcp" for r in range(HOSTS)]
+    assert sorted(f.name for f in (durable / "step_000000005").iterdir()) == [".gemini_complete", ".metadata"] + [
+        f"__{r}_0.distcp" for r in range(HOSTS)
+    ]
     torch.manual_seed(0)
     model = mlp(64)
     sd = {"model": model.state_dict()}
@@ -135,8 +140,11 @@ def test_ranks_never_mix_versions_when_one_dies_mid_save(ray_cluster, ranks, ref
         w.train.remote([4], 60.0)
     wait_for(lambda: not ranks.alive(3), timeout=60, what="rank 3 to die")
 
-    wait_for(lambda: all(holds_own_shard(ns, h, 4) for h in range(3)), timeout=60,
-             what="ranks 0-2 to hand their shards of step 4 to their stores")
+    wait_for(
+        lambda: all(holds_own_shard(ns, h, 4) for h in range(3)),
+        timeout=60,
+        what="ranks 0-2 to hand their shards of step 4 to their stores",
+    )
     # The job is torn down (as Ray Train does when a worker dies) and started again.
     for w in ranks.workers[:3]:
         ray.kill(w, no_restart=True)
@@ -170,8 +178,7 @@ def test_a_corrupt_local_copy_is_read_from_the_other_holder(ray_cluster, ranks, 
 
 
 @pytest.mark.ray
-def test_a_training_process_killed_right_after_save_returned_still_commits_its_version(ray_cluster, ranks,
-                                                                                         reference):
+def test_a_training_process_killed_right_after_save_returned_still_commits_its_version(ray_cluster, ranks, reference):
     ns = f"afterkill-{uuid.uuid4().hex[:8]}"
     ranks.restart(ns)
     ranks.train(range(3))
@@ -187,4 +194,3 @@ def test_a_training_process_killed_right_after_save_returned_still_commits_its_v
     restored = ranks.call("restore")
     assert [r["step"] for r in restored] == [3] * HOSTS  # every committed version is found
     assert [r["digest"] for r in restored] == [reference[r][3] for r in range(HOSTS)]
-

@@ -48,8 +48,12 @@ def test_holders_rule_keeps_placement_and_replaces_dead_slots_by_ring_successors
 
 def _entry(epoch, state, shards, world=2):
     """One store's ``index()`` entry: shards given as rank -> owner slot (all complete)."""
-    return {"epoch": epoch, "state": state, "world_size": world,
-            "shards": {r: {"owner": o, "complete": True, "plan_id": "p", "nbytes": 10} for r, o in shards.items()}}
+    return {
+        "epoch": epoch,
+        "state": state,
+        "world_size": world,
+        "shards": {r: {"owner": o, "complete": True, "plan_id": "p", "nbytes": 10} for r, o in shards.items()},
+    }
 
 
 def test_a_step_counts_only_when_committed_somewhere_with_every_shard_on_a_live_store():
@@ -75,8 +79,9 @@ def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
     from gemini_ckpt.hoststore.client import connect
     from tier_contract import check_tier_contract
 
-    tier = connect(CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120),
-                   rank=0, world_size=1)
+    tier = connect(
+        CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120), rank=0, world_size=1
+    )
     try:
         check_tier_contract(tier, keep=2)
         # The store actors never import torch: small, and fast to start.
@@ -137,8 +142,11 @@ def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_clus
     from gemini_ckpt.hoststore.client import connect
     from gemini_ckpt.hoststore.readahead import PeerCopy
 
-    tier = connect(CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120,
-                                    replication_bandwidth=1 << 20), rank=0, world_size=1)
+    tier = connect(
+        CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120, replication_bandwidth=1 << 20),
+        rank=0,
+        world_size=1,
+    )
     try:
         size = _save_4mib(tier, 5)  # blocks of 256 KiB take ~0.25 s each at the cap
         local = tier.open(5)
@@ -165,8 +173,11 @@ def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster)
     from gemini_ckpt.hoststore.client import connect
     from gemini_ckpt.hoststore.readahead import PeerCopy
 
-    tier = connect(CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120,
-                                    replication_bandwidth=1 << 20), rank=0, world_size=1)
+    tier = connect(
+        CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120, replication_bandwidth=1 << 20),
+        rank=0,
+        world_size=1,
+    )
     try:
         size = _save_4mib(tier, 5)  # ~4 s at the cap
         local = tier.open(5)
@@ -193,8 +204,13 @@ def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray
     from gemini_ckpt.hoststore.client import connect
     from tier_contract import save_filled
 
-    tier = connect(CheckpointConfig(namespace="budget", replicas=1, keep_in_memory=1,
-                                    host_memory_budget_bytes=12_000, timeout_s=120), rank=0, world_size=1)
+    tier = connect(
+        CheckpointConfig(
+            namespace="budget", replicas=1, keep_in_memory=1, host_memory_budget_bytes=12_000, timeout_s=120
+        ),
+        rank=0,
+        world_size=1,
+    )
     try:
         plan = save_filled(tier, 1, 1.0)  # one version of ~8.5 kB fits; a second segment does not
         with pytest.raises(MemoryBudgetError) as info:
@@ -214,8 +230,14 @@ def test_the_footprint_is_known_before_the_first_save_and_over_budget_is_refused
     from gemini_ckpt import Checkpointer, TrainState
 
     state = TrainState(model=torch.nn.Linear(64, 64))  # a shard of ~16.7 kB
-    config = CheckpointConfig(namespace="footprint", replicas=1, keep_in_memory=2, max_inflight=1,
-                              host_memory_budget_bytes=40_000, timeout_s=120)
+    config = CheckpointConfig(
+        namespace="footprint",
+        replicas=1,
+        keep_in_memory=2,
+        max_inflight=1,
+        host_memory_budget_bytes=40_000,
+        timeout_s=120,
+    )
     ckpt = Checkpointer(state, config)
     try:  # 3 versions (keep_in_memory + max_inflight) need ~50 kB: refused before a byte is staged
         with pytest.raises(MemoryBudgetError, match="host_memory_budget_bytes") as info:
@@ -239,8 +261,7 @@ def test_the_footprint_is_known_before_the_first_save_and_over_budget_is_refused
 def test_start_and_shutdown_host_stores(ray_cluster):
     from gemini_ckpt.hoststore.cluster import alive_node_ids, named_actors, shutdown_host_stores, start_host_stores
 
-    handles = start_host_stores(CheckpointConfig(namespace="started", host_memory_budget_bytes=1 << 20,
-                                                 timeout_s=120))
+    handles = start_host_stores(CheckpointConfig(namespace="started", host_memory_budget_bytes=1 << 20, timeout_s=120))
     assert sorted(handles) == alive_node_ids() and len(handles) == HOSTS + 1  # the head node too
     st = status("started")
     assert len(st.hosts) == HOSTS + 1
@@ -283,8 +304,23 @@ def test_each_host_holds_its_own_and_its_peers_shards_of_the_newest_versions(tra
 @pytest.mark.ray
 def test_status_cli(trained, ray_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    out = subprocess.run([sys.executable, "-m", "gemini_ckpt", "status", "--namespace", "repl", "--json",
-                          "--address", ray_cluster.address], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemini_ckpt",
+            "status",
+            "--namespace",
+            "repl",
+            "--json",
+            "--address",
+            ray_cluster.address,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     (ns,) = doc["namespaces"]
@@ -397,10 +433,21 @@ def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
             intruder = TcpTransport(secret, namespace)
             with pytest.raises((AuthenticationError, PeerLostError)):
                 channel = intruder.connect(endpoint)
-                channel.send(Header(namespace, 1, "region/0", 0, 1000, total=1000,
-                                    meta=json.dumps({"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1,
-                                                     "plan_id": "x"}).encode()),
-                             np.zeros(1000, np.uint8), timeout=10)
+                channel.send(
+                    Header(
+                        namespace,
+                        1,
+                        "region/0",
+                        0,
+                        1000,
+                        total=1000,
+                        meta=json.dumps(
+                            {"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1, "plan_id": "x"}
+                        ).encode(),
+                    ),
+                    np.zeros(1000, np.uint8),
+                    timeout=10,
+                )
             intruder.close()
         # The attach socket of the store: a process of this node without the secret is refused.
         address = ray.get(actor.attach.remote(tier.epoch, {}))["attach"]
@@ -429,9 +476,11 @@ def test_an_authenticated_peer_cannot_make_a_store_allocate_past_its_limits(ray_
         peer = TcpTransport(tier._secret, "dataplane-meta")  # the secret: an authenticated peer
         meta = json.dumps({"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1, "plan_id": "x"}).encode()
         huge = MAX_META_TRANSFER_BYTES + 1
-        cases = [(Header("dataplane-meta", 2, "plan/0", 0, 16, total=huge, meta=meta), "one piece"),
-                 (Header("dataplane-meta", 2, "record/0", 0, huge, total=huge, meta=meta), "refused"),
-                 (Header("dataplane-meta", 2, "blob/0", 0, 16, total=16, meta=meta), "unknown transfer")]
+        cases = [
+            (Header("dataplane-meta", 2, "plan/0", 0, 16, total=huge, meta=meta), "one piece"),
+            (Header("dataplane-meta", 2, "record/0", 0, huge, total=huge, meta=meta), "refused"),
+            (Header("dataplane-meta", 2, "blob/0", 0, 16, total=16, meta=meta), "unknown transfer"),
+        ]
         try:
             channel = peer.connect(endpoint)
             for header, why in cases:
@@ -467,8 +516,9 @@ def test_ranks_with_different_signing_keys_are_refused_when_they_connect(ray_clu
 
 @pytest.mark.ray
 def test_a_holder_that_dies_mid_transfer_fails_the_version_in_about_a_second(ray_cluster, ranks):
-    ranks.restart("dataplane-death", ballast_mb=64,
-                  replication_bandwidth=16 << 20)  # 64 MiB per shard take 4 s: the kill lands mid-transfer
+    ranks.restart(
+        "dataplane-death", ballast_mb=64, replication_bandwidth=16 << 20
+    )  # 64 MiB per shard take 4 s: the kill lands mid-transfer
     assert all(r["committed"] for per_rank in ranks.train([0]) for r in per_rank)  # every rank connected
     timed = [w.save_timed.remote(1) for w in ranks.workers]
     time.sleep(1.5)
@@ -518,8 +568,10 @@ def test_interleaving_marks_reach_the_host_store_and_a_rank_stuck_in_a_collectiv
     held = ray.get(host1.describe.remote(), timeout=60)["interleave"]
     assert held["forced"] >= 1 and held["waited_s"] >= 0.9  # it did wait for the collective to end
     ranks.teardown()  # its attach socket closes: the store forgets the mark
-    wait_for(lambda: ray.get(host1.describe.remote(), timeout=60)["interleave"]["marked_now"] == 0,
-             what="the detached rank's mark to be cleared")
+    wait_for(
+        lambda: ray.get(host1.describe.remote(), timeout=60)["interleave"]["marked_now"] == 0,
+        what="the detached rank's mark to be cleared",
+    )
 
 
 def _data_plane_tos(namespace: str, end: str = "both") -> list[int]:

@@ -40,8 +40,20 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
-def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, staging="copy", in_place=False,
-         progress=None, raise_at=None, max_stuck=3, max_failures=2):
+def _fit(
+    tmp_path,
+    name: str,
+    *,
+    kill=None,
+    num_to_keep=2,
+    callback=False,
+    staging="copy",
+    in_place=False,
+    progress=None,
+    raise_at=None,
+    max_stuck=3,
+    max_failures=2,
+):
     """One TorchTrainer run of the demo's loop. Host stores are stopped by ``host_stores()``
     around ``fit()`` (the public path), or with ``callback`` by the ``HostStores`` adapter.
     ``in_place``: recover in place (``recoverable`` + ``torch_config``)."""
@@ -51,18 +63,28 @@ def _fit(tmp_path, name: str, *, kill=None, num_to_keep=2, callback=False, stagi
 
     from gemini_ckpt.demo.job import train_loop
 
-    ckpt_config = CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0,
-                                   staging=staging)
+    ckpt_config = CheckpointConfig(
+        replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0, staging=staging
+    )
     trainer = TorchTrainer(
         recoverable(train_loop) if in_place else train_loop,
         torch_config=torch_config(reform_timeout_s=60, max_stuck=max_stuck) if in_place else None,
-        train_loop_config={"ckpt": ckpt_config, "steps": STEPS, "kill": kill, "progress": progress,
-                           "raise_at": raise_at},
+        train_loop_config={
+            "ckpt": ckpt_config,
+            "steps": STEPS,
+            "kill": kill,
+            "progress": progress,
+            "raise_at": raise_at,
+        },
         scaling_config=ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS)),
-        run_config=RunConfig(name=name, storage_path=str(tmp_path),
-                             callbacks=[HostStores(ckpt_config)] if callback else [],
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=RayCheckpointConfig(num_to_keep=num_to_keep)))
+        run_config=RunConfig(
+            name=name,
+            storage_path=str(tmp_path),
+            callbacks=[HostStores(ckpt_config)] if callback else [],
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=RayCheckpointConfig(num_to_keep=num_to_keep),
+        ),
+    )
     if callback:
         return trainer.fit()
     with host_stores(ckpt_config, run_name=name):
@@ -101,8 +123,10 @@ class TestRayTrain:
         assert out["restore"] is None and out["reported"] == [4, 9, 13]
         root = os.path.join(str(tmp_path), "reference", DURABLE_DIR)
         assert result.checkpoint.path == os.path.join(root, "step_000000013")
-        assert sorted(c.path for c, _ in result.best_checkpoints) == [os.path.join(root, "step_000000009"),
-                                                                      os.path.join(root, "step_000000013")]
+        assert sorted(c.path for c, _ in result.best_checkpoints) == [
+            os.path.join(root, "step_000000009"),
+            os.path.join(root, "step_000000013"),
+        ]
         assert result.metrics["step"] == 13
         # Ray's num_to_keep=2 owns retention: the oldest reported version is gone.
         assert not os.path.exists(os.path.join(root, "step_000000004"))
@@ -118,8 +142,9 @@ class TestRayTrain:
     def test_killed_worker_restarts_and_restores_from_memory(self, reference, tmp_path):
         """With overlapped staging: its versions are the reference's (copy staging) bit for bit."""
         marker = tmp_path / "killed"
-        result = _fit(tmp_path, "sigkill", kill={"rank": 1, "step": 7, "marker": str(marker)}, callback=True,
-                      staging="overlap")
+        result = _fit(
+            tmp_path, "sigkill", kill={"rank": 1, "step": 7, "marker": str(marker)}, callback=True, staging="overlap"
+        )
         out = result.return_value
         assert marker.exists()  # rank 1 did SIGKILL itself after saving step 7
         assert out["restore"]["source"] == "memory" and out["restore"]["step"] in (6, 7)
@@ -138,8 +163,15 @@ def test_demo_host_loss_resumes_from_peer_memory_on_a_replacement_host(cluster, 
     the final state equals the uninterrupted run's."""
     from gemini_ckpt.demo.driver import run_demo
 
-    options = DemoOptions(hosts=HOSTS, replicas=2, kill_host=2, kill_at_step=8, steps=STEPS,
-                          persist_every=PERSIST_EVERY, out=str(tmp_path))
+    options = DemoOptions(
+        hosts=HOSTS,
+        replicas=2,
+        kill_host=2,
+        kill_at_step=8,
+        steps=STEPS,
+        persist_every=PERSIST_EVERY,
+        out=str(tmp_path),
+    )
     report = run_demo(options, cluster=cluster)
     text = report.format()
     print(text)
@@ -168,17 +200,22 @@ def progress():
     from gemini_ckpt.demo.job import RAY_NAMESPACE, Progress
 
     name = f"progress-{uuid.uuid4().hex[:8]}"
-    actor = ray.remote(Progress).options(name=name, namespace=RAY_NAMESPACE, num_cpus=0,
-                                         resources={"node:__internal_head__": 0.001}).remote()
+    actor = (
+        ray.remote(Progress)
+        .options(name=name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
+        .remote()
+    )
     yield name, lambda: ray.get(actor.since.remote(0), timeout=60)
     ray.kill(actor)
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("killed", [pytest.param(1, marks=pytest.mark.slow),
-                                    pytest.param(0, marks=[pytest.mark.slow, pytest.mark.ci])])  # CI: rank 0, after the default run (and chaos: 2, 3)
+@pytest.mark.parametrize(
+    "killed", [pytest.param(1, marks=pytest.mark.slow), pytest.param(0, marks=[pytest.mark.slow, pytest.mark.ci])]
+)  # CI: rank 0, after the default run (and chaos: 2, 3)
 def test_in_place_a_killed_worker_is_replaced_alone_and_every_rank_rolls_back_in_its_own_process(
-        reference, tmp_path, progress, monkeypatch, killed):
+    reference, tmp_path, progress, monkeypatch, killed
+):
     """Rank ``killed`` SIGKILLs itself after saving step 7; Ray Train replaces only it (same rank,
     same host); the other three keep their processes, form the process group again with it and run
     the training function again from the newest committed version; the run ends equal to the
@@ -187,8 +224,13 @@ def test_in_place_a_killed_worker_is_replaced_alone_and_every_rank_rolls_back_in
         monkeypatch.setenv(key, value)
     name, events = progress
     marker = tmp_path / "killed"
-    result = _fit(tmp_path, f"inplace-{killed}", kill={"rank": killed, "step": 7, "marker": str(marker)},
-                  in_place=True, progress=name)
+    result = _fit(
+        tmp_path,
+        f"inplace-{killed}",
+        kill={"rank": killed, "step": 7, "marker": str(marker)},
+        in_place=True,
+        progress=name,
+    )
     assert marker.exists()
     starts = [e for e in events() if e["kind"] == "start"]
     pids = {r: [e["pid"] for e in starts if e["rank"] == r] for r in range(HOSTS)}
@@ -223,8 +265,9 @@ def test_in_place_an_error_of_the_training_code_ends_the_run_after_bounded_tries
     for key, value in detection_env().items():
         monkeypatch.setenv(key, value)
     with pytest.raises(TrainingFailedError) as caught:
-        _fit(tmp_path, f"bug-{where}", in_place=True, raise_at={"step": 9, "rank": where}, max_stuck=2,
-             max_failures=-1)  # only gemini_ckpt's bound ends it
+        _fit(
+            tmp_path, f"bug-{where}", in_place=True, raise_at={"step": 9, "rank": where}, max_stuck=2, max_failures=-1
+        )  # only gemini_ckpt's bound ends it
     text = str(caught.value)
     assert "2 recoveries in a row ended without a newer version committed" in text, text
     assert "ValueError: the training code fails at step 9" in text, text

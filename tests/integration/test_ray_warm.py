@@ -21,7 +21,7 @@ class _TrainLike:
         return {m: m in sys.modules for m in modules}
 
     def start_store(self, namespace: str, node_id: str) -> int:
-        from gemini_ckpt.hoststore.actors.host_store import get_or_create_store
+        from gemini_ckpt.hoststore.actors.store_handle import get_or_create_store
 
         store = get_or_create_store(namespace, node_id, 64 << 20)
         ray.get(store.index.remote(), timeout=60)
@@ -35,12 +35,12 @@ def _maps_torch(pid: int) -> bool:
 
 def test_a_warm_worker_imports_before_work_and_its_host_store_does_not(ray_cluster, namespace):
     node = node_id_of_host(2)
-    worker = _TrainLike.options(runtime_env=warm_runtime_env("json.decoder"),
-                                resources={"host2": 0.01}).remote()
+    worker = _TrainLike.options(runtime_env=warm_runtime_env("json.decoder"), resources={"host2": 0.01}).remote()
     # imported by the setup hook, before this first call (nothing in the class imports them)
-    assert ray.get(worker.loaded.remote(["torch", "ray.train.torch", "gemini_ckpt.integrations.ray_train",
-                                         "json.decoder"]), timeout=120) == {
-        "torch": True, "ray.train.torch": True, "gemini_ckpt.integrations.ray_train": True, "json.decoder": True}
+    assert ray.get(
+        worker.loaded.remote(["torch", "ray.train.torch", "gemini_ckpt.integrations.ray_train", "json.decoder"]),
+        timeout=120,
+    ) == {"torch": True, "ray.train.torch": True, "gemini_ckpt.integrations.ray_train": True, "json.decoder": True}
     try:
         store_pid = ray.get(worker.start_store.remote(namespace, node), timeout=120)
         assert os.path.exists(f"/proc/{store_pid}")

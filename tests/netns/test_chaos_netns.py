@@ -29,11 +29,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_a_partitioned_host_is_lost_to_the_job_then_fenced_when_it_comes_back(tmp_path):
     report = tmp_path / "chaos.json"
     before = _ours()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    done = subprocess.run([sys.executable, "-m", "gemini_ckpt", "chaos", "--network", "netns", "--link", "1gbit",
-                           "-k", "partition-host", "--json", str(report), "-q"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gemini_ckpt",
+            "chaos",
+            "--network",
+            "netns",
+            "--link",
+            "1gbit",
+            "-k",
+            "partition-host",
+            "--json",
+            str(report),
+            "-q",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert report.exists(), done.stderr[-4000:]
     doc = json.loads(report.read_text())
     (s,) = doc["scenarios"]

@@ -30,10 +30,15 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"network namespaces
 
 def _names(prefix: str) -> tuple[set[str], set[str]]:
     """Namespaces and links whose names start with ``prefix``."""
-    spaces = {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                         text=True).stdout.splitlines() if line.strip()}
-    links = {line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
-        ["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()}
+    spaces = {
+        line.split()[0]
+        for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+        if line.strip()
+    }
+    links = {
+        line.split(":")[1].strip().split("@")[0]
+        for line in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
+    }
     return {s for s in spaces if s.startswith(prefix)}, {n for n in links if n.startswith(prefix)}
 
 
@@ -121,16 +126,29 @@ _SEND = textwrap.dedent("""
 """)
 
 
-def _stream(net, src: int, dst: int, nbytes: int, timeout: float = 30.0, *, dscp: int | None = None,
-            port: int = 5201) -> float:
+def _stream(
+    net, src: int, dst: int, nbytes: int, timeout: float = 30.0, *, dscp: int | None = None, port: int = 5201
+) -> float:
     """Bytes per second of one TCP stream from host ``src`` to host ``dst`` (its packets marked
     with ``dscp`` as the data plane marks them)."""
-    server = net.exec(dst, [sys.executable, "-c", _SERVE, net.address(dst), str(port)], stdout=subprocess.PIPE,
-                      text=True)
+    server = net.exec(
+        dst, [sys.executable, "-c", _SERVE, net.address(dst), str(port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout.readline().strip() == "ready"
-        sender = net.exec(src, [sys.executable, "-c", _SEND, net.address(dst), str(nbytes), "5",
-                                "-" if dscp is None else str(dscp), str(port)])
+        sender = net.exec(
+            src,
+            [
+                sys.executable,
+                "-c",
+                _SEND,
+                net.address(dst),
+                str(nbytes),
+                "5",
+                "-" if dscp is None else str(dscp),
+                str(port),
+            ],
+        )
         assert sender.wait(timeout) == 0
         got, seconds = server.communicate(timeout=timeout)[0].split()
         assert int(got) == nbytes
@@ -146,8 +164,9 @@ def test_hosts_get_their_own_addresses_and_shaped_links_and_everything_goes_on_d
     try:
         assert net.add_host(0) == f"198.18.{net.index}.10" if net.index < 256 else True
         net.add_host(1)
-        addresses = subprocess.run(["ip", "-n", net.namespace(1), "-o", "-4", "addr", "show", "eth0"],
-                                   capture_output=True, text=True).stdout
+        addresses = subprocess.run(
+            ["ip", "-n", net.namespace(1), "-o", "-4", "addr", "show", "eth0"], capture_output=True, text=True
+        ).stdout
         assert net.address(1) + "/24" in addresses
         # one stream of 4 MiB over a 100 Mbit/s link: at the rate, not above it (the tbf burst is
         # 64 KiB) and not far below it
@@ -158,8 +177,9 @@ def test_hosts_get_their_own_addresses_and_shaped_links_and_everything_goes_on_d
         assert 1.4e7 < rate < 2.15e7, f"{rate / 1e6:.1f} Mbit/s over a link reshaped to 20 Mbit/s"
         # cut off: a connection attempt to the host times out; back up: it connects again
         with net.partitioned(1):
-            probe = net.exec(0, [sys.executable, "-c", _SEND, net.address(1), "65536", "1.5"],
-                             stderr=subprocess.PIPE, text=True)
+            probe = net.exec(
+                0, [sys.executable, "-c", _SEND, net.address(1), "65536", "1.5"], stderr=subprocess.PIPE, text=True
+            )
             assert probe.wait(10) != 0 and "timed out" in probe.stderr.read()
         assert _stream(net, 0, 1, 1 << 16) > 0
         state = json.loads(net.state_file.read_text())
@@ -226,8 +246,9 @@ def test_a_replacement_host_is_reachable_at_once_at_the_same_address():
     try:
         for h in (0, 1):
             net.add_host(h)
-        mac = subprocess.run(["ip", "-n", net.namespace(0), "-o", "link", "show", "eth0"], capture_output=True,
-                             text=True).stdout
+        mac = subprocess.run(
+            ["ip", "-n", net.namespace(0), "-o", "link", "show", "eth0"], capture_output=True, text=True
+        ).stdout
         assert net.mac(0) in mac and net.mac(0) != net.mac(1)
         assert _stream(net, 1, 0, 1 << 20) > 0  # host 1 knows host 0's MAC now
         net.remove_host(0)
@@ -252,8 +273,9 @@ _CRASHING_OWNER = textwrap.dedent("""
 
 @needs_netns
 def test_what_a_killed_owner_left_is_removed_by_the_next_create_and_nothing_else():
-    owner = subprocess.Popen([sys.executable, "-c", _CRASHING_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _CRASHING_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     index, space, sleeper = owner.stdout.readline().split()
     foreign = f"gckforeign{os.getpid()}"  # a namespace no state file names: never ours to touch
     subprocess.run(["ip", "netns", "add", foreign], check=True)
@@ -300,7 +322,7 @@ def test_ray_hosts_run_inside_their_namespaces_and_a_lost_host_is_known_dead_fas
     done = subprocess.run([sys.executable, "-c", _RAY_HOSTS], capture_output=True, text=True, timeout=300)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, done.stderr[-3000:]
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     assert out["addresses"] == out["expected"]
     assert out["back"] == out["expected"][1]
     # the host's processes die but its namespace answers (connection refused), as on loopback

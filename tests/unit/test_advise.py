@@ -87,9 +87,16 @@ def _brute_host_survival(p, window_p):
     return total / p.hosts
 
 
-@pytest.mark.parametrize("strategy,hosts,replicas", [
-    ("ring", 8, 2), ("group", 8, 2), ("mixed", 7, 3), ("ring", 9, 3), ("auto", 6, 1),
-])
+@pytest.mark.parametrize(
+    "strategy,hosts,replicas",
+    [
+        ("ring", 8, 2),
+        ("group", 8, 2),
+        ("mixed", 7, 3),
+        ("ring", 9, 3),
+        ("auto", 6, 1),
+    ],
+)
 def test_host_survival_equals_enumeration(strategy, hosts, replicas):
     # A 10 h MTBF with 1 h restarts makes second and third failures in the window common.
     a = advise(hosts=hosts, host_mtbf_h=10.0, restart_host_s=3600.0)
@@ -104,13 +111,18 @@ def test_host_survival_equals_enumeration(strategy, hosts, replicas):
 def test_domain_survival_equals_enumeration(layout, strategy, replicas):
     """Exact up to two more failed hosts in the window; three or more count as lost."""
     hosts, size = 12, 4
-    a = advise(hosts=hosts, host_mtbf_h=10.0, restart_host_s=3600.0, domain_size=size,
-               domain_mtbf_h=100.0, domain_layout=layout)
+    a = advise(
+        hosts=hosts,
+        host_mtbf_h=10.0,
+        restart_host_s=3600.0,
+        domain_size=size,
+        domain_mtbf_h=100.0,
+        domain_layout=layout,
+    )
     est = a.evaluate(replicas=replicas, placement=strategy, persist_every=100)
     window_p = -math.expm1(-(3600.0 + a.costs.restore_peer_s) / (10.0 * 3600))
     labels = [h // size for h in range(hosts)]
-    p = make(strategy, hosts=hosts, replicas=replicas,
-             domains=labels if layout == "spread" else None)
+    p = make(strategy, hosts=hosts, replicas=replicas, domains=labels if layout == "spread" else None)
     expected = 0.0
     for d in range(hosts // size):
         members = {h for h in range(hosts) if labels[h] == d}
@@ -136,12 +148,20 @@ MC_CONFIGS = {
     # second failures within a 1 h replacement window: P(memory | host lost) = 98 %
     "ring, replicas=2, 8 hosts, 100 h MTBF, 1 h restarts": (
         dict(hosts=8, host_mtbf_h=100.0, restart_host_s=3600.0),
-        dict(replicas=2, placement="ring", persist_every=90)),
+        dict(replicas=2, placement="ring", persist_every=90),
+    ),
     # racks of 4 failing whole, copies spread over racks
     "group, replicas=2, 12 hosts in racks of 4 (spread)": (
-        dict(hosts=12, host_mtbf_h=100.0, restart_host_s=3600.0, domain_size=4,
-             domain_mtbf_h=300.0, domain_layout="spread"),
-        dict(replicas=2, placement="group", persist_every=90, save_every=3)),
+        dict(
+            hosts=12,
+            host_mtbf_h=100.0,
+            restart_host_s=3600.0,
+            domain_size=4,
+            domain_mtbf_h=300.0,
+            domain_layout="spread",
+        ),
+        dict(replicas=2, placement="group", persist_every=90, save_every=3),
+    ),
 }
 
 
@@ -203,7 +223,10 @@ def test_recommendation_at_1024_hosts_with_defaults():
     call = ast.parse(line, mode="eval").body
     assert isinstance(call, ast.Call) and call.func.id == "CheckpointConfig"
     assert {k.arg: ast.literal_eval(k.value) for k in call.keywords} == {
-        "replicas": 2, "placement": "group", "keep_in_memory": 2, "persist_every": 215,
+        "replicas": 2,
+        "placement": "group",
+        "keep_in_memory": 2,
+        "persist_every": 215,
         "durable_uri": "runs/llm",
     }
     for c in a.candidates:
@@ -241,19 +264,22 @@ def test_large_cluster_is_fast():
 # ---- validation ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(hosts=0), "hosts"),
-    (dict(hosts=4, host_mtbf_h=0), "host_mtbf_h"),
-    (dict(hosts=4, host_mtbf_h=float("inf")), "host_mtbf_h"),
-    (dict(hosts=4, step_s=-1), "step_s"),
-    (dict(hosts=4, commit_s=()), "commit_s"),
-    (dict(hosts=4, domain_size=2), "domain_size"),
-    (dict(hosts=4, domain_size=8, domain_mtbf_h=10.0), "domain_size"),
-    (dict(hosts=4, domain_layout="racks"), "domain_layout"),
-    (dict(hosts=4, max_persist_h=0), "max_persist_h"),
-    (dict(hosts=4, replicas=(0,)), "replicas"),
-    (dict(hosts=4, ranks_per_host=True), "ranks_per_host"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(hosts=0), "hosts"),
+        (dict(hosts=4, host_mtbf_h=0), "host_mtbf_h"),
+        (dict(hosts=4, host_mtbf_h=float("inf")), "host_mtbf_h"),
+        (dict(hosts=4, step_s=-1), "step_s"),
+        (dict(hosts=4, commit_s=()), "commit_s"),
+        (dict(hosts=4, domain_size=2), "domain_size"),
+        (dict(hosts=4, domain_size=8, domain_mtbf_h=10.0), "domain_size"),
+        (dict(hosts=4, domain_layout="racks"), "domain_layout"),
+        (dict(hosts=4, max_persist_h=0), "max_persist_h"),
+        (dict(hosts=4, replicas=(0,)), "replicas"),
+        (dict(hosts=4, ranks_per_host=True), "ranks_per_host"),
+    ],
+)
 def test_validation_errors_name_the_field(kwargs, field):
     with pytest.raises(PlacementError) as info:
         advise(**kwargs)
@@ -287,8 +313,14 @@ def test_docstring_examples():
 
 def run_cli(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "placement", "advise", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "placement", "advise", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_defaults_need_only_hosts():
@@ -296,8 +328,10 @@ def test_cli_defaults_need_only_hosts():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "Young/Daly sqrt(2 C M) = 1154 s" in text
-    assert 'CheckpointConfig(replicas=2, placement="group", keep_in_memory=2, persist_every=215, ' \
-           'durable_uri="runs/my-job")' in text
+    assert (
+        'CheckpointConfig(replicas=2, placement="group", keep_in_memory=2, persist_every=215, '
+        'durable_uri="runs/my-job")' in text
+    )
     assert "save every 5 steps" in text
     assert "ETTR 97.55% vs 92.37% durable only" in text
     assert "monte carlo (seed 0, 20000 failures" in text
@@ -322,30 +356,51 @@ def test_cli_json_has_the_documented_shape():
 
 def _bench_results(directory: Path) -> None:
     """Files shaped exactly as the benchmark scripts write them (values invented)."""
-    (directory / "save.json").write_text(json.dumps({
-        "state_bytes": 1, "seconds": {"gemini_ckpt save() stall": 0.094, "dcp.save to local disk": 1.68},
-    }))
-    (directory / "replicate.json").write_text(json.dumps({"rows": [
-        {"method": "gemini_ckpt replicas=2", "replicas": 2, "stall_s": 0.1, "commit_s": 3.09, "put_s": 2.0},
-        {"method": "gemini_ckpt replicas=3", "replicas": 3, "stall_s": 0.1, "commit_s": 4.09, "put_s": 3.0},
-        {"method": "DCP async_save to local disk", "replicas": 1, "stall_s": 0.5, "commit_s": 1.82},
-    ]}))
-    (directory / "restore.json").write_text(json.dumps({"rows": [
-        {"method": "gemini_ckpt: local memory (same hosts)", "seconds": 0.89},
-        {"method": "stock dcp.load, local disk, page cache warm", "seconds": 0.4},
-        {"method": "gemini_ckpt: peer memory (ranks moved to other hosts)", "seconds": 2.26},
-        {"method": "gemini_ckpt: durable tier, page cache warm", "seconds": 0.7},
-        {"method": "gemini_ckpt: durable tier, page cache dropped", "seconds": 1.11},
-    ]}))
-    (directory / "recovery.json").write_text(json.dumps({
-        "ratio_with_restart": 1.9, "costs": {"restart_host_s": 21.5, "restore_peer_s": 0.3},
-    }))
+    (directory / "save.json").write_text(
+        json.dumps(
+            {
+                "state_bytes": 1,
+                "seconds": {"gemini_ckpt save() stall": 0.094, "dcp.save to local disk": 1.68},
+            }
+        )
+    )
+    (directory / "replicate.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"method": "gemini_ckpt replicas=2", "replicas": 2, "stall_s": 0.1, "commit_s": 3.09, "put_s": 2.0},
+                    {"method": "gemini_ckpt replicas=3", "replicas": 3, "stall_s": 0.1, "commit_s": 4.09, "put_s": 3.0},
+                    {"method": "DCP async_save to local disk", "replicas": 1, "stall_s": 0.5, "commit_s": 1.82},
+                ]
+            }
+        )
+    )
+    (directory / "restore.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"method": "gemini_ckpt: local memory (same hosts)", "seconds": 0.89},
+                    {"method": "stock dcp.load, local disk, page cache warm", "seconds": 0.4},
+                    {"method": "gemini_ckpt: peer memory (ranks moved to other hosts)", "seconds": 2.26},
+                    {"method": "gemini_ckpt: durable tier, page cache warm", "seconds": 0.7},
+                    {"method": "gemini_ckpt: durable tier, page cache dropped", "seconds": 1.11},
+                ]
+            }
+        )
+    )
+    (directory / "recovery.json").write_text(
+        json.dumps(
+            {
+                "ratio_with_restart": 1.9,
+                "costs": {"restart_host_s": 21.5, "restore_peer_s": 0.3},
+            }
+        )
+    )
 
 
 def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
     _bench_results(tmp_path)
-    out = run_cli("--hosts", "64", "--from-bench", str(tmp_path), "--restore-peer", "9",
-                  "--json", "--simulate", "0")
+    out = run_cli("--hosts", "64", "--from-bench", str(tmp_path), "--restore-peer", "9", "--json", "--simulate", "0")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     costs, sources = doc["inputs"]["costs"], doc["inputs"]["cost_sources"]
@@ -365,29 +420,43 @@ def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
 def test_cli_from_bench_refuses_hostile_sizes_and_nesting_with_one_line(tmp_path):
     """A benchmark file is not trusted to size the work (issue 40, 12): a row claiming 10^8
     copies took 141 s and 10.5 GB, a deeply nested file was a RecursionError traceback."""
-    (tmp_path / "replicate.json").write_text(json.dumps({"rows": [
-        {"method": "gemini_ckpt replicas=huge", "replicas": 100_000_000, "commit_s": 1.0, "put_s": 1.0}]}))
+    (tmp_path / "replicate.json").write_text(
+        json.dumps(
+            {"rows": [{"method": "gemini_ckpt replicas=huge", "replicas": 100_000_000, "commit_s": 1.0, "put_s": 1.0}]}
+        )
+    )
     t0 = time.monotonic()
     out = run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"), "--simulate", "0")
     assert out.returncode == 2 and time.monotonic() - t0 < 30, (out.returncode, out.stderr[-2000:])
     assert "replicas=100000000; a benchmark measures 1 to 64 copies" in out.stderr and "Traceback" not in out.stderr
     (tmp_path / "replicate.json").write_text("[" * 100_000 + "]" * 100_000)
     out = run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"), "--simulate", "0")
-    assert out.returncode == 2 and "nested too deeply" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-    (tmp_path / "replicate.json").write_text(json.dumps({"rows": [
-        {"method": "gemini_ckpt replicas=2", "replicas": 2, "commit_s": float("inf"), "put_s": 1.0}]}))
-    doc = json.loads(run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"),
-                             "--json", "--simulate", "0").stdout)
+    assert out.returncode == 2 and "nested too deeply" in out.stderr and "Traceback" not in out.stderr, out.stderr[
+        -2000:
+    ]
+    (tmp_path / "replicate.json").write_text(
+        json.dumps(
+            {"rows": [{"method": "gemini_ckpt replicas=2", "replicas": 2, "commit_s": float("inf"), "put_s": 1.0}]}
+        )
+    )
+    doc = json.loads(
+        run_cli("--hosts", "16", "--from-bench", str(tmp_path / "replicate.json"), "--json", "--simulate", "0").stdout
+    )
     assert "commit_s" in doc["inputs"]["bench_missing"]  # an infinite cost is not a measurement
 
 
 def test_cli_from_bench_reads_persist_stalls(tmp_path):
-    (tmp_path / "persist.json").write_text(json.dumps({
-        "persist": {"committed_to_persisted_s": 4.0, "save_to_persisted_s": 5.0, "gbps": 0.25},
-        "stall": {"memory_only_s": 0.10, "persisting_step_s": 0.25, "next_step_during_persist_s": 0.15},
-    }))
-    doc = json.loads(run_cli("--hosts", "16", "--from-bench", str(tmp_path / "persist.json"),
-                             "--json", "--simulate", "0").stdout)
+    (tmp_path / "persist.json").write_text(
+        json.dumps(
+            {
+                "persist": {"committed_to_persisted_s": 4.0, "save_to_persisted_s": 5.0, "gbps": 0.25},
+                "stall": {"memory_only_s": 0.10, "persisting_step_s": 0.25, "next_step_during_persist_s": 0.15},
+            }
+        )
+    )
+    doc = json.loads(
+        run_cli("--hosts", "16", "--from-bench", str(tmp_path / "persist.json"), "--json", "--simulate", "0").stdout
+    )
     assert doc["inputs"]["costs"]["persist_s"] == 4.0
     assert doc["inputs"]["costs"]["persist_stall_s"] == pytest.approx(0.20)
 
@@ -412,17 +481,20 @@ def test_cli_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch, cap
     assert "--plot: matplotlib is not installed" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--hosts", "0"], "--hosts"),
-    (["--hosts", "8", "--domain-size", "4"], "--domain-size: correlated failures need both --domain-size"),
-    (["--hosts", "8", "--domain-size", "16", "--domain-mtbf", "100"], "--domain-size: 16 hosts"),
-    (["--hosts", "8", "--stall", "-1"], "--stall"),
-    (["--hosts", "8", "--step-time", "nan"], "--step-time"),
-    (["--hosts", "8", "--host-mtbf", "5", "--failures-per-day", "1"], "--failures-per-day"),
-    (["--hosts", "8", "--commit-time", "2=x"], "--commit-time"),
-    (["--hosts", "8", "--from-bench", "/no/such/results"], "--from-bench: '/no/such/results' does not exist"),
-    (["--hosts", "8", "--domain-layout", "racks"], "--domain-layout"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--hosts", "0"], "--hosts"),
+        (["--hosts", "8", "--domain-size", "4"], "--domain-size: correlated failures need both --domain-size"),
+        (["--hosts", "8", "--domain-size", "16", "--domain-mtbf", "100"], "--domain-size: 16 hosts"),
+        (["--hosts", "8", "--stall", "-1"], "--stall"),
+        (["--hosts", "8", "--step-time", "nan"], "--step-time"),
+        (["--hosts", "8", "--host-mtbf", "5", "--failures-per-day", "1"], "--failures-per-day"),
+        (["--hosts", "8", "--commit-time", "2=x"], "--commit-time"),
+        (["--hosts", "8", "--from-bench", "/no/such/results"], "--from-bench: '/no/such/results' does not exist"),
+        (["--hosts", "8", "--domain-layout", "racks"], "--domain-layout"),
+    ],
+)
 def test_cli_errors_are_one_line_naming_the_flag(args, needle):
     out = run_cli(*args)
     assert out.returncode == 2

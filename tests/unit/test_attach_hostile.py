@@ -31,8 +31,9 @@ class _Store:
     def __init__(self, **kwargs) -> None:
         self.calls: list = []
         self.detached: list = []
-        self.server = AttachServer(SECRET, lambda: 1, self.handle, lambda conn, rank: self.detached.append(rank),
-                                   **kwargs)
+        self.server = AttachServer(
+            SECRET, lambda: 1, self.handle, lambda conn, rank: self.detached.append(rank), **kwargs
+        )
 
     def handle(self, conn, rank, header, payload, fds):
         self.calls.append(header)
@@ -220,8 +221,9 @@ def test_received_fds_are_not_inherited_by_child_processes(tmp_path):
         assert header == {"kind": "segment"} and len(fds) == 1
         assert not os.get_inheritable(fds[0])
         # What a child sees: the fd passed to it only if it were inheritable.
-        probe = subprocess.run([sys.executable, "-c", f"import os; os.fstat({fds[0]})"], close_fds=False,
-                               capture_output=True)
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import os; os.fstat({fds[0]})"], close_fds=False, capture_output=True
+        )
         assert probe.returncode != 0, "a child process could use the received fd"
         close_all(fds)
     finally:
@@ -253,8 +255,11 @@ def test_a_store_of_another_version_is_refused_with_a_clear_error(store, monkeyp
     import threading
 
     threading.Thread(target=serve_old, daemon=True).start()
-    with pytest.raises(AttachError, match=rf"speaks attach protocol 1 and this trainer {PROTOCOL}: the store was "
-                                          r"started by another gemini_ckpt version; end the old host stores"):
+    with pytest.raises(
+        AttachError,
+        match=rf"speaks attach protocol 1 and this trainer {PROTOCOL}: the store was "
+        r"started by another gemini_ckpt version; end the old host stores",
+    ):
         AttachClient(address, SECRET, rank=0, epoch=1, timeout_s=5)
     old.close()
 

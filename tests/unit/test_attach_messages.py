@@ -29,10 +29,22 @@ from gemini_ckpt.hoststore.attach_messages import (
 )
 from gemini_ckpt.save.plan import make_plan
 
-REQUESTS = [SendPlan(), AskSegment("p1"), GiveBack(3), AskComm(), MapShard(7, 2), Unmap(4),
-            Staged(12, "p1", 3, persist=True, lengths=(5, 0, 9), verdict={"status": "healthy"})]
-ANSWERS = [Done(), SegmentLent(3, 4096, (1, 2)), CommPage(1, 64), ShardMapped(5, 8192),
-           VersionOutcome(12, True, "", "loss is NaN", checked=True)]
+REQUESTS = [
+    SendPlan(),
+    AskSegment("p1"),
+    GiveBack(3),
+    AskComm(),
+    MapShard(7, 2),
+    Unmap(4),
+    Staged(12, "p1", 3, persist=True, lengths=(5, 0, 9), verdict={"status": "healthy"}),
+]
+ANSWERS = [
+    Done(),
+    SegmentLent(3, 4096, (1, 2)),
+    CommPage(1, 64),
+    ShardMapped(5, 8192),
+    VersionOutcome(12, True, "", "loss is NaN", checked=True),
+]
 
 
 @pytest.mark.parametrize("message", REQUESTS + ANSWERS, ids=lambda m: type(m).__name__)
@@ -44,18 +56,21 @@ def test_every_message_survives_its_wire_form(message):
         assert request_from_wire(wire) == message
 
 
-@pytest.mark.parametrize("header, says", [
-    ({"type": "format_disk"}, "unknown attach message 'format_disk'"),
-    ({}, "unknown attach message None"),
-    ({"type": "segment"}, "'segment' has no 'plan_id'"),
-    ({"type": "segment", "plan_id": 7}, "'plan_id' is not str"),
-    ({"type": "map", "step": True, "rank": 0}, "'step' is not int (bool)"),
-    ({"type": "map", "step": "1", "rank": 0}, "'step' is not int (str)"),
-    ({"type": "give_back", "seg": 1.5}, "'seg' is not int (float)"),
-    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "lengths": [1, "2"]}, "'lengths' is not tuple"),
-    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "persist": 1}, "'persist' is not bool"),
-    ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "verdict": "healthy"}, "'verdict' is not Optional"),
-])
+@pytest.mark.parametrize(
+    "header, says",
+    [
+        ({"type": "format_disk"}, "unknown attach message 'format_disk'"),
+        ({}, "unknown attach message None"),
+        ({"type": "segment"}, "'segment' has no 'plan_id'"),
+        ({"type": "segment", "plan_id": 7}, "'plan_id' is not str"),
+        ({"type": "map", "step": True, "rank": 0}, "'step' is not int (bool)"),
+        ({"type": "map", "step": "1", "rank": 0}, "'step' is not int (str)"),
+        ({"type": "give_back", "seg": 1.5}, "'seg' is not int (float)"),
+        ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "lengths": [1, "2"]}, "'lengths' is not tuple"),
+        ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "persist": 1}, "'persist' is not bool"),
+        ({"type": "staged", "step": 1, "plan_id": "p", "seg": 1, "verdict": "healthy"}, "'verdict' is not Optional"),
+    ],
+)
 def test_a_header_that_is_no_message_is_refused_by_name(header, says):
     with pytest.raises(ValueError) as raised:
         request_from_wire(header)
@@ -82,6 +97,8 @@ def test_the_ranks_port_answers_typed_messages_and_refuses_malformed_ones_untouc
     with pytest.raises(ValueError, match="unknown attach message"):
         port.on_attach(conn, 0, {"type": "staged_v2"}, b"", [])
     assert port.sent_fds[conn] == {lent.seg, again.seg}
-    asked = [SegmentLent.from_wire(port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])[0]).seg
-             for _ in range(2)]
+    asked = [
+        SegmentLent.from_wire(port.on_attach(conn, 0, AskSegment(plan.shard.plan_id).to_wire(), b"", [])[0]).seg
+        for _ in range(2)
+    ]
     assert again.seg not in asked  # the malformed give-back gave nothing back

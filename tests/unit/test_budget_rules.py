@@ -27,7 +27,9 @@ def test_a_default_budget_shrinks_to_what_the_other_namespaces_leave_and_says_so
 
 def test_an_explicit_budget_past_what_the_others_leave_is_refused_naming_them():
     assert choose(25 * GB, {"a": 35 * GB}, RAM, namespace="b") == (25 * GB, None)  # exactly 60%
-    with pytest.raises(MemoryBudgetError, match=r"host_memory_budget_bytes=26,000,000,000 .*'a' 35.00 GB.*leave 25.00 GB"):
+    with pytest.raises(
+        MemoryBudgetError, match=r"host_memory_budget_bytes=26,000,000,000 .*'a' 35.00 GB.*leave 25.00 GB"
+    ):
         choose(26 * GB, {"a": 35 * GB}, RAM, namespace="b")
     # two default stores fill the share; a small explicit budget still fits (up to 1 GiB, as a default's)
     full = {"a": 30 * GB, "b": 30 * GB}

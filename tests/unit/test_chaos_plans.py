@@ -37,10 +37,9 @@ from gemini_ckpt.chaos import (
 )
 from helpers import listening
 from gemini_ckpt.chaos._jobrun import Rendezvous
-from gemini_ckpt.chaos._matrix import CI_NETWORK_SCENARIOS
+from gemini_ckpt.chaos._scenarios import CI_NETWORK_SCENARIOS
 
 CONFIG = ChaosConfig()  # 4 hosts, replicas 2, steps 0..5, persisted 1, 3, 5
-
 
 
 def test_scenarios_are_validated_with_the_field_and_the_fix():
@@ -75,7 +74,11 @@ def test_every_matrix_scenario_is_valid_and_pairs_follow_the_planner():
     # Mixed with replicas dividing hosts is group placement: the same predictions.
     assert all(preds[f"pair-mixed-{a}-{b}"] == preds[f"pair-group-{a}-{b}"] for a in range(4) for b in range(a + 1, 4))
     assert [k for k, v in preds.items() if k.startswith("pair-ring") and v.startswith("durable")] == [
-        "pair-ring-0-1", "pair-ring-0-3", "pair-ring-1-2", "pair-ring-2-3"]
+        "pair-ring-0-1",
+        "pair-ring-0-3",
+        "pair-ring-1-2",
+        "pair-ring-2-3",
+    ]
     expected = {
         "kill-worker-replicate": "memory@2",  # the version in flight is never committed
         "kill-store-commit": "memory@2",
@@ -131,11 +134,20 @@ def test_the_fate_of_the_version_in_flight_follows_phase_and_fault():
 
 def test_report_table_and_json(tmp_path):
     s = Scenario(name="demo", at=At(step=2), faults=(RemoveHosts((0, 1)),), conditions=(DurableUnreachable(),))
-    good = ScenarioResult(scenario=s, prediction=plan_scenario(s, CONFIG), observed={"outcome": "error", "step": None},
-                          checks=[Check("prediction", True, "ok")], recovery_s=3.21)
-    bad = ScenarioResult(scenario=Scenario(name="other", at=At(step=2)), prediction=None,
-                         observed={"outcome": "memory", "step": 1}, steps_lost=1,
-                         checks=[Check("prediction", False, "predicted memory@2; observed memory@1")])
+    good = ScenarioResult(
+        scenario=s,
+        prediction=plan_scenario(s, CONFIG),
+        observed={"outcome": "error", "step": None},
+        checks=[Check("prediction", True, "ok")],
+        recovery_s=3.21,
+    )
+    bad = ScenarioResult(
+        scenario=Scenario(name="other", at=At(step=2)),
+        prediction=None,
+        observed={"outcome": "memory", "step": 1},
+        steps_lost=1,
+        checks=[Check("prediction", False, "predicted memory@2; observed memory@1")],
+    )
     report = MatrixReport(results=[good, bad], config=CONFIG, seconds=12.0)
     table = report.format_table()
     lines = table.splitlines()
@@ -149,8 +161,11 @@ def test_report_table_and_json(tmp_path):
     doc = json.loads(path.read_text())
     assert doc["ok"] is False and doc["counts"] == {"MISMATCH": 1, "PASS": 1}
     assert doc["scenarios"][0]["predicted"]["outcome"] == "error"
-    assert doc["scenarios"][1]["checks"][0] == {"name": "prediction", "ok": False,
-                                                "detail": "predicted memory@2; observed memory@1"}
+    assert doc["scenarios"][1]["checks"][0] == {
+        "name": "prediction",
+        "ok": False,
+        "detail": "predicted memory@2; observed memory@1",
+    }
 
 
 def test_cli_lists_the_matrix(capsys):
@@ -206,8 +221,6 @@ def test_the_rendezvous_port_is_bound_by_its_store_from_the_start():
     assert rendezvous.closed and not listening(port)
 
 
-
-
 # --- the network scenarios (ChaosConfig.network="netns") -----------------------------------------------
 NETNS = ChaosConfig(network="netns", link="1gbit")
 NETWORK = ("partition-host", "partition-during-persist", "slow-link", "flapping-link")
@@ -250,17 +263,22 @@ def test_a_partitioned_host_is_planned_as_a_lost_one():
     preds = {name: plan_scenario(scenarios[name], NETNS) for name in NETWORK}
     # Group placement: host 1's copies live on host 0 too, so memory holds every shard.
     assert {k: v.label() for k, v in preds.items()} == {
-        "partition-host": "memory@2", "partition-during-persist": "memory@3", "slow-link": "memory@2",
-        "flapping-link": "memory@2"}
+        "partition-host": "memory@2",
+        "partition-during-persist": "memory@3",
+        "slow-link": "memory@2",
+        "flapping-link": "memory@2",
+    }
     assert preds["partition-host"].tier == "memory" and preds["partition-host"].failed_slots == (1,)
     # Cut off while step 3 is persisted: rank 0 lives and every shard keeps a live copy, so the
     # durable version is expected whole; with host 1's whole group cut off it is expected absent.
     p = placement.make("group", hosts=4, replicas=2)
-    v = versions_after(scenarios["partition-during-persist"], NETNS, committed=[0, 1, 2], persisted=[1], p=p,
-                       hosts=(0, 1, 2, 3))
+    v = versions_after(
+        scenarios["partition-during-persist"], NETNS, committed=[0, 1, 2], persisted=[1], p=p, hosts=(0, 1, 2, 3)
+    )
     assert (v.committed, v.persisted) == ((2, 3), (1, 3))
-    both = Scenario(name="x", at=At(step=3, phase="persist"), faults=(PartitionHost(2), PartitionHost(3)),
-                    restart_hosts=(0, 1))
+    both = Scenario(
+        name="x", at=At(step=3, phase="persist"), faults=(PartitionHost(2), PartitionHost(3)), restart_hosts=(0, 1)
+    )
     v = versions_after(both, NETNS, committed=[0, 1, 2], persisted=[1], p=p, hosts=(0, 1, 2, 3))
     assert v.persisted == (1,) and plan_scenario(both, NETNS).label() == "durable@1"
 

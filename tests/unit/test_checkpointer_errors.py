@@ -23,18 +23,21 @@ from helpers import local_tier
 from gemini_ckpt.toy import TinyLM, build_training, lm_loss
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(replicas=0), "replicas"),
-    (dict(keep_in_memory=0), "keep_in_memory"),
-    (dict(persist_every=-1), "persist_every"),
-    (dict(max_inflight=0), "max_inflight"),
-    (dict(inflight_policy="drop"), "inflight_policy"),
-    (dict(store="disk"), "store"),
-    (dict(placement="star"), "placement"),
-    (dict(replicas=1.5), "replicas"),
-    (dict(timeout_s=0), "timeout_s"),
-    (dict(replicaz=2), "replicaz"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(replicas=0), "replicas"),
+        (dict(keep_in_memory=0), "keep_in_memory"),
+        (dict(persist_every=-1), "persist_every"),
+        (dict(max_inflight=0), "max_inflight"),
+        (dict(inflight_policy="drop"), "inflight_policy"),
+        (dict(store="disk"), "store"),
+        (dict(placement="star"), "placement"),
+        (dict(replicas=1.5), "replicas"),
+        (dict(timeout_s=0), "timeout_s"),
+        (dict(replicaz=2), "replicaz"),
+    ],
+)
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as info:
         CheckpointConfig(**kwargs)
@@ -97,8 +100,10 @@ def test_structure_mismatch_names_the_keys():
     other = TinyLM(dim=48)  # different widths: same names, other shapes
     deeper = TinyLM(layers=3)  # an extra block: keys the checkpoint lacks
     for model, expect in ((other, "different shapes"), (deeper, "blocks.layers.2")):
-        c = Checkpointer(TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters())),
-                         CheckpointConfig(store="local", namespace=ns))
+        c = Checkpointer(
+            TrainState(model=model, optimizer=torch.optim.AdamW(model.parameters())),
+            CheckpointConfig(store="local", namespace=ns),
+        )
         with pytest.raises(StructureMismatchError, match=expect):
             c.restore()
         c.close()
@@ -195,7 +200,9 @@ def test_the_process_local_tier_keeps_the_memory_tier_contract():
 
 def test_the_footprint_is_computed_when_the_state_is_planned():
     _, state = _setup()
-    config = CheckpointConfig(store="local", namespace=f"footprint-{uuid.uuid4().hex}", keep_in_memory=3, max_inflight=2)
+    config = CheckpointConfig(
+        store="local", namespace=f"footprint-{uuid.uuid4().hex}", keep_in_memory=3, max_inflight=2
+    )
     with Checkpointer(state, config) as ckpt:
         assert ckpt.stats.footprint == {}  # nothing planned yet
         ckpt.save(0)

@@ -16,8 +16,14 @@ def _config(ns: str) -> CheckpointConfig:
 
 
 def _state(t, *, grads=False, extra=None) -> TrainState:
-    return TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader,
-                      extra=extra if extra is not None else {"tokens_seen": 0}, grads=grads)
+    return TrainState(
+        model=t.model,
+        optimizer=t.optimizer,
+        scheduler=t.scheduler,
+        dataloader=t.loader,
+        extra=extra if extra is not None else {"tokens_seen": 0},
+        grads=grads,
+    )
 
 
 def _train(t, state, batches, steps, *, accumulate=1, ckpt=None, save_at=None, save_mid_accum=None):

@@ -5,9 +5,11 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner,
-                                                          create_default_local_load_plan,
-                                                          create_default_local_save_plan)
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+    create_default_local_save_plan,
+)
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -46,6 +48,7 @@ def test_other_placements_are_left_to_torch():
 @pytest.fixture(scope="module")
 def mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -55,13 +58,17 @@ def mesh():
 
 
 def _state(mesh):
-    return {"w": DTensor.from_local(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)]),
-            "r": DTensor.from_local(torch.ones(5, dtype=torch.bfloat16), mesh, [Replicate()]),
-            "plain": torch.zeros(2, 2), "step": 7}
+    return {
+        "w": DTensor.from_local(torch.arange(12.0).reshape(3, 4), mesh, [Shard(0)]),
+        "r": DTensor.from_local(torch.ones(5, dtype=torch.bfloat16), mesh, [Replicate()]),
+        "plain": torch.zeros(2, 2),
+        "step": 7,
+    }
 
 
 def test_local_plans_equal_dcps(mesh, tmp_path):
     import torch.distributed.checkpoint as dcp
+
     state = _state(mesh)
     assert local_save_plan(state) == create_default_local_save_plan(state, True)
     dcp.save(state, checkpoint_id=str(tmp_path))
@@ -69,8 +76,9 @@ def test_local_plans_equal_dcps(mesh, tmp_path):
     assert local_load_plan(state, metadata) == create_default_local_load_plan(state, metadata)
     with pytest.raises(RuntimeError, match="Missing key"):
         local_load_plan({**state, "extra": torch.zeros(1)}, metadata)
-    assert local_load_plan({**state, "extra": torch.zeros(1)}, metadata, strict=False) == \
-        create_default_local_load_plan(state, metadata)
+    assert local_load_plan(
+        {**state, "extra": torch.zeros(1)}, metadata, strict=False
+    ) == create_default_local_load_plan(state, metadata)
     with pytest.raises(ValueError, match="Size mismatch"):
         local_load_plan({**state, "plain": torch.zeros(3)}, metadata)
     loader = DefaultLoadPlanner()

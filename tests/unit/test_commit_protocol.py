@@ -92,8 +92,14 @@ def _depth(tree: Tree, slot: int) -> int:
 
 @pytest.mark.parametrize("strategy,replicas", CONFIGS)
 def test_every_version_commits_within_the_message_bound(strategy, replicas):
-    sim = Simulator(hosts=HOSTS, replicas=replicas, holders=make_holders(HOSTS, replicas, strategy),
-                    ranks_per_host=2, keep=2, seed=7)
+    sim = Simulator(
+        hosts=HOSTS,
+        replicas=replicas,
+        holders=make_holders(HOSTS, replicas, strategy),
+        ranks_per_host=2,
+        keep=2,
+        seed=7,
+    )
     for step in range(3):
         report = sim.run_version(step)
         decided_everywhere(sim, report)
@@ -144,11 +150,19 @@ def test_small_clusters_many_seeds():
     for seed in range(25):
         rng = random.Random(seed)
         for hosts, replicas, strategy, fanout in [(16, 2, "ring", 2), (50, 3, "mixed", 4), (64, 2, "group", 3)]:
-            sim = Simulator(hosts=hosts, replicas=replicas, holders=make_holders(hosts, replicas, strategy),
-                            seed=seed, fanout=fanout)
+            sim = Simulator(
+                hosts=hosts,
+                replicas=replicas,
+                holders=make_holders(hosts, replicas, strategy),
+                seed=seed,
+                fanout=fanout,
+            )
             for step in range(4):
-                kills = {rng.choice(sim.live): rng.randint(0, 4 * hosts * (replicas + 1))
-                         for _ in range(rng.randint(0, 2))} if step % 2 == 0 else {}
+                kills = (
+                    {rng.choice(sim.live): rng.randint(0, 4 * hosts * (replicas + 1)) for _ in range(rng.randint(0, 2))}
+                    if step % 2 == 0
+                    else {}
+                )
                 report = sim.run_version(step, kill_after=kills)
                 decided_everywhere(sim, report)
                 if report.outcome:
@@ -180,16 +194,14 @@ def test_unhealthy_versions_commit_but_every_store_releases_them_alike_and_keeps
     (the copies exist), every participant hears why, and retention counts healthy versions only:
     each keeps the newest ``keep`` healthy ones plus the first of the latest run of unhealthy ones."""
     hosts = 64
-    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "group"), ranks_per_host=2, keep=2,
-                    seed=3)
+    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "group"), ranks_per_host=2, keep=2, seed=3)
     why = '{"check":"finite","detail":"1 NaN","item":"model.w","rank":37,"status":"unhealthy"}'
     for step in range(7):
         report = sim.run_version(step, unhealthy={37: why} if step in (2, 3, 5) else {})
         decided_everywhere(sim, report)
         assert report.outcome is True
     live = set(sim.stores)
-    assert {(s, v.step) for s, v in sim.unhealthy_at} == {(s, step) for s in live | {COORDINATOR}
-                                                          for step in (2, 3, 5)}
+    assert {(s, v.step) for s, v in sim.unhealthy_at} == {(s, step) for s in live | {COORDINATOR} for step in (2, 3, 5)}
     for p in [*sim.stores.values(), sim.coordinator]:
         assert p.committed_versions() == (VersionId(0, 4), VersionId(0, 6))
         assert p.unhealthy_versions() == (VersionId(0, 5),)
@@ -203,8 +215,7 @@ def test_every_participant_hears_whether_every_shard_carries_a_verdict_and_a_mis
     version, which leaves the field out: the message's default) makes the version unchecked at
     every participant, never healthy; with every verdict present, every participant says so."""
     hosts = 16
-    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "ring"), ranks_per_host=2, keep=2,
-                    seed=5)
+    sim = Simulator(hosts=hosts, replicas=2, holders=make_holders(hosts, 2, "ring"), ranks_per_host=2, keep=2, seed=5)
     for step, unchecked in ((0, ()), (1, (13,)), (2, ()), (3, (0, 31))):
         report = sim.run_version(step, unchecked=unchecked)
         decided_everywhere(sim, report)
@@ -382,8 +393,19 @@ def test_a_step_of_the_wall_clock_does_not_fail_the_versions_in_flight(monkeypat
             return None
 
     state = StoreState("clock-step", "n" * 56, VersionTable(1 << 20))
-    state.cfg = EpochConfig(epoch=0, slot=1, nodes=("a" * 56, "b" * 56), ranks_here=(1,), world_size=2, replicas=2,
-                            strategy="group", keep=2, dead=frozenset(), idle=frozenset(), timeout_s=60.0)
+    state.cfg = EpochConfig(
+        epoch=0,
+        slot=1,
+        nodes=("a" * 56, "b" * 56),
+        ranks_here=(1,),
+        world_size=2,
+        replicas=2,
+        strategy="group",
+        keep=2,
+        dead=frozenset(),
+        idle=frozenset(),
+        timeout_s=60.0,
+    )
     state.commit = HostCommit(1, hosts=2, replicas=2)
     driver = CommitDriver(state)
     coordinator = driver.registry = Peer()

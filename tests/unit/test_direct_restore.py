@@ -41,11 +41,19 @@ def test_the_usual_restart_loads_every_item_directly_into_the_live_tensors_and_c
 
     b = build_training(seed=7, dataset_size=32)  # other values; its optimizer has no state yet
     assert not b.optimizer.state
-    restored = Checkpointer(TrainState(model=b.model, optimizer=b.optimizer, scheduler=b.scheduler),
-                            config).restore()
+    restored = Checkpointer(TrainState(model=b.model, optimizer=b.optimizer, scheduler=b.scheduler), config).restore()
     assert restored.step == 2 and restored.path == "direct"
-    assert [name for name, _ in restored.timeline] == ["called", "connected", "surveyed", "fetched", "targeted", "planned",
-                                                       "opened", "loaded", "done"]
+    assert [name for name, _ in restored.timeline] == [
+        "called",
+        "connected",
+        "surveyed",
+        "fetched",
+        "targeted",
+        "planned",
+        "opened",
+        "loaded",
+        "done",
+    ]
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), name
     sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
@@ -93,8 +101,10 @@ def test_the_first_save_after_a_restore_takes_over_the_restored_plan_and_its_ver
 
     # Taken over only for the state, rank, world and code it was made for.
     shard = third.store.open(2).plans[0]
-    flat = flatten(TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).tensor_state()
-                   | TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).opaque_state(0))
+    flat = flatten(
+        TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).tensor_state()
+        | TrainState(model=c.model, optimizer=c.optimizer, scheduler=c.scheduler).opaque_state(0)
+    )
     job = dict(shard.job)
     assert adoptable(shard, signature(flat), rank=0, world_size=1, job=job)
     other = dict(flat)
@@ -138,7 +148,8 @@ def test_an_optimizer_whose_state_is_not_shaped_like_its_parameters_gets_it_the_
     model2, opt2 = build(1)
     state2 = TrainState(model=model2, optimizer=opt2)
     assert not state2._prime_optimizers(
-        {"optim.state.weight.flat": _md(torch.Size([12]))})  # not the parameter's shape: not primed
+        {"optim.state.weight.flat": _md(torch.Size([12]))}
+    )  # not the parameter's shape: not primed
     assert not opt2.state
     restored = Checkpointer(state2, config).restore()
     assert restored.step == 0
@@ -165,5 +176,6 @@ def test_a_conjugate_live_tensor_is_loaded_through_dcp():
 def _md(size):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
-    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), size,
-                                 [ChunkStorageMetadata(torch.Size([0] * len(size)), size)])
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)]
+    )

@@ -28,7 +28,7 @@ def _blocks() -> list[tuple[str, int, str]]:
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = path.read_text()
         for m in re.finditer(r"```(?:python|py)\n(.*?)```", text, re.S):
-            out.append((str(path.relative_to(ROOT)), text[:m.start()].count("\n") + 2, m.group(1)))
+            out.append((str(path.relative_to(ROOT)), text[: m.start()].count("\n") + 2, m.group(1)))
     return out
 
 
@@ -52,7 +52,8 @@ def _imported(tree: ast.Module) -> dict[str, object]:
                 if _ours(alias.name):
                     module = importlib.import_module(alias.name)
                     bound[alias.asname or alias.name.split(".")[0]] = (
-                        module if alias.asname else importlib.import_module(alias.name.split(".")[0]))
+                        module if alias.asname else importlib.import_module(alias.name.split(".")[0])
+                    )
         elif isinstance(node, ast.ImportFrom) and _ours(node.module):
             module = importlib.import_module(node.module)
             for alias in node.names:
@@ -78,11 +79,20 @@ def _resolve(node: ast.AST, bound: dict[str, object]):
 
 def _free_names(tree: ast.Module) -> set[str]:
     stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    stored |= {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-               for a in n.names}
+    stored |= {
+        a.asname or a.name.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+        for a in n.names
+    }
     stored |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    stored |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments)
-               for a in [*n.posonlyargs, *n.args, *n.kwonlyargs, n.vararg, n.kwarg] if a is not None}
+    stored |= {
+        a.arg
+        for n in ast.walk(tree)
+        if isinstance(n, ast.arguments)
+        for a in [*n.posonlyargs, *n.args, *n.kwonlyargs, n.vararg, n.kwarg]
+        if a is not None
+    }
     loaded = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return loaded - stored - set(dir(builtins))
 
@@ -110,7 +120,8 @@ def test_a_block_parses_and_uses_only_names_and_keywords_that_exist(where, line,
                 continue
             for kw in node.keywords:
                 assert kw.arg is None or kw.arg in params, (
-                    f"{where}:{line}: {ast.unparse(node.func)}() takes no keyword {kw.arg!r}")
+                    f"{where}:{line}: {ast.unparse(node.func)}() takes no keyword {kw.arg!r}"
+                )
 
 
 def _runnable(code: str) -> bool:

@@ -34,8 +34,11 @@ def _fresh_warnings():
 
 def _holders(*, replicas=2, strategy="group", domains=None, dead=()):
     hosts = len(domains or RACKS)
-    return {s: holders_for(s, hosts=hosts, replicas=replicas, strategy=strategy, domains=domains, dead=dead)
-            for s in range(hosts) if s not in dead}
+    return {
+        s: holders_for(s, hosts=hosts, replicas=replicas, strategy=strategy, domains=domains, dead=dead)
+        for s in range(hosts)
+        if s not in dead
+    }
 
 
 # --- config -----------------------------------------------------------------------------------------
@@ -126,8 +129,9 @@ def test_the_slot_table_carries_domains_and_reads_a_table_without_them():
 # --- placement CLI with the same domains ---------------------------------------------------------------
 def _cli(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "placement", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "placement", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_placement_cli_with_domains_draws_what_the_library_does():
@@ -135,8 +139,9 @@ def test_placement_cli_with_domains_draws_what_the_library_does():
     assert out.returncode == 0, out.stderr
     shown = {int(h): tuple(v) for h, v in json.loads(out.stdout)["holders"].items()}
     assert shown == _holders(domains=RACKS)
-    report = _cli("report", "--hosts", "4", "--replicas", "2", "--strategy", "group", "--domains", "0,0,1,1",
-                  "--failed", "2,3")
+    report = _cli(
+        "report", "--hosts", "4", "--replicas", "2", "--strategy", "group", "--domains", "0,0,1,1", "--failed", "2,3"
+    )
     assert report.returncode == 0, report.stderr
     assert "LOST" not in report.stdout and "host 2: read from host 0" in report.stdout
 

@@ -30,8 +30,9 @@ HERE = Path(__file__).resolve().parents[1]  # tests/: the support modules
 def _train_and_save(config, steps, *, durable=None, record=()):
     """Train ``steps`` steps saving each; return {step: model+optim tensors} for ``record``."""
     t = build_training(seed=0, dataset_size=32)
-    ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config,
-                        durable=durable)
+    ckpt = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config, durable=durable
+    )
     batches, kept, handles = t.batches(), {}, {}
     for step in range(steps):
         lm_loss(t.model, next(batches)).backward()
@@ -40,8 +41,10 @@ def _train_and_save(config, steps, *, durable=None, record=()):
         t.optimizer.zero_grad()
         handles[step] = ckpt.save(step)
         if step in record:
-            kept[step] = ({k: v.clone() for k, v in t.model.state_dict().items()},
-                          {k: v["exp_avg"].clone() for k, v in t.optimizer.state_dict()["state"].items()})
+            kept[step] = (
+                {k: v.clone() for k, v in t.model.state_dict().items()},
+                {k: v["exp_avg"].clone() for k, v in t.optimizer.state_dict()["state"].items()},
+            )
     return ckpt, kept, handles
 
 
@@ -65,8 +68,14 @@ def _assert_matches(model, opt, expected):
 
 def test_every_third_version_persisted_and_loadable_with_stock_dcp(tmp_path):
     uri = str(tmp_path / "durable")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri,
-                              keep_durable=10, persist_on_close=False)
+    config = CheckpointConfig(
+        store="local",
+        namespace=uuid.uuid4().hex,
+        persist_every=3,
+        durable_uri=uri,
+        keep_durable=10,
+        persist_on_close=False,
+    )
     ckpt, kept, handles = _train_and_save(config, 10, record=(2, 5, 8))
     ckpt.close()
     assert ckpt.durable.complete_steps() == [2, 5, 8]
@@ -87,8 +96,9 @@ def test_the_durable_tier_passes_the_read_contract_and_refuses_out_of_range_read
     from tier_contract import check_read_contract
 
     uri = str(tmp_path / "durable")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, durable_uri=uri,
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=2, durable_uri=uri, persist_on_close=False
+    )
     ckpt, kept, _ = _train_and_save(config, 2, record=(1,))
     ckpt.close()
     params, _ = kept[1]
@@ -119,8 +129,14 @@ def test_persist_now_and_persist_on_close(tmp_path):
 
 def test_retention_keeps_exactly_keep_durable_versions(tmp_path):
     uri = str(tmp_path / "d")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=1, durable_uri=uri,
-                              keep_durable=2, persist_on_close=False)
+    config = CheckpointConfig(
+        store="local",
+        namespace=uuid.uuid4().hex,
+        persist_every=1,
+        durable_uri=uri,
+        keep_durable=2,
+        persist_on_close=False,
+    )
     ckpt, _, _ = _train_and_save(config, 6)
     ckpt.close()
     assert ckpt.durable.complete_steps() == [4, 5]
@@ -130,8 +146,9 @@ def test_retention_keeps_exactly_keep_durable_versions(tmp_path):
 def test_storage_failure_keeps_training_and_memory_tier_going_and_next_persist_retries(tmp_path):
     fs, handler = faulty_filesystem()
     durable = DurableTier(filesystem=fs, root=str(tmp_path / "d"), keep=5)
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, keep_durable=5,
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=2, keep_durable=5, persist_on_close=False
+    )
     t = build_training(seed=2, dataset_size=32)
     ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer), config, durable=durable)
     ckpt.save(0)
@@ -155,16 +172,20 @@ def test_storage_failure_keeps_training_and_memory_tier_going_and_next_persist_r
 def test_unreachable_storage_restores_from_memory_and_never_starts_fresh_blind(tmp_path):
     fs, handler = faulty_filesystem()
     root = str(tmp_path / "d")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, keep_durable=5,
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=2, keep_durable=5, persist_on_close=False
+    )
     ckpt, kept, handles = _train_and_save(config, 4, durable=DurableTier(filesystem=fs, root=root), record=(3,))
     assert handles[3].persisted.result(timeout=60)
     handler.unreachable.set()
 
     # Memory holds everything: the restart neither needs nor waits for the durable tier.
     t = build_training(seed=5, dataset_size=32)
-    again = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config,
-                         durable=DurableTier(filesystem=fs, root=root))
+    again = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        config,
+        durable=DurableTier(filesystem=fs, root=root),
+    )
     result = again.restore()
     assert (result.step, result.source, result.sources) == (3, "memory", {0: "local"})
     _assert_matches(t.model, t.optimizer, kept[3])
@@ -173,9 +194,11 @@ def test_unreachable_storage_restores_from_memory_and_never_starts_fresh_blind(t
     # Memory is empty (another namespace) and the storage cannot be listed: an error naming the
     # tier, not "no checkpoint" (which would restart training from step 0).
     t = build_training(seed=6, dataset_size=32)
-    blind = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                         CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2),
-                         durable=DurableTier(filesystem=fs, root=root))
+    blind = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2),
+        durable=DurableTier(filesystem=fs, root=root),
+    )
     with pytest.raises(CheckpointError, match="durable tier could not be listed.*injected: storage unreachable"):
         blind.restore()
     handler.unreachable.clear()  # storage back: the same Checkpointer restores from it
@@ -188,8 +211,9 @@ def test_unreachable_storage_restores_from_memory_and_never_starts_fresh_blind(t
 
 def test_flipped_byte_caught_by_verify_and_restore_falls_back(tmp_path):
     uri = str(tmp_path / "d")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri,
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri, persist_on_close=False
+    )
     ckpt, kept, _ = _train_and_save(config, 6, record=(2,))
     ckpt.close()
     data = tmp_path / "d" / "step_000000005" / "__0_0.distcp"
@@ -204,8 +228,10 @@ def test_flipped_byte_caught_by_verify_and_restore_falls_back(tmp_path):
 
     # A new job (empty memory) restores: step 5 is refused, step 2 is loaded.
     t = build_training(seed=9, dataset_size=32)
-    fresh = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                         CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=uri))
+    fresh = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=uri),
+    )
     with pytest.warns(UserWarning, match=r"step 5 \(durable\) could not be restored"):
         result = fresh.restore()
     assert result.step == 2 and result.source == "durable" and result.skipped_steps == (5,)
@@ -217,8 +243,13 @@ def test_crash_mid_persist_leaves_previous_version_and_latest_intact(tmp_path):
     root, refs = tmp_path / "d", tmp_path / "refs"
     refs.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, str(HERE / "durable_child.py"), str(root), str(refs)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "durable_child.py"), str(root), str(refs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         partial = root / "step_000000005" / "__0_0.distcp"
         deadline = time.monotonic() + 120
@@ -238,8 +269,10 @@ def test_crash_mid_persist_leaves_previous_version_and_latest_intact(tmp_path):
     assert tier.store.list_versions() == {2: True, 5: False}
 
     t = build_training(seed=5, dataset_size=32)
-    ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                        CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root)))
+    ckpt = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(root)),
+    )
     result = ckpt.restore()  # opening the tier cleans up the partial directory
     assert result.step == 2 and result.source == "durable"
     reference = torch.load(refs / "step2.pt")
@@ -250,6 +283,7 @@ def test_crash_mid_persist_leaves_previous_version_and_latest_intact(tmp_path):
 
 
 # --- S3, through pyarrow's S3FileSystem, against a real S3-speaking server on loopback -----
+
 
 @pytest.fixture(scope="module")
 def s3_uri():
@@ -262,8 +296,10 @@ def s3_uri():
     server.start()
     import pyarrow.fs as pafs
 
-    base = (f"s3://testing:testing@ckpt/run?endpoint_override=127.0.0.1:{port}&scheme=http"
-            f"&region=us-east-1&allow_bucket_creation=true")
+    base = (
+        f"s3://testing:testing@ckpt/run?endpoint_override=127.0.0.1:{port}&scheme=http"
+        f"&region=us-east-1&allow_bucket_creation=true"
+    )
     fs, _ = pafs.FileSystem.from_uri(base)
     fs.create_dir("ckpt")
     yield base
@@ -271,8 +307,14 @@ def s3_uri():
 
 
 def test_persist_to_s3_and_restore_from_it(s3_uri, tmp_path):
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=s3_uri,
-                              keep_durable=2, persist_on_close=False)
+    config = CheckpointConfig(
+        store="local",
+        namespace=uuid.uuid4().hex,
+        persist_every=3,
+        durable_uri=s3_uri,
+        keep_durable=2,
+        persist_on_close=False,
+    )
     ckpt, kept, _ = _train_and_save(config, 9, record=(5, 8))
     ckpt.close()
     tier = ckpt.durable
@@ -291,8 +333,10 @@ def test_persist_to_s3_and_restore_from_it(s3_uri, tmp_path):
     _assert_matches(model, opt, kept[8])
     # And a new job restores straight from S3.
     t = build_training(seed=3, dataset_size=32)
-    fresh = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                         CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=s3_uri))
+    fresh = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=s3_uri),
+    )
     result = fresh.restore()
     assert result.step == 8 and result.source == "durable"
     _assert_matches(t.model, t.optimizer, kept[8])
@@ -301,13 +345,15 @@ def test_persist_to_s3_and_restore_from_it(s3_uri, tmp_path):
 
 def test_corrupt_memory_copy_is_replaced_by_the_durable_copy_of_the_same_step(tmp_path):
     uri = str(tmp_path / "d")
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri,
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=3, durable_uri=uri, persist_on_close=False
+    )
     ckpt, kept, handles = _train_and_save(config, 3, record=(2,))
     handles[2].persisted.result(timeout=60)
     fqn = corrupt_item(ckpt.store, 2)
-    on_disk = next(info.length for index, info in DurableTier(uri).open(2).metadata.storage_data.items()
-                   if index.fqn == fqn)
+    on_disk = next(
+        info.length for index, info in DurableTier(uri).open(2).metadata.storage_data.items() if index.fqn == fqn
+    )
     t = build_training(seed=4, dataset_size=32)
     again = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler), config)
     result = again.restore()
@@ -328,8 +374,12 @@ def _persist_failure_worker(rank: int, world_size: int, port: int, root: str, qu
         config = CheckpointConfig(persist_every=1, timeout_s=120, persist_on_close=False)
         t = build_training(seed=rank, dataset_size=32)
         # Each rank keeps its own shard in its own memory: enough for a persist that fails at its start.
-        ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer), config, store=local_tier(),
-                            durable=DurableTier(filesystem=fs, root=root))
+        ckpt = Checkpointer(
+            TrainState(model=t.model, optimizer=t.optimizer),
+            config,
+            store=local_tier(),
+            durable=DurableTier(filesystem=fs, root=root),
+        )
         handle = ckpt.save(0)
         handle.committed.result(timeout=60)
         t0 = time.monotonic()
@@ -352,8 +402,9 @@ def test_a_failed_persist_is_reported_on_every_rank_without_waiting_for_the_time
     port = store.port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    mp.start_processes(_persist_failure_worker, args=(2, port, str(tmp_path / "d"), queue), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _persist_failure_worker, args=(2, port, str(tmp_path / "d"), queue), nprocs=2, join=True, start_method="spawn"
+    )
     outcomes = dict((r, (msg, s)) for r, msg, s in (queue.get(timeout=10) for _ in range(2)))
     assert "injected storage failure" in outcomes[0][0]
     assert "rank 0 could not persist step 0" in outcomes[1][0] and "injected storage failure" in outcomes[1][0]

@@ -23,9 +23,11 @@ OPENED: list[str] = []
 def _under(base: str):
     """An opener of ``vault://NAME`` URIs: a local directory under ``base``, through pyarrow's
     PyFileSystem (a filesystem pyarrow has no scheme for)."""
+
     def opener(uri: str):
         OPENED.append(uri)
         return pafs.PyFileSystem(pafs.FSSpecHandler(_fsspec_local())), os.path.join(base, uri.split("://", 1)[1])
+
     return opener
 
 
@@ -48,8 +50,9 @@ def test_a_registered_scheme_persists_stock_dcp_versions_through_its_backend(vau
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
-    config = CheckpointConfig(store="local", namespace=uuid.uuid4().hex, persist_every=2, durable_uri="vault://run-1",
-                              persist_on_close=False)
+    config = CheckpointConfig(
+        store="local", namespace=uuid.uuid4().hex, persist_every=2, durable_uri="vault://run-1", persist_on_close=False
+    )
     ckpt = Checkpointer(TrainState(model=model), config)
     for step in range(4):
         with torch.no_grad():
@@ -96,17 +99,21 @@ def test_an_installed_package_declares_a_backend_by_entry_point(tmp_path):
     (tmp_path / "acme_backend.py").write_text(
         "import pyarrow.fs as pafs\n"
         "def open_acme(uri):\n"
-        "    return pafs.LocalFileSystem(), '/srv/acme/' + uri.split('://', 1)[1]\n")
+        "    return pafs.LocalFileSystem(), '/srv/acme/' + uri.split('://', 1)[1]\n"
+    )
     info = tmp_path / "acme_backend-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-backend\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[gemini_ckpt.durable_backends]\nacme = acme_backend:open_acme\n"
-                                           "bad = acme_backend:missing\n")
-    code = ("from gemini_ckpt.durable.backends import open_uri\n"
-            "from gemini_ckpt import ConfigError\n"
-            "fs, root = open_uri('acme://bucket/run')\n"
-            "print(type(fs).__name__, root)\n"
-            "try:\n    open_uri('bad://x')\nexcept ConfigError as e:\n    print('refused:', e)\n")
+    (info / "entry_points.txt").write_text(
+        "[gemini_ckpt.durable_backends]\nacme = acme_backend:open_acme\nbad = acme_backend:missing\n"
+    )
+    code = (
+        "from gemini_ckpt.durable.backends import open_uri\n"
+        "from gemini_ckpt import ConfigError\n"
+        "fs, root = open_uri('acme://bucket/run')\n"
+        "print(type(fs).__name__, root)\n"
+        "try:\n    open_uri('bad://x')\nexcept ConfigError as e:\n    print('refused:', e)\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

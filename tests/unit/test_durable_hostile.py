@@ -50,6 +50,7 @@ def _job_namespace() -> str:
     drop_local_store(NAMESPACE)
     return NAMESPACE
 
+
 MARKER, METADATA, IN_PROGRESS, DATA = ".gemini_complete", ".metadata", ".gemini_inprogress", "__0_0.distcp"
 NEWEST, OLDER = "step_000000001", "step_000000000"
 KEY = "hostile-test-key"
@@ -154,8 +155,12 @@ def _params(model):
 
 def _make_versions(root: Path, **config):
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1,
-                                                durable_uri=str(root), keep_durable=5, **config))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local", namespace=_job_namespace(), persist_every=1, durable_uri=str(root), keep_durable=5, **config
+        ),
+    )
     batches, params = t.batches(), {}
     for step in range(2):
         lm_loss(t.model, next(batches)).backward()
@@ -205,8 +210,10 @@ def outside(tmp_path):
 def _restore(root, **config):
     """A new job (empty memory) restores from ``root``: (result, extra, params)."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
-                                                timeout_s=30, **config))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root), timeout_s=30, **config),
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -228,8 +235,18 @@ def _assert_restored(root, versions, step, **config):
 def _continue(root, steps, **config):
     """A new job restores from ``root`` and saves (and persists) ``steps``; returns the tier."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
-                                                persist_every=1, keep_durable=5, timeout_s=30, **config))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local",
+            namespace=_job_namespace(),
+            durable_uri=str(root),
+            persist_every=1,
+            keep_durable=5,
+            timeout_s=30,
+            **config,
+        ),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = ckpt.restore()
@@ -287,8 +304,9 @@ def _deflated_tensor_item(numel: int) -> bytes:
     storage = _Storage()
     storage.numel = numel
     buf = io.BytesIO()
-    _TensorPickler(buf, protocol=2).dump(_Reduce(torch._utils._rebuild_tensor_v2,
-                                                 (storage, 0, (numel,), (1,), False, OrderedDict())))
+    _TensorPickler(buf, protocol=2).dump(
+        _Reduce(torch._utils._rebuild_tensor_v2, (storage, 0, (numel,), (1,), False, OrderedDict()))
+    )
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", buf.getvalue())
@@ -410,8 +428,7 @@ def test_a_sparse_oversized_metadata_is_refused_before_it_is_read(signed_version
     assert problems and "bytes" in problems[0], problems
 
 
-def test_a_sparse_oversized_metadata_with_a_forged_size_is_refused_by_the_signature_first(signed_versions,
-                                                                                          tmp_path):
+def test_a_sparse_oversized_metadata_with_a_forged_size_is_refused_by_the_signature_first(signed_versions, tmp_path):
     root = _copy(signed_versions, tmp_path)
     os.truncate(root / NEWEST / METADATA, 2 * BOMB)
     marker = json.loads((root / NEWEST / MARKER).read_text())
@@ -487,11 +504,11 @@ def test_a_crafted_numpy_object_array_is_refused_not_a_crash(tmp_path):
         "try:\n"
         "    value_loads(pickle.dumps(C()), 'rank_local.0.extra')\n"
         "except VerificationError as exc:\n"
-        "    print('refused:', exc)\n")
+        "    print('refused:', exc)\n"
+    )
     repo = str(Path(__file__).resolve().parents[2])  # this checkout's gemini_ckpt, not an installed one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S,
-                           env=env)
+    child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S, env=env)
     assert child.returncode == 0, f"the decoder died (status {child.returncode}): {child.stderr[-500:]}"
     assert "refused:" in child.stdout and "objects" in child.stdout, child.stdout
 
@@ -528,8 +545,9 @@ def _stock_checkpoint(path: Path, *, seed: int, with_optim: bool, fill=None):
 
 def _init(path, **config):
     t, _, state = _state(11)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), init_from=str(path),
-                                                timeout_s=30, **config))
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=_job_namespace(), init_from=str(path), timeout_s=30, **config)
+    )
     try:
         return ckpt.restore(), t
     finally:
@@ -541,8 +559,9 @@ def test_init_from_never_reads_outside_its_directory(tmp_path):
     _stock_checkpoint(stock, seed=1, with_optim=False)
     _stock_checkpoint(secret, seed=2, with_optim=False, fill=7.0)
     md = pickle.loads((stock / METADATA).read_bytes())  # the test's own file
-    md.storage_data = {i: _StorageInfo(f"../secret/{s.relative_path}", s.offset, s.length)
-                       for i, s in md.storage_data.items()}
+    md.storage_data = {
+        i: _StorageInfo(f"../secret/{s.relative_path}", s.offset, s.length) for i, s in md.storage_data.items()
+    }
     (stock / METADATA).write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match="outside") as info:
         within(DEADLINE_S, _init, stock)
@@ -593,9 +612,18 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
     root = str(tmp_path / "d")
     durable = DurableTier(filesystem=fs, root=root, keep=2)
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=3,
-                                                keep_durable=2, persist_on_close=False, timeout_s=30),
-                        durable=durable)
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local",
+            namespace=_job_namespace(),
+            persist_every=3,
+            keep_durable=2,
+            persist_on_close=False,
+            timeout_s=30,
+        ),
+        durable=durable,
+    )
     batches = t.batches()
     for step in range(9):
         lm_loss(t.model, next(batches)).backward()
@@ -618,8 +646,17 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
 def _three_versions(tmp_path) -> Path:
     root = tmp_path / "three"
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=3,
-                                                durable_uri=str(root), keep_durable=5, persist_on_close=False))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local",
+            namespace=_job_namespace(),
+            persist_every=3,
+            durable_uri=str(root),
+            keep_durable=5,
+            persist_on_close=False,
+        ),
+    )
     for step in range(9):
         ckpt.save(step)
     ckpt.close()
@@ -660,7 +697,11 @@ def test_a_torn_marker_of_ours_is_removed_when_the_next_job_opens_the_tier(tmp_p
 # === the property: anything planted anywhere the durable tier opens ===============================
 KINDS = ("link-out", "fifo", "link-to-fifo", "sparse", "dir")
 AT_REST = {  # path under the root -> the step restore must end at
-    f"{NEWEST}/{DATA}": 0, f"{NEWEST}/{METADATA}": 0, f"{NEWEST}/{MARKER}": 0, "latest": 1, "latest.tmp": 1,
+    f"{NEWEST}/{DATA}": 0,
+    f"{NEWEST}/{METADATA}": 0,
+    f"{NEWEST}/{MARKER}": 0,
+    "latest": 1,
+    "latest.tmp": 1,
 }
 IN_FLIGHT = (".metadata.tmp", ".gemini_complete.tmp", DATA)  # in step 2's directory, before its commit
 

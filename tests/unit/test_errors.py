@@ -13,8 +13,11 @@ from gemini_ckpt.health import Health
 
 PACKAGE = pathlib.Path(gemini_ckpt.__file__).parent
 
-ERRORS = [obj for _, obj in inspect.getmembers(errors, inspect.isclass)
-          if issubclass(obj, BaseException) and obj.__module__ == errors.__name__]
+ERRORS = [
+    obj
+    for _, obj in inspect.getmembers(errors, inspect.isclass)
+    if issubclass(obj, BaseException) and obj.__module__ == errors.__name__
+]
 
 # Exception classes that may live elsewhere, and why.
 ELSEWHERE = {
@@ -35,8 +38,17 @@ def test_every_error_is_a_checkpoint_error_and_pickles_with_its_message():
 
 
 def test_errors_users_can_meet_are_exported_from_the_package():
-    for name in ("ConfigError", "ChecksumError", "DamagedFileError", "ReplicationError", "VersionNotFoundError",
-                 "UnhealthyVersionError", "FencedError", "BackgroundError", "CheckpointTimeoutError"):
+    for name in (
+        "ConfigError",
+        "ChecksumError",
+        "DamagedFileError",
+        "ReplicationError",
+        "VersionNotFoundError",
+        "UnhealthyVersionError",
+        "FencedError",
+        "BackgroundError",
+        "CheckpointTimeoutError",
+    ):
         assert getattr(gemini_ckpt, name) is getattr(errors, name) and name in gemini_ckpt.__all__
 
 
@@ -48,7 +60,10 @@ def test_no_exception_class_is_defined_outside_errors_py():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             # a private class (``_Unreadable``) is one module's signal to itself and never leaves it
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and any(
-                    ast.unparse(base).endswith(("Error", "Exception")) for base in node.bases):
+            if (
+                isinstance(node, ast.ClassDef)
+                and not node.name.startswith("_")
+                and any(ast.unparse(base).endswith(("Error", "Exception")) for base in node.bases)
+            ):
                 found.append(f"{rel}: {node.name}")
     assert not found, f"exception classes outside gemini_ckpt/errors.py: {found}"

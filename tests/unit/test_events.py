@@ -60,28 +60,32 @@ def _step(model, opt) -> None:
 
 
 def _config(tmp_path, namespace, **kw):
-    return CheckpointConfig(store="local", namespace=namespace, durable_uri=str(tmp_path / "durable"),
-                            persist_every=2, **kw)
+    return CheckpointConfig(
+        store="local", namespace=namespace, durable_uri=str(tmp_path / "durable"), persist_every=2, **kw
+    )
 
 
 def test_listeners_hear_every_version_in_order_off_the_training_thread(tmp_path):
     namespace = f"ev-{uuid.uuid4().hex}"
     model, opt, state = _state()
     rec = Recorder()
-    ckpt = Checkpointer(state, _config(tmp_path, namespace, health_check=HealthCheck(on_unhealthy="warn")),
-                        listeners=[rec])
+    ckpt = Checkpointer(
+        state, _config(tmp_path, namespace, health_check=HealthCheck(on_unhealthy="warn")), listeners=[rec]
+    )
     for step in range(4):
         _step(model, opt)
         ckpt.save(step, metrics={"loss": float(step)})
     ckpt.close()
     assert rec.seen[0] == ("start", 0) and rec.seen[-1] == ("close", False)
-    assert [e for e in rec.seen if e[0] == "committed"] == [("committed", s, {"loss": float(s)}, "healthy")
-                                                             for s in range(4)]
+    assert [e for e in rec.seen if e[0] == "committed"] == [
+        ("committed", s, {"loss": float(s)}, "healthy") for s in range(4)
+    ]
     persisted = [e[1] for e in rec.seen if e[0] == "persisted"]
     assert persisted == [s for s in range(4) if ckpt.persist_policy.should_persist(s)] and persisted
     for step in persisted:  # a version's durable copy is told after its commit
-        assert rec.seen.index(("committed", step, {"loss": float(step)}, "healthy")) < \
-               rec.seen.index(("persisted", step, True))
+        assert rec.seen.index(("committed", step, {"loss": float(step)}, "healthy")) < rec.seen.index(
+            ("persisted", step, True)
+        )
     assert rec.threads == {"gemini-ckpt-events"}
 
     rec2 = Recorder()
@@ -95,8 +99,11 @@ def test_listeners_hear_every_version_in_order_off_the_training_thread(tmp_path)
 def test_an_unhealthy_version_is_told_before_its_commit_and_never_persisted(tmp_path):
     model, opt, state = _state()
     rec = Recorder()
-    ckpt = Checkpointer(state, _config(tmp_path, f"ev-{uuid.uuid4().hex}",
-                                       health_check=HealthCheck(on_unhealthy="warn")), listeners=[rec])
+    ckpt = Checkpointer(
+        state,
+        _config(tmp_path, f"ev-{uuid.uuid4().hex}", health_check=HealthCheck(on_unhealthy="warn")),
+        listeners=[rec],
+    )
     _step(model, opt)
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
@@ -112,8 +119,9 @@ def test_what_a_listener_raises_surfaces_on_the_training_thread(tmp_path):
             raise ValueError("the metrics service is down")
 
     model, opt, state = _state()
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=f"ev-{uuid.uuid4().hex}"),
-                        listeners=[Broken()])
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=f"ev-{uuid.uuid4().hex}"), listeners=[Broken()]
+    )
     _step(model, opt)
     ckpt.save(0)
     with pytest.raises(CheckpointError, match="Broken failed on committed step 0.*metrics service is down"):
@@ -128,8 +136,7 @@ def test_a_blocking_listener_does_not_stall_save(tmp_path):
             release.wait(30)
 
     model, opt, state = _state()
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=f"ev-{uuid.uuid4().hex}"),
-                        listeners=[Slow()])
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=f"ev-{uuid.uuid4().hex}"), listeners=[Slow()])
     t0 = time.monotonic()
     for step in range(3):
         _step(model, opt)
@@ -185,8 +192,9 @@ def test_peek_then_attach_then_restore_with_the_rng_applied_later():
 def test_peek_finds_nothing_on_a_fresh_start_and_skips_an_unhealthy_version():
     namespace = f"ev-{uuid.uuid4().hex}"
     model, opt, state = _state()
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=namespace,
-                                                health_check=HealthCheck(on_unhealthy="warn")))
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=namespace, health_check=HealthCheck(on_unhealthy="warn"))
+    )
     assert ckpt.peek() is None
     _step(model, opt)
     ckpt.save(0)

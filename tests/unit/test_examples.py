@@ -21,7 +21,10 @@ def _run(args: list[str], cwd: str, timeout: float) -> str:
 
 
 def test_train_local_crashes_rebuilds_and_resumes_bit_identically(tmp_path):
-    out = _run([os.path.join(EXAMPLES, "train_local.py"), "--steps", "16", "--crash-at", "9", "--log-every", "5"],
-               str(tmp_path), timeout=300)
+    out = _run(
+        [os.path.join(EXAMPLES, "train_local.py"), "--steps", "16", "--crash-at", "9", "--log-every", "5"],
+        str(tmp_path),
+        timeout=300,
+    )
     assert "restored step 8" in out
     assert "losses identical: True; final parameters identical: True" in out

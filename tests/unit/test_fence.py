@@ -14,8 +14,21 @@ import threading
 import time
 
 
-from gemini_ckpt.hoststore.fence import (ALIVE, ASK_EVERY_S, CUT_OFF, DEAD, LEASE_MARGIN_S, STALLED, TICK_S, Fence,
-                                  declared_dead, head_answers, limit_s, process_identity, second_look)
+from gemini_ckpt.hoststore.fence import (
+    ALIVE,
+    ASK_EVERY_S,
+    CUT_OFF,
+    DEAD,
+    LEASE_MARGIN_S,
+    STALLED,
+    TICK_S,
+    Fence,
+    declared_dead,
+    head_answers,
+    limit_s,
+    process_identity,
+    second_look,
+)
 
 LEASE = 20.0
 
@@ -118,14 +131,24 @@ def test_without_a_raylet_pid_only_the_gcs_decides():
 
 
 def _lease_in_a_process(env):
-    out = subprocess.run([sys.executable, "-c", "from gemini_ckpt.hoststore.fence import lease_s; print(lease_s())"],
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "from gemini_ckpt.hoststore.fence import lease_s; print(lease_s())"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def test_the_lease_is_the_time_ray_takes_to_declare_a_node_dead_plus_a_margin():
-    fast = {"RAY_health_check_initial_delay_ms": "0", "RAY_health_check_period_ms": "500",
-            "RAY_health_check_timeout_ms": "2000", "RAY_health_check_failure_threshold": "6"}  # LocalCluster's
+    fast = {
+        "RAY_health_check_initial_delay_ms": "0",
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_timeout_ms": "2000",
+        "RAY_health_check_failure_threshold": "6",
+    }  # LocalCluster's
     assert LEASE_MARGIN_S == 7.0
     assert _lease_in_a_process(fast) == 0 + 6 * (0.5 + 2.0) + 7.0
     # Ray's defaults: 5 s + 5 x (3 s + 10 s), longer than Ray lets a worker go without the GCS (60 s)
@@ -160,8 +183,9 @@ def test_a_check_that_fails_does_not_end_the_fence_and_the_lease_still_ends_the_
     thread.start()
     thread.join(30)
     assert not thread.is_alive() and failures
-    assert len(ended) == 1 and ended[0].startswith("no answer from the GCS for ") and ended[0].endswith(
-        "(the lease: 2s)")
+    assert (
+        len(ended) == 1 and ended[0].startswith("no answer from the GCS for ") and ended[0].endswith("(the lease: 2s)")
+    )
 
 
 def test_a_worker_whose_raylet_is_killed_knows_it_at_the_next_check(tmp_path):
@@ -178,11 +202,17 @@ def test_a_worker_whose_raylet_is_killed_knows_it_at_the_next_check(tmp_path):
         "deadline = time.monotonic() + 20\n"
         "while not f.raylet_gone() and time.monotonic() < deadline:\n"
         "    time.sleep(0.05)\n"
-        "print('gone' if f.raylet_gone() else 'alive', flush=True)\n")
+        "print('gone' if f.raylet_gone() else 'alive', flush=True)\n"
+    )
     out = tmp_path / "out"
-    parent = subprocess.Popen([sys.executable, "-c",
-                               f"import subprocess, sys, time; subprocess.Popen([sys.executable, {str(script)!r}], "
-                               f"stdout=open({str(out)!r}, 'w')); time.sleep(60)"])
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, {str(script)!r}], "
+            f"stdout=open({str(out)!r}, 'w')); time.sleep(60)",
+        ]
+    )
     try:
         deadline = time.monotonic() + 60
         while "ready" not in (out.read_text() if out.exists() else "") and time.monotonic() < deadline:
@@ -202,11 +232,17 @@ def test_a_worker_whose_raylet_is_killed_knows_it_at_the_next_check(tmp_path):
 def _listener_stopped():
     """A real process that listens on a TCP port and is then stopped (SIGSTOP), as a stalled GCS
     is: its kernel still completes new connections into the listen backlog."""
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import socket, sys, time\n"
-                              "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(64)\n"
-                              "print(s.getsockname()[1], flush=True); time.sleep(120)"],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, sys, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(64)\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     port = int(child.stdout.readline())
     os.kill(child.pid, signal.SIGSTOP)
     return child, f"127.0.0.1:{port}"
@@ -218,6 +254,7 @@ def _black_hole():
     accept queue is full (Linux drops further SYNs; the sandbox's firewall answers outside
     addresses with a reset, so TEST-NET addresses would be "refused" here)."""
     import socket
+
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(0)
@@ -240,6 +277,7 @@ def _black_hole():
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -294,11 +332,21 @@ def test_past_the_lease_a_machine_that_does_not_answer_means_this_node_is_cut_of
     gcs = _Gcs()
     gcs.mode = "unreachable"
     with _black_hole() as address:
-        fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None,
-                      reach=lambda: second_look(address, "00" * 28, "ab" * 28, timeout=0.3), limit=60.0)
+        fence = Fence(
+            "test",
+            gcs,
+            raylet_pid=None,
+            lease=LEASE,
+            exit=lambda why: None,
+            reach=lambda: second_look(address, "00" * 28, "ab" * 28, timeout=0.3),
+            limit=60.0,
+        )
         why, _ = _steps(fence, int(LEASE / TICK_S) + 2)
-    assert why is not None and why.startswith("no answer from the GCS for 2") and why.endswith(
-        "and its machine does not answer a new connection either: this node is cut off")
+    assert (
+        why is not None
+        and why.startswith("no answer from the GCS for 2")
+        and why.endswith("and its machine does not answer a new connection either: this node is cut off")
+    )
 
 
 def test_past_the_lease_a_gcs_that_answers_a_new_connection_decides():
@@ -320,8 +368,9 @@ def test_a_stall_that_turns_into_a_partition_ends_the_process_at_the_next_look()
     ends the process."""
     gcs, looks = _Gcs(), [STALLED, STALLED, CUT_OFF]
     gcs.mode = "unreachable"
-    fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None,
-                  reach=lambda: looks.pop(0), limit=600.0)
+    fence = Fence(
+        "test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None, reach=lambda: looks.pop(0), limit=600.0
+    )
     why, now = _steps(fence, int(LEASE / TICK_S) + 3 * int(ASK_EVERY_S / TICK_S) + 2)
     assert why is not None and why.endswith("this node is cut off") and not looks
 
@@ -344,8 +393,10 @@ def test_ray_still_has_the_one_node_question_the_fence_asks():
 
     assert "__getattr__" in vars(GcsClient)  # GcsClient hands what it lacks to its InnerGcsClient
     assert "check_alive(self, list node_ids: List[NodeID]" in InnerGcsClient.check_alive.__doc__
-    assert "standalone(unicode gcs_address: str, cluster_id: Optional[str], int timeout_ms" in \
-        InnerGcsClient.standalone.__doc__  # the second look's new client
+    assert (
+        "standalone(unicode gcs_address: str, cluster_id: Optional[str], int timeout_ms"
+        in InnerGcsClient.standalone.__doc__
+    )  # the second look's new client
     assert "address" in vars(InnerGcsClient)
     assert "worker.gcs_client = " in inspect.getsource(ray._private.worker.connect)
     assert NodeID.from_hex("ab" * 28).hex() == "ab" * 28
@@ -364,8 +415,9 @@ def test_a_slow_second_look_does_not_keep_the_fence_from_watching_the_raylet():
             release.wait(30)
             return STALLED
 
-        fence = Fence("test", gcs, raylet_pid=raylet.pid, lease=LEASE, exit=lambda why: None, reach=slow_look,
-                      limit=60.0)
+        fence = Fence(
+            "test", gcs, raylet_pid=raylet.pid, lease=LEASE, exit=lambda why: None, reach=slow_look, limit=60.0
+        )
         now = 0.0
         for _ in range(int(LEASE / TICK_S) + 1):  # past the lease: the look begins, and hangs
             now += TICK_S

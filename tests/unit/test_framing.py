@@ -13,9 +13,18 @@ import torch
 from gemini_ckpt.format.framing import Template, value_section, write_tensors
 from gemini_ckpt.save.templates import cut, template_for, torch_save_bytes
 
-SIGNATURES = [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.float16, (2, 3, 4)), (torch.int64, (9,)),
-              (torch.bool, (11,)), (torch.complex64, (2, 2)), (torch.uint8, (4096,)), (torch.float32, ()),
-              (torch.float64, (0, 4)), (torch.int32, (1,))]
+SIGNATURES = [
+    (torch.float32, (3, 5)),
+    (torch.bfloat16, (7,)),
+    (torch.float16, (2, 3, 4)),
+    (torch.int64, (9,)),
+    (torch.bool, (11,)),
+    (torch.complex64, (2, 2)),
+    (torch.uint8, (4096,)),
+    (torch.float32, ()),
+    (torch.float64, (0, 4)),
+    (torch.int32, (1,)),
+]
 
 
 def _tensor(dtype, shape, seed):
@@ -66,7 +75,7 @@ def test_an_archive_of_an_unknown_layout_gives_no_template_and_a_bad_template_is
     assert cut(raw[:-10], memoryview(_raw(t))) is None  # truncated: not an archive we know
     assert cut(raw, memoryview(_raw(t) + 1)) is None  # the bytes are not where the template says
     doc = template_for(torch.float32, (8,)).to_json()
-    doc["crc_at"] = [10 ** 6]
+    doc["crc_at"] = [10**6]
     with pytest.raises(ValueError, match="outside"):
         Template.from_json(doc)
     with pytest.raises(ValueError, match="template for"):

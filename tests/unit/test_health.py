@@ -52,6 +52,7 @@ def _job_namespace() -> str:
     drop_local_store(NAMESPACE)
     return NAMESPACE
 
+
 FINITE = "failed the finite check"
 
 
@@ -176,12 +177,22 @@ def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_i
     assert _saved(ckpt, 0).health.result().status == "healthy"
     group = t.optimizer.param_groups[0]
     lr, wd = group["lr"], group["weight_decay"]
-    for step, (key, bad, detail) in enumerate([("lr", math.nan, "lr is nan"), ("weight_decay", math.inf, "weight_decay is inf"),
-                                               ("lr", torch.tensor(math.nan), "lr is nan")], start=1):
+    for step, (key, bad, detail) in enumerate(
+        [
+            ("lr", math.nan, "lr is nan"),
+            ("weight_decay", math.inf, "weight_decay is inf"),
+            ("lr", torch.tensor(math.nan), "lr is nan"),
+        ],
+        start=1,
+    ):
         group[key] = bad
         health = _saved(ckpt, step).health.result()
         assert (health.status, health.check, health.item, health.detail) == (
-            "unhealthy", "finite", f"optim.param_groups.0.{key}", detail)
+            "unhealthy",
+            "finite",
+            f"optim.param_groups.0.{key}",
+            detail,
+        )
         group["lr"], group["weight_decay"] = lr, wd
     group["betas"] = (0.9, math.nan)
     assert _saved(ckpt, 4).health.result().item == "optim.param_groups.0.betas"
@@ -209,8 +220,9 @@ def test_health_check_none_checks_nothing_and_says_so():
 
 # --- checks on the trainer: metrics and a validator ------------------------------------------------
 def test_a_metric_that_is_not_finite_makes_the_version_unhealthy():
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)),
-                        _config(health_check=HealthCheck(metrics=(Finite(metric="loss"),))))
+    ckpt = Checkpointer(
+        TrainState(model=nn.Linear(4, 4)), _config(health_check=HealthCheck(metrics=(Finite(metric="loss"),)))
+    )
     assert _saved(ckpt, 0, metrics={"loss": 2.5}).health.result().status == "healthy"
     assert _saved(ckpt, 1).health.result().status == "healthy"  # a save that reports no loss is not judged
     health = _saved(ckpt, 2, metrics={"loss": math.inf, "lr": 0.1}).health.result()
@@ -243,14 +255,19 @@ def test_a_user_validator_judges_the_live_state_on_the_training_thread():
     ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(health_check=HealthCheck(validator=validator)))
     assert _saved(ckpt, 0, metrics={"acc": 0.9}).health.result().status == "healthy"
     health = _saved(ckpt, 1, metrics={"acc": 0.4}).health.result()
-    assert (health.status, health.check, health.detail) == ("unhealthy", "validator",
-                                                             "accuracy 0.4 is no better than chance")
+    assert (health.status, health.check, health.detail) == (
+        "unhealthy",
+        "validator",
+        "accuracy 0.4 is no better than chance",
+    )
     assert health.reason == "rank 0: the state failed the validator check (accuracy 0.4 is no better than chance)"
     assert seen == [(0, "TrainState", {"acc": 0.9}), (1, "TrainState", {"acc": 0.4})]
     ckpt.close()
 
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)),
-                        _config(health_check=HealthCheck(validator=lambda step, state, metrics: False)))
+    ckpt = Checkpointer(
+        TrainState(model=nn.Linear(4, 4)),
+        _config(health_check=HealthCheck(validator=lambda step, state, metrics: False)),
+    )
     with pytest.raises(TypeError, match="must return None .healthy. or a reason string, got False"):
         ckpt.save(0)
     ckpt.close()
@@ -298,8 +315,13 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
     handles, digests, _, ckpt = _poisoned_run(config, range(10), bad=6)
     ckpt.wait_persisted()
     assert [handles[s].health.result().status for s in range(10)] == ["healthy"] * 6 + ["unhealthy"] * 4
-    assert handles[6].health.result().reason.startswith(
-        "rank 0: model.blocks.layers.0.linear1.weight failed the finite check (1 NaN of 2,048 values")
+    assert (
+        handles[6]
+        .health.result()
+        .reason.startswith(
+            "rank 0: model.blocks.layers.0.linear1.weight failed the finite check (1 NaN of 2,048 values"
+        )
+    )
     assert [handles[s].persisted.result() is None for s in (7, 9)] == [True, True]  # due, but unhealthy
     assert ckpt.store.committed_steps() == [3, 4, 5, 6]  # 3 healthy + the first unhealthy, for inspection
     assert ckpt.stats.unhealthy == 4 and ckpt.stats.last_unhealthy_step == 9
@@ -310,16 +332,18 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
     result = fresh.restore()
     assert (result.step, result.source, result.health.status) == (5, "memory", "healthy")
     assert result.skipped_steps == (6,)
-    assert result.skipped_reasons[6].startswith("unhealthy: rank 0: model.blocks.layers.0.linear1.weight "
-                                                "failed the finite check (1 NaN of 2,048 values")
+    assert result.skipped_reasons[6].startswith(
+        "unhealthy: rank 0: model.blocks.layers.0.linear1.weight failed the finite check (1 NaN of 2,048 values"
+    )
     assert all(torch.isfinite(p).all() for p in t2.model.parameters())
     assert digest([t2.model.state_dict(), t2.optimizer.state_dict()]) == digests[5]
     fresh.close()
 
     # A job whose memory is gone (a new process) restores the same version from disk.
     t3 = build_training(seed=3, dataset_size=32)
-    durable_only = Checkpointer(TrainState(model=t3.model, optimizer=t3.optimizer, scheduler=t3.scheduler),
-                                _config(durable_uri=uri))
+    durable_only = Checkpointer(
+        TrainState(model=t3.model, optimizer=t3.optimizer, scheduler=t3.scheduler), _config(durable_uri=uri)
+    )
     result = durable_only.restore()
     assert (result.step, result.source, result.skipped_steps) == (5, "durable", ())
     assert digest([t3.model.state_dict(), t3.optimizer.state_dict()]) == digests[5]
@@ -333,10 +357,17 @@ def test_memory_keeps_the_newest_healthy_versions_and_only_the_first_unhealthy_o
     for step, loss in enumerate([1.0, 1.0, math.nan, math.nan, math.nan, 1.0, 1.0, math.nan, 1.0]):
         _saved(ckpt, step, metrics={"loss": loss})
         held.append(ckpt.store.committed_steps())
-    assert held == [[0], [0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2],  # bad ones never push 0 and 1 out
-                    [1, 2, 5],  # 2, where the state went bad, is newer than the oldest healthy one kept
-                    [5, 6],  # ... and now older
-                    [5, 6, 7], [6, 7, 8]]
+    assert held == [
+        [0],
+        [0, 1],
+        [0, 1, 2],
+        [0, 1, 2],
+        [0, 1, 2],  # bad ones never push 0 and 1 out
+        [1, 2, 5],  # 2, where the state went bad, is newer than the oldest healthy one kept
+        [5, 6],  # ... and now older
+        [5, 6, 7],
+        [6, 7, 8],
+    ]
     ckpt.close()
 
 
@@ -353,8 +384,10 @@ def test_retention_rule_counts_healthy_versions_only():
 def test_an_unhealthy_version_is_never_persisted_even_when_asked_and_close_persists_the_newest_healthy(tmp_path):
     uri = str(tmp_path / "d")
     check = HealthCheck(metrics=(Finite(metric="loss"),))
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)),
-                        _config(durable_uri=uri, persist_every=100, keep_durable=2, health_check=check))
+    ckpt = Checkpointer(
+        TrainState(model=nn.Linear(4, 4)),
+        _config(durable_uri=uri, persist_every=100, keep_durable=2, health_check=check),
+    )
     for step in range(3):
         _saved(ckpt, step, metrics={"loss": 1.0})
     handle = _saved(ckpt, 3, persist=True, metrics={"loss": math.nan})
@@ -369,9 +402,11 @@ def test_on_unhealthy_raise_stops_the_job_at_the_next_save():
     ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(health_check=check))
     _saved(ckpt, 0, metrics={"loss": 1.0})
     _saved(ckpt, 1, metrics={"loss": math.nan})
-    with pytest.raises(UnhealthyVersionError, match=r"rank 0: step 1 is unhealthy: rank 0: loss failed the metric "
-                                                    r"check \(loss is nan\); the newest healthy version is step 0"
-                       ) as caught:
+    with pytest.raises(
+        UnhealthyVersionError,
+        match=r"rank 0: step 1 is unhealthy: rank 0: loss failed the metric "
+        r"check \(loss is nan\); the newest healthy version is step 0",
+    ) as caught:
         ckpt.save(2, metrics={"loss": 1.0})
     err = pickle.loads(pickle.dumps(caught.value))  # survives a Ray actor boundary, with its fields
     assert (err.step, err.health.item, str(err)) == (1, "loss", str(caught.value))
@@ -384,8 +419,11 @@ def test_restore_step_loads_a_named_unhealthy_version_with_a_warning():
     handles, digests, _, ckpt = _poisoned_run(config, range(5), bad=3)
     ckpt.close()
     t, again = _lm(config, seed=5)
-    with pytest.warns(UnhealthyRestoreWarning, match=r"restored step 3, whose state is UNHEALTHY \(rank 0: "
-                                                     r"model.blocks.layers.0.linear1.weight failed the finite check"):
+    with pytest.warns(
+        UnhealthyRestoreWarning,
+        match=r"restored step 3, whose state is UNHEALTHY \(rank 0: "
+        r"model.blocks.layers.0.linear1.weight failed the finite check",
+    ):
         result = again.restore(step=3)
     assert (result.step, result.health.status, result.skipped_steps) == (3, "unhealthy", ())
     assert math.isnan(t.model.blocks.layers[0].linear1.weight[3, 7].item())
@@ -396,8 +434,11 @@ def test_restore_step_loads_a_named_unhealthy_version_with_a_warning():
 
     t, named = _lm(config, seed=5)
     assert named.restore(step=2).step == 2  # a healthy one, by name
-    with pytest.raises(VersionNotFoundError, match=r"restore\(step=9\): no tier holds a committed version of step 9 "
-                                                   r"\(they hold \[1, 2, 3\]\)"):
+    with pytest.raises(
+        VersionNotFoundError,
+        match=r"restore\(step=9\): no tier holds a committed version of step 9 "
+        r"\(they hold \[1, 2, 3\]\)",
+    ):
         named.restore(step=9)
     named.close()
 
@@ -408,8 +449,11 @@ def test_restore_refuses_to_start_over_when_every_version_is_unhealthy():
     assert ckpt.store.committed_steps() == [0]
     ckpt.close()
     _, fresh = _lm(config, seed=1)
-    with pytest.raises(UnhealthyVersionError, match=r"no healthy version to restore: step\(s\) \[0\] are unhealthy: "
-                                                    r"step 0 \(memory\): unhealthy: rank 0: model.blocks"):
+    with pytest.raises(
+        UnhealthyVersionError,
+        match=r"no healthy version to restore: step\(s\) \[0\] are unhealthy: "
+        r"step 0 \(memory\): unhealthy: rank 0: model.blocks",
+    ):
         fresh.restore()
     with pytest.warns(UnhealthyRestoreWarning):
         assert fresh.restore(step=0).step == 0
@@ -478,17 +522,23 @@ def _reseal_marker(vdir, change) -> None:
     marker_path = vdir / ".gemini_complete"
     marker = json.loads(marker_path.read_text())
     change(marker)
-    m = VersionManifest(step=marker["step"], world_size=marker["world_size"],
-                        metadata=(vdir / ".metadata").read_bytes(),
-                        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
-                        file_sizes=marker["file_sizes"], job=marker["job"], metadata_crc=marker["metadata_crc"],
-                        health=marker.get("health"))
+    m = VersionManifest(
+        step=marker["step"],
+        world_size=marker["world_size"],
+        metadata=(vdir / ".metadata").read_bytes(),
+        checksums=tuple(ItemChecksum(*c) for c in marker["checksums"]),
+        file_sizes=marker["file_sizes"],
+        job=marker["job"],
+        metadata_crc=marker["metadata_crc"],
+        health=marker.get("health"),
+    )
     marker["manifest_crc"] = checksum(canonical_bytes(m))
     marker_path.write_text(json.dumps(marker))
 
 
-def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_is_refused(tmp_path, capsys,
-                                                                                            monkeypatch):
+def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_is_refused(
+    tmp_path, capsys, monkeypatch
+):
     uri = str(tmp_path / "d")
     config = _config(durable_uri=uri, persist_every=1, keep_durable=3, signing_key="job-secret")
     t, ckpt = _lm(config)
@@ -509,15 +559,22 @@ def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_i
 
     # A writer of the storage directory marks step 1 unhealthy (it could as well mark a bad one healthy).
     def condemn(m):
-        m["health"] = {"status": "unhealthy", "check": "finite", "item": "model.head.weight", "detail": "forged",
-                       "rank": 0}
+        m["health"] = {
+            "status": "unhealthy",
+            "check": "finite",
+            "item": "model.head.weight",
+            "detail": "forged",
+            "rank": 0,
+        }
 
     _reseal_marker(tmp_path / "d" / "step_000000001", condemn)
     assert cli(["verify", uri, "--step", "1"]) == 1
     assert "signature that does not match this signing key" in capsys.readouterr().out
     t2 = build_training(seed=4, dataset_size=32)
-    fresh = Checkpointer(TrainState(model=t2.model, optimizer=t2.optimizer, scheduler=t2.scheduler),
-                         _config(durable_uri=uri, signing_key="job-secret"))
+    fresh = Checkpointer(
+        TrainState(model=t2.model, optimizer=t2.optimizer, scheduler=t2.scheduler),
+        _config(durable_uri=uri, signing_key="job-secret"),
+    )
     with pytest.warns(UserWarning, match=r"step 1 \(durable\) could not be restored.*does not match this signing key"):
         result = fresh.restore()
     assert (result.step, result.skipped_steps) == (0, (1,))
@@ -548,16 +605,18 @@ def test_a_store_that_gives_no_verdict_never_makes_a_version_healthy_for_the_tra
 
     def run(store_cls, root):
         model = nn.Linear(8, 4)
-        ckpt = Checkpointer(TrainState(model=model), CheckpointConfig(store="local"),
-                            store=store_cls(str(root), rank=0, world_size=1))
+        ckpt = Checkpointer(
+            TrainState(model=model), CheckpointConfig(store="local"), store=store_cls(str(root), rank=0, world_size=1)
+        )
         verdicts = [_saved(ckpt, 0).health.result()]
         with torch.no_grad():
             model.weight.view(-1)[5] = math.nan
         verdicts.append(_saved(ckpt, 1).health.result())
         ckpt.close()
         fresh = nn.Linear(8, 4)
-        again = Checkpointer(TrainState(model=fresh), CheckpointConfig(store="local"),
-                             store=store_cls(str(root), rank=0, world_size=1))
+        again = Checkpointer(
+            TrainState(model=fresh), CheckpointConfig(store="local"), store=store_cls(str(root), rank=0, world_size=1)
+        )
         return verdicts, again, fresh
 
     verdicts, again, fresh = run(DirTier, tmp_path / "checking")
@@ -568,8 +627,10 @@ def test_a_store_that_gives_no_verdict_never_makes_a_version_healthy_for_the_tra
     verdicts, again, fresh = run(UncheckingStore, tmp_path / "unchecking")
     assert [(v.status, v.check) for v in verdicts] == [("unhealthy", "verdict")] * 2
     assert "did not say that every shard carries a verdict" in verdicts[1].reason
-    with pytest.raises(UnhealthyVersionError, match="its record carries no verdict, though its plan asks for the "
-                                                    "finite check of 2 items"):
+    with pytest.raises(
+        UnhealthyVersionError,
+        match="its record carries no verdict, though its plan asks for the finite check of 2 items",
+    ):
         again.restore()
     assert torch.isfinite(fresh.weight).all()
     with pytest.warns(UnhealthyRestoreWarning):

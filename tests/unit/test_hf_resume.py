@@ -49,24 +49,41 @@ class Crash(TrainerCallback):
 
 def _model(seed: int) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ, resid_pdrop=0.1,
-                     embd_pdrop=0.1, attn_pdrop=0.1)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=SEQ, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1
+    )
     return GPT2LMHeadModel(cfg)
 
 
-def _trainer(tmp_path, namespace: str, *, model_seed: int, crash_at=None, args=None, prepare=True, callbacks=(),
-             **kw):
-    settings = dict(output_dir=str(tmp_path / "out"), max_steps=12, per_device_train_batch_size=BATCH,
-                    save_strategy="steps", save_steps=1, logging_steps=1, report_to="none", use_cpu=True,
-                    disable_tqdm=True, seed=11, learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="linear")
+def _trainer(tmp_path, namespace: str, *, model_seed: int, crash_at=None, args=None, prepare=True, callbacks=(), **kw):
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        per_device_train_batch_size=BATCH,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=11,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+    )
     settings.update(args or {})
     eval_ds = Tokens(8, seed=3) if settings.get("eval_strategy") == "steps" else None
     crash = [Crash(crash_at)] if crash_at is not None else []
-    trainer = Trainer(model=_model(model_seed), args=TrainingArguments(**settings), train_dataset=Tokens(),
-                      eval_dataset=eval_ds, callbacks=[*callbacks, *crash], **kw)
+    trainer = Trainer(
+        model=_model(model_seed),
+        args=TrainingArguments(**settings),
+        train_dataset=Tokens(),
+        eval_dataset=eval_ds,
+        callbacks=[*callbacks, *crash],
+        **kw,
+    )
     if prepare:
-        trainer = ghf.prepare_trainer(trainer, CheckpointConfig(store="local", namespace=namespace,
-                                                                keep_in_memory=2))
+        trainer = ghf.prepare_trainer(trainer, CheckpointConfig(store="local", namespace=namespace, keep_in_memory=2))
     for c in crash:
         c.trainer = trainer
     return trainer
@@ -81,8 +98,11 @@ def _digest(trainer) -> dict:
         "global_step": trainer.state.global_step,
         "epoch": trainer.state.epoch,
         # timings aside (and the run summary, which covers one train() call)
-        "log": [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
-                for e in trainer.state.log_history if "train_runtime" not in e],
+        "log": [
+            {k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history
+            if "train_runtime" not in e
+        ],
     }
 
 
@@ -147,11 +167,14 @@ def test_a_version_of_another_seed_is_refused(tmp_path):
         other.train()
 
 
-@pytest.mark.parametrize("args, match", [
-    ({"ignore_data_skip": True}, "ignore_data_skip"),
-    ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
-    ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 1}, "hf_checkpoints=True"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ({"ignore_data_skip": True}, "ignore_data_skip"),
+        ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
+        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 1}, "hf_checkpoints=True"),
+    ],
+)
 def test_what_cannot_resume_exactly_is_refused(tmp_path, args, match):
     trainer = _trainer(tmp_path, "unused", model_seed=0, args=args, prepare=False)
     with pytest.raises(ConfigError, match=match):
@@ -171,9 +194,11 @@ def test_an_mlm_collator_with_its_own_generator_is_warned_about(tmp_path):
     from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[MASK]": 0, "[PAD]": 1, "a": 2},
-                                                                               unk_token="a")),
-                                  mask_token="[MASK]", pad_token="[PAD]")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"[MASK]": 0, "[PAD]": 1, "a": 2}, unk_token="a")),
+        mask_token="[MASK]",
+        pad_token="[PAD]",
+    )
     collator = DataCollatorForLanguageModeling(tok, mlm=True, seed=5)
     trainer = _trainer(tmp_path, "unused", model_seed=0, prepare=False, data_collator=collator)
     with pytest.warns(UserWarning, match="MLM collator"):
@@ -187,8 +212,11 @@ def test_each_version_keeps_only_the_newest_log_entries(tmp_path):
     first.callback_handler.callbacks[-2].trainer = first  # Crash, before the accumulators callback
     with pytest.raises(RuntimeError):
         first.train()
-    again = ghf.prepare_trainer(_trainer(tmp_path, namespace, model_seed=0, args={"max_steps": 6}, prepare=False),
-                                CheckpointConfig(store="local", namespace=namespace), keep_log_history=3)
+    again = ghf.prepare_trainer(
+        _trainer(tmp_path, namespace, model_seed=0, args={"max_steps": 6}, prepare=False),
+        CheckpointConfig(store="local", namespace=namespace),
+        keep_log_history=3,
+    )
     again.train()
     steps = [e["step"] for e in again.state.log_history if "loss" in e]
     assert steps == [3, 4, 5, 6]

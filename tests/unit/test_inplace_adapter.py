@@ -35,9 +35,14 @@ def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():
     group = inspect.getsource(WorkerGroup)
     assert "replica_group_size=1 if self._manages_replica_groups" in group  # one worker per group
     replace = inspect.getsource(WorkerGroup._replace_replica_group_impl)
-    for step in ("old_replica_group.shutdown()", "sync_actor.reset.remote()", "placement_group_bundle_indices",
-                 "starting_world_rank=replica_group_index", "start_training",
-                 "i != replica_group_index and rg.is_active()"):  # other failing groups: shut first (adapter)
+    for step in (
+        "old_replica_group.shutdown()",
+        "sync_actor.reset.remote()",
+        "placement_group_bundle_indices",
+        "starting_world_rank=replica_group_index",
+        "start_training",
+        "i != replica_group_index and rg.is_active()",
+    ):  # other failing groups: shut first (adapter)
         assert step in replace, step
     for name in ("get_latest_poll_status", "get_replica_groups", "get_workers"):
         assert callable(getattr(WorkerGroup, name)), name
@@ -178,15 +183,19 @@ def test_settings_are_checked():
     assert "ray.train.torch" in modules and "gemini_ckpt.integrations.ray_train" in modules
     with pytest.raises(ConfigError, match="hang_s"):
         detection_env(hang_s=-1)
-    assert detection_env(poll_s=0.5, hang_s=20) == {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-                                                    "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "20.0"}
+    assert detection_env(poll_s=0.5, hang_s=20) == {
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S": "20.0",
+    }
 
 
 def test_each_worker_is_told_its_rank_on_its_node():
     """Ray's own context says local rank 0 of 1 on every worker of a replica-group job."""
+
     def worker(rank, node):
-        return types.SimpleNamespace(distributed_context=types.SimpleNamespace(world_rank=rank),
-                                     metadata=types.SimpleNamespace(node_id=node))
+        return types.SimpleNamespace(
+            distributed_context=types.SimpleNamespace(world_rank=rank), metadata=types.SimpleNamespace(node_id=node)
+        )
 
     workers = [worker(3, "b"), worker(0, "a"), worker(2, "b"), worker(1, "a"), worker(4, "c")]
     assert adapter._node_ranks(workers) == {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 2, 1), 3: (1, 2, 1), 4: (0, 1, 2)}

@@ -22,8 +22,9 @@ WORLD = 3
 class Job:
     """The controller's part: a round store, and a new round for every start of workers."""
 
-    def __init__(self, tmp_path, script: str, *, reform_s: float = 60.0, grace_s: float = _rounds.GRACE_S,
-                 notice_s: float = 0.0) -> None:
+    def __init__(
+        self, tmp_path, script: str, *, reform_s: float = 60.0, grace_s: float = _rounds.GRACE_S, notice_s: float = 0.0
+    ) -> None:
         self.store = _rounds.server("127.0.0.1", timeout_s=30)
         self.out = str(tmp_path)
         self.script = script
@@ -37,13 +38,27 @@ class Job:
             self.start(rank, first, fresh=True)
 
     def start(self, rank: int, round_: int, *, fresh: bool) -> None:
-        env = dict(os.environ, GEMINI_TEST_FRESH="1" if fresh else "0",
-                   **_rounds.worker_env(host="127.0.0.1", port=self.store.port, round_=round_, rank=rank,
-                                        world_size=WORLD, local_rank=rank, local_world_size=WORLD, node_rank=0,
-                                        backend="gloo", timeout_s=120, reform_timeout_s=self.reform_s,
-                                        grace_s=self.grace_s))
-        self.procs[rank] = subprocess.Popen([sys.executable, CHILD, self.script, self.out], env=env,
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = dict(
+            os.environ,
+            GEMINI_TEST_FRESH="1" if fresh else "0",
+            **_rounds.worker_env(
+                host="127.0.0.1",
+                port=self.store.port,
+                round_=round_,
+                rank=rank,
+                world_size=WORLD,
+                local_rank=rank,
+                local_world_size=WORLD,
+                node_rank=0,
+                backend="gloo",
+                timeout_s=120,
+                reform_timeout_s=self.reform_s,
+                grace_s=self.grace_s,
+            ),
+        )
+        self.procs[rank] = subprocess.Popen(
+            [sys.executable, CHILD, self.script, self.out], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
 
     def run(self, timeout: float = 120.0) -> dict[int, int]:
         """Replace every rank that dies until all have ended; returns each rank's exit code."""
@@ -192,8 +207,11 @@ def test_a_rank_whose_round_failed_to_form_meets_the_others_in_the_next_one(tmp_
     store = _rounds.server("127.0.0.1", timeout_s=30)
 
     def rank(r: int, round_: int, mode: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", FORM_ONE, str(store.port), str(r), str(round_), mode],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [sys.executable, "-c", FORM_ONE, str(store.port), str(r), str(round_), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     survivor = rank(0, _rounds.open_round(store), "form")
     dying = rank(1, 1, "arrive")

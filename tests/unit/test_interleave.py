@@ -30,18 +30,28 @@ def test_a_mark_in_one_process_is_seen_in_another():
     state = CommState.create(slots=4)
     slot = state.slot_for(rank=7)
     child = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time
             from gemini_ckpt.format.commstate import CommState
             marker = CommState.open({state.fd}, {state.nbytes}).marker({slot})
             marker.enter(); print("in", flush=True); sys.stdin.readline()
             time.sleep(0.05); marker.exit(); print("out", flush=True); sys.stdin.readline()
-        """)], pass_fds=[state.fd], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        """),
+        ],
+        pass_fds=[state.fd],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert not state.active() and not state.busy(stale_s=30)
         assert child.stdout.readline().strip() == "in"
         assert state.busy(stale_s=30) and state.active()
-        child.stdin.write("\n"); child.stdin.flush()
+        child.stdin.write("\n")
+        child.stdin.flush()
         assert child.stdout.readline().strip() == "out"
         assert not state.busy(stale_s=30)
         assert state.collective_s() >= 0.05 and state.stats()["collectives"] == 1
@@ -110,7 +120,9 @@ def test_two_pieces_queued_together_stay_within_two_percent_of_a_collective():
     state = CommState.create(slots=1)
     try:
         marker = state.marker(state.slot_for(rank=0))
-        marker.enter(); time.sleep(0.05); marker.exit()
+        marker.enter()
+        time.sleep(0.05)
+        marker.exit()
         gate = T.IdleGate(state)
         gate.rate = 125e6
         one = T.choose_chunk(125e6, state.collective_s())  # one piece: 2% of the collective
@@ -146,9 +158,8 @@ def test_pieces_to_different_sockets_count_together_in_the_queue_bound():
         assert unsent_bytes(a) > 64 << 10  # stuck in the kernel
         written_a = time.monotonic()
         done = threading.Event()
-        small = piece[:64 << 10]
-        threading.Thread(target=lambda: (gate.send(b, small, b.send, lambda: None), done.set()),
-                         daemon=True).start()
+        small = piece[: 64 << 10]
+        threading.Thread(target=lambda: (gate.send(b, small, b.send, lambda: None), done.set()), daemon=True).start()
         assert not done.wait(0.3)  # a's piece plus b's is more than b's piece
         assert done.wait(5)
         assert time.monotonic() - written_a >= 0.9  # released when a was forgotten, not before
@@ -165,7 +176,7 @@ class Sink:
         self.done: list = []
 
     def buffer_for(self, header):
-        return memoryview(self.buffer)[header.offset:header.offset + header.length]
+        return memoryview(self.buffer)[header.offset : header.offset + header.length]
 
     def received(self, header) -> None:
         self.done.append(time.monotonic())
@@ -211,7 +222,9 @@ def test_the_sender_moves_no_bytes_while_training_communicates_and_completes_onc
 def test_waiting_for_idle_is_not_a_stall():
     state = CommState.create(slots=1)
     marker = state.marker(state.slot_for(rank=0))
-    marker.enter(); time.sleep(0.01); marker.exit()  # a 10 ms collective measured: small pieces
+    marker.enter()
+    time.sleep(0.01)
+    marker.exit()  # a 10 ms collective measured: small pieces
     gate = T.IdleGate(state, patience_s=30.0)
     marker.enter()
     sink, data, fut, opened = _send(gate, 8 << 20, progress_timeout_s=0.3)
@@ -278,8 +291,13 @@ def test_interleave_is_on_by_default_and_validated():
     assert CheckpointConfig(interleave="network").interleave_mode == "network"
     assert CheckpointConfig(interleave="off").interleave_mode == "off"
     # what a store gets from a registry or client of another version: a bool, or a mode it knows
-    assert [interleave_mode(v) for v in (True, False, "network", "off", "later")] == ["gate", "off", "network",
-                                                                                     "off", "gate"]
+    assert [interleave_mode(v) for v in (True, False, "network", "off", "later")] == [
+        "gate",
+        "off",
+        "network",
+        "off",
+        "gate",
+    ]
     # one type wherever it is read: the enum, which compares and travels as its word
     assert all(type(interleave_mode(v)) is Interleave for v in (True, False, "network", "later"))
     assert type(CheckpointConfig().interleave_mode) is Interleave and json.dumps(interleave_mode("off")) == '"off"'
@@ -344,8 +362,11 @@ def _checkpointer(model, namespace):
     from gemini_ckpt import Checkpointer, TrainState
 
     tier = MarkingTier.make(namespace)
-    ckpt = Checkpointer(TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
-                        CheckpointConfig(store="local", namespace=namespace), store=tier)
+    ckpt = Checkpointer(
+        TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+        CheckpointConfig(store="local", namespace=namespace),
+        store=tier,
+    )
     return ckpt, tier.comm
 
 
@@ -353,8 +374,12 @@ def _watch_busy(comm, stop):
     import threading
 
     seen = []
-    thread = threading.Thread(target=lambda: [seen.append(comm.busy(stale_s=30)) or time.sleep(0.0002)
-                                              for _ in iter(lambda: stop.is_set(), True)], daemon=True)
+    thread = threading.Thread(
+        target=lambda: [
+            seen.append(comm.busy(stale_s=30)) or time.sleep(0.0002) for _ in iter(lambda: stop.is_set(), True)
+        ],
+        daemon=True,
+    )
     thread.start()
     return seen, thread
 
@@ -427,8 +452,12 @@ def test_the_fsdp2_hooks_mark_all_gathers_and_reduce_scatters(tmp_path):
     script = tmp_path / "fsdp2_worker.py"
     script.write_text(FSDP2_WORKER)
     # a file rendezvous: a port picked here and bound later by the workers could be taken between
-    done = subprocess.run([sys.executable, str(script), __file__, str(tmp_path / "rendezvous")], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), __file__, str(tmp_path / "rendezvous")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     noise = ("rendezvous/registry.py", "lm_resiliency")  # an unrelated installed plugin's warnings
     errors = "\n".join(line for line in done.stderr.splitlines() if not any(n in line for n in noise))
     assert done.returncode == 0, done.stdout[-1500:] + errors[-3000:]
@@ -468,8 +497,10 @@ def test_recovery_channels_go_unmarked_where_replication_is_marked():
     try:
         marked = sender.connect(listener.endpoint)
         plain = sender.connect(listener.endpoint, marked=False)
-        tos = {name: {s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in ch._socks}
-               for name, ch in (("marked", marked), ("plain", plain))}
+        tos = {
+            name: {s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in ch._socks}
+            for name, ch in (("marked", marked), ("plain", plain))
+        }
         assert tos == {"marked": {LOWER_EFFORT_DSCP << 2}, "plain": {0}}
     finally:
         sender.close()

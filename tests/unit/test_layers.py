@@ -19,8 +19,22 @@ PLACEMENT = PACKAGE.parent / "placement"  # the planner: pure, a package of its 
 
 LAYERS = [
     # base: stdlib (and numpy) only, no torch, nothing of ours above
-    {"errors", "_version", "faults", "events", "attempts", "checksum", "signing", "unpickle", "lineage", "health", "results", "retention",
-     "timeouts", "config"},
+    {
+        "errors",
+        "_version",
+        "faults",
+        "events",
+        "attempts",
+        "checksum",
+        "signing",
+        "unpickle",
+        "lineage",
+        "health",
+        "results",
+        "retention",
+        "timeouts",
+        "config",
+    },
     # the data plane (authenticated TCP streams, stdlib only) and the commit protocol (sans-I/O)
     {"dataplane", "commit"},
     # the format: shard plans and records, segments, checksums with the health check, DCP framing,
@@ -75,8 +89,7 @@ def _imports(modules: dict[str, pathlib.Path], name_of: str = NAME) -> dict[str,
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([node.module] if node.module else []))
                 # ``from .pkg import module`` imports the module; ``from .module import name``, the module
-                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                         for alias in node.names]
+                found = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
             else:
                 continue
             for target in found:
@@ -174,8 +187,12 @@ def test_every_package_has_a_layer():
 def test_packages_import_only_from_their_layer_or_below():
     layer_of = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     graph = _imports(_modules())
-    upward = sorted(f"{source} -> {target}" for source, targets in graph.items() for target in targets
-                    if target != NAME and layer_of[_top(target)] > layer_of[_top(source)])
+    upward = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        for target in targets
+        if target != NAME and layer_of[_top(target)] > layer_of[_top(source)]
+    )
     assert not upward, f"imports from a higher layer: {upward}"
 
 
@@ -222,6 +239,9 @@ MAX_LINES = 400
 @pytest.mark.parametrize("package", [PACKAGE, PLACEMENT], ids=lambda p: p.name)
 def test_no_library_module_over_400_lines(package):
     # a module past this holds more than one job (split it by concept, not by count)
-    long = sorted(f"{path.relative_to(package)}: {n}" for path in package.rglob("*.py")
-                  if (n := len(path.read_text().splitlines())) > MAX_LINES)
+    long = sorted(
+        f"{path.relative_to(package)}: {n}"
+        for path in package.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    )
     assert not long, f"modules over {MAX_LINES} lines: {long}"

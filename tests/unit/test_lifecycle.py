@@ -73,7 +73,9 @@ def test_a_run_that_did_not_restore_may_not_write_over_an_earlier_runs_newer_ver
 
     # A new run (another namespace, the same durable directory) starting at step 0.
     fresh, t2 = _checkpointer(_config(persist_every=4, durable_uri=uri))
-    with pytest.raises(CheckpointError, match=r"already hold\(s\) step\(s\) \[3, 7\].*restore\(\) first.*overwrite=True"):
+    with pytest.raises(
+        CheckpointError, match=r"already hold\(s\) step\(s\) \[3, 7\].*restore\(\) first.*overwrite=True"
+    ):
         fresh.save(0)
     fresh.close()
     assert DurableTier(uri).complete_steps() == [3, 7]  # nothing was touched
@@ -124,8 +126,11 @@ def test_a_newer_checkpointer_on_the_same_namespace_fences_the_older_one():
     newer, t2 = _checkpointer(config, seed=1)
     assert newer.restore().step == 0  # the newer one takes the namespace over
     older.save(1)
-    with pytest.raises(BackgroundError, match=r"FencedError: a newer Checkpointer opened namespace .* their own "
-                                              r"CheckpointConfig.namespace"):
+    with pytest.raises(
+        BackgroundError,
+        match=r"FencedError: a newer Checkpointer opened namespace .* their own "
+        r"CheckpointConfig.namespace",
+    ):
         older.wait()
     _train(newer, t2, [1])
     assert newer.store.committed_steps() == [0, 1]

@@ -64,8 +64,9 @@ class _Net(pl.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         if self.one_cycle:  # asks for the loaders before fit starts (Lightning#20550)
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05,
-                                                        total_steps=self.trainer.estimated_stepping_batches)
+            sched = torch.optim.lr_scheduler.OneCycleLR(
+                opt, max_lr=0.05, total_steps=self.trainer.estimated_stepping_batches
+            )
         else:
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -98,8 +99,9 @@ def _loader(kind: str, seed: int):
     if kind == "wrapped":  # what Lightning makes of StatefulDataLoader(shuffle=True) under DDP
         from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
-        sampler = DistributedSamplerWrapper(torch.utils.data.RandomSampler(_Data(), generator=gen), num_replicas=1,
-                                            rank=0, shuffle=False)
+        sampler = DistributedSamplerWrapper(
+            torch.utils.data.RandomSampler(_Data(), generator=gen), num_replicas=1, rank=0, shuffle=False
+        )
         return StatefulDataLoader(_Data(), batch_size=BATCH, sampler=sampler)
     if kind == "plain":
         return torch.utils.data.DataLoader(_Data(), batch_size=BATCH, shuffle=True, generator=gen)
@@ -108,18 +110,39 @@ def _loader(kind: str, seed: int):
     return StatefulDataLoader(_Data(), batch_size=BATCH, shuffle=True)  # draws from the global RNG
 
 
-def _fit(ns: str, seed: int, *, crash_at=None, loader="stateful", epochs=3, accumulate=1, val=None,
-         one_cycle=False, ckpt_path=None, extra_callbacks=()):
+def _fit(
+    ns: str,
+    seed: int,
+    *,
+    crash_at=None,
+    loader="stateful",
+    epochs=3,
+    accumulate=1,
+    val=None,
+    one_cycle=False,
+    ckpt_path=None,
+    extra_callbacks=(),
+):
     torch.manual_seed(seed)
     model = _Net(one_cycle=one_cycle)
     gemini = GeminiCallback(CheckpointConfig(store="local", namespace=ns, keep_in_memory=2))
     record = _Record()
     callbacks = [gemini, record, *extra_callbacks] + ([_Crash(gemini, crash_at)] if crash_at is not None else [])
-    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, callbacks=callbacks,
-                         accumulate_grad_batches=accumulate, val_check_interval=val,
-                         limit_val_batches=2 if val is not None else 0, num_sanity_val_steps=0,
-                         enable_progress_bar=False, logger=False, enable_model_summary=False,
-                         enable_checkpointing=False, deterministic=True)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        accumulate_grad_batches=accumulate,
+        val_check_interval=val,
+        limit_val_batches=2 if val is not None else 0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        deterministic=True,
+    )
     val_loader = torch.utils.data.DataLoader(_Data(8), batch_size=BATCH) if val is not None else None
     try:
         trainer.fit(model, train_dataloaders=_loader(loader, seed), val_dataloaders=val_loader, ckpt_path=ckpt_path)
@@ -236,8 +259,15 @@ def test_every_n_steps_saves_only_those_steps():
     gemini = _fit(ns, 0, epochs=1, accumulate=2)[2]  # 3 optimizer steps
     assert gemini.checkpointer.closed
     gemini2 = GeminiCallback(CheckpointConfig(store="local", namespace=_ns(), keep_in_memory=5), every_n_steps=2)
-    trainer = pl.Trainer(max_epochs=1, callbacks=[gemini2], enable_progress_bar=False, logger=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=[gemini2],
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+    )
     trainer.fit(_Net(), train_dataloaders=_loader("stateful", 0))
     assert gemini2.checkpointer.store.committed_steps() == [2, 4, 6]
     assert math.isfinite(gemini2.last_handle.step)

@@ -18,8 +18,13 @@ def test_the_grafana_dashboard_queries_only_exported_metrics():
     exported = set()
     for name, (kind, _, _) in {**TRAINER, **STORE}.items():
         base = f"ray_gemini_ckpt_{name}"
-        exported |= {base + "_total"} if kind == "counter" else \
-            {base + "_bucket", base + "_sum", base + "_count"} if kind == "histogram" else {base}
+        exported |= (
+            {base + "_total"}
+            if kind == "counter"
+            else {base + "_bucket", base + "_sum", base + "_count"}
+            if kind == "histogram"
+            else {base}
+        )
     assert board["panels"] and board.get("title") and "schemaVersion" in board
     for panel in board["panels"]:
         assert panel.get("title") and panel.get("targets"), panel

@@ -42,9 +42,15 @@ def _step(net, opt, i: int) -> None:
 
 
 def _snapshot(net, opt) -> dict:
-    return {**{k: v.clone() for k, v in net.state_dict().items()},
-            **{f"opt.{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()
-               if isinstance(v, torch.Tensor)}}
+    return {
+        **{k: v.clone() for k, v in net.state_dict().items()},
+        **{
+            f"opt.{i}.{k}": v.clone()
+            for i, s in opt.state_dict()["state"].items()
+            for k, v in s.items()
+            if isinstance(v, torch.Tensor)
+        },
+    }
 
 
 def _config(ns: str, staging: str = "overlap") -> CheckpointConfig:

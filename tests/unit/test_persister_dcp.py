@@ -32,8 +32,9 @@ def test_persisted_data_file_is_byte_identical_to_filesystemwriter(tmp_path):
     state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler)
     staged = {**state.tensor_state(), **state.opaque_state(0)}
     dcp.save(staged, storage_writer=FileSystemWriter(str(tmp_path / "stock"), sync_files=False), no_dist=True)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex,
-                                                durable_uri=str(tmp_path / "ours")))
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, durable_uri=str(tmp_path / "ours"))
+    )
     ckpt.save(1, persist=True).persisted.result(timeout=60)
     ckpt.close()
     theirs = (tmp_path / "stock" / "__0_0.distcp").read_bytes()
@@ -43,9 +44,10 @@ def test_persisted_data_file_is_byte_identical_to_filesystemwriter(tmp_path):
 
 def test_persisted_version_loads_with_stock_dcp_and_filesystemreader(tmp_path):
     t = _trained(seed=1)
-    ckpt = Checkpointer(TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
-                        CheckpointConfig(store="local", namespace=f"dump-{uuid.uuid4().hex}",
-                                         durable_uri=str(tmp_path)))
+    ckpt = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler),
+        CheckpointConfig(store="local", namespace=f"dump-{uuid.uuid4().hex}", durable_uri=str(tmp_path)),
+    )
     ckpt.save(7, persist=True).persisted.result(timeout=60)
     ckpt.close()
 
@@ -64,6 +66,7 @@ def test_persisted_version_loads_with_stock_dcp_and_filesystemreader(tmp_path):
 
 
 # --- FSDP2 at world size 2 -> 1 and 3, through our reader ------------------------------------
+
 
 def _full(t):
     from torch.distributed.tensor import DTensor
@@ -85,8 +88,9 @@ def _fsdp_worker(rank, world_size, port, root, phase):
         model = fully_shard_layers(TinyLM(dim=32, layers=2, dropout=0.0), mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         state = TrainState(model=model, optimizer=opt, extra={"rank": rank})
-        ckpt = Checkpointer(state, CheckpointConfig(store="local"),
-                            store=DirTier(root, rank=rank, world_size=world_size))
+        ckpt = Checkpointer(
+            state, CheckpointConfig(store="local"), store=DirTier(root, rank=rank, world_size=world_size)
+        )
         if phase == "save":
             batch = torch.arange(4 * 17).reshape(4, 17) % 64
             for _ in range(2):

@@ -86,18 +86,14 @@ def test_design_example():
 
 def test_group_holders_hand_checked():
     p = make("group", hosts=6, replicas=3)
-    assert [p.holders(h) for h in range(6)] == [
-        (0, 1, 2), (1, 0, 2), (2, 0, 1), (3, 4, 5), (4, 3, 5), (5, 3, 4)
-    ]
+    assert [p.holders(h) for h in range(6)] == [(0, 1, 2), (1, 0, 2), (2, 0, 1), (3, 4, 5), (4, 3, 5), (5, 3, 4)]
     assert p.held_by(4) == (4, 3, 5)
     assert (p.strategy, p.hosts, p.replicas) == ("group", 6, 3)
 
 
 def test_ring_holders_hand_checked():
     p = make("ring", hosts=5, replicas=3)
-    assert [p.holders(h) for h in range(5)] == [
-        (0, 1, 2), (1, 2, 3), (2, 3, 4), (3, 4, 0), (4, 0, 1)
-    ]
+    assert [p.holders(h) for h in range(5)] == [(0, 1, 2), (1, 2, 3), (2, 3, 4), (3, 4, 0), (4, 0, 1)]
     assert p.held_by(0) == (0, 3, 4)
     assert make("ring", hosts=3, replicas=3).holders(1) == (1, 2, 0)
 
@@ -107,7 +103,13 @@ def test_mixed_holders_hand_checked():
     assert [p.holders(h) for h in range(5)] == [(0, 1), (1, 0), (2, 3), (3, 4), (4, 2)]
     q = make("mixed", hosts=7, replicas=3)
     assert [q.holders(h) for h in range(7)] == [
-        (0, 1, 2), (1, 0, 2), (2, 0, 1), (3, 4, 5), (4, 5, 6), (5, 6, 3), (6, 3, 4)
+        (0, 1, 2),
+        (1, 0, 2),
+        (2, 0, 1),
+        (3, 4, 5),
+        (4, 5, 6),
+        (5, 6, 3),
+        (6, 3, 4),
     ]
     assert q.groups == ((0, 1, 2),) and q.rings == ((3, 4, 5, 6),)
 
@@ -264,8 +266,7 @@ def test_violations_only_when_no_arrangement_avoids_them():
                         shape = make(strategy, hosts=n, replicas=m)
                         copy_sets = [shape.holders(h) for h in range(n)]
                         assert not any(
-                            all(len({arr[h] for h in hs}) == m for hs in copy_sets)
-                            for arr in _arrangements(order)
+                            all(len({arr[h] for h in hs}) == m for hs in copy_sets) for arr in _arrangements(order)
                         ), (strategy, n, m, order)
                         checked += 1
     assert checked > 50
@@ -330,10 +331,7 @@ def _dp_survivable(p, k):
             for (f, run), ways in states.items():
                 if run + lead < m:  # the wrap-around run stays short
                     cell[f] += ways
-        poly = [
-            sum(poly[i] * cell[d - i] for i in range(len(poly)) if d - i >= 0)
-            for d in range(k + 1)
-        ]
+        poly = [sum(poly[i] * cell[d - i] for i in range(len(poly)) if d - i >= 0) for d in range(k + 1)]
     return poly[k] if k < len(poly) else 0
 
 
@@ -385,12 +383,8 @@ def test_probability_edges():
 
 def test_fatal_sets_hand_checked():
     assert fatal_sets(make("group", hosts=4, replicas=2), 2) == ((0, 1), (2, 3))
-    assert fatal_sets(make("group", hosts=4, replicas=2), 3) == (
-        (0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)
-    )
-    assert fatal_sets(make("ring", hosts=5, replicas=2), 2) == (
-        (0, 1), (0, 4), (1, 2), (2, 3), (3, 4)
-    )
+    assert fatal_sets(make("group", hosts=4, replicas=2), 3) == ((0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3))
+    assert fatal_sets(make("ring", hosts=5, replicas=2), 2) == ((0, 1), (0, 4), (1, 2), (2, 3), (3, 4))
     assert fatal_sets(make("mixed", hosts=5, replicas=2), 2) == ((0, 1), (2, 3), (2, 4), (3, 4))
     assert fatal_sets(make("ring", hosts=6, replicas=3), 2) == ()
     assert fatal_sets(make("ring", hosts=6, replicas=2), 0) == ()
@@ -402,11 +396,7 @@ def test_fatal_sets_hand_checked():
 def test_fatal_sets_equal_brute_force(n):
     for p in placements_of_size(n):
         for k in range(n + 1):
-            expected = tuple(
-                failed
-                for failed in itertools.combinations(range(n), k)
-                if not survives(p, failed)
-            )
+            expected = tuple(failed for failed in itertools.combinations(range(n), k) if not survives(p, failed))
             assert fatal_sets(p, k, limit=None) == expected, (p, k)
             assert fatal_sets(p, k, limit=3) == expected[:3], (p, k)
 
@@ -491,7 +481,11 @@ def run_cli(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "placement", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -521,18 +515,17 @@ def test_cli_explains_a_failure():
     assert out.returncode == 0, out.stderr
     assert "host 3: read from host 2" in out.stdout
     assert "host 4: read from host 5" in out.stdout
-    lost = run_cli("report", "--hosts", "16", "--replicas", "2", "--strategy", "group",
-                   "--failed", "2,3")
+    lost = run_cli("report", "--hosts", "16", "--replicas", "2", "--strategy", "group", "--failed", "2,3")
     assert "host 2: LOST" in lost.stdout and "durable tier is needed" in lost.stdout
-    doc = json.loads(run_cli("report", "--hosts", "5", "--replicas", "2", "--strategy",
-                             "auto", "--failed", "2", "--json").stdout)
+    doc = json.loads(
+        run_cli("report", "--hosts", "5", "--replicas", "2", "--strategy", "auto", "--failed", "2", "--json").stdout
+    )
     plan = doc["plans"]["mixed"]
     assert plan["sources"]["2"] == 3 and plan["tier"] == "memory"
 
 
 def test_cli_show_with_domains():
-    out = run_cli("show", "--hosts", "8", "--replicas", "2", "--strategy", "ring",
-                  "--domains", "a*4,b*4")
+    out = run_cli("show", "--hosts", "8", "--replicas", "2", "--strategy", "ring", "--domains", "a*4,b*4")
     assert out.returncode == 0, out.stderr
     assert "no host has two copies in one domain" in out.stdout
     assert "who holds whom" in out.stdout
@@ -565,8 +558,7 @@ def test_import_pulls_in_only_the_standard_library():
         "print(sorted(new - set(sys.stdlib_module_names) - {'placement'}))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -578,9 +570,7 @@ def test_public_surface_is_small():
 
 def test_hand_built_placement_with_several_rings():
     """Placement is a public dataclass: custom cells are validated and counted exactly."""
-    p = placement.Placement(
-        strategy="custom", hosts=9, replicas=2, groups=((0, 1),), rings=((2, 4, 3), (5, 6, 7, 8))
-    )
+    p = placement.Placement(strategy="custom", hosts=9, replicas=2, groups=((0, 1),), rings=((2, 4, 3), (5, 6, 7, 8)))
     assert p.holders(4) == (4, 3) and p.holders(8) == (8, 5)
     counts = brute_survivable(p)
     assert [recovery_probability(p, k) * comb(9, k) for k in range(10)] == counts

@@ -21,9 +21,16 @@ def _plan(sizes=(100, 3000), rank=0, plan_id="p1") -> ShardPlan:
     for i, n in enumerate(sizes):
         items.append(TensorItem(f"model.w{i}", (0,), i, "uint8", (n,), at, n, i))
         at += (n + ALIGN - 1) // ALIGN * ALIGN
-    return ShardPlan(plan_id=plan_id, rank=rank, world_size=2, tensors=tuple(items),
-                     values=(ValueItem("rank_local.0.extra", None, "bytes"),), templates=templates,
-                     metadata=b"skeleton" if rank == 0 else b"", job={"world_size": 2})
+    return ShardPlan(
+        plan_id=plan_id,
+        rank=rank,
+        world_size=2,
+        tensors=tuple(items),
+        values=(ValueItem("rank_local.0.extra", None, "bytes"),),
+        templates=templates,
+        metadata=b"skeleton" if rank == 0 else b"",
+        job={"world_size": 2},
+    )
 
 
 def test_a_shared_segment_is_the_same_memory_through_its_fd_and_outlives_the_first_mapping():
@@ -140,8 +147,14 @@ def test_a_rank_whose_plan_changes_lets_go_of_its_free_segments_and_memory_says_
     table.give_back(staging.seg.id)
     table.lend(1, n)  # another rank's, being filled
     mem = table.memory()
-    assert (mem["own"], mem["replicas"], mem["staging"], mem["lent_free"], mem["pooled"], mem["other"]) == \
-        (n, 2 * n, n, n, 0, 0)
+    assert (mem["own"], mem["replicas"], mem["staging"], mem["lent_free"], mem["pooled"], mem["other"]) == (
+        n,
+        2 * n,
+        n,
+        n,
+        0,
+        0,
+    )
     assert mem["reserved"] == table.pool.held == 5 * n and mem["budget"] == 16 * n
     # rank 0 saves a state of another size: its free segment goes, not into a growing pile
     table.lend(0, 3 * n)

@@ -9,9 +9,14 @@ from gemini_ckpt.cli.status import ClusterStatus, HostStatus, NamespaceStatus, f
 
 
 def test_status_json_has_no_nan_or_infinity():
-    host = HostStatus(slot=0, node_id="n0", node_alive=True, store_alive=True,
-                      interleave={"yield_rate": float("nan"), "waits": [1.5, float("inf")]},
-                      memory={"ratio": float("-inf")})
+    host = HostStatus(
+        slot=0,
+        node_id="n0",
+        node_alive=True,
+        store_alive=True,
+        interleave={"yield_rate": float("nan"), "waits": [1.5, float("inf")]},
+        memory={"ratio": float("-inf")},
+    )
     status = ClusterStatus(namespaces=[NamespaceStatus(namespace="job", hosts=(host,), versions=())])
     text = json.dumps(status.to_dict(), sort_keys=True, default=str, allow_nan=False)  # raises on NaN
     doc = json.loads(text)

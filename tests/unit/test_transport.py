@@ -47,7 +47,7 @@ class RecordingSink:
             self.conn.send("started")
         if self.refuse is not None:
             raise self.refuse
-        return memoryview(self.buffer)[header.offset:header.offset + header.length]
+        return memoryview(self.buffer)[header.offset : header.offset + header.length]
 
     def received(self, header) -> None:
         self._event(("received", header, time.monotonic()))
@@ -136,10 +136,22 @@ def test_transfers_land_in_the_sinks_buffer_with_their_headers():
         assert listener.endpoint.peer == "receiver-host"
         with sender.connect(listener.endpoint) as channel:
             assert "receiver-host" in channel.peer
-            headers = [T.Header(NS, 5, f"file{i}", off, n, total=total, checksum=zlib.crc32(src[off:off + n]),
-                                checksum_algo="crc32", put_id=f"put-{i}", meta=b"\x00holders=[1,2]")
-                       for i, (off, n) in enumerate(zip(offsets, sizes))]
-            futures = [channel.send_async(h, src[h.offset:h.offset + h.length]) for h in headers]
+            headers = [
+                T.Header(
+                    NS,
+                    5,
+                    f"file{i}",
+                    off,
+                    n,
+                    total=total,
+                    checksum=zlib.crc32(src[off : off + n]),
+                    checksum_algo="crc32",
+                    put_id=f"put-{i}",
+                    meta=b"\x00holders=[1,2]",
+                )
+                for i, (off, n) in enumerate(zip(offsets, sizes))
+            ]
+            futures = [channel.send_async(h, src[h.offset : h.offset + h.length]) for h in headers]
             for f in futures:
                 assert f.result(timeout=20) is None
             channel.send(T.Header(NS, 6, "tail", 0, 3), bytearray(src[:3].tobytes()))  # any contiguous buffer
@@ -155,8 +167,10 @@ def test_checksum_is_verified_when_configured():
     sink = RecordingSink(n)
     src = _data(n)
     receiver = T.TcpTransport(SECRET, NS, config=T.TcpConfig(verify_checksum=zlib.crc32, chunk_bytes=64 << 10))
-    with receiver.listen("127.0.0.1", sink) as listener, _transport(chunk_bytes=64 << 10).connect(
-            listener.endpoint) as channel:
+    with (
+        receiver.listen("127.0.0.1", sink) as listener,
+        _transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
+    ):
         channel.send(T.Header(NS, 1, "good", 0, n, checksum=zlib.crc32(src)), src)
         with pytest.raises(T.ChecksumMismatchError, match="bad.*failed verification"):
             channel.send(T.Header(NS, 1, "bad", 0, n, checksum=zlib.crc32(src) ^ 1), src)
@@ -170,8 +184,10 @@ def test_checksum_is_verified_when_configured():
 def test_a_sink_that_refuses_tells_the_sender_and_the_channel_keeps_working():
     sink = RecordingSink(1 << 20, refuse=MemoryError("over the host memory budget"))
     src = _data(1 << 20)
-    with _transport().listen("127.0.0.1", sink) as listener, _transport(chunk_bytes=64 << 10).connect(
-            listener.endpoint) as channel:
+    with (
+        _transport().listen("127.0.0.1", sink) as listener,
+        _transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
+    ):
         with pytest.raises(T.TransferRejectedError, match="MemoryError: over the host memory budget"):
             channel.send(T.Header(NS, 1, "f", 0, len(src)), src)
         sink.refuse = None
@@ -232,15 +248,17 @@ def test_bandwidth_cap_64_mib_at_128_mib_per_s_takes_half_a_second():
     src = np.ones(n, dtype=np.uint8)
     sender = _transport(max_send_bytes_per_s=128 << 20)
     with _transport().listen("127.0.0.1", sink) as listener, sender.connect(listener.endpoint) as channel:
-        channel.send(T.Header(NS, 1, "warm", 0, 1 << 20), src[:1 << 20])
+        channel.send(T.Header(NS, 1, "warm", 0, 1 << 20), src[: 1 << 20])
         t0 = time.perf_counter()
         channel.send(T.Header(NS, 1, "f", 0, n), src)
         alone = time.perf_counter() - t0
         # The cap is the sending host's: two channels share it.
         with sender.connect(listener.endpoint) as second:
             t0 = time.perf_counter()
-            futures = [c.send_async(T.Header(NS, 2, f"h{i}", 0, n // 2), src[:n // 2])
-                       for i, c in enumerate((channel, second))]
+            futures = [
+                c.send_async(T.Header(NS, 2, f"h{i}", 0, n // 2), src[: n // 2])
+                for i, c in enumerate((channel, second))
+            ]
             for f in futures:
                 f.result(timeout=10)
             shared = time.perf_counter() - t0
@@ -259,8 +277,12 @@ def test_a_client_with_the_wrong_secret_cannot_write_into_the_servers_buffers():
         with pytest.raises(T.AuthenticationError):
             other_ns.connect(endpoint)
         # A client that skips the handshake and sends a data frame at once.
-        frame = wire.frame(wire.CHUNK, wire.CHUNK_HEAD.pack(1, 0, 1 << 20) + wire.encode_header(
-            T.Header(NS, 1, "f", 0, 16)), 16) + b"\xff" * 16
+        frame = (
+            wire.frame(
+                wire.CHUNK, wire.CHUNK_HEAD.pack(1, 0, 1 << 20) + wire.encode_header(T.Header(NS, 1, "f", 0, 16)), 16
+            )
+            + b"\xff" * 16
+        )
         with socket.create_connection((endpoint.host, endpoint.port)) as raw:
             raw.settimeout(5)
             raw.sendall(frame * 4)
@@ -270,8 +292,8 @@ def test_a_client_with_the_wrong_secret_cannot_write_into_the_servers_buffers():
                     answer += chunk
             except ConnectionResetError:  # closed with our frames unread
                 pass
-        assert answer[:wire.HELLO_S.size - wire.NONCE_BYTES] == wire.MAGIC + bytes([wire.VERSION])
-        assert answer[wire.HELLO_S.size:] == wire.VERDICT_STATUS.pack(wire.REFUSED)
+        assert answer[: wire.HELLO_S.size - wire.NONCE_BYTES] == wire.MAGIC + bytes([wire.VERSION])
+        assert answer[wire.HELLO_S.size :] == wire.VERDICT_STATUS.pack(wire.REFUSED)
     assert sink.asked == [] and sink.events == [] and not sink.buffer.any()
 
 
@@ -291,8 +313,9 @@ def test_a_fake_server_receives_no_payload_bytes(forgery):
             received.extend(hello)
             _, _, nonce_c, session, stream = wire.HELLO_C_FIXED.unpack_from(hello)
             if forgery == "wrong secret":
-                proof = wire.server_proof(b"not-the-namespace-secret-0000000", NS, session, stream, "", "fake",
-                                          nonce_s, nonce_c)
+                proof = wire.server_proof(
+                    b"not-the-namespace-secret-0000000", NS, session, stream, "", "fake", nonce_s, nonce_c
+                )
             else:
                 proof = os.urandom(wire.PROOF_BYTES)
             conn.sendall(wire.VERDICT_STATUS.pack(wire.ACCEPTED) + wire.pack_str("fake") + proof)
@@ -319,8 +342,9 @@ def _send_until_killed(child, sig: int):
     n = 64 << 20
     c = child(_receiver_child, n)
     endpoint = c.recv()
-    sender = T.TcpTransport(SECRET, NS, host_name="sender-host",
-                            config=T.TcpConfig(max_send_bytes_per_s=64 << 20))  # default progress timeout
+    sender = T.TcpTransport(
+        SECRET, NS, host_name="sender-host", config=T.TcpConfig(max_send_bytes_per_s=64 << 20)
+    )  # default progress timeout
     channel = sender.connect(endpoint)
     future = channel.send_async(T.Header(NS, 1, "f", 0, n), np.ones(n, dtype=np.uint8))
     assert c.recv() == "started"
@@ -351,9 +375,11 @@ def test_a_receiver_that_stops_reading_fails_the_transfer_after_the_progress_tim
     assert "receiver-host" in str(error) and "no progress" in str(error)
 
 
-@pytest.mark.parametrize("sig, error_type, bound", [(signal.SIGKILL, T.PeerLostError, (0.0, 1.0)),
-                                                    (signal.SIGSTOP, T.ProgressTimeoutError, (0.7, 2.5))],
-                         ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize(
+    "sig, error_type, bound",
+    [(signal.SIGKILL, T.PeerLostError, (0.0, 1.0)), (signal.SIGSTOP, T.ProgressTimeoutError, (0.7, 2.5))],
+    ids=["SIGKILL", "SIGSTOP"],
+)
 def test_a_sender_that_dies_mid_transfer_fails_it_in_the_sink(child, sig, error_type, bound):
     n = 64 << 20
     started = threading.Event()
@@ -396,8 +422,10 @@ def test_configuration_and_headers_are_validated():
         T.TcpTransport(b"short", NS)
     with pytest.raises(ValueError, match="advertise_host"):
         _transport().listen("0.0.0.0", RecordingSink())
-    with _transport().listen("127.0.0.1", RecordingSink()) as listener, _transport().connect(
-            listener.endpoint) as channel:
+    with (
+        _transport().listen("127.0.0.1", RecordingSink()) as listener,
+        _transport().connect(listener.endpoint) as channel,
+    ):
         with pytest.raises(ValueError, match="the header says"):
             channel.send_async(T.Header(NS, 1, "f", 0, 10), b"123")
     with pytest.raises(T.PeerLostError, match="cannot connect"):
@@ -405,8 +433,18 @@ def test_configuration_and_headers_are_validated():
 
 
 def test_headers_round_trip_the_wire_and_garbage_is_refused():
-    header = T.Header(NS, 2**40, "__0_0.distcp", 5, 7, total=100, checksum=2**63 + 1, checksum_algo="crc32c",
-                      put_id="p", meta=bytes(range(256)))
+    header = T.Header(
+        NS,
+        2**40,
+        "__0_0.distcp",
+        5,
+        7,
+        total=100,
+        checksum=2**63 + 1,
+        checksum_algo="crc32c",
+        put_id="p",
+        meta=bytes(range(256)),
+    )
     assert wire.decode_header(wire.encode_header(header)) == header
     encoded = wire.encode_header(header)
     for bad in (encoded[:-1], encoded + b"x", b"", b"\x00" * 40):
@@ -443,8 +481,9 @@ def test_the_package_is_self_contained():
     assert issubclass(T.TcpTransport, T.Transport) and sorted(T.__all__) == sorted(set(T.__all__))
     # Imported by its name, it comes through the package's lazy facade: no torch, no Ray either.
     probe = "import sys, gemini_ckpt.dataplane; print(sorted({'torch', 'ray'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                         cwd=TRANSPORT_DIR.parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=TRANSPORT_DIR.parents[1]
+    )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr or out.stdout
 
 
@@ -483,7 +522,12 @@ def test_the_package_ships_by_value_to_a_process_that_cannot_import_it():
         payload = cloudpickle.dumps(roundtrip)
     finally:
         cloudpickle.unregister_pickle_by_value(T)
-    child = subprocess.run([sys.executable, "-c", "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read())())"],
-                           input=payload, capture_output=True, timeout=60, cwd="/")
+    child = subprocess.run(
+        [sys.executable, "-c", "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read())())"],
+        input=payload,
+        capture_output=True,
+        timeout=60,
+        cwd="/",
+    )
     assert child.returncode == 0, child.stderr.decode()[-2000:]
     assert child.stdout.decode().strip() == "['f'] True []"

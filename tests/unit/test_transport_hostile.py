@@ -33,7 +33,7 @@ class _Sink:
 
     def buffer_for(self, header):
         self.asked.append(header)
-        return memoryview(self.buffer)[header.offset:header.offset + header.length]
+        return memoryview(self.buffer)[header.offset : header.offset + header.length]
 
     def received(self, header) -> None:
         self.got.append(header.name)
@@ -44,9 +44,14 @@ class _Sink:
 
 def _fake_hello() -> bytes:
     """A hello that looks real byte by byte (a client that trickles it never finishes it anyway)."""
-    return (wire.HELLO_C_FIXED.pack(wire.MAGIC, wire.VERSION, os.urandom(wire.NONCE_BYTES),
-                                    os.urandom(wire.SESSION_BYTES), 0)
-            + wire.pack_str(NS) + wire.pack_str("slow") + os.urandom(wire.PROOF_BYTES))
+    return (
+        wire.HELLO_C_FIXED.pack(
+            wire.MAGIC, wire.VERSION, os.urandom(wire.NONCE_BYTES), os.urandom(wire.SESSION_BYTES), 0
+        )
+        + wire.pack_str(NS)
+        + wire.pack_str("slow")
+        + os.urandom(wire.PROOF_BYTES)
+    )
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -71,7 +76,7 @@ def test_a_client_trickling_its_hello_is_cut_at_the_preauth_deadline(monkeypatch
             cut_after = None
             for i in range(16):  # one byte every 0.5 s for up to 8 s: far past any per-recv timeout
                 try:
-                    sock.sendall(hello[i:i + 1])
+                    sock.sendall(hello[i : i + 1])
                 except OSError:
                     cut_after = time.monotonic() - t0
                     break
@@ -128,7 +133,7 @@ class _SlowCrowd:
                 if _closed_by_peer(sock):
                     continue
                 try:
-                    sock.send(self._hello[i % len(self._hello):][:1], socket.MSG_DONTWAIT)
+                    sock.send(self._hello[i % len(self._hello) :][:1], socket.MSG_DONTWAIT)
                 except (BlockingIOError, socket.timeout):
                     pass
                 except OSError:
@@ -159,8 +164,12 @@ def test_a_crowd_of_slow_clients_does_not_lock_a_real_peer_out():
         assert parent.poll(30), "the receiver did not start"
         endpoint, cap = parent.recv()
         crowd = _SlowCrowd(endpoint, 300)
-        sender = T.TcpTransport(SECRET, NS, host_name="real-peer",
-                                config=T.TcpConfig(streams=4, connect_timeout_s=4.0, progress_timeout_s=5.0))
+        sender = T.TcpTransport(
+            SECRET,
+            NS,
+            host_name="real-peer",
+            config=T.TcpConfig(streams=4, connect_timeout_s=4.0, progress_timeout_s=5.0),
+        )
         t0 = time.monotonic()
         with sender.connect(endpoint) as channel:
             channel.send(T.Header(NS, 1, "shard", 0, n, total=n), np.ones(n, dtype=np.uint8), timeout=10)

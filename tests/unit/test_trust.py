@@ -49,6 +49,7 @@ def _job_namespace() -> str:
     drop_local_store(NAMESPACE)
     return NAMESPACE
 
+
 MARKER, METADATA, EXTRA_KEY = ".gemini_complete", ".metadata", "rank_local.0.extra"
 NEWEST, OLDER = "step_000000001", "step_000000000"
 
@@ -72,8 +73,11 @@ def _evil_pickle(path, how="system") -> bytes:
 def _state(seed):
     t = build_training(seed=seed, dataset_size=32)
     extra = {}
-    return t, extra, TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader,
-                                extra=extra)
+    return (
+        t,
+        extra,
+        TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader, extra=extra),
+    )
 
 
 def _params(model):
@@ -85,8 +89,12 @@ def versions(tmp_path_factory):
     """A durable directory with two good versions (steps 0 and 1) and the model at each."""
     root = tmp_path_factory.mktemp("versions") / "d"
     t, extra, state = _state(0)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1,
-                                                durable_uri=str(root), keep_durable=5))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local", namespace=_job_namespace(), persist_every=1, durable_uri=str(root), keep_durable=5
+        ),
+    )
     batches, params = t.batches(), {}
     for step in range(2):
         lm_loss(t.model, next(batches)).backward()
@@ -109,8 +117,9 @@ def _copy(versions, tmp_path) -> Path:
 def _restore(root, **config):
     """A new job (empty memory) restores from ``root``: (result, extra, params)."""
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
-                                                **config))
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root), **config)
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -245,8 +254,15 @@ def _save_steps(root, steps, *, key=None, config_key=None, monkeypatch=None):
         else:
             monkeypatch.setenv(ENV_KEY, key)
     t, extra, state = _state(0)
-    cfg = CheckpointConfig(store="local", namespace=_job_namespace(), persist_every=1, durable_uri=str(root),
-                           keep_durable=5, signing_key=config_key, overwrite=True)
+    cfg = CheckpointConfig(
+        store="local",
+        namespace=_job_namespace(),
+        persist_every=1,
+        durable_uri=str(root),
+        keep_durable=5,
+        signing_key=config_key,
+        overwrite=True,
+    )
     ckpt = Checkpointer(state, cfg)
     batches = t.batches()
     for step in steps:
@@ -292,8 +308,9 @@ def test_signed_versions_restore_and_unsigned_or_forged_ones_are_refused(tmp_pat
 
 def _restore_warned(root, **config):
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
-                                                **config))
+    ckpt = Checkpointer(
+        state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root), **config)
+    )
     try:
         result = ckpt.restore()
     finally:
@@ -326,8 +343,10 @@ def test_a_signed_version_copied_into_another_run_is_refused(tmp_path, monkeypat
     assert json.loads((root / NEWEST / MARKER).read_text())["job"]["namespace"] == NAMESPACE
     assert _restore(root, signing_key=b"shared-key")[0].step == 1  # its own run restores it
     t, extra, state = _state(9)
-    other = Checkpointer(state, CheckpointConfig(store="local", namespace="another-run", durable_uri=str(root),
-                                                 signing_key=b"shared-key"))
+    other = Checkpointer(
+        state,
+        CheckpointConfig(store="local", namespace="another-run", durable_uri=str(root), signing_key=b"shared-key"),
+    )
     try:
         with pytest.warns(UserWarning), pytest.raises(ChecksumError) as caught:
             other.restore()
@@ -403,8 +422,10 @@ def test_non_canonical_step_directories_are_ignored(versions, tmp_path, name, ca
     assert f"ignored: {name}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("content", [b"step_abc\n", b"", b"\xff\xfe", b"step_0000000000001\n",
-                                     b"step_00000000\xd9\xa3\n", b"../../etc/passwd"])
+@pytest.mark.parametrize(
+    "content",
+    [b"step_abc\n", b"", b"\xff\xfe", b"step_0000000000001\n", b"step_00000000\xd9\xa3\n", b"../../etc/passwd"],
+)
 def test_bad_latest_is_ignored_and_rewritten_by_the_next_persist(versions, tmp_path, content, caplog):
     root = _copy(versions, tmp_path)
     (root / "latest").write_bytes(content)
@@ -414,8 +435,12 @@ def test_bad_latest_is_ignored_and_rewritten_by_the_next_persist(versions, tmp_p
     _assert_restored(root, versions, 1)
     # The next persist goes through and rewrites it.
     t, extra, state = _state(9)
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root),
-                                                persist_every=1, keep_durable=5))
+    ckpt = Checkpointer(
+        state,
+        CheckpointConfig(
+            store="local", namespace=_job_namespace(), durable_uri=str(root), persist_every=1, keep_durable=5
+        ),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert ckpt.restore().step == 1
@@ -458,7 +483,7 @@ def _fuzz_cases(root: Path, rng: random.Random, pwned: Path):
     sampled lengths, byte flips at sampled offsets, crafted pickles with CRCs recomputed."""
     files = sorted(p.name for p in (root / NEWEST).iterdir()) + ["latest"]
     for name in files:
-        path = (lambda r, n=name: r / "latest" if n == "latest" else r / NEWEST / n)
+        path = lambda r, n=name: r / "latest" if n == "latest" else r / NEWEST / n
         size = path(root).stat().st_size
         for keep in sorted({0, 1, size // 3, size - 1, rng.randrange(size)}):
             yield f"{name}:truncate@{keep}", (lambda r, p=path, k=keep: p(r).write_bytes(p(r).read_bytes()[:k]))
@@ -473,13 +498,24 @@ def _fuzz_cases(root: Path, rng: random.Random, pwned: Path):
             yield f"{name}:flip@{offset}^{bit}", flip
         for how in ("system", "eval"):
             if name == METADATA:
-                yield f"{name}:crafted-{how}", (lambda r, h=how: ((r / NEWEST / METADATA).write_bytes(
-                    _evil_pickle(pwned, h)), _reseal(r / NEWEST)))
+                yield (
+                    f"{name}:crafted-{how}",
+                    (
+                        lambda r, h=how: (
+                            (r / NEWEST / METADATA).write_bytes(_evil_pickle(pwned, h)),
+                            _reseal(r / NEWEST),
+                        )
+                    ),
+                )
             elif name.endswith(".distcp"):
-                yield f"{name}:crafted-extra-{how}", (lambda r, h=how: _forge_item(
-                    r / NEWEST, EXTRA_KEY, _torch_saved(_evil_pickle(pwned, h))))
-                yield f"{name}:crafted-rng-{how}", (lambda r, h=how: _forge_item(
-                    r / NEWEST, "rank_local.0.rng", _torch_saved(_Evil(pwned, h))))
+                yield (
+                    f"{name}:crafted-extra-{how}",
+                    (lambda r, h=how: _forge_item(r / NEWEST, EXTRA_KEY, _torch_saved(_evil_pickle(pwned, h)))),
+                )
+                yield (
+                    f"{name}:crafted-rng-{how}",
+                    (lambda r, h=how: _forge_item(r / NEWEST, "rank_local.0.rng", _torch_saved(_Evil(pwned, h)))),
+                )
             else:
                 yield f"{name}:crafted-{how}", (lambda r, p=path, h=how: p(r).write_bytes(_evil_pickle(pwned, h)))
 
@@ -584,12 +620,20 @@ def _two_rank_worker(rank, world_size, port, roots, out):
     try:
         t, extra, state = _state(9)
         # Every rank reads its own copy of the durable tier: rank 1's newest one is damaged.
-        ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=local_tier(),
-                            durable=DurableTier(roots[rank]))
+        ckpt = Checkpointer(
+            state, CheckpointConfig(store="local"), store=local_tier(), durable=DurableTier(roots[rank])
+        )
         result = ckpt.restore()
         ckpt.close()
-        torch.save({"step": result.step, "skipped": tuple(result.skipped_steps), "extra": dict(extra),
-                    "params": _params(t.model)}, os.path.join(out, f"rank{rank}.pt"))
+        torch.save(
+            {
+                "step": result.step,
+                "skipped": tuple(result.skipped_steps),
+                "extra": dict(extra),
+                "params": _params(t.model),
+            },
+            os.path.join(out, f"rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -601,8 +645,7 @@ def test_ranks_agree_to_skip_a_version_only_one_rank_finds_damaged(versions, tmp
     intact, damaged = _copy(versions, tmp_path), _copy(versions, tmp_path)
     _truncate(damaged / NEWEST / METADATA)
     store = master_store(2)
-    mp.spawn(_two_rank_worker, args=(2, store.port, [str(intact), str(damaged)], str(tmp_path)), nprocs=2,
-             join=True)
+    mp.spawn(_two_rank_worker, args=(2, store.port, [str(intact), str(damaged)], str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["step"] == 0 and got["skipped"] == (1,) and got["extra"] == {"tokens": 1}

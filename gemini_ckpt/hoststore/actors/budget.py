@@ -11,7 +11,7 @@ and detached stores outlive their jobs, so the budgets are judged together.
   refused (:class:`~gemini_ckpt.errors.MemoryBudgetError`, naming the others and the fixes).
 
 The host store measures its node's RAM and is told the others' budgets (:func:`other_budgets`)
-by whoever starts it (:func:`gemini_ckpt.hoststore.actors.host_store.get_or_create_store`).
+by whoever starts it (:func:`gemini_ckpt.hoststore.actors.store_handle.get_or_create_store`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def _others(others: dict[str, int]) -> str:
     return ", ".join(f"{ns!r} {_gb(b)}" for ns, b in sorted(others.items())) or "none"
 
 
-def choose(requested: Optional[int], others: dict[str, int], ram_bytes: int, *,
-           namespace: str) -> tuple[int, Optional[str]]:
+def choose(
+    requested: Optional[int], others: dict[str, int], ram_bytes: int, *, namespace: str
+) -> tuple[int, Optional[str]]:
     """(the budget, a warning or None) of ``namespace``'s store on a node of ``ram_bytes``, whose
     other namespaces' stores budget ``others`` (namespace -> bytes)."""
     share = int(NODE_FRACTION * ram_bytes)
@@ -49,16 +50,19 @@ def choose(requested: Optional[int], others: dict[str, int], ram_bytes: int, *,
                 f"host_memory_budget_bytes={requested:,} for namespace {namespace!r}: the other namespaces' host "
                 f"stores on this node ({_others(others)}) leave {_gb(room)} of the {NODE_FRACTION:.0%} of its "
                 f"{_gb(ram_bytes)} of RAM that all stores on a node may budget. Give a smaller budget, or stop the "
-                f"stores of finished jobs (gemini_ckpt.hoststore.cluster.shutdown_host_stores(namespace); their versions go)")
+                f"stores of finished jobs (gemini_ckpt.hoststore.cluster.shutdown_host_stores(namespace); their versions go)"
+            )
         return int(requested), None
     default = int(DEFAULT_FRACTION * ram_bytes)
     budget = min(default, room)
     if budget >= default:
         return budget, None
-    return budget, (f"host store of namespace {namespace!r}: the other namespaces' stores on this node budget "
-                    f"{_gb(taken)} ({_others(others)}), so this one gets {_gb(budget)}, not {DEFAULT_FRACTION:.0%} of the "
-                    f"node's {_gb(ram_bytes)}. Stop the stores of finished jobs "
-                    f"(gemini_ckpt.hoststore.cluster.shutdown_host_stores(namespace)) or set host_memory_budget_bytes")
+    return budget, (
+        f"host store of namespace {namespace!r}: the other namespaces' stores on this node budget "
+        f"{_gb(taken)} ({_others(others)}), so this one gets {_gb(budget)}, not {DEFAULT_FRACTION:.0%} of the "
+        f"node's {_gb(ram_bytes)}. Stop the stores of finished jobs "
+        f"(gemini_ckpt.hoststore.cluster.shutdown_host_stores(namespace)) or set host_memory_budget_bytes"
+    )
 
 
 def other_budgets(namespace: str, node_id: str, timeout_s: float, named: Optional[dict] = None) -> dict[str, int]:

@@ -57,8 +57,15 @@ class CommitDriver:
 
     def apply(self, actions: list) -> None:
         if actions and log.isEnabledFor(logging.DEBUG):
-            log.debug("node %s: %s", self.s.node_id[:12], "; ".join(type(a).__name__ + ("->" + str(a.to) + " "
-                      + type(a.message).__name__ if isinstance(a, Send) else "") for a in actions))
+            log.debug(
+                "node %s: %s",
+                self.s.node_id[:12],
+                "; ".join(
+                    type(a).__name__
+                    + ("->" + str(a.to) + " " + type(a.message).__name__ if isinstance(a, Send) else "")
+                    for a in actions
+                ),
+            )
         # Retention first: when a rank hears its version committed, the segments the commit
         # released are free for its next save.
         for a in sorted(actions, key=lambda a: not isinstance(a, Release)):
@@ -78,8 +85,7 @@ class CommitDriver:
                     if v is not None and v.key == (a.version.epoch, a.version.step):
                         self.s.table.release(v)
 
-    def decided(self, vid: VersionId, committed: bool, reason: str, unhealthy: str = "",
-                checked: bool = False) -> None:
+    def decided(self, vid: VersionId, committed: bool, reason: str, unhealthy: str = "", checked: bool = False) -> None:
         with self.s.lock:
             v = self.s.table.versions.get(vid.step)
             if v is not None and v.key == (vid.epoch, vid.step):
@@ -185,8 +191,12 @@ class CommitDriver:
     def hold(self, action: Send) -> bool:
         message = action.message
         with self.s.lock:
-            if (self.vote_hold is None or not isinstance(message, Vote) or not message.ok
-                    or message.version.step != self.vote_hold):
+            if (
+                self.vote_hold is None
+                or not isinstance(message, Vote)
+                or not message.ok
+                or message.version.step != self.vote_hold
+            ):
                 return False
             self.held_votes.append(action)
             return True

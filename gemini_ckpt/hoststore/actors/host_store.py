@@ -2,20 +2,14 @@
 
 Its part of a version (see ``docs/dataplane.md``; roles and messages in ``docs/commit.md``):
 
-1. **Take the shards of this host's ranks.** A rank stages into a segment the store lent it
-   and says so over the attach channel (:mod:`gemini_ckpt.hoststore.attach`); the store computes
-   the shard's record (a CRC32C of every item), and the version begins here
-   (:meth:`~gemini_ckpt.commit.HostCommit.start_version`, one ``ShardStaged`` per rank).
-2. **Replicate.** Once all of its ranks' shards are staged, the commit protocol says
-   ``Replicate``: the store sends each shard (plan once per peer, region, record) to the other
-   holders over the data plane (:mod:`gemini_ckpt.dataplane`), straight into their
-   segments. A holder verifies every item's CRC32C against the record and acknowledges to the
-   owner (``ReplicaAck``, a Ray call); a refused or broken transfer vetoes the version.
-3. **Commit among the stores.** Votes go up a tree of stores to the registry's coordinator, the
-   decision comes back down (fire-and-forget Ray calls, :meth:`commit_message`); the store
-   tells its ranks the outcome over the attach channel, and releases what retention lets go.
-4. **Serve.** Readers map a shard of this node (attach ``map``) or have it pushed to them
-   (:meth:`push_range`); the persister has it written as a DCP data file (:meth:`persist_shard`).
+1. **Take the shards of this host's ranks**, staged into segments it lent them (the attach
+   channel, :mod:`gemini_ckpt.hoststore.attach`); record each (a CRC32C of every item).
+2. **Replicate** each shard to its other holders over the data plane (:mod:`gemini_ckpt.dataplane`),
+   straight into their segments; a holder verifies and acknowledges (``ReplicaAck``).
+3. **Commit among the stores** (votes up a tree to the registry's coordinator, the decision down:
+   :meth:`commit_message`); tell the ranks the outcome; release what retention lets go.
+4. **Serve**: readers map a shard or have it pushed (:meth:`push_range`); the persister has it
+   written as a DCP data file (:meth:`persist_shard`).
 
 The actor is a thin facade (this module: configuration per epoch, the data plane, status) over
 named parts that share one small :class:`.state.StoreState` and own the rest of their state:
@@ -41,20 +35,18 @@ import time
 from typing import Optional
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ...errors import MemoryBudgetError
 from ...retention import KeepNewest
 from ..attach_server import AttachServer
 from ..fence import fence_when_node_lost
-from ..names import ACTOR_ENV, RAY_NAMESPACE, store_name
 from ...commit import HostCommit, VersionId, VersionState
 from ...format.commstate import CommState
 from ...config import Interleave
 from ...dataplane import LOWER_EFFORT_DSCP, Endpoint, IdleGate, TcpConfig, TcpTransport
 from .commit_driver import CommitDriver
 from .ranks import RankPort
-from .replication import Replicator, ReplicaSink
+from .replication import Replicator
+from .sink import ReplicaSink
 from .serving import ShardServer
 from ...timeouts import TIMEOUTS
 from .state import EpochConfig, StoreState
@@ -87,11 +79,12 @@ class HostStore:
     """Shards of recent versions of one namespace on one node (see the module docstring): the Ray
     actor's methods, each handed to the collaborator whose job it is.
 
-    Run as a Ray actor (:func:`get_or_create_store`): detached,
+    Run as a Ray actor (:func:`~.store_handle.get_or_create_store`): detached,
     ``max_restarts=0``, pinned to its node, threaded."""
 
-    def __init__(self, namespace: str, node_id: str, budget_bytes: Optional[int] = None,
-                 others: Optional[dict] = None) -> None:
+    def __init__(
+        self, namespace: str, node_id: str, budget_bytes: Optional[int] = None, others: Optional[dict] = None
+    ) -> None:
         configure_logging()
         # Copies stream through several threads while another checksums a shard item by item
         # (the GIL released for each large item): hand the GIL over sooner than every 5 ms,
@@ -147,7 +140,8 @@ class HostStore:
             if epoch < self.s.epoch:
                 raise PermissionError(
                     f"host store on node {self.node_id[:12]} (namespace {self.namespace!r}) refused epoch {epoch}: "
-                    f"a newer Checkpointer (epoch {self.s.epoch}) took over this namespace")
+                    f"a newer Checkpointer (epoch {self.s.epoch}) took over this namespace"
+                )
             if epoch > self.s.epoch:
                 if not isinstance(cfg, EpochConfig) or cfg.epoch != epoch:
                     raise TypeError(f"attach(epoch={epoch}) needs that epoch's EpochConfig, got {cfg!r}")
@@ -171,8 +165,12 @@ class HostStore:
         self.s.key = bytes.fromhex(cfg.key) if cfg.key else None
         secret = bytes.fromhex(cfg.secret)
         bandwidth, interleave = cfg.bandwidth, cfg.interleave  # store_config normalized it
-        if (secret != self.secret or self.listener is None or bandwidth != self.bandwidth
-                or interleave != self.interleave):
+        if (
+            secret != self.secret
+            or self.listener is None
+            or bandwidth != self.bandwidth
+            or interleave != self.interleave
+        ):
             self._start_data_plane(secret, bandwidth, interleave)
         if self.attach_server is None:
             self.attach_server = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
@@ -182,14 +180,32 @@ class HostStore:
         self.replicator.new_epoch()
         held = [v for v in self.s.table.versions.values() if v.state == VersionState.COMMITTED]
         unhealthy = set(self.s.table.unhealthy_steps())
-        self.s.commit = None if cfg.slot in cfg.idle else HostCommit(
-            cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, keep=cfg.keep, dead=cfg.dead, idle=cfg.idle,
-            committed=sorted(VersionId(v.epoch, v.step) for v in held if v.step not in unhealthy),
-            unhealthy=sorted(VersionId(v.epoch, v.step) for v in held if v.step in unhealthy))
-        log.info("node %s: epoch %d, slot %d of %d, ranks %s", self.node_id[:12], epoch, cfg.slot, cfg.hosts,
-                 list(cfg.ranks_here))
+        self.s.commit = (
+            None
+            if cfg.slot in cfg.idle
+            else HostCommit(
+                cfg.slot,
+                hosts=cfg.hosts,
+                replicas=cfg.replicas,
+                keep=cfg.keep,
+                dead=cfg.dead,
+                idle=cfg.idle,
+                committed=sorted(VersionId(v.epoch, v.step) for v in held if v.step not in unhealthy),
+                unhealthy=sorted(VersionId(v.epoch, v.step) for v in held if v.step in unhealthy),
+            )
+        )
+        log.info(
+            "node %s: epoch %d, slot %d of %d, ranks %s",
+            self.node_id[:12],
+            epoch,
+            cfg.slot,
+            cfg.hosts,
+            list(cfg.ranks_here),
+        )
 
-    def _start_data_plane(self, secret: bytes, bandwidth: Optional[int] = None, interleave: Interleave = Interleave.OFF) -> None:
+    def _start_data_plane(
+        self, secret: bytes, bandwidth: Optional[int] = None, interleave: Interleave = Interleave.OFF
+    ) -> None:
         """The listener for copies, and the transport this store sends with: its bandwidth cap
         (``CheckpointConfig.replication_bandwidth``) is this host's, shared by all its sends, and
         so is its gate (``CheckpointConfig.interleave`` ``"gate"``): sends wait while this node's
@@ -200,11 +216,17 @@ class HostStore:
         if self.s.comm is None:
             self.s.comm = CommState.create()
         self.gate = IdleGate(self.s.comm) if interleave == Interleave.GATE else None
-        self.s.transport = TcpTransport(secret, self.namespace, host_name=self.node_id,
-                                       config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s,
-                                                        max_send_bytes_per_s=bandwidth,
-                                                        dscp=LOWER_EFFORT_DSCP if interleave == Interleave.NETWORK else None),
-                                       gate=self.gate)
+        self.s.transport = TcpTransport(
+            secret,
+            self.namespace,
+            host_name=self.node_id,
+            config=TcpConfig(
+                progress_timeout_s=TIMEOUTS.progress_s,
+                max_send_bytes_per_s=bandwidth,
+                dscp=LOWER_EFFORT_DSCP if interleave == Interleave.NETWORK else None,
+            ),
+            gate=self.gate,
+        )
         self.listener = self.s.transport.listen(ray.util.get_node_ip_address(), ReplicaSink(self.replicator))
         self.server.forget_readers()
         if old is not None:
@@ -243,8 +265,9 @@ class HostStore:
     def push_ranges(self, step: int, rank: int, ranges: list, reader: Endpoint) -> int:
         return self.server.push_ranges(step, rank, ranges, reader)
 
-    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes,
-                      opener=None) -> list:
+    def persist_shard(
+        self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes, opener=None
+    ) -> list:
         return self.server.persist_shard(step, rank, uri, directory, name, section, opener)
 
     def unpin(self, step: int) -> None:
@@ -279,9 +302,9 @@ class HostStore:
         """The store's gauges (``CheckpointConfig.metrics``), about once a second."""
         if self.s.cfg is None or not self.s.cfg.metrics or self._metrics is False:
             return
-        if self._metrics is None:
-            from ..metrics import StoreMetrics
+        from ..metrics import StoreMetrics, store_figures
 
+        if self._metrics is None:
             try:
                 self._metrics = StoreMetrics(self.namespace, self.node_id)
             except Exception as exc:  # noqa: BLE001 - metrics never stop a store; said once, not every tick
@@ -291,13 +314,7 @@ class HostStore:
         if not self._metrics.due():
             return
         with self.s.lock:
-            pool = self.s.table.pool
-            states: dict[str, int] = {}
-            for v in self.s.table.versions.values():
-                key = "committed" if v.state == VersionState.COMMITTED else "pending"
-                states[key] = states.get(key, 0) + 1
-            figures = dict(held=self.s.table.held_bytes(), reserved=pool.held + pool.pooled, budget=pool.budget_bytes,
-                           versions=states, replicated=self.replicator.replicated_bytes)
+            figures = store_figures(self.s.table, self.replicator.replicated_bytes)
         self._metrics.update(**figures)
 
     def _retain_copies(self) -> None:
@@ -307,8 +324,9 @@ class HostStore:
         with self.s.lock:
             if self.s.commit is not None or self.s.cfg is None:
                 return
-            doomed = KeepNewest(self.s.cfg.keep + 1).doomed(list(self.s.table.versions),
-                                                            unhealthy=self.s.table.unhealthy_steps())
+            doomed = KeepNewest(self.s.cfg.keep + 1).doomed(
+                list(self.s.table.versions), unhealthy=self.s.table.unhealthy_steps()
+            )
             for step in doomed:
                 self.s.table.release(self.s.table.versions[step])
 
@@ -319,19 +337,35 @@ class HostStore:
         with self.s.lock:
             pool = self.s.table.pool
             return {
-                "namespace": self.namespace, "node_id": self.node_id, "budget_bytes": pool.budget_bytes,
+                "namespace": self.namespace,
+                "node_id": self.node_id,
+                "budget_bytes": pool.budget_bytes,
                 "footprint_bytes": self.footprint_bytes,
-                "held_bytes": self.s.table.held_bytes(), "reserved_bytes": pool.held + pool.pooled,
-                "pool": {"held_bytes": pool.held, "pooled_bytes": pool.pooled,
-                         "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self.s.table.lent.values())},
+                "held_bytes": self.s.table.held_bytes(),
+                "reserved_bytes": pool.held + pool.pooled,
+                "pool": {
+                    "held_bytes": pool.held,
+                    "pooled_bytes": pool.pooled,
+                    "lent": sorted([x.rank, x.state, x.seg.nbytes] for x in self.s.table.lent.values()),
+                },
                 "memory": self.s.table.memory(),
-                "started_unix": self.started_unix, "epoch": self.s.epoch, "interleave": self._interleave_stats(),
+                "started_unix": self.started_unix,
+                "epoch": self.s.epoch,
+                "interleave": self._interleave_stats(),
                 "slot": self.s.cfg.slot if self.s.cfg else None,
-                "versions": {step: {"epoch": e["epoch"], "committed": e["state"] == "committed", "state": e["state"],
-                                    "unhealthy": e["unhealthy"],
-                                    "shards": {r: {"owner": s["owner"], "complete": s["complete"],
-                                                   "nbytes": s["nbytes"]} for r, s in sorted(e["shards"].items())}}
-                             for step, e in sorted(index.items())},
+                "versions": {
+                    step: {
+                        "epoch": e["epoch"],
+                        "committed": e["state"] == "committed",
+                        "state": e["state"],
+                        "unhealthy": e["unhealthy"],
+                        "shards": {
+                            r: {"owner": s["owner"], "complete": s["complete"], "nbytes": s["nbytes"]}
+                            for r, s in sorted(e["shards"].items())
+                        },
+                    }
+                    for step, e in sorted(index.items())
+                },
             }
 
     def _interleave_stats(self) -> dict:
@@ -339,8 +373,11 @@ class HostStore:
         counters (seconds waited for idle, pieces, pieces forced after patience, the piece size
         it would choose now, the measured link rate) and the ranks' collectives (count, busy
         seconds, the running mean duration the piece size comes from)."""
-        out = {"enabled": self.gate is not None, "mode": self.interleave,
-               "dscp": self.s.transport.config.dscp if self.s.transport is not None else None}
+        out = {
+            "enabled": self.gate is not None,
+            "mode": self.interleave,
+            "dscp": self.s.transport.config.dscp if self.s.transport is not None else None,
+        }
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.s.comm is not None:
@@ -361,39 +398,3 @@ class HostStore:
         for the chaos harness's faults (:func:`gemini_ckpt.chaos.damage_copy`)."""
         with self.s.lock:
             return self.s.table.versions[step].shards[rank].seg.array
-
-
-def get_or_create_store(namespace: str, node_id: str, budget_bytes: Optional[int] = None,
-                        *, timeout_s: float = 120.0, named: Optional[dict] = None, judge: bool = True):
-    """The host store of ``node_id`` in ``namespace``, created there (hard node affinity) if
-    missing. An existing store keeps its budget unless ``budget_bytes`` is given. Budgets are
-    judged with the other namespaces' stores on the node (:mod:`.budget`): an explicit one that
-    would pass the node's share raises MemoryBudgetError. ``named``: the cluster's gemini_ckpt
-    actors (:func:`~gemini_ckpt.hoststore.names.named_actors`), when the caller looked them up once for many nodes.
-    ``judge=False`` (the registry's event loop, placing a running job's store on a replacement
-    node): no blocking call, the budget set without the other namespaces' (the job was admitted)."""
-    others = None
-    try:  # the usual case, a store that exists: one lookup, not an actor class built and shipped again
-        handle = ray.get_actor(store_name(namespace, node_id), namespace=RAY_NAMESPACE)
-    except ValueError:
-        others = budget_rules.other_budgets(namespace, node_id, timeout_s, named) if judge else {}
-        handle = (ray.remote(HostStore)
-                  .options(name=store_name(namespace, node_id), namespace=RAY_NAMESPACE, get_if_exists=True,
-                           lifetime="detached", max_restarts=0, num_cpus=0, max_concurrency=64,
-                           runtime_env={"env_vars": ACTOR_ENV},
-                           scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-                  .remote(namespace, node_id, budget_bytes, others))
-    if budget_bytes is not None and not judge:
-        handle.set_budget.remote(budget_bytes)
-    elif budget_bytes is not None:
-        created = others is not None
-        if others is None:
-            others = budget_rules.other_budgets(namespace, node_id, timeout_s, named)
-        try:
-            ray.get(handle.set_budget.remote(budget_bytes, others), timeout=timeout_s)
-        except MemoryBudgetError:
-            if created:  # refused: the store made for it goes too
-                ray.kill(handle, no_restart=True)
-            raise
-    return handle
-

@@ -50,8 +50,15 @@ class RankPort:
         # The port's own, under the store's lock:
         self.sent_fds: dict[Any, set[int]] = {}  # Connection -> segments whose memfd a trainer has
         self.maps: dict[Any, list] = {}  # Connection -> shards a local reader mapped
-        self._handlers = {SendPlan: self._plan, AskSegment: self._segment, GiveBack: self._give_back,
-                          Staged: self.staged, AskComm: self._comm, MapShard: self._map, Unmap: self._unmap}
+        self._handlers = {
+            SendPlan: self._plan,
+            AskSegment: self._segment,
+            GiveBack: self._give_back,
+            Staged: self.staged,
+            AskComm: self._comm,
+            MapShard: self._map,
+            Unmap: self._unmap,
+        }
 
     def on_attach(self, conn: Connection, rank: int, header: dict, payload: bytes, fds: list):
         """Answer one message of a rank: ``(reply header, payload, fds)``, or None for none."""
@@ -119,8 +126,9 @@ class RankPort:
             for vid in self.s.commit.pending():
                 v = self.s.table.versions.get(vid.step)
                 if vid.epoch == self.s.epoch and (v is None or rank not in v.shards):
-                    actions += self.s.commit.on_local_failure(vid, f"rank {rank}'s training process ended before "
-                                                                  f"it staged its shard")
+                    actions += self.s.commit.on_local_failure(
+                        vid, f"rank {rank}'s training process ended before it staged its shard"
+                    )
         self.driver.apply(actions)
 
     def staged(self, conn: Connection, rank: int, message: Staged, payload: bytes) -> None:
@@ -150,8 +158,14 @@ class RankPort:
                 self.s.table.use(shard)
                 holders: tuple = ()
                 if self.s.commit is not None:
-                    holders = holders_for(cfg.slot, hosts=cfg.hosts, replicas=cfg.replicas, strategy=cfg.strategy,
-                                          dead=self.s.commit.dead, domains=cfg.domains)
+                    holders = holders_for(
+                        cfg.slot,
+                        hosts=cfg.hosts,
+                        replicas=cfg.replicas,
+                        strategy=cfg.strategy,
+                        dead=self.s.commit.dead,
+                        domains=cfg.domains,
+                    )
                     actions = self.s.commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
                 else:
                     actions = []
@@ -169,15 +183,17 @@ class RankPort:
             # the least CPU): the copies take longer than both. Without (replicas=1), the record is
             # the version's time-to-safe: the check runs beside the CRC32C, on a pool thread.
             beside = self.s.pool if plan.checked and not holders[1:] else None
-            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step, verdict=verdict,
-                                 beside=beside)
+            record = make_record(plan, shard.seg.array, blobs, epoch=epoch, step=step, verdict=verdict, beside=beside)
             record_bytes = record.encode(self.s.key)
         except Exception as exc:  # noqa: BLE001 - the version cannot be committed without its record
             shard.recorded.set()
             with self.s.lock:
                 self.s.table.done_with(shard)
-                actions = self.s.commit.on_local_failure(vid, f"rank {rank}'s record: {exc}") \
-                    if self.s.commit is not None else []
+                actions = (
+                    self.s.commit.on_local_failure(vid, f"rank {rank}'s record: {exc}")
+                    if self.s.commit is not None
+                    else []
+                )
             tell(conn, step, False, f"{type(exc).__name__}: {exc}")
             self.driver.apply(actions)
             return
@@ -193,13 +209,13 @@ class RankPort:
             if bad:  # the trainer says it loudly, once; here it is one line per shard
                 log.info("node %s: step %d is unhealthy: %s", self.s.node_id[:12], step, record.health.reason)
             staged = ShardStaged(vid, rank, record.health.to_text() if bad else "", checked=record.health is not None)
-            actions = self.s.commit.on_message(staged) \
-                if self.s.commit is not None else []
+            actions = self.s.commit.on_message(staged) if self.s.commit is not None else []
         self.driver.apply(actions)
 
 
-def tell(conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "",
-         checked: bool = False) -> None:
+def tell(
+    conn: Connection, step: int, committed: bool, reason: str = "", unhealthy: str = "", checked: bool = False
+) -> None:
     """A rank's outcome: ``unhealthy`` (why; empty: not), and ``checked``, every shard of the
     version carries a verdict (the trainer counts a version without as unchecked, never healthy)."""
     try:

@@ -16,7 +16,7 @@ import ray
 from ..names import alive_node_ids
 from ..resolve import resolve
 from ..slots import HOST_LABEL, holders_for
-from .host_store import get_or_create_store
+from .store_handle import get_or_create_store
 from ...timeouts import TIMEOUTS
 from .registry_state import RegistryState
 from .state import EpochConfig, store_config
@@ -33,8 +33,11 @@ def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
         return False
 
     def names(node: dict) -> set:
-        return {k for k in node.get("Resources", {})
-                if not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+        return {
+            k
+            for k in node.get("Resources", {})
+            if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+        }
 
     label = (dead.get("Labels") or {}).get(HOST_LABEL)
     if label is not None and (candidate.get("Labels") or {}).get(HOST_LABEL) != label:
@@ -96,15 +99,22 @@ class Recovery:
             try:
                 await asyncio.wait_for(store.attach.remote(self.s.epoch, cfg), timeout=self.s.timeout_s)
             except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
-                log.warning("registry %s: the replacement node %s for slot %d could not start its store: %s",
-                            self.s.namespace, node[:12], slot, exc)
+                log.warning(
+                    "registry %s: the replacement node %s for slot %d could not start its store: %s",
+                    self.s.namespace,
+                    node[:12],
+                    slot,
+                    exc,
+                )
                 continue
             self.s.nodes[slot] = node
             self.s.node_info[node] = _node_info(n)
             self.s.handles.pop(slot, None)
             self.s.dead.discard(slot)
-            self.s.event(f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
-                         f"dead host's copies now)")
+            self.s.event(
+                f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
+                f"dead host's copies now)"
+            )
             for event in self.s.recovery:
                 if event["slot"] == slot and "replacement" not in event:
                     event.update(replacement=node, replacement_joined=time.time())
@@ -119,10 +129,20 @@ class Recovery:
         one. It holds copies only, this epoch."""
         committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
         return store_config(
-            self.s.job, epoch=self.s.epoch, slot=slot, nodes=tuple(self.s.nodes), ranks_here=(),
-            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0, keep=self.s.keep,
-            timeout_s=self.s.timeout_s, dead=frozenset(self.s.dead - {slot}), idle=frozenset(set(self.s.idle) | {slot}),
-            committed=tuple((v.epoch, v.step) for v in committed), secret=self.s.secret, domains=self.s.domains)
+            self.s.job,
+            epoch=self.s.epoch,
+            slot=slot,
+            nodes=tuple(self.s.nodes),
+            ranks_here=(),
+            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0,
+            keep=self.s.keep,
+            timeout_s=self.s.timeout_s,
+            dead=frozenset(self.s.dead - {slot}),
+            idle=frozenset(set(self.s.idle) | {slot}),
+            committed=tuple((v.epoch, v.step) for v in committed),
+            secret=self.s.secret,
+            domains=self.s.domains,
+        )
 
     async def rereplicate(self) -> None:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
@@ -144,21 +164,34 @@ class Recovery:
         found = resolve(indexes)
         # The versions a restore may choose: committed and not unhealthy (one kept for inspection
         # is never made again).
-        committed = sorted((s for s, r in found.items() if r.committed and r.health != "unhealthy"),
-                           reverse=True)[: max(1, self.s.keep)]
+        committed = sorted((s for s, r in found.items() if r.committed and r.health != "unhealthy"), reverse=True)[
+            : max(1, self.s.keep)
+        ]
         replicas, strategy = int(self.s.job.get("replicas", 2)), self.s.job.get("strategy", "auto")
         sends = []
         for step in committed:
             where = found[step]
-            owners = {int(r): e["shards"][r]["owner"] for ix in indexes.values() if step in ix
-                      for e in [ix[step]] for r in e["shards"] if e["epoch"] == where.epoch}
+            owners = {
+                int(r): e["shards"][r]["owner"]
+                for ix in indexes.values()
+                if step in ix
+                for e in [ix[step]]
+                for r in e["shards"]
+                if e["epoch"] == where.epoch
+            }
             for rank, slots in where.copies.items():
                 owner = owners.get(rank)
                 if owner is None:
                     continue
                 try:
-                    want = holders_for(owner, hosts=len(self.s.nodes), replicas=replicas, strategy=strategy,
-                                       dead=self.s.dead, domains=self.s.domains)
+                    want = holders_for(
+                        owner,
+                        hosts=len(self.s.nodes),
+                        replicas=replicas,
+                        strategy=strategy,
+                        dead=self.s.dead,
+                        domains=self.s.domains,
+                    )
                 except Exception:  # noqa: BLE001 - too few live hosts for the copies asked: nothing to do
                     continue
                 for target in [h for h in want if h not in slots and h in live]:
@@ -173,13 +206,19 @@ class Recovery:
             if target not in endpoints:
                 endpoints[target] = await asyncio.wait_for(live[target].endpoint.remote(), timeout=TIMEOUTS.ping_s)
         t0 = time.time()
-        results = await asyncio.gather(*[asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]),
-                                                          timeout=self.s.timeout_s)
-                                         for step, rank, source, target in sends], return_exceptions=True)
+        results = await asyncio.gather(
+            *[
+                asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]), timeout=self.s.timeout_s)
+                for step, rank, source, target in sends
+            ],
+            return_exceptions=True,
+        )
         failed = [(send, r) for send, r in zip(sends, results) if isinstance(r, BaseException)]
         moved = sum(r for r in results if isinstance(r, int))
-        self.s.event(f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
-                     f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else ""))
+        self.s.event(
+            f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
+            f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else "")
+        )
         # Another round checks what is still missing (a source that died meanwhile, a new loss).
 
     def _rereplicated(self) -> None:

@@ -53,8 +53,9 @@ class Registry:
         self._watch: Optional[asyncio.Task] = None
 
     # --- the rendezvous ----------------------------------------------------------------------------
-    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
-                   job: Optional[dict] = None) -> dict:
+    async def join(
+        self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2, job: Optional[dict] = None
+    ) -> dict:
         """See :meth:`Rendezvous.join`; the first one starts watching the stores."""
         table = await self.rendezvous.join(rank, world_size, node_id, timeout_s, keep, job)
         if self._watch is None or self._watch.done():
@@ -188,8 +189,17 @@ def get_or_create_registry(namespace: str):
         return ray.get_actor(registry_name(namespace), namespace=RAY_NAMESPACE)
     except ValueError:
         pass
-    return (ray.remote(Registry)
-            .options(name=registry_name(namespace), namespace=RAY_NAMESPACE, get_if_exists=True,
-                     lifetime="detached", max_restarts=0, num_cpus=0, runtime_env={"env_vars": ACTOR_ENV},
-                     resources={"node:__internal_head__": 0.001})
-            .remote(namespace))
+    return (
+        ray.remote(Registry)
+        .options(
+            name=registry_name(namespace),
+            namespace=RAY_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            max_restarts=0,
+            num_cpus=0,
+            runtime_env={"env_vars": ACTOR_ENV},
+            resources={"node:__internal_head__": 0.001},
+        )
+        .remote(namespace)
+    )

@@ -48,10 +48,11 @@ def _key_mismatch(keys: dict[int, str]) -> str:
     if len(groups) <= 1:
         return ""
     parts = [f"ranks {ranks} " + (f"the key {fp}" if fp else "no key") for fp, ranks in sorted(groups.items())]
-    return ("the ranks of this job do not share one signing key (" + "; ".join(parts) + "): set "
-            "CheckpointConfig.signing_key (or $GEMINI_CKPT_SIGNING_KEY) to the same secret on every rank, "
-            "or on none")
-
+    return (
+        "the ranks of this job do not share one signing key (" + "; ".join(parts) + "): set "
+        "CheckpointConfig.signing_key (or $GEMINI_CKPT_SIGNING_KEY) to the same secret on every rank, "
+        "or on none"
+    )
 
 
 class Rendezvous:
@@ -62,8 +63,9 @@ class Rendezvous:
         self.s, self.recovery = s, recovery
         self._round: Optional[_Round] = None
 
-    async def join(self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2,
-                   job: Optional[dict] = None) -> dict:
+    async def join(
+        self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2, job: Optional[dict] = None
+    ) -> dict:
         """Rendezvous of all ranks; returns the slot table every rank of this round shares:
         ``nodes``, ``epoch``, ``ranks`` (rank -> node), ``dead`` and ``idle`` slots, the versions
         committed so far, and the namespace's ``secret``. ``job``: the settings the registry
@@ -94,7 +96,8 @@ class Rendezvous:
                 raise TimeoutError(
                     f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
                     f"namespace {self.s.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
-                    f"rank must build its Checkpointer and save/restore") from None
+                    f"rank must build its Checkpointer and save/restore"
+                ) from None
         if rnd.error:
             raise ConfigError(rnd.error)
         return rnd.table
@@ -122,17 +125,25 @@ class Rendezvous:
         since = [dict(e) for e in self.s.recovery if e["noticed"] >= self.s.epoch_opened]
         self.s.epoch_opened = time.time()
         keep = int(params.get("keep", 2))
-        self.s.coordinator = Coordinator(hosts=len(self.s.nodes), keep=keep, dead=dead, idle=idle,
-                                         committed=committed, world_size=len(pending))
+        self.s.coordinator = Coordinator(
+            hosts=len(self.s.nodes), keep=keep, dead=dead, idle=idle, committed=committed, world_size=len(pending)
+        )
         self.s.dead, self.s.idle, self.s.handles, self.s.started = set(dead), idle, {}, {}
         self.s.timeout_s = float(params.get("timeout_s", TIMEOUTS.version_s))
         self.s.keep = keep
         self.s.rerep_pending = bool(dead)
         await self._move_idle_stores(idle)
-        return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": dict(pending), "secret": self.s.secret,
-                "dead": sorted(dead), "idle": sorted(idle),
-                "committed": [[v.epoch, v.step] for v in committed], "recovery": since,
-                "domains": None if self.s.domains is None else list(self.s.domains)}
+        return {
+            "nodes": list(self.s.nodes),
+            "epoch": self.s.epoch,
+            "ranks": dict(pending),
+            "secret": self.s.secret,
+            "dead": sorted(dead),
+            "idle": sorted(idle),
+            "committed": [[v.epoch, v.step] for v in committed],
+            "recovery": since,
+            "domains": None if self.s.domains is None else list(self.s.domains),
+        }
 
     async def _move_idle_stores(self, idle) -> None:
         """A live store whose ranks went elsewhere still holds copies this epoch (the placement
@@ -143,11 +154,14 @@ class Rendezvous:
             if store is None:
                 continue
             try:
-                await asyncio.wait_for(store.attach.remote(self.s.epoch, self.recovery.epoch_config(slot)),
-                                       timeout=TIMEOUTS.progress_s)
+                await asyncio.wait_for(
+                    store.attach.remote(self.s.epoch, self.recovery.epoch_config(slot)), timeout=TIMEOUTS.progress_s
+                )
             except Exception as exc:  # noqa: BLE001 - its copies fail and are reported where they fail
-                self.s.event(f"slot {slot}'s store (no ranks this epoch) could not be moved to epoch "
-                             f"{self.s.epoch}: {type(exc).__name__}: {exc}")
+                self.s.event(
+                    f"slot {slot}'s store (no ranks this epoch) could not be moved to epoch "
+                    f"{self.s.epoch}: {type(exc).__name__}: {exc}"
+                )
 
     async def _store_exists(self, node: str) -> bool:
         return find_store(self.s.namespace, node) is not None
@@ -172,5 +186,11 @@ class Rendezvous:
     def table(self) -> Optional[dict]:
         if not self.s.nodes:
             return None
-        return {"nodes": list(self.s.nodes), "epoch": self.s.epoch, "ranks": {}, "dead": sorted(self.s.dead),
-                "idle": sorted(self.s.idle), "domains": None if self.s.domains is None else list(self.s.domains)}
+        return {
+            "nodes": list(self.s.nodes),
+            "epoch": self.s.epoch,
+            "ranks": {},
+            "dead": sorted(self.s.dead),
+            "idle": sorted(self.s.idle),
+            "domains": None if self.s.domains is None else list(self.s.domains),
+        }

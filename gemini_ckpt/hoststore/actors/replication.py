@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import Any
 
-import crc32c
 import ray
 from ray.exceptions import RayActorError
 
-from ...errors import ShardFormatError
-from ...format.shards import ShardPlan, ShardRecord, check_record
+from ...format.shards import ShardPlan, ShardRecord
 from ...timeouts import TIMEOUTS
 from ...commit import ReplicaAck, Send, VersionId, VersionState
 from ...dataplane import Endpoint, Header, TransportError
+from .sink import verify_copies
 from .state import StoreState
 
 log = logging.getLogger("gemini_ckpt")
@@ -59,7 +58,7 @@ class Replicator:
         if channel is not None:
             channel.close()
 
-# --- replication: owner side -------------------------------------------------------------------
+    # --- replication: owner side -------------------------------------------------------------------
     def copy(self, vid: VersionId, holder: int, shard, count: int) -> None:
         """Send one shard to ``holder``: its plan once per peer (waited for: the holder checks
         the copy against it), the region at once, the record once it is made. A failure
@@ -69,23 +68,33 @@ class Replicator:
             v = self.s.table.versions.get(vid.step)
         try:
             channel = self.channel(holder)
-            meta = json.dumps({"epoch": vid.epoch, "owner": self.s.cfg.slot, "rank": shard.rank, "shards": count,
-                               "plan_id": shard.plan_id}).encode()
+            meta = json.dumps(
+                {
+                    "epoch": vid.epoch,
+                    "owner": self.s.cfg.slot,
+                    "rank": shard.rank,
+                    "shards": count,
+                    "plan_id": shard.plan_id,
+                }
+            ).encode()
             key = (holder, shard.plan_id, shard.rank)
             if key not in self.plans_sent:
                 _, encoded = self.s.table.plans[(shard.plan_id, shard.rank)]
-                channel.send(self.header(vid, f"plan/{shard.rank}", encoded, meta), encoded,
-                             timeout=self.s.cfg.timeout_s)
+                channel.send(
+                    self.header(vid, f"plan/{shard.rank}", encoded, meta), encoded, timeout=self.s.cfg.timeout_s
+                )
                 self.plans_sent.add(key)
             if v is not None:
                 v.mark("replicating")
-            region = channel.send_async(self.header(vid, f"region/{shard.rank}", shard.seg.array, meta),
-                                        shard.seg.array)
+            region = channel.send_async(
+                self.header(vid, f"region/{shard.rank}", shard.seg.array, meta), shard.seg.array
+            )
             if not shard.recorded.wait(self.s.cfg.timeout_s) or shard.record is None:
                 region.cancel()
                 return  # the record failed: the version is vetoed already
-            record = channel.send_async(self.header(vid, f"record/{shard.rank}", shard.record_bytes, meta),
-                                        shard.record_bytes)
+            record = channel.send_async(
+                self.header(vid, f"record/{shard.rank}", shard.record_bytes, meta), shard.record_bytes
+            )
             region.result(timeout=self.s.cfg.timeout_s)
             record.result(timeout=self.s.cfg.timeout_s)
             with self.s.lock:
@@ -137,8 +146,9 @@ class Replicator:
             return self.incoming_copy(header, meta, kind, epoch, owner, rank)
         with self.s.lock:
             if epoch != self.s.epoch:
-                raise PermissionError(f"node {self.s.node_id[:12]}: a copy from epoch {epoch}, this store is at "
-                                      f"{self.s.epoch}")
+                raise PermissionError(
+                    f"node {self.s.node_id[:12]}: a copy from epoch {epoch}, this store is at {self.s.epoch}"
+                )
             key = (header.step, header.name, meta["owner"])
             if self.s.commit is not None and self.s.commit.outcome(VersionId(epoch, header.step)) is False:
                 raise ValueError(f"node {self.s.node_id[:12]}: step {header.step} was already aborted here")
@@ -168,13 +178,16 @@ class Replicator:
         if header.offset != 0 or (header.total is not None and header.total != n):
             raise ValueError(f"node {self.s.node_id[:12]}: a {kind} comes in one piece, not {header.describe()}")
         if n > MAX_META_TRANSFER_BYTES:
-            raise ValueError(f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes is refused (at most "
-                             f"{MAX_META_TRANSFER_BYTES:,})")
+            raise ValueError(
+                f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes is refused (at most {MAX_META_TRANSFER_BYTES:,})"
+            )
         arriving = sum(len(x[1]) for x in self.incoming.values() if x[0] != "region")
         arriving += sum(len(b) for b in self.copies_in.values() if isinstance(b, bytearray))
         if arriving + n > MAX_META_ARRIVING_BYTES or not self.s.table.pool.fits(arriving + n):
-            raise MemoryError(f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes with {arriving:,} bytes of plans "
-                              f"and records still arriving would pass this store's room")
+            raise MemoryError(
+                f"node {self.s.node_id[:12]}: a {kind} of {n:,} bytes with {arriving:,} bytes of plans "
+                f"and records still arriving would pass this store's room"
+            )
         return bytearray(n)
 
     def incoming_done(self, header: Header, ok: bool) -> None:
@@ -233,14 +246,18 @@ class Replicator:
                     self.s.table.done_with(s)
         if problem:
             log.warning("node %s: %s", self.s.node_id[:12], problem)
-        log.debug("node %s: acknowledging slot %d's copies of %s (ok=%s)", self.s.node_id[:12], owner, vid,
-                  problem is None)
+        log.debug(
+            "node %s: acknowledging slot %d's copies of %s (ok=%s)", self.s.node_id[:12], owner, vid, problem is None
+        )
         with self.s.lock:
             v.mark(f"copies of slot {owner} checked")
         ack = ReplicaAck(vid, self.s.cfg.slot, ok=problem is None, reason=problem or "")
         with self.s.lock:
-            actions = self.s.commit.replica_stored(vid, owner, ok=ack.ok, reason=ack.reason) \
-                if self.s.commit is not None else [Send(owner, ack)]
+            actions = (
+                self.s.commit.replica_stored(vid, owner, ok=ack.ok, reason=ack.reason)
+                if self.s.commit is not None
+                else [Send(owner, ack)]
+            )
         self.driver.apply(actions)
 
     # --- re-replication: copies of committed versions ----------------------------------------------
@@ -254,26 +271,40 @@ class Replicator:
             v = self.s.table.versions.get(step)
             shard = v.shards.get(rank) if v is not None else None
             if shard is None or not shard.complete or v.state != VersionState.COMMITTED:
-                raise LookupError(f"node {self.s.node_id[:12]} holds no committed copy of rank {rank}'s shard of "
-                                  f"step {step}")
+                raise LookupError(
+                    f"node {self.s.node_id[:12]} holds no committed copy of rank {rank}'s shard of step {step}"
+                )
             _, plan_bytes = self.s.table.plans[(shard.plan_id, rank)]
             self.s.table.use(shard)
             vid = VersionId(v.epoch, step)
-            meta = json.dumps({"epoch": v.epoch, "owner": shard.owner, "rank": rank, "plan_id": shard.plan_id,
-                               "world_size": v.world_size, "committed": True}).encode()
+            meta = json.dumps(
+                {
+                    "epoch": v.epoch,
+                    "owner": shard.owner,
+                    "rank": rank,
+                    "plan_id": shard.plan_id,
+                    "world_size": v.world_size,
+                    "committed": True,
+                }
+            ).encode()
             timeout = self.s.cfg.timeout_s if self.s.cfg is not None else TIMEOUTS.version_s
         try:
             channel = self.copy_channel(target)
-            for name, data in ((f"plan/{rank}", plan_bytes), (f"record/{rank}", shard.record_bytes),
-                               (f"region/{rank}", shard.seg.array)):
+            for name, data in (
+                (f"plan/{rank}", plan_bytes),
+                (f"record/{rank}", shard.record_bytes),
+                (f"region/{rank}", shard.seg.array),
+            ):
                 channel.send(self.header(vid, name, data, meta), data, timeout=timeout)
         except (TransportError, TimeoutError, OSError) as exc:
             with self.s.lock:
                 channel = self.copy_channels.pop((target.host, target.port), None)
             if channel is not None:
                 channel.close()
-            raise ConnectionError(f"node {self.s.node_id[:12]}: the copy of rank {rank}'s shard of step {step} to "
-                                  f"{target.host}:{target.port} failed: {type(exc).__name__}: {exc}") from None
+            raise ConnectionError(
+                f"node {self.s.node_id[:12]}: the copy of rank {rank}'s shard of step {step} to "
+                f"{target.host}:{target.port} failed: {type(exc).__name__}: {exc}"
+            ) from None
         finally:
             with self.s.lock:
                 self.s.table.done_with(shard)
@@ -298,8 +329,9 @@ class Replicator:
         key = (epoch, header.step, rank)
         with self.s.lock:
             if epoch > self.s.epoch:
-                raise PermissionError(f"node {self.s.node_id[:12]}: a copy of epoch {epoch}, this store is at "
-                                      f"{self.s.epoch}")
+                raise PermissionError(
+                    f"node {self.s.node_id[:12]}: a copy of epoch {epoch}, this store is at {self.s.epoch}"
+                )
             if kind != "region":
                 buf = self.meta_buffer(header, kind)
                 self.copies_in[(key, kind)] = buf
@@ -349,40 +381,7 @@ class Replicator:
             shard.received = False
             self.s.table.drop_shard(v, shard)
         if ok:  # refused: the sender hears it (its transfer is rejected) and the registry tries another
-            raise ValueError(f"node {self.s.node_id[:12]}: the copy of rank {shard.rank}'s shard of step "
-                             f"{header.step} was refused: {problem}")
-
-
-def verify_copies(state: StoreState, shards: list) -> Optional[str]:
-    """Check a peer's copies against their records before acknowledging them."""
-    for s in shards:
-        try:
-            with state.lock:
-                plan = state.table.plan(s.plan_id, s.rank)
-            check_record(s.record, plan)
-        except (LookupError, ShardFormatError) as exc:
-            return f"the copy of rank {s.rank}'s shard cannot be checked: {exc}"
-        if s.seg.nbytes < plan.region_bytes:
-            return f"the copy of rank {s.rank}'s shard is {s.seg.nbytes} bytes, its plan {plan.region_bytes}"
-        array = s.seg.array
-        for t, crc in zip(plan.tensors, s.record.crcs):
-            if crc32c.crc32c(array[t.at : t.at + t.nbytes]) != crc:
-                return f"the copy of rank {s.rank}'s shard arrived damaged ({t.fqn} fails its checksum)"
-    return None
-
-
-class ReplicaSink:
-    """The transport's view of a host store: copies land straight in its segments."""
-
-    def __init__(self, replicator: "Replicator") -> None:
-        self.replicator = replicator
-
-    def buffer_for(self, header: Header) -> memoryview:
-        return self.replicator.incoming_buffer(header)
-
-    def received(self, header: Header) -> None:
-        self.replicator.incoming_done(header, ok=True)
-
-    def failed(self, header: Header, error: BaseException) -> None:
-        self.replicator.incoming_done(header, ok=False)
-        log.info("node %s: a copy of %s failed: %s", self.replicator.s.node_id[:12], header.describe(), error)
+            raise ValueError(
+                f"node {self.s.node_id[:12]}: the copy of rank {shard.rank}'s shard of step "
+                f"{header.step} was refused: {problem}"
+            )

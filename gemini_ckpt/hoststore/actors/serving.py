@@ -16,7 +16,7 @@ from ...format.framing import write_tensors
 from ...timeouts import TIMEOUTS
 from ...commit import VersionId, VersionState
 from ...dataplane import ChecksumMismatchError, Endpoint, Header, TransferRejectedError, TransportError
-from .replication import verify_copies
+from .sink import verify_copies
 from .state import StoreState
 
 log = logging.getLogger("gemini_ckpt")
@@ -79,16 +79,25 @@ class ShardServer:
             shard = self.s.complete_shard(step, rank)
             for offset, length, _ in ranges:
                 if offset < 0 or length <= 0 or offset + length > shard.seg.nbytes:
-                    raise ValueError(f"range [{offset}, {offset + length}) is outside rank {rank}'s shard "
-                                     f"({shard.seg.nbytes} bytes)")
+                    raise ValueError(
+                        f"range [{offset}, {offset + length}) is outside rank {rank}'s shard ({shard.seg.nbytes} bytes)"
+                    )
             self.s.table.use(shard)
         channel = None
         try:
             channel = self._reader_channel(reader)
-            sent = [(channel.send_async(Header(self.s.namespace, step, f"region/{rank}", offset, length,
-                                               total=shard.seg.nbytes, put_id=tag),
-                                        shard.seg.array[offset : offset + length]), length)
-                    for offset, length, tag in ranges]
+            sent = [
+                (
+                    channel.send_async(
+                        Header(
+                            self.s.namespace, step, f"region/{rank}", offset, length, total=shard.seg.nbytes, put_id=tag
+                        ),
+                        shard.seg.array[offset : offset + length],
+                    ),
+                    length,
+                )
+                for offset, length, tag in ranges
+            ]
             deadline = time.monotonic() + TIMEOUTS.serve_s
             landed = 0
             for fut, length in sent:
@@ -137,8 +146,9 @@ class ShardServer:
             return channel
 
     # --- the durable tier ----------------------------------------------------------------------------
-    def persist_shard(self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes,
-                      opener=None) -> list:
+    def persist_shard(
+        self, step: int, rank: int, uri: str, directory: str, name: str, section: bytes, opener=None
+    ) -> list:
         """Write rank ``rank``'s data file of ``step`` to ``uri``/``directory``/``name`` in DCP's
         ``FileSystemWriter`` layout: ``section`` (its non-tensor items, ``torch.save``-d by the
         persister), then every tensor item framed as ``torch.save`` frames it. The copy is
@@ -163,9 +173,12 @@ class ShardServer:
             # (durable/files.py): a writer of the durable root cannot aim this write elsewhere.
             with files_for(fs, root).create(posixpath.join(directory, name)) as out:
                 out.write(section)
-                placed = write_tensors(out, shard.seg.array,
-                                       [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors],
-                                       start=len(section))
+                placed = write_tensors(
+                    out,
+                    shard.seg.array,
+                    [(t.at, t.nbytes, plan.templates[t.template]) for t in plan.tensors],
+                    start=len(section),
+                )
             return [[p.offset, p.length, p.crc] for p in placed]
         finally:
             with self.s.lock:

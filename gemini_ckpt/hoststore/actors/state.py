@@ -47,22 +47,56 @@ def job_settings(config: CheckpointConfig, key: Optional[bytes]) -> dict:
     """What a job tells its registry about itself at every rendezvous (plain values: it travels
     over Ray and is kept there), compiled once from the rank's ``CheckpointConfig``: the registry
     tells stores from it outside a rendezvous (:func:`store_config`) and budgets replacements'."""
-    return {"replicas": config.replicas, "strategy": config.placement, "budget": config.host_memory_budget_bytes,
-            "key": key.hex() if key else None, "bandwidth": config.replication_bandwidth,
-            "domain": config.failure_domain, "interleave": config.interleave_mode, "metrics": bool(config.metrics)}
+    return {
+        "replicas": config.replicas,
+        "strategy": config.placement,
+        "budget": config.host_memory_budget_bytes,
+        "key": key.hex() if key else None,
+        "bandwidth": config.replication_bandwidth,
+        "domain": config.failure_domain,
+        "interleave": config.interleave_mode,
+        "metrics": bool(config.metrics),
+    }
 
 
-def store_config(job: dict, *, epoch: int, slot: int, nodes: tuple, ranks_here: tuple, world_size: int, keep: int,
-                 timeout_s: float, dead: frozenset, idle: frozenset, committed: tuple, secret: str,
-                 domains: Optional[tuple]) -> EpochConfig:
+def store_config(
+    job: dict,
+    *,
+    epoch: int,
+    slot: int,
+    nodes: tuple,
+    ranks_here: tuple,
+    world_size: int,
+    keep: int,
+    timeout_s: float,
+    dead: frozenset,
+    idle: frozenset,
+    committed: tuple,
+    secret: str,
+    domains: Optional[tuple],
+) -> EpochConfig:
     """What a host store is told for an epoch: the one builder, used by ranks at their rendezvous
     and by the registry for a store without ranks. ``job``: :func:`job_settings`."""
     return EpochConfig(
-        epoch=epoch, slot=slot, nodes=tuple(nodes), ranks_here=tuple(ranks_here), world_size=world_size,
-        replicas=int(job.get("replicas", 2)), strategy=job.get("strategy", "auto"), keep=keep,
-        dead=frozenset(dead), idle=frozenset(idle), timeout_s=float(timeout_s), committed=tuple(committed),
-        secret=secret, key=job.get("key"), bandwidth=job.get("bandwidth"), domains=domains,
-        interleave=interleave_mode(job.get("interleave", Interleave.GATE)), metrics=bool(job.get("metrics", True)))
+        epoch=epoch,
+        slot=slot,
+        nodes=tuple(nodes),
+        ranks_here=tuple(ranks_here),
+        world_size=world_size,
+        replicas=int(job.get("replicas", 2)),
+        strategy=job.get("strategy", "auto"),
+        keep=keep,
+        dead=frozenset(dead),
+        idle=frozenset(idle),
+        timeout_s=float(timeout_s),
+        committed=tuple(committed),
+        secret=secret,
+        key=job.get("key"),
+        bandwidth=job.get("bandwidth"),
+        domains=domains,
+        interleave=interleave_mode(job.get("interleave", Interleave.GATE)),
+        metrics=bool(job.get("metrics", True)),
+    )
 
 
 class StoreState:

@@ -241,15 +241,33 @@ class VersionTable:
 
     # --- views -----------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
-        return {step: {"epoch": v.epoch, "state": v.state, "world_size": v.world_size, "unhealthy": v.unhealthy,
-                       "shards": {r: {"owner": s.owner, "complete": s.complete, "plan_id": s.plan_id,
-                                      "nbytes": s.seg.nbytes, "health": _health(s)} for r, s in v.shards.items()}}
-                for step, v in self.versions.items()}
+        return {
+            step: {
+                "epoch": v.epoch,
+                "state": v.state,
+                "world_size": v.world_size,
+                "unhealthy": v.unhealthy,
+                "shards": {
+                    r: {
+                        "owner": s.owner,
+                        "complete": s.complete,
+                        "plan_id": s.plan_id,
+                        "nbytes": s.seg.nbytes,
+                        "health": _health(s),
+                    }
+                    for r, s in v.shards.items()
+                },
+            }
+            for step, v in self.versions.items()
+        }
 
     def unhealthy_steps(self) -> list[int]:
         """Steps whose decision, or a record of a shard held here, says the state is unhealthy."""
-        return [step for step, v in self.versions.items()
-                if v.unhealthy or any(_health(s)["status"] == "unhealthy" for s in v.shards.values())]
+        return [
+            step
+            for step, v in self.versions.items()
+            if v.unhealthy or any(_health(s)["status"] == "unhealthy" for s in v.shards.values())
+        ]
 
     def held_bytes(self) -> int:
         return sum(s.seg.nbytes for v in self.versions.values() for s in v.shards.values())
@@ -273,13 +291,22 @@ class VersionTable:
             if lent.state in by_state:
                 by_state[lent.state] += lent.seg.nbytes
         pool = self.pool
-        return {"own": own, "replicas": replicas, "staging": by_state["staging"], "lent_free": by_state["free"],
-                "pooled": pool.pooled, "other": pool.held - own - replicas - by_state["staging"] - by_state["free"],
-                "reserved": pool.held + pool.pooled, "budget": pool.budget_bytes, "segments_made": pool.created}
+        return {
+            "own": own,
+            "replicas": replicas,
+            "staging": by_state["staging"],
+            "lent_free": by_state["free"],
+            "pooled": pool.pooled,
+            "other": pool.held - own - replicas - by_state["staging"] - by_state["free"],
+            "reserved": pool.held + pool.pooled,
+            "budget": pool.budget_bytes,
+            "segments_made": pool.created,
+        }
 
 
 def _health(shard: Shard) -> dict:
     """What the shard's record says of its health (``unchecked`` before the record is here)."""
     health = shard.record.health if shard.record is not None else None
-    return {"status": "unchecked", "reason": ""} if health is None else {"status": health.status,
-                                                                         "reason": health.reason}
+    return (
+        {"status": "unchecked", "reason": ""} if health is None else {"status": health.status, "reason": health.reason}
+    )
