@@ -44,10 +44,10 @@ def restore_version(
     tiers = [store]
     if durable is not None:
         tiers.append(durable)
-    plans: dict = {}
-    result = restore_newest(
-        state, tiers, rank=rank, world_size=world_size, group=group, config=config, marks=marks, step=step, plans=plans
+    found = restore_newest(
+        state, tiers, rank=rank, world_size=world_size, group=group, config=config, marks=marks, step=step
     )
+    result = found.result
     if result is None and config.init_from and step is None:
         from ..init_from import init_from
 
@@ -61,6 +61,5 @@ def restore_version(
         log.info("rank %d: %s", rank, result.summary())
         # Continue from here: versions newer than this one (damaged, or abandoned) are
         # discarded before the next save is written, and never restored later.
-        existing = plans.get("held", ())  # what the tiers held (the survey every rank walked)
-        lineage.restored_to(result.step, existing)
-    return result, plans.get("restored")
+        lineage.restored_to(result.step, found.held)  # what the tiers held (the survey every rank walked)
+    return result, found.plan

@@ -171,7 +171,7 @@ class TierReads:
             local = LocalCopy(self._attach, step, rank)
             if rank == self.rank:
                 local.prepare()  # the shard this rank reads when nothing is resharded: mapped while the ranks agree
-            return ShardCopy("local", local.fetch, "this node")
+            return ShardCopy("local", local.fetch, "this node", release=local.release)
         handle = self._hosts.live().get(slot)
         peer = PeerCopy(self.peer_reads, slot, handle, step, rank, nbytes)
         return ShardCopy("peer", peer.fetch, self._hosts.describe(slot), receive_into=peer.receive_into)
@@ -179,9 +179,8 @@ class TierReads:
     def _release_maps(self, copies: dict[int, list[ShardCopy]]) -> None:
         for rank_copies in copies.values():
             for copy in rank_copies:
-                owner = getattr(copy.fetch, "__self__", None)
-                if isinstance(owner, LocalCopy):
-                    owner.release()
+                if copy.release is not None:
+                    copy.release()
 
     def _reader_endpoint(self) -> Endpoint:
         """This reader's data-plane listener (started on first use), where peers push ranges."""

@@ -21,9 +21,10 @@ The path, module by module:
 """
 
 from .newest import UnhealthyRestoreWarning, restore_newest, survey
-from .version import WorldSizeChangeWarning, check_structure, load_version
+from .version import Restored, WorldSizeChangeWarning, check_structure, load_version
 
 __all__ = [
+    "Restored",
     "UnhealthyRestoreWarning",
     "WorldSizeChangeWarning",
     "check_structure",

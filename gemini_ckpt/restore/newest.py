@@ -25,7 +25,7 @@ from ..errors import (
 from ..faults import fire
 from ..results import RestoreResult
 from ..state.train_state import TrainState
-from .version import load_version, short
+from .version import Restored, load_version, short
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -62,8 +62,7 @@ def restore_newest(
     config: CheckpointConfig,
     marks: Optional[list] = None,
     step: Optional[int] = None,
-    plans: Optional[dict] = None,
-) -> Optional[RestoreResult]:
+) -> Restored:
     """Try versions newest first (memory before durable at equal steps) until a healthy one loads.
 
     Every rank walks rank 0's survey of the tiers (one collective), and DCP's load raises on
@@ -75,18 +74,15 @@ def restore_newest(
     ``marks``: the restore's timeline so far (``(stage, unix time)``), continued here and
     returned in :attr:`RestoreResult.timeline`. ``step``: only that version, healthy or not
     (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it.
-    ``plans``: given a dict, the version loaded leaves this rank's shard plan in it (``"restored"``)
-    when it is a memory version saved at this world size (its plan may be taken over), and the
-    steps the tiers held (``"held"``, the survey every rank walked)."""
+    Returns a :class:`~.version.Restored`: the result (None: nothing to restore), the steps the
+    tiers held and the plan the first save may take over."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
     named, order, unreachable = surveyed_by_rank0(tiers, step, rank=rank, world_size=world_size, group=group)
     marks.append(("surveyed", time.time()))
-    if plans is not None:
-        plans["held"] = tuple(sorted(s for s, _ in order))  # every rank walks the same survey
+    held = tuple(sorted(s for s, _ in order))  # every rank walks the same survey
     fire("restore", step=order[0][0] if order else None, rank=rank)
     if named is not None:
-        held = [s for s, _ in order]
         order = [(s, holding) for s, holding in order if s == named]
         if not order:
             blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
@@ -101,7 +97,7 @@ def restore_newest(
     for step, holding in order:
         name = tiers[holding[0]].name
         try:
-            result = load_version(
+            loaded = load_version(
                 state,
                 [tiers[i] for i in holding],
                 step,
@@ -112,7 +108,6 @@ def restore_newest(
                 t0=t0,
                 marks=marks,
                 allow_unhealthy=named is not None,
-                plans=plans,
             )
         except UnhealthyCandidate as exc:
             if rank == 0:
@@ -140,6 +135,7 @@ def restore_newest(
                 " and ".join(unreachable),
                 "; ".join(unreachable.values()),
             )
+        result = loaded.result
         if result.health is not None and result.health.unhealthy:
             warnings.warn(
                 f"restored step {step}, whose state is UNHEALTHY ({result.health.reason}), because "
@@ -147,7 +143,7 @@ def restore_newest(
                 UnhealthyRestoreWarning,
                 stacklevel=3,
             )
-        return _with_skipped(result, skipped, why_skipped)
+        return Restored(_with_skipped(result, skipped, why_skipped), held=held, plan=loaded.plan)
     blind = "".join(f"; the {n} tier could not be listed ({why})" for n, why in unreachable.items())
     if skipped and len(unhealthy) == len(skipped) and not unreachable:
         raise UnhealthyVersionError(
@@ -167,7 +163,7 @@ def restore_newest(
             f"(which would start training from scratch): make the storage reachable and restore "
             f"again, or remove CheckpointConfig.durable_uri to start without it"
         )
-    return None
+    return Restored(None, held=held)
 
 
 def surveyed_by_rank0(tiers: list, step: Optional[int], *, rank: int, world_size: int, group):

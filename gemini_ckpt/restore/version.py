@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,6 +38,18 @@ from .opening import open_views
 log = logging.getLogger("gemini_ckpt")
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What a restore found: ``result`` (None: nothing to restore), the steps the tiers held
+    (``held``: the survey every rank walked, for the lineage) and, when the version loaded is a
+    memory version saved at this world size, this rank's shard plan (``plan``: the first save
+    may take it over)."""
+
+    result: Optional[RestoreResult]
+    held: tuple[int, ...] = ()
+    plan: Any = None
+
+
 class WorldSizeChangeWarning(UserWarning):
     """Rank-local state was mapped to a different world size by the documented rule."""
 
@@ -53,8 +66,7 @@ def load_version(
     t0: float,
     marks: Optional[list] = None,
     allow_unhealthy: bool = False,
-    plans: Optional[dict] = None,
-) -> RestoreResult:
+) -> Restored:
     marks = marks if marks is not None else []
     outcome: Optional[tuple[str, str]] = None  # (kind, why): "skip", "unhealthy", "structure" or "config"
     fingerprint = None
@@ -148,9 +160,9 @@ def load_version(
     sources = {r: w for r, w, _ in gathered}
     raise_agreed([(r, o, None) for r, _, o in gathered], rank)
     marks.append(("done", time.time()))
-    if plans is not None and primary.tier == "memory" and saved_ws == world_size:
-        plans["restored"] = primary.plans.get(rank)
-    return RestoreResult(
+    # a memory version saved at this world size: the first save may take this rank's plan over
+    takeover = primary.plans.get(rank) if primary.tier == "memory" and saved_ws == world_size else None
+    result = RestoreResult(
         step=step,
         source=primary.tier,
         sources=sources,
@@ -162,6 +174,7 @@ def load_version(
         path=path,
         health=health,
     )
+    return Restored(result, plan=takeover)
 
 
 def check_structure(target: dict[str, Any], metadata: Metadata) -> None:

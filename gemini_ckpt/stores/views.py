@@ -55,12 +55,14 @@ and whose ``cancel()`` gives up on them. Once either returns or raises, nothing 
 class ShardCopy:
     """One readable copy of a shard's region: ``source`` is ``local`` or ``peer``. A copy that
     can land bytes straight in the reader's memory (a peer pushing over the data plane) has
-    ``receive_into``."""
+    ``receive_into``; one that holds something until the version is closed (a local mapping) has
+    ``release``."""
 
     source: str
     fetch: Fetch
     label: str = ""
     receive_into: Optional[Receive] = None
+    release: Optional[Callable[[], None]] = None
 
 
 class MemoryVersion:
