@@ -60,7 +60,7 @@ def train_loop_per_worker(config: dict) -> None:
                 and state.global_step == config["kill_at"]
                 and not os.path.exists(marker)
             ):
-                trainer._gemini.ckpt.wait()
+                trainer.gemini_checkpointer.wait()
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -83,7 +83,7 @@ def train_loop_per_worker(config: dict) -> None:
     trainer = prepare_trainer(trainer)  # Ray's
     trainer = ghf.prepare_trainer(trainer, config["ckpt"])  # gemini_ckpt: the one added line
     trainer.train()
-    restored = trainer._gemini.restored
+    restored = trainer.gemini_restored
     if rank == 0:
         print(restored.summary() if restored else "fresh start", flush=True)
         torch.save(

@@ -178,6 +178,16 @@ class GeminiTrainerMixin:
 
     _gemini: _Run
 
+    @property
+    def gemini_checkpointer(self) -> Optional[Checkpointer]:
+        """The Checkpointer of the current (or last) ``train()`` call; None before the first."""
+        return self._gemini.ckpt
+
+    @property
+    def gemini_restored(self) -> Optional[RestoreResult]:
+        """The version the last ``train()`` resumed from (None: it started afresh)."""
+        return self._gemini.restored
+
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         run = self._gemini
         run.extra = {}

@@ -43,7 +43,7 @@ class Crash(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.at:
-            self.trainer._gemini.ckpt.wait()
+            self.trainer.gemini_checkpointer.wait()
             raise RuntimeError(f"crash after step {self.at}")
 
 
@@ -144,7 +144,7 @@ def test_crash_rebuild_and_resume_equals_an_uninterrupted_run(tmp_path, variant)
 
     again = _trainer(tmp_path / "b", namespace, model_seed=1234, args=args)  # another init: the restore must win
     again.train()
-    restored = again._gemini.restored
+    restored = again.gemini_restored
     assert restored is not None and restored.step == crash_at and restored.source == "memory"
     _assert_same(expected, _digest(again))
     assert not list((tmp_path / "b" / "out").glob("checkpoint-*")), "no Hugging Face checkpoint directory is written"
@@ -153,8 +153,8 @@ def test_crash_rebuild_and_resume_equals_an_uninterrupted_run(tmp_path, variant)
 def test_a_fresh_start_trains_from_scratch_and_saves_every_save_step(tmp_path):
     trainer = _trainer(tmp_path, f"hf-{uuid.uuid4().hex}", model_seed=0, args={"max_steps": 3})
     trainer.train()
-    assert trainer._gemini.restored is None
-    assert trainer._gemini.ckpt.stats.committed == 3
+    assert trainer.gemini_restored is None
+    assert trainer.gemini_checkpointer.stats.committed == 3
 
 
 def test_a_version_of_another_seed_is_refused(tmp_path):
