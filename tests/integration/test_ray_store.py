@@ -341,6 +341,11 @@ def test_a_killed_worker_restores_from_its_hosts_memory(trained, ranks):
         assert restored[rank]["digest"] == trained[rank][-1]["digest"], f"rank {rank} is not bit-identical"
     assert restored[2]["slot"] == 2
     assert restored[2]["read_local"] > restored[2]["read_peer"]  # mapped from its own host's store
+    # every shard a restore mapped from its host's store was given back when the version closed
+    for host in range(HOSTS):
+        store = find_store(CheckpointConfig(namespace="repl").resolved_namespace, node_id_of_host(host))
+        held = ray.get(store.__ray_call__.remote(lambda self: sum(map(len, self.ranks.maps.values()))), timeout=60)
+        assert held == 0, f"host {host}'s store still lends {held} mapped shard(s) after the restore"
     after = ranks.train([5])
     assert all(r[0]["committed"] for r in after)
     assert status("repl").committed_steps == [4, 5]
