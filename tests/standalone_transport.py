@@ -1,5 +1,5 @@
 """The data-plane transport loaded on its own, as a package outside gemini_ckpt (it imports
-nothing of the library; test_transport.py checks that): shared by the transport tests."""
+nothing of the library; test_transport_interface.py checks that): shared by the transport tests."""
 
 from __future__ import annotations
 

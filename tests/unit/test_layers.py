@@ -245,3 +245,14 @@ def test_no_library_module_over_400_lines(package):
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     )
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_test_module_over_400_lines():
+    # tests are laid out by what they test; a file past this tests more than one thing
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    long = sorted(
+        f"{path.relative_to(tests)}: {n}"
+        for path in tests.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    )
+    assert not long, f"test modules over {MAX_LINES} lines: {long}"

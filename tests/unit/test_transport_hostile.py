@@ -3,7 +3,7 @@ hello is cut at one deadline for the whole pre-auth phase, and a crowd of such c
 to a cap per listener, so a real peer still gets its transfer through (in a receiver whose fds
 are limited, as a real host store's are).
 
-Loads the transport package the way test_transport.py does (straight from its directory).
+Loads the transport package the way the other transport tests do (straight from its directory).
 """
 
 from __future__ import annotations
