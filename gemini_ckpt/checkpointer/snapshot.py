@@ -94,8 +94,8 @@ class Snapshot:
         verdict = check.judge(step, self.state, metrics, self.history) if check is not None else None
         phases.mark("check")
         segment = self.store.segment(plan.shard)
-        phases.mark("segment")
         try:
+            phases.mark("segment")
             behind = self.overlap.behind(tensors) if self.config.staging == "overlap" else []
             if behind:
                 outcome = self.overlap.stage(
