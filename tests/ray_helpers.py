@@ -171,6 +171,9 @@ class RankWorker:
         _faults.set_hook(hook)
 
     def restore(self) -> dict:
+        from gemini_ckpt.format.kept import KEPT
+
+        reused = KEPT.reused
         result = self.ckpt.restore()
         store = self.ckpt.store
         read = {} if result is None else result.bytes_read
@@ -183,6 +186,7 @@ class RankWorker:
             "read_peer": read.get("peer", 0),
             "read_durable": read.get("durable", 0),
             "slot": getattr(store, "slot", None),
+            "kept_maps_reused": KEPT.reused - reused,  # mappings this process had made before
         }
 
     def interleave(self) -> None:

@@ -36,8 +36,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import crc32c
 import numpy as np
+
+from ..checksum import checksum
 
 CHUNK = 4 << 20
 """Bytes checksummed and checked per step when fused: fits the CPU's cache, so each chunk is read
@@ -144,7 +145,7 @@ def _fused(raw: np.ndarray, scanner: Optional[_Scanner]) -> tuple[int, bool]:
     crc, finite = 0, True
     for start in range(0, raw.nbytes, CHUNK):
         chunk = raw[start : start + CHUNK]
-        crc = crc32c.crc32c(chunk, crc)
+        crc = checksum(chunk, crc)
         if finite and scanner is not None:
             finite = scanner.finite(chunk)
     return crc, finite
@@ -198,7 +199,7 @@ class _Shared:
     def _checksum(self, *, front: bool) -> None:
         while (i := self._take(front)) is not None:
             at, n, _ = self.items[i]
-            self.crcs[i] = crc32c.crc32c(self.region[at : at + n])
+            self.crcs[i] = checksum(self.region[at : at + n])
 
 
 def _scan_then_help(shared: _Shared, todo: Sequence[tuple[int, int, int, str]]) -> Optional[int]:
@@ -238,7 +239,7 @@ def checksum_items(
                     if not finite:
                         bad = i
                 else:
-                    crc = crc32c.crc32c(raw)
+                    crc = checksum(raw)
                 crcs_list.append(crc)
         crcs = tuple(crcs_list)
     if bad is None:

@@ -22,7 +22,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import crc32c
+from ..checksum import checksum
+
 
 _MASK = (1 << 64) - 1
 SID_DIGITS = 20
@@ -139,7 +140,7 @@ def value_section(archives: Iterable[bytes]) -> tuple[bytes, list[FileItem]]:
     """The non-tensor items (``torch.save`` archives, in plan order) as the file's first bytes."""
     out, items, at = [], [], 0
     for blob in archives:
-        items.append(FileItem(at, len(blob), crc32c.crc32c(blob)))
+        items.append(FileItem(at, len(blob), checksum(blob)))
         out.append(blob)
         at += len(blob)
     return b"".join(out), items
@@ -159,17 +160,17 @@ def write_tensors(
         data = view[offset : offset + nbytes]
         if len(data) != nbytes:
             raise ValueError(f"tensor item [{offset}, {offset + nbytes}) is outside the shard's region")
-        crc_c = crc32c.crc32c(template.prefix)
+        crc_c = checksum(template.prefix)
         crc_z = 0
         out.write(template.prefix)
         for lo in range(0, nbytes, chunk_bytes):
             piece = data[lo : lo + chunk_bytes]
             crc_z = zlib.crc32(piece, crc_z)
-            crc_c = crc32c.crc32c(piece, crc_c)
+            crc_c = checksum(piece, crc_c)
             out.write(piece)
         suffix = template.suffix_for(crc_z)
         out.write(suffix)
-        crc_c = crc32c.crc32c(suffix, crc_c)
+        crc_c = checksum(suffix, crc_c)
         placed.append(FileItem(at, template.framed_size, crc_c))
         at += template.framed_size
     return placed

@@ -38,6 +38,8 @@ class Segment:
     ) -> None:
         self.nbytes = int(nbytes)
         self.id = seg_id if seg_id is not None else _next_id()
+        self.writable = writable
+        self.name: Optional[tuple] = None  # the memory's file, when kept mappings track it (format.kept)
         length = max(self.nbytes, 1)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         if fd is not None:

@@ -17,7 +17,7 @@ signing key, an HMAC-SHA256 over it. The plan of rank 0 also carries the pickled
 DCP's global ``Metadata`` (checked by its CRC32C here, decoded through the allow-list by the
 trainer that reads it).
 
-This module imports only the standard library, numpy and crc32c: host-store actors use it.
+This module imports only the standard library, numpy and the checksum: host-store actors use it.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
-import crc32c
 import numpy as np
 
+from ..checksum import checksum
 from ..errors import ShardFormatError
 from ..signing import canonical, mac, mac_matches
 from ..health import HEALTHY_VERDICT, UNHEALTHY, Health
@@ -121,7 +121,7 @@ class ShardPlan:
             "values": [[v.fqn, v.index, v.kind] for v in self.values],
             "templates": [t.to_json() for t in self.templates],
             "metadata_bytes": len(self.metadata),
-            "metadata_crc": crc32c.crc32c(self.metadata),
+            "metadata_crc": checksum(self.metadata),
             "job": self.job,
             "checked": list(self.checked),
             "signature": self.signature,
@@ -130,7 +130,7 @@ class ShardPlan:
     def encode(self, key: Optional[bytes] = None) -> bytes:
         body = self.fields()
         payload = canonical(body)
-        head = {"plan": body, "crc": crc32c.crc32c(payload)}
+        head = {"plan": body, "crc": checksum(payload)}
         if key is not None:
             head["signature"] = mac(key, _SIGN_PLAN, payload)
         text = canonical(head)
@@ -144,7 +144,7 @@ class ShardPlan:
             payload = canonical(body)
             _check_crc_and_signature(head, payload, key, _SIGN_PLAN, "shard plan")
             metadata = bytes(rest)
-            if len(metadata) != _nat(body["metadata_bytes"]) or crc32c.crc32c(metadata) != body["metadata_crc"]:
+            if len(metadata) != _nat(body["metadata_bytes"]) or checksum(metadata) != body["metadata_crc"]:
                 raise ShardFormatError("the shard plan's metadata fails its checksum")
             templates = tuple(Template.from_json(t) for t in body["templates"])
             tensors = tuple(_tensor_item(row, len(templates)) for row in body["tensors"])
@@ -238,7 +238,7 @@ class ShardRecord:
     def encode(self, key: Optional[bytes] = None) -> bytes:
         body = self.fields()
         payload = canonical(body)
-        head = {"record": body, "crc": crc32c.crc32c(payload)}
+        head = {"record": body, "crc": checksum(payload)}
         if key is not None:
             head["signature"] = mac(key, _SIGN_RECORD, payload)
         text = canonical(head)
@@ -257,7 +257,7 @@ class ShardRecord:
             values, at = [], 0
             for n, crc in zip(lengths, crcs):
                 blob = bytes(rest[at : at + n])
-                if crc32c.crc32c(blob) != crc:
+                if checksum(blob) != crc:
                     raise ShardFormatError("a blob of the shard record fails its checksum")
                 values.append(blob)
                 at += n
@@ -324,7 +324,7 @@ def make_record(
         plan_id=plan.plan_id,
         crcs=crcs,
         values=values,
-        value_crcs=tuple(crc32c.crc32c(v) for v in values),
+        value_crcs=tuple(checksum(v) for v in values),
         health=health,
     )
 
@@ -359,7 +359,7 @@ def _unframe(data: Any, magic: bytes, what: str) -> tuple[dict, memoryview]:
 
 
 def _check_crc_and_signature(head: dict, payload: bytes, key: Optional[bytes], context: bytes, what: str) -> None:
-    if head.get("crc") != crc32c.crc32c(payload):
+    if head.get("crc") != checksum(payload):
         raise ShardFormatError(f"the {what} fails its checksum (damaged)")
     signature = head.get("signature")
     if key is None:

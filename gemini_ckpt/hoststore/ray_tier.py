@@ -39,6 +39,7 @@ from ..health import HEALTHY_VERDICT, Health
 from ..stores.views import MemoryVersion
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..format.commstate import CommState, Marker
+from ..format.kept import KEPT
 from ..format.segments import Segment
 from ..format.shards import ShardPlan
 from .attach import close_all
@@ -150,12 +151,13 @@ class RayTier(MemoryTier):
         for seg_id in lent.forget:
             old = self._segments.pop(seg_id, None)
             if old is not None:
-                old.close()
+                KEPT.drop(old)
         seg = self._segments.get(lent.seg)
         if seg is None:
             if not fds:
                 raise ReplicationError(f"rank {self.rank}: the host store lent segment {lent.seg} without its memory")
-            seg = self._segments[lent.seg] = Segment(lent.nbytes, fd=fds[0], seg_id=lent.seg)
+            close_all(fds[1:])
+            seg = self._segments[lent.seg] = KEPT.map(fds[0], lent.nbytes, lent.seg)
         return seg
 
     def give_back(self, segment: Segment) -> None:
@@ -322,6 +324,6 @@ class RayTier(MemoryTier):
         self.reads.close()
         self._attach.close()
         for seg in segments:
-            seg.close()
+            KEPT.keep(seg)  # the next Checkpointer in this process (a survivor's) maps them again for free
         if comm is not None:
             comm.close()

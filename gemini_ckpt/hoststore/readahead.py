@@ -23,6 +23,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from ..format.kept import KEPT
 from ..format.segments import Segment
 from ..errors import AttachError
 from .attach import close_all
@@ -91,7 +92,8 @@ class LocalCopy:
         except ValueError as exc:
             close_all(fds)
             raise LookupError(f"this node's store mapped rank {self.rank}'s shard unreadably: {exc}") from None
-        return Segment(mapped.nbytes, fd=fds[0], seg_id=mapped.seg, writable=False, populate=True)
+        close_all(fds[1:])
+        return KEPT.map(fds[0], mapped.nbytes, mapped.seg, writable=False, populate=True)
 
     def _map(self) -> Segment:
         if self.seg is None:
@@ -121,7 +123,7 @@ class LocalCopy:
             self.attach.request(Unmap(seg.id).to_wire())
         except (AttachError, OSError, LookupError, TimeoutError):
             pass
-        seg.close()
+        KEPT.keep(seg)  # a survivor's next restore reads the same memory
 
 
 class PeerCopy:

@@ -59,6 +59,9 @@ def _scenario(cluster, ranks, reference, failed: set[int], tmp_path) -> None:
         # Hosts that died read their shards from the surviving holder the planner named.
         for h in failed:
             assert restored[h]["sources"][h] in ("peer", "local"), restored[h]
+        # A survivor reads its own shard through the mapping it staged it with (no new mmap).
+        for rank in set(range(HOSTS)) - failed:
+            assert restored[rank]["kept_maps_reused"] >= 1, (rank, restored[rank])
     after = ranks.train(range(expected_step + 1, 8))
     for rank in range(HOSTS):
         assert after[rank][-1]["digest"] == reference[rank][7], f"rank {rank} diverged after restore"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import crc32c
 
+from ...checksum import checksum
 from ...dataplane import Header
 from ...errors import ShardFormatError
 from ...format.shards import check_record
@@ -31,7 +31,7 @@ def verify_copies(state: StoreState, shards: list) -> Optional[str]:
             return f"the copy of rank {s.rank}'s shard is {s.seg.nbytes} bytes, its plan {plan.region_bytes}"
         array = s.seg.array
         for t, crc in zip(plan.tensors, s.record.crcs):
-            if crc32c.crc32c(array[t.at : t.at + t.nbytes]) != crc:
+            if checksum(array[t.at : t.at + t.nbytes]) != crc:
                 return f"the copy of rank {s.rank}'s shard arrived damaged ({t.fqn} fails its checksum)"
     return None
 
