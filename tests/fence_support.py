@@ -11,7 +11,7 @@ from gemini_ckpt.hoststore.fence import TICK_S
 LEASE = 20.0
 
 
-class _Gcs:
+class FakeGcs:
     """The GCS as the fence's ``ask`` sees it: ``alive``, ``dead``, ``unreachable`` or ``hung``."""
 
     def __init__(self) -> None:
@@ -26,7 +26,7 @@ class _Gcs:
         return self.mode == "dead"
 
 
-def _steps(fence, n, *, elapsed=TICK_S, start=0.0):
+def run_steps(fence, n, *, elapsed=TICK_S, start=0.0):
     """Run ``n`` steps ``elapsed`` apart (letting each asking thread answer); the first reason."""
     gcs, now = fence.ask, start
     for _ in range(n):

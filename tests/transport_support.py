@@ -50,6 +50,7 @@ class RecordingSink:
             return list(self.events)
 
 
-def _transport(secret: bytes = SECRET, name: str = "", **config) -> "T.TcpTransport":
+def make_transport(secret: bytes = SECRET, name: str = "", **config) -> "T.TcpTransport":
+    """A transport of the standalone package in the tests' namespace, ``config`` its TcpConfig's settings."""
     config.setdefault("progress_timeout_s", 5.0)  # generous unless a test is about the timeout
     return T.TcpTransport(secret, NS, host_name=name, config=T.TcpConfig(**config))

@@ -166,6 +166,16 @@ class TcpChannel(Channel):
     def peer(self) -> str:
         return self._label
 
+    def dscp(self) -> tuple[int, ...]:
+        """The DSCP each of the channel's streams marks its packets with, read from its socket (0: the normal class)."""
+        out = []
+        for sock in self._socks:
+            if sock.family == socket.AF_INET6:
+                out.append(sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS) >> 2)
+            else:
+                out.append(sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) >> 2)
+        return tuple(out)
+
     def send_async(self, header: Header, buffer) -> "Future[None]":
         view = memoryview(buffer)
         if not view.c_contiguous:

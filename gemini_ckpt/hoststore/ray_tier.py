@@ -236,6 +236,11 @@ class RayTier(MemoryTier):
     def recovery(self) -> tuple[dict, ...]:
         return self.recovery_events
 
+    @property
+    def secret(self) -> bytes:
+        """The namespace's data-plane and attach secret this rank was handed: what makes a peer one of the job's."""
+        return self._secret
+
     # --- read: the read side does it ------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         return self.reads.committed_steps()

@@ -81,7 +81,7 @@ def _set_env(env: dict) -> tuple[str, str]:
     return _spares.describe()
 
 
-def _node_ranks(workers) -> dict[int, tuple[int, int, int]]:
+def node_ranks(workers) -> dict[int, tuple[int, int, int]]:
     """world rank -> (local rank, local world size, node rank), from where the workers run."""
     order: dict[str, list[int]] = {}
     for w in sorted(workers, key=lambda w: w.distributed_context.world_rank):
@@ -155,7 +155,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         backend = config.backend or ("nccl" if resources.get("GPU", 0) > 0 else "gloo")
         round_ = _rounds.open_round(self._server)
         workers = self._whole.get_workers()
-        placed = _node_ranks(workers)
+        placed = node_ranks(workers)
         refs = []
         for worker in group.get_workers():
             rank = worker.distributed_context.world_rank

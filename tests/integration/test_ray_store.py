@@ -195,7 +195,7 @@ def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
         actor = find_store("dataplane-auth", tier.node_id)
         endpoint = ray.get(actor.endpoint.remote())
         before = ray.get(actor.index.remote())
-        for secret, namespace in ((b"not-the-secret" * 3, "dataplane-auth"), (tier._secret, "other")):
+        for secret, namespace in ((b"not-the-secret" * 3, "dataplane-auth"), (tier.secret, "other")):
             intruder = TcpTransport(secret, namespace)
             with pytest.raises((AuthenticationError, PeerLostError)):
                 channel = intruder.connect(endpoint)
@@ -239,7 +239,7 @@ def test_an_authenticated_peer_cannot_make_a_store_allocate_past_its_limits(ray_
         save_filled(tier, 1, 2.0)
         actor = find_store("dataplane-meta", tier.node_id)
         endpoint = ray.get(actor.endpoint.remote())
-        peer = TcpTransport(tier._secret, "dataplane-meta")  # the secret: an authenticated peer
+        peer = TcpTransport(tier.secret, "dataplane-meta")  # the secret: an authenticated peer
         meta = json.dumps({"epoch": tier.epoch, "owner": 1, "rank": 0, "shards": 1, "plan_id": "x"}).encode()
         huge = MAX_META_TRANSFER_BYTES + 1
         cases = [

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,18 +19,17 @@ import placement
 from gemini_ckpt import CheckpointConfig, ConfigError
 from gemini_ckpt.chaos import ChaosConfig, RemoveHosts, Scenario, At, ScenarioError, full_matrix, ci_matrix, kill_rack
 from gemini_ckpt.chaos import plan_scenario
-from gemini_ckpt.hoststore import slots
 from gemini_ckpt.hoststore.slots import SlotTable, holders_for, node_domains, placement_for, unlabelled
 
 ROOT = Path(__file__).resolve().parents[2]
 RACKS = ["0", "0", "1", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warnings():
-    slots._warned.clear()  # each warning is given once per process; every test sees its own
-    yield
-    slots._warned.clear()
+def _unseen(*labels: str) -> list[str]:
+    """``labels`` made unique to the calling test: each domain warning is given once per process
+    (and a placement is computed once), so a test that wants one uses a layout no other test did."""
+    tag = uuid.uuid4().hex[:8]
+    return [f"{label}-{tag}" for label in labels]
 
 
 def _holders(*, replicas=2, strategy="group", domains=None, dead=()):
@@ -85,26 +85,28 @@ def test_a_dead_holder_is_replaced_in_another_rack():
 
 def test_fewer_domains_than_replicas_warns_once_and_falls_back(caplog):
     with caplog.at_level(logging.WARNING, logger="gemini_ckpt"):
-        held = _holders(domains=["a", "a", "a", "a"])
-        _holders(domains=["a", "a", "a", "a"])
+        domains = _unseen("a", "a", "a", "a")
+        held = _holders(domains=domains)
+        _holders(domains=domains)
     assert held == _holders()  # the rule without domains
     warnings = [r.getMessage() for r in caplog.records if "failure domains" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "only 1 domain(s) (a)" in warnings[0] and "lower replicas" in warnings[0]
+    assert f"only 1 domain(s) ({domains[0]})" in warnings[0] and "lower replicas" in warnings[0]
 
 
 def test_a_lost_rack_leaves_too_few_live_domains_warns_and_falls_back(caplog):
     with caplog.at_level(logging.WARNING, logger="gemini_ckpt"):
-        held = _holders(domains=RACKS, dead={2, 3})
-        _holders(domains=RACKS, dead={2, 3})
+        racks = _unseen(*RACKS)
+        held = _holders(domains=racks, dead={2, 3})
+        _holders(domains=racks, dead={2, 3})
     assert held == {0: (0, 1), 1: (1, 0)}
     warnings = [r.getMessage() for r in caplog.records if "failure domains" in r.getMessage()]
-    assert len(warnings) == 1 and "only 1 domain(s) with live hosts (0)" in warnings[0], warnings
+    assert len(warnings) == 1 and f"only 1 domain(s) with live hosts ({racks[0]})" in warnings[0], warnings
 
 
 def test_uneven_domains_warn_naming_the_clashing_slots(caplog):
     with caplog.at_level(logging.WARNING, logger="gemini_ckpt"):
-        placement_for(hosts=4, replicas=2, strategy="group", domains=["a", "a", "a", "b"])
+        placement_for(hosts=4, replicas=2, strategy="group", domains=_unseen("a", "a", "a", "b"))
     assert any("keeps the copies of slot(s)" in r.getMessage() for r in caplog.records)
 
 

@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from gemini_ckpt import CheckpointConfig, CheckpointError, Checkpointer
 from gemini_ckpt.toy import build_training, lm_loss
-from durable_hostile_support import DATA, DEADLINE_S, METADATA, _job_namespace, _params, _state, within
+from durable_hostile_support import DATA, DEADLINE_S, JOBS, METADATA
+from toy_jobs import params_of, within
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from durable_hostile_support import fifos as fifos
@@ -36,13 +37,14 @@ def _stock_checkpoint(path: Path, *, seed: int, with_optim: bool, fill=None):
 
     msd, osd = get_state_dict(t.model, t.optimizer)
     dcp.save({"model": msd, "optim": osd} if with_optim else {"model": msd}, checkpoint_id=str(path))
-    return _params(t.model)
+    return params_of(t.model)
 
 
 def _init(path, **config):
-    t, _, state = _state(11)
+    t, _, state = JOBS.state(11)
     ckpt = Checkpointer(
-        state, CheckpointConfig(store="local", namespace=_job_namespace(), init_from=str(path), timeout_s=30, **config)
+        state,
+        CheckpointConfig(store="local", namespace=JOBS.fresh_namespace(), init_from=str(path), timeout_s=30, **config),
     )
     try:
         return ckpt.restore(), t
@@ -82,7 +84,7 @@ def test_init_from_a_model_only_checkpoint_loads_the_model_and_leaves_the_optimi
         result, t = within(DEADLINE_S, _init, stock)
     assert result is not None and result.source == "init"
     for name, value in saved.items():
-        assert torch.equal(_params(t.model)[name], value), name
+        assert torch.equal(params_of(t.model)[name], value), name
     assert t.optimizer.state_dict()["state"] == {}
     assert "holds no optimizer state" in caplog.text
 

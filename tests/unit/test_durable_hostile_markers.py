@@ -15,7 +15,7 @@ from gemini_ckpt.chaos import faulty_filesystem
 from gemini_ckpt import CheckpointConfig, Checkpointer
 from gemini_ckpt.toy import lm_loss
 from gemini_ckpt.durable.tier import DurableTier
-from durable_hostile_support import IN_PROGRESS, MARKER, _job_namespace, _state
+from durable_hostile_support import IN_PROGRESS, JOBS, MARKER
 
 
 # === 8. a torn marker never counts =================================================================
@@ -23,12 +23,12 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
     fs, handler = faulty_filesystem(torn_on=MARKER)
     root = str(tmp_path / "d")
     durable = DurableTier(filesystem=fs, root=root, keep=2)
-    t, extra, state = _state(0)
+    t, extra, state = JOBS.state(0)
     ckpt = Checkpointer(
         state,
         CheckpointConfig(
             store="local",
-            namespace=_job_namespace(),
+            namespace=JOBS.fresh_namespace(),
             persist_every=3,
             keep_durable=2,
             persist_on_close=False,
@@ -57,12 +57,12 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
 
 def _three_versions(tmp_path) -> Path:
     root = tmp_path / "three"
-    t, extra, state = _state(0)
+    t, extra, state = JOBS.state(0)
     ckpt = Checkpointer(
         state,
         CheckpointConfig(
             store="local",
-            namespace=_job_namespace(),
+            namespace=JOBS.fresh_namespace(),
             persist_every=3,
             durable_uri=str(root),
             keep_durable=5,

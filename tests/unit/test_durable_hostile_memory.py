@@ -33,12 +33,10 @@ from durable_hostile_support import (
     SLACK,
     MiB,
     PeakMemory,
-    _assert_restored,
-    _copy,
-    _make_versions,
-    _version_bytes,
-    within,
+    JOBS,
+    version_bytes,
 )
+from toy_jobs import copy_versions, within
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from durable_hostile_support import versions as versions
@@ -48,7 +46,7 @@ KEY = "hostile-test-key"
 
 @pytest.fixture(scope="module")
 def signed_versions(tmp_path_factory):
-    return _make_versions(tmp_path_factory.mktemp("hostile-signed") / "d", signing_key=KEY)
+    return JOBS.make_versions(tmp_path_factory.mktemp("hostile-signed") / "d", signing_key=KEY)
 
 
 # --- forging (the test's own files: pickle.loads here is of bytes the test wrote) ----------------
@@ -68,9 +66,9 @@ class _Reduce:
 def _assert_bomb_refused(root, versions) -> None:
     """The newest version holds an allocation bomb: the older one is restored, ``verify`` names
     the allocation, and memory never rose past twice a version."""
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    bound = 2 * version_bytes(root, OLDER) + SLACK
     with PeakMemory() as mem:
-        _assert_restored(root, versions, 0)
+        JOBS.assert_restored(root, versions, 0)
         problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
     assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
     assert problems and "allocat" in " ".join(problems), problems
@@ -119,49 +117,49 @@ def _deflated_tensor_item(numel: int) -> bytes:
 
 # === 3. nothing is read before its size is checked against the signed marker ======================
 def test_a_sparse_oversized_metadata_is_refused_before_it_is_read(signed_versions, tmp_path):
-    root = _copy(signed_versions, tmp_path)
+    root = copy_versions(signed_versions, tmp_path)
     os.truncate(root / NEWEST / METADATA, 2 * BOMB)  # 4 KiB on disk
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    bound = 2 * version_bytes(root, OLDER) + SLACK
     with PeakMemory() as mem:
-        _assert_restored(root, signed_versions, 0, signing_key=KEY)
+        JOBS.assert_restored(root, signed_versions, 0, signing_key=KEY)
         problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1, signing_key=KEY)
     assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
     assert problems and "bytes" in problems[0], problems
 
 
 def test_a_sparse_oversized_metadata_with_a_forged_size_is_refused_by_the_signature_first(signed_versions, tmp_path):
-    root = _copy(signed_versions, tmp_path)
+    root = copy_versions(signed_versions, tmp_path)
     os.truncate(root / NEWEST / METADATA, 2 * BOMB)
     marker = json.loads((root / NEWEST / MARKER).read_text())
     marker["metadata_bytes"] = 2 * BOMB  # checksum recomputed, as anyone can; the signature no longer matches
     fields = {k: v for k, v in marker.items() if k not in ("manifest_crc", "signature")}
     marker["manifest_crc"] = checksum(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode())
     (root / NEWEST / MARKER).write_text(json.dumps(marker))
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    bound = 2 * version_bytes(root, OLDER) + SLACK
     with PeakMemory() as mem:
-        _assert_restored(root, signed_versions, 0, signing_key=KEY)
+        JOBS.assert_restored(root, signed_versions, 0, signing_key=KEY)
         problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1, signing_key=KEY)
     assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
     assert problems and "signature" in problems[0], problems
 
 
 def test_a_sparse_oversized_data_file_is_refused(versions, tmp_path):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     os.truncate(root / NEWEST / DATA, BOMB)
-    _assert_restored(root, versions, 0)
+    JOBS.assert_restored(root, versions, 0)
     problems = DurableTier(str(root)).verify(1)
     assert problems and "size" in problems[0] or "bytes" in problems[0], problems
 
 
 # === 4. allocation is bounded by what was recorded ================================================
 def test_a_48_byte_metadata_cannot_allocate_a_gigabyte(versions, tmp_path):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     (root / NEWEST / METADATA).write_bytes(_bytearray_bomb(BOMB))
     _reseal(root / NEWEST)  # no key: every checksum recomputed
     assert len((root / NEWEST / METADATA).read_bytes()) < 64
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    bound = 2 * version_bytes(root, OLDER) + SLACK
     with PeakMemory() as mem:
-        _assert_restored(root, versions, 0)
+        JOBS.assert_restored(root, versions, 0)
         problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
     assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
     assert problems and "allocat" in problems[0], problems
@@ -170,7 +168,7 @@ def test_a_48_byte_metadata_cannot_allocate_a_gigabyte(versions, tmp_path):
 def test_an_opaque_value_cannot_allocate_beyond_its_size(versions, tmp_path):
     """The ``extra`` item: ``torch.save`` of bytes that unpickle (through the value allow-list)
     to a huge bytearray."""
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     buf = io.BytesIO()
     torch.save(_bytearray_bomb(BOMB), buf)
     _forge_item(root / NEWEST, "rank_local.0.extra", buf.getvalue())
@@ -179,7 +177,7 @@ def test_an_opaque_value_cannot_allocate_beyond_its_size(versions, tmp_path):
 
 def test_a_non_tensor_item_cannot_allocate_in_torch_load(versions, tmp_path):
     """torch's own weights-only unpickler allows ``bytearray(n)`` too."""
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     src = io.BytesIO()
     torch.save({"x": 1}, src)
     with zipfile.ZipFile(io.BytesIO(src.getvalue())) as z, zipfile.ZipFile(out := io.BytesIO(), "w") as o:
@@ -215,13 +213,13 @@ def test_a_crafted_numpy_object_array_is_refused_not_a_crash(tmp_path):
 
 
 def test_a_deflated_tensor_item_is_refused_before_it_inflates(versions, tmp_path):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     item = _deflated_tensor_item(BOMB // 4)
     assert len(item) < BOMB // 100
     _forge_item(root / NEWEST, "model.pos", item)
-    bound = 2 * _version_bytes(root, OLDER) + SLACK
+    bound = 2 * version_bytes(root, OLDER) + SLACK
     with PeakMemory() as mem:
-        _assert_restored(root, versions, 0)
+        JOBS.assert_restored(root, versions, 0)
         problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
     assert mem.rise < bound, f"memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
     assert problems and "compressed" in " ".join(problems), problems

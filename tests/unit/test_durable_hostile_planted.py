@@ -27,13 +27,11 @@ from durable_hostile_support import (
     SLACK,
     MiB,
     PeakMemory,
-    _assert_restored,
-    _continue,
-    _copy,
-    _restore,
-    _version_bytes,
-    within,
+    JOBS,
+    continue_job,
+    version_bytes,
 )
+from toy_jobs import copy_versions, within
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from durable_hostile_support import fifos as fifos
@@ -43,9 +41,9 @@ from durable_hostile_support import versions as versions
 
 # === 1. a persist never writes outside the directory ==============================================
 def test_a_planted_latest_tmp_symlink_is_never_written_through(versions, tmp_path, outside):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     (root / "latest.tmp").symlink_to(outside)
-    result, ckpt = within(DEADLINE_S, _continue, root, [2])
+    result, ckpt = within(DEADLINE_S, continue_job, root, [2])
     assert result.step == 1 and ckpt.stats.persist_failed == 0, ckpt.stats.last_persist_error
     assert not (root / "latest").is_symlink() and (root / "latest").read_text() == "step_000000002\n"
     assert DurableTier(str(root)).complete_steps() == [0, 1, 2]
@@ -54,7 +52,7 @@ def test_a_planted_latest_tmp_symlink_is_never_written_through(versions, tmp_pat
 @pytest.mark.parametrize("name", [".metadata.tmp", ".gemini_complete.tmp"])
 def test_links_planted_in_a_version_being_written_are_never_written_through(versions, tmp_path, outside, name):
     """Planted while the version's data files are written (between begin and commit)."""
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
 
     def plant(phase, **ctx):
         if phase == "persist_commit" and ctx["step"] == 2:
@@ -62,7 +60,7 @@ def test_links_planted_in_a_version_being_written_are_never_written_through(vers
 
     faults.set_hook(plant)
     try:
-        result, ckpt = within(DEADLINE_S, _continue, root, [2])
+        result, ckpt = within(DEADLINE_S, continue_job, root, [2])
     finally:
         faults.set_hook(None)
     assert result.step == 1 and ckpt.stats.persist_failed == 0, ckpt.stats.last_persist_error
@@ -72,7 +70,7 @@ def test_links_planted_in_a_version_being_written_are_never_written_through(vers
 
 
 def test_a_data_file_is_created_exclusively_never_through_a_planted_link(versions, tmp_path, outside):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     tier = DurableTier(str(root))
     tier.begin(2)
     (root / "step_000000002" / DATA).symlink_to(outside)  # planted after begin, before the write
@@ -84,15 +82,15 @@ def test_a_data_file_is_created_exclusively_never_through_a_planted_link(version
 
 
 def test_a_planted_step_directory_symlink_is_never_followed(versions, tmp_path, outside):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(root / NEWEST, elsewhere)
     shutil.rmtree(root / NEWEST)
     (root / NEWEST).symlink_to(elsewhere)  # a complete version, but not inside the directory
     tier = DurableTier(str(root))
     assert tier.complete_steps() == [0]
-    _assert_restored(root, versions, 0)
-    result, ckpt = within(DEADLINE_S, _continue, root, [1])
+    JOBS.assert_restored(root, versions, 0)
+    result, ckpt = within(DEADLINE_S, continue_job, root, [1])
     assert sorted(p.name for p in elsewhere.iterdir()) == sorted([DATA, METADATA, MARKER])
     assert not (root / NEWEST).is_symlink() and tier.verify(1) == []
 
@@ -101,7 +99,7 @@ def test_a_planted_step_directory_symlink_is_never_followed(versions, tmp_path, 
 @pytest.mark.parametrize("name", [DATA, METADATA, MARKER])
 @pytest.mark.parametrize("how", ["fifo", "link-to-fifo"])
 def test_a_fifo_in_a_version_is_refused_not_waited_for(versions, tmp_path, fifos, name, how):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     path = root / NEWEST / name
     path.unlink()
     if how == "fifo":
@@ -111,14 +109,14 @@ def test_a_fifo_in_a_version_is_refused_not_waited_for(versions, tmp_path, fifos
         fifos.append(tmp_path / "fifo")
         path.symlink_to(tmp_path / "fifo")
     fifos.append(path)
-    _assert_restored(root, versions, 0)
+    JOBS.assert_restored(root, versions, 0)
     problems = within(DEADLINE_S, DurableTier(str(root)).verify, 1)
     assert problems and any("regular file" in p or "link" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("how", ["fifo", "link-to-fifo"])
 def test_a_fifo_as_latest_neither_blocks_the_persist_nor_close(versions, tmp_path, fifos, how):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     (root / "latest").unlink()
     if how == "fifo":
         os.mkfifo(root / "latest")
@@ -128,7 +126,7 @@ def test_a_fifo_as_latest_neither_blocks_the_persist_nor_close(versions, tmp_pat
         (root / "latest").symlink_to(tmp_path / "fifo")
     fifos.append(root / "latest")
     assert within(DEADLINE_S, DurableTier(str(root)).latest) is None
-    result, ckpt = within(DEADLINE_S, _continue, root, [2])
+    result, ckpt = within(DEADLINE_S, continue_job, root, [2])
     assert result.step == 1 and ckpt.stats.persist_failed == 0, ckpt.stats.last_persist_error
     assert (root / "latest").is_file() and not (root / "latest").is_symlink()
     assert (root / "latest").read_text() == "step_000000002\n"
@@ -177,11 +175,11 @@ def test_property_nothing_planted_anywhere_writes_outside_hangs_or_bloats(versio
     memory stays within twice the version's size; then another job restores that."""
     cases = [(p, k, step) for p, step in AT_REST.items() for k in KINDS]
     cases += [(f"<in flight>/{n}", k, 1) for n in IN_FLIGHT for k in KINDS]
-    bound = 2 * _version_bytes(versions[0]) + SLACK
+    bound = 2 * version_bytes(versions[0]) + SLACK
     t0 = time.perf_counter()
     for where, kind, expected in cases:
         case = f"{kind} at {where}"
-        root = _copy(versions, tmp_path)
+        root = copy_versions(versions, tmp_path)
         hook = None
         if where.startswith("<in flight>/"):
             name = where.split("/", 1)[1]
@@ -197,14 +195,14 @@ def test_property_nothing_planted_anywhere_writes_outside_hangs_or_bloats(versio
                 assert isinstance(problems, list), case
             faults.set_hook(hook)
             try:
-                result, ckpt = within(DEADLINE_S, _continue, root, [2])
+                result, ckpt = within(DEADLINE_S, continue_job, root, [2])
             finally:
                 faults.set_hook(None)
         assert result is not None and result.step == expected, (case, result)
         assert mem.rise < bound, f"{case}: memory rose {mem.rise / MiB:.0f} MiB (bound {bound / MiB:.0f} MiB)"
         assert outside.read_bytes() == b"not yours\n", f"{case}: written outside the durable directory"
         # the older good version is what the next job gets (or the step persisted on top of it)
-        final, extra, params = within(DEADLINE_S, _restore, root)
+        final, extra, params = within(DEADLINE_S, JOBS.restore, root)
         assert final is not None and final.step in (expected, 2), (case, final)
         assert all(torch.equal(params[k], v) for k, v in versions[1][expected].items()), case
         if final.step == 2:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from fence_support import LEASE, _Gcs, _steps
+from fence_support import LEASE, FakeGcs, run_steps
 from gemini_ckpt.hoststore.fence import (
     ASK_EVERY_S,
     LEASE_MARGIN_S,
@@ -28,39 +28,39 @@ def _fence(gcs, raylet_pid=None):
 
 
 def test_a_node_the_gcs_lists_dead_is_fenced_at_the_next_answer():
-    gcs = _Gcs()
+    gcs = FakeGcs()
     fence = _fence(gcs)
-    why, now = _steps(fence, 10)
+    why, now = run_steps(fence, 10)
     assert why is None and gcs.calls >= 3  # alive: asked every ASK_EVERY_S
     gcs.mode = "dead"
-    why, _ = _steps(fence, 10, start=now)
+    why, _ = run_steps(fence, 10, start=now)
     assert why == "the cluster declared this node dead"
 
 
 def test_the_lease_runs_out_only_while_the_gcs_is_silent_and_the_process_runs():
-    gcs = _Gcs()
+    gcs = FakeGcs()
     fence = _fence(gcs)
-    _, now = _steps(fence, 5)
+    _, now = run_steps(fence, 5)
     gcs.mode = "unreachable"
-    why, now = _steps(fence, int(LEASE / TICK_S) - 4, start=now)
+    why, now = run_steps(fence, int(LEASE / TICK_S) - 4, start=now)
     assert why is None and 0 < fence.silent_s <= LEASE
     gcs.mode = "alive"  # the link comes back: the next answer renews the lease
-    _, now = _steps(fence, int(ASK_EVERY_S / TICK_S) + 1, start=now)
+    _, now = run_steps(fence, int(ASK_EVERY_S / TICK_S) + 1, start=now)
     assert fence.silent_s < ASK_EVERY_S
     # a process stopped (SIGSTOP) or starved for minutes spends at most two ticks of its lease per step
     gcs.mode = "unreachable"
-    why, now = _steps(fence, 5, elapsed=120.0, start=now)
+    why, now = run_steps(fence, 5, elapsed=120.0, start=now)
     assert why is None and fence.silent_s <= ASK_EVERY_S + 5 * 2 * TICK_S
-    why, _ = _steps(fence, int(LEASE / TICK_S) + 1, start=now)
+    why, _ = run_steps(fence, int(LEASE / TICK_S) + 1, start=now)
     assert why is not None and why.startswith("no answer from the GCS for 2") and "(the lease: 20s)" in why
 
 
 def test_a_hung_question_does_not_stop_the_fence():
-    gcs = _Gcs()
+    gcs = FakeGcs()
     gcs.mode = "hung"
     fence = _fence(gcs)
     try:
-        why, _ = _steps(fence, int(LEASE / TICK_S) + 2)
+        why, _ = run_steps(fence, int(LEASE / TICK_S) + 2)
         assert why is not None and why.startswith("no answer from the GCS")
         assert gcs.calls == 1  # one question at a time: the hung one is not asked again on top
     finally:
@@ -70,9 +70,9 @@ def test_a_hung_question_does_not_stop_the_fence():
 def test_a_raylet_that_exits_fences_its_workers_at_once_zombie_or_reaped():
     raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        gcs = _Gcs()
+        gcs = FakeGcs()
         fence = _fence(gcs, raylet_pid=raylet.pid)
-        assert fence.raylet_identity is not None and _steps(fence, 3)[0] is None
+        assert fence.raylet_identity is not None and run_steps(fence, 3)[0] is None
         raylet.kill()
         deadline = time.monotonic() + 10
         while process_identity(raylet.pid) is not None and time.monotonic() < deadline:
@@ -87,8 +87,8 @@ def test_a_raylet_that_exits_fences_its_workers_at_once_zombie_or_reaped():
 
 
 def test_without_a_raylet_pid_only_the_gcs_decides():
-    fence = _fence(_Gcs(), raylet_pid=None)
-    assert not fence.raylet_gone() and _steps(fence, 3)[0] is None
+    fence = _fence(FakeGcs(), raylet_pid=None)
+    assert not fence.raylet_gone() and run_steps(fence, 3)[0] is None
 
 
 def _lease_in_a_process(env):
@@ -128,7 +128,7 @@ def test_a_check_that_fails_does_not_end_the_fence_and_the_lease_still_ends_the_
     """The thread survives an error in a step (no thread to spare for the question, say) and
     still ends the process when the lease runs out; ``run`` is the real loop, on a short lease."""
     ended = []
-    gcs = _Gcs()
+    gcs = FakeGcs()
     gcs.mode = "unreachable"
     fence = Fence("test", gcs, raylet_pid=None, lease=2.0, exit=ended.append)
     real_step, failures = fence.step, []

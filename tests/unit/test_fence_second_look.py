@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from fence_support import LEASE, _Gcs, _steps
+from fence_support import LEASE, FakeGcs, run_steps
 from gemini_ckpt.hoststore.fence import (
     ALIVE,
     ASK_EVERY_S,
@@ -107,7 +107,7 @@ def test_past_the_lease_the_process_serves_on_while_the_gcs_is_stalled_until_ray
     GCS's return renews the lease; a silence past Ray's own limit ends it even so."""
     child, address = _listener_stopped()
     try:
-        gcs, looks = _Gcs(), []
+        gcs, looks = FakeGcs(), []
 
         def reach():  # the real second look, but for the GCS client: a stopped one does not answer
             looks.append(STALLED if head_answers(address) == "connected" else CUT_OFF)
@@ -115,14 +115,14 @@ def test_past_the_lease_the_process_serves_on_while_the_gcs_is_stalled_until_ray
 
         fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None, reach=reach, limit=60.0)
         gcs.mode = "unreachable"
-        why, now = _steps(fence, int(LEASE / TICK_S) + 12)
+        why, now = run_steps(fence, int(LEASE / TICK_S) + 12)
         assert why is None and fence.serving_on and fence.silent_s > LEASE
         assert set(looks) == {STALLED} and 3 <= len(looks) <= 5  # every ASK_EVERY_S past the lease
         gcs.mode = "alive"  # SIGCONT: the next answer renews the lease
-        why, now = _steps(fence, int(ASK_EVERY_S / TICK_S) + 1, start=now)
+        why, now = run_steps(fence, int(ASK_EVERY_S / TICK_S) + 1, start=now)
         assert why is None and not fence.serving_on and fence.silent_s < ASK_EVERY_S
         gcs.mode = "unreachable"
-        why, _ = _steps(fence, 80, start=now)
+        why, _ = run_steps(fence, 80, start=now)
         assert why is not None and "its machine answers, but Ray's own limit (60s) is past" in why
         assert 60 < fence.silent_s <= 62
     finally:
@@ -131,7 +131,7 @@ def test_past_the_lease_the_process_serves_on_while_the_gcs_is_stalled_until_ray
 
 
 def test_past_the_lease_a_machine_that_does_not_answer_means_this_node_is_cut_off():
-    gcs = _Gcs()
+    gcs = FakeGcs()
     gcs.mode = "unreachable"
     with _black_hole() as address:
         fence = Fence(
@@ -143,7 +143,7 @@ def test_past_the_lease_a_machine_that_does_not_answer_means_this_node_is_cut_of
             reach=lambda: second_look(address, "00" * 28, "ab" * 28, timeout=0.3),
             limit=60.0,
         )
-        why, _ = _steps(fence, int(LEASE / TICK_S) + 2)
+        why, _ = run_steps(fence, int(LEASE / TICK_S) + 2)
     assert (
         why is not None
         and why.startswith("no answer from the GCS for 2")
@@ -154,26 +154,26 @@ def test_past_the_lease_a_machine_that_does_not_answer_means_this_node_is_cut_of
 def test_past_the_lease_a_gcs_that_answers_a_new_connection_decides():
     """The link came back just as the lease ran out: the old connection still waits out its
     backoff, a new one is answered. Declared dead ends the process at once; alive renews."""
-    gcs = _Gcs()
+    gcs = FakeGcs()
     gcs.mode = "unreachable"
     fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None, reach=lambda: DEAD, limit=60.0)
-    why, _ = _steps(fence, int(LEASE / TICK_S) + 2)
+    why, _ = run_steps(fence, int(LEASE / TICK_S) + 2)
     assert why is not None and why.endswith("asked on a new connection, the cluster declared this node dead")
     looks = [ALIVE]
     fence = Fence("test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None, reach=looks.pop, limit=60.0)
-    why, _ = _steps(fence, int(LEASE / TICK_S) + 2)
+    why, _ = run_steps(fence, int(LEASE / TICK_S) + 2)
     assert why is None and not looks and fence.silent_s < 2 * TICK_S and not fence.serving_on
 
 
 def test_a_stall_that_turns_into_a_partition_ends_the_process_at_the_next_look():
     """The GCS was stalled at first, then the link went down: the next look, ASK_EVERY_S later,
     ends the process."""
-    gcs, looks = _Gcs(), [STALLED, STALLED, CUT_OFF]
+    gcs, looks = FakeGcs(), [STALLED, STALLED, CUT_OFF]
     gcs.mode = "unreachable"
     fence = Fence(
         "test", gcs, raylet_pid=None, lease=LEASE, exit=lambda why: None, reach=lambda: looks.pop(0), limit=600.0
     )
-    why, now = _steps(fence, int(LEASE / TICK_S) + 3 * int(ASK_EVERY_S / TICK_S) + 2)
+    why, now = run_steps(fence, int(LEASE / TICK_S) + 3 * int(ASK_EVERY_S / TICK_S) + 2)
     assert why is not None and why.endswith("this node is cut off") and not looks
 
 
@@ -210,7 +210,7 @@ def test_a_slow_second_look_does_not_keep_the_fence_from_watching_the_raylet():
     raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     release = threading.Event()
     try:
-        gcs = _Gcs()
+        gcs = FakeGcs()
         gcs.mode = "unreachable"
 
         def slow_look():

@@ -17,7 +17,7 @@ from torch import nn
 from gemini_ckpt import CheckpointConfig, Checkpointer, ConfigError, HealthCheck, TrainState
 from gemini_ckpt.health import Finite, NoSpike
 from gemini_ckpt.format.finite import CHUNK, checksum_items
-from health_support import _config, _lm, _saved, _step
+from health_support import job_config, toy_lm, save_committed, train_step
 
 FINITE = "failed the finite check"
 
@@ -33,14 +33,14 @@ def _bits_16(dtype: torch.dtype, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["nan", "+inf", "-inf"])
 def test_a_parameter_that_is_not_finite_makes_the_version_unhealthy_in_every_float_format(dtype, kind):
     model = nn.Linear(8, 4).to(dtype)
-    ckpt = Checkpointer(TrainState(model=model), _config())
-    assert _saved(ckpt, 0).health.result().status == "healthy"
+    ckpt = Checkpointer(TrainState(model=model), job_config())
+    assert save_committed(ckpt, 0).health.result().status == "healthy"
     with torch.no_grad():
         if dtype in (torch.float16, torch.bfloat16):  # the exact bits, so no conversion can hide them
             model.weight.view(-1)[13] = _bits_16(dtype, kind)[0]
         else:
             model.weight.view(-1)[13] = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}[kind]
-    health = _saved(ckpt, 1).health.result()
+    health = save_committed(ckpt, 1).health.result()
     label = {"nan": "NaN", "+inf": "+Inf", "-inf": "-Inf"}[kind]
     assert (health.status, health.check, health.item, health.rank) == ("unhealthy", "finite", "model.weight", 0)
     assert health.detail == f"1 {label} of 32 values, the first at flat index 13"
@@ -79,43 +79,43 @@ def test_the_check_reads_every_value_of_items_many_chunks_long():
 
 def test_buffers_are_not_checked_by_default_and_are_when_asked():
     # The toy LM's causal mask is a buffer full of -inf: healthy by default.
-    t, ckpt = _lm(_config())
-    assert _saved(ckpt, 0).health.result().status == "healthy"
+    t, ckpt = toy_lm(job_config())
+    assert save_committed(ckpt, 0).health.result().status == "healthy"
     ckpt.close()
-    t, ckpt = _lm(_config(health_check=HealthCheck(buffers=True)))
-    health = _saved(ckpt, 0).health.result()
+    t, ckpt = toy_lm(job_config(health_check=HealthCheck(buffers=True)))
+    health = save_committed(ckpt, 0).health.result()
     assert (health.status, health.item) == ("unhealthy", "model.mask")
     assert health.detail.startswith("120 -Inf of 256 values")
     ckpt.close()
 
 
 def test_optimizer_state_is_checked_and_each_check_can_be_turned_off():
-    t, ckpt = _lm(_config())
+    t, ckpt = toy_lm(job_config())
     batches = t.batches()
-    _step(t, batches)
+    train_step(t, batches)
     param = t.model.head.weight
     t.optimizer.state[param]["exp_avg_sq"].view(-1)[5] = math.inf
-    health = _saved(ckpt, 0).health.result()
+    health = save_committed(ckpt, 0).health.result()
     assert (health.status, health.check, health.item) == ("unhealthy", "finite", "optim.state.head.weight.exp_avg_sq")
     ckpt.close()
 
-    t, ckpt = _lm(_config(health_check=HealthCheck(optimizer_state=False)))
-    _step(t, t.batches())
+    t, ckpt = toy_lm(job_config(health_check=HealthCheck(optimizer_state=False)))
+    train_step(t, t.batches())
     t.optimizer.state[t.model.head.weight]["exp_avg"].view(-1)[0] = math.nan
-    assert _saved(ckpt, 0).health.result().status == "healthy"
+    assert save_committed(ckpt, 0).health.result().status == "healthy"
     with torch.no_grad():
         t.model.head.bias[0] = math.nan
-    assert _saved(ckpt, 1).health.result().item == "model.head.bias"
+    assert save_committed(ckpt, 1).health.result().item == "model.head.bias"
     ckpt.close()
 
 
 def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_it_is_not_restored():
     """A NaN learning rate (float or tensor) or an infinite weight decay lives in param_groups,
     not in the state tensors; one more step makes every parameter non-finite (issue 40, 4)."""
-    t, ckpt = _lm(_config())
+    t, ckpt = toy_lm(job_config())
     batches = t.batches()
-    _step(t, batches)
-    assert _saved(ckpt, 0).health.result().status == "healthy"
+    train_step(t, batches)
+    assert save_committed(ckpt, 0).health.result().status == "healthy"
     group = t.optimizer.param_groups[0]
     lr, wd = group["lr"], group["weight_decay"]
     for step, (key, bad, detail) in enumerate(
@@ -127,7 +127,7 @@ def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_i
         start=1,
     ):
         group[key] = bad
-        health = _saved(ckpt, step).health.result()
+        health = save_committed(ckpt, step).health.result()
         assert (health.status, health.check, health.item, health.detail) == (
             "unhealthy",
             "finite",
@@ -136,15 +136,15 @@ def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_i
         )
         group["lr"], group["weight_decay"] = lr, wd
     group["betas"] = (0.9, math.nan)
-    assert _saved(ckpt, 4).health.result().item == "optim.param_groups.0.betas"
+    assert save_committed(ckpt, 4).health.result().item == "optim.param_groups.0.betas"
     group["betas"] = (0.9, 0.999)
     assert ckpt.restore().step == 0  # the newest healthy version, not 1-4
     assert group["lr"] == lr and math.isfinite(group["betas"][1])
     ckpt.close()
 
-    t, ckpt = _lm(_config(health_check=HealthCheck(optimizer_state=False)))
+    t, ckpt = toy_lm(job_config(health_check=HealthCheck(optimizer_state=False)))
     t.optimizer.param_groups[0]["lr"] = math.nan
-    assert _saved(ckpt, 0).health.result().status == "healthy"  # the switch covers it
+    assert save_committed(ckpt, 0).health.result().status == "healthy"  # the switch covers it
     ckpt.close()
 
 
@@ -152,8 +152,8 @@ def test_health_check_none_checks_nothing_and_says_so():
     model = nn.Linear(4, 4)
     with torch.no_grad():
         model.weight[0, 0] = math.nan
-    ckpt = Checkpointer(TrainState(model=model), _config(health_check=None))
-    handle = _saved(ckpt, 0, metrics={"loss": math.nan})
+    ckpt = Checkpointer(TrainState(model=model), job_config(health_check=None))
+    handle = save_committed(ckpt, 0, metrics={"loss": math.nan})
     assert handle.health.result().status == "unchecked"
     assert ckpt.restore().step == 0  # unchecked versions count as healthy
     ckpt.close()
@@ -162,11 +162,11 @@ def test_health_check_none_checks_nothing_and_says_so():
 # --- checks on the trainer: metrics and a validator ------------------------------------------------
 def test_a_metric_that_is_not_finite_makes_the_version_unhealthy():
     ckpt = Checkpointer(
-        TrainState(model=nn.Linear(4, 4)), _config(health_check=HealthCheck(metrics=(Finite(metric="loss"),)))
+        TrainState(model=nn.Linear(4, 4)), job_config(health_check=HealthCheck(metrics=(Finite(metric="loss"),)))
     )
-    assert _saved(ckpt, 0, metrics={"loss": 2.5}).health.result().status == "healthy"
-    assert _saved(ckpt, 1).health.result().status == "healthy"  # a save that reports no loss is not judged
-    health = _saved(ckpt, 2, metrics={"loss": math.inf, "lr": 0.1}).health.result()
+    assert save_committed(ckpt, 0, metrics={"loss": 2.5}).health.result().status == "healthy"
+    assert save_committed(ckpt, 1).health.result().status == "healthy"  # a save that reports no loss is not judged
+    health = save_committed(ckpt, 2, metrics={"loss": math.inf, "lr": 0.1}).health.result()
     assert (health.status, health.check, health.item, health.detail) == ("unhealthy", "metric", "loss", "loss is inf")
     with pytest.raises(ValueError, match="metric 'loss' is 'abc', not a number"):
         ckpt.save(3, metrics={"loss": "abc"})
@@ -175,9 +175,9 @@ def test_a_metric_that_is_not_finite_makes_the_version_unhealthy():
 
 def test_a_loss_spike_beyond_k_times_its_running_median_makes_the_version_unhealthy():
     spike = NoSpike(metric="loss", factor=3.0, window=4, min_history=3)
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(health_check=HealthCheck(metrics=(spike,))))
+    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), job_config(health_check=HealthCheck(metrics=(spike,))))
     losses = [9.0, 1.0, 1.2, 1.0, 4.0, 12.0, 1.1, 3.5]
-    statuses = [_saved(ckpt, s, metrics={"loss": v}).health.result() for s, v in enumerate(losses)]
+    statuses = [save_committed(ckpt, s, metrics={"loss": v}).health.result() for s, v in enumerate(losses)]
     # step 1 has no history of 3 yet; at step 4 the last 4 healthy losses are 9, 1, 1.2, 1 (median 1.1):
     # 4.0 > 3.3; the spike is not history, so at step 5 the median is still 1.1; at step 7 it is 1.05.
     assert [h.status for h in statuses] == ["healthy"] * 4 + ["unhealthy", "unhealthy", "healthy", "unhealthy"]
@@ -193,9 +193,9 @@ def test_a_user_validator_judges_the_live_state_on_the_training_thread():
         seen.append((step, type(state).__name__, dict(metrics)))
         return None if metrics.get("acc", 1.0) > 0.5 else f"accuracy {metrics['acc']} is no better than chance"
 
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(health_check=HealthCheck(validator=validator)))
-    assert _saved(ckpt, 0, metrics={"acc": 0.9}).health.result().status == "healthy"
-    health = _saved(ckpt, 1, metrics={"acc": 0.4}).health.result()
+    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), job_config(health_check=HealthCheck(validator=validator)))
+    assert save_committed(ckpt, 0, metrics={"acc": 0.9}).health.result().status == "healthy"
+    health = save_committed(ckpt, 1, metrics={"acc": 0.4}).health.result()
     assert (health.status, health.check, health.detail) == (
         "unhealthy",
         "validator",
@@ -207,7 +207,7 @@ def test_a_user_validator_judges_the_live_state_on_the_training_thread():
 
     ckpt = Checkpointer(
         TrainState(model=nn.Linear(4, 4)),
-        _config(health_check=HealthCheck(validator=lambda step, state, metrics: False)),
+        job_config(health_check=HealthCheck(validator=lambda step, state, metrics: False)),
     )
     with pytest.raises(TypeError, match="must return None .healthy. or a reason string, got False"):
         ckpt.save(0)

@@ -23,7 +23,7 @@ from gemini_ckpt.retention import KeepNewest
 from gemini_ckpt.state.digest import digest
 from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.format.finite import NAN_BITS
-from health_support import _config, _lm, _saved, _step
+from health_support import job_config, toy_lm, save_committed, train_step
 
 
 # --- what an unhealthy version is denied --------------------------------------------------------------
@@ -31,11 +31,11 @@ def _poisoned_run(config, steps, bad, *, seed=0):
     """Train ``steps`` with a NaN put into one weight right after the optimizer step of ``bad``
     (so every later step is poisoned too). Returns the handles, the digest of each step's state,
     the training objects and the (open) Checkpointer."""
-    t, ckpt = _lm(config, seed=seed)
+    t, ckpt = toy_lm(config, seed=seed)
     batches = t.batches()
     handles, digests = {}, {}
     for step in steps:
-        _step(t, batches)
+        train_step(t, batches)
         if step == bad:
             with torch.no_grad():
                 t.model.blocks.layers[0].linear1.weight[3, 7] = math.nan
@@ -49,7 +49,7 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
     # Issue 21: persist_every=2, keep_durable=2, keep_in_memory=3; NaN in one weight at step 6;
     # saves go on to step 9. Before: step 9 restored with NaN, durable [7, 9] both poisoned.
     uri = str(tmp_path / "d")
-    config = _config(persist_every=2, keep_durable=2, keep_in_memory=3, durable_uri=uri)
+    config = job_config(persist_every=2, keep_durable=2, keep_in_memory=3, durable_uri=uri)
     handles, digests, _, ckpt = _poisoned_run(config, range(10), bad=6)
     ckpt.wait_persisted()
     assert [handles[s].health.result().status for s in range(10)] == ["healthy"] * 6 + ["unhealthy"] * 4
@@ -66,7 +66,7 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
     ckpt.close()
     assert DurableTier(uri).complete_steps() == [3, 5]  # close() persisted nothing newer: no healthy one is
 
-    t2, fresh = _lm(config, seed=7)
+    t2, fresh = toy_lm(config, seed=7)
     result = fresh.restore()
     assert (result.step, result.source, result.health.status) == (5, "memory", "healthy")
     assert result.skipped_steps == (6,)
@@ -80,7 +80,7 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
     # A job whose memory is gone (a new process) restores the same version from disk.
     t3 = build_training(seed=3, dataset_size=32)
     durable_only = Checkpointer(
-        TrainState(model=t3.model, optimizer=t3.optimizer, scheduler=t3.scheduler), _config(durable_uri=uri)
+        TrainState(model=t3.model, optimizer=t3.optimizer, scheduler=t3.scheduler), job_config(durable_uri=uri)
     )
     result = durable_only.restore()
     assert (result.step, result.source, result.skipped_steps) == (5, "durable", ())
@@ -90,10 +90,10 @@ def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy
 
 def test_memory_keeps_the_newest_healthy_versions_and_only_the_first_unhealthy_one():
     check = HealthCheck(metrics=(Finite(metric="loss"),))
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(keep_in_memory=2, health_check=check))
+    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), job_config(keep_in_memory=2, health_check=check))
     held = []
     for step, loss in enumerate([1.0, 1.0, math.nan, math.nan, math.nan, 1.0, 1.0, math.nan, 1.0]):
-        _saved(ckpt, step, metrics={"loss": loss})
+        save_committed(ckpt, step, metrics={"loss": loss})
         held.append(ckpt.store.committed_steps())
     assert held == [
         [0],
@@ -124,22 +124,22 @@ def test_an_unhealthy_version_is_never_persisted_even_when_asked_and_close_persi
     check = HealthCheck(metrics=(Finite(metric="loss"),))
     ckpt = Checkpointer(
         TrainState(model=nn.Linear(4, 4)),
-        _config(durable_uri=uri, persist_every=100, keep_durable=2, health_check=check),
+        job_config(durable_uri=uri, persist_every=100, keep_durable=2, health_check=check),
     )
     for step in range(3):
-        _saved(ckpt, step, metrics={"loss": 1.0})
-    handle = _saved(ckpt, 3, persist=True, metrics={"loss": math.nan})
+        save_committed(ckpt, step, metrics={"loss": 1.0})
+    handle = save_committed(ckpt, 3, persist=True, metrics={"loss": math.nan})
     assert handle.persisted.result(timeout=60) is None
-    _saved(ckpt, 4, metrics={"loss": math.nan})
+    save_committed(ckpt, 4, metrics={"loss": math.nan})
     ckpt.close()  # persist_on_close: the newest healthy version, not the newest
     assert DurableTier(uri).complete_steps() == [2]
 
 
 def test_on_unhealthy_raise_stops_the_job_at_the_next_save():
     check = HealthCheck(metrics=(Finite(metric="loss"),), on_unhealthy="raise")
-    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), _config(health_check=check))
-    _saved(ckpt, 0, metrics={"loss": 1.0})
-    _saved(ckpt, 1, metrics={"loss": math.nan})
+    ckpt = Checkpointer(TrainState(model=nn.Linear(4, 4)), job_config(health_check=check))
+    save_committed(ckpt, 0, metrics={"loss": 1.0})
+    save_committed(ckpt, 1, metrics={"loss": math.nan})
     with pytest.raises(
         UnhealthyVersionError,
         match=r"rank 0: step 1 is unhealthy: rank 0: loss failed the metric "
@@ -153,10 +153,10 @@ def test_on_unhealthy_raise_stops_the_job_at_the_next_save():
 
 
 def test_restore_step_loads_a_named_unhealthy_version_with_a_warning():
-    config = _config(keep_in_memory=2)
+    config = job_config(keep_in_memory=2)
     handles, digests, _, ckpt = _poisoned_run(config, range(5), bad=3)
     ckpt.close()
-    t, again = _lm(config, seed=5)
+    t, again = toy_lm(config, seed=5)
     with pytest.warns(
         UnhealthyRestoreWarning,
         match=r"restored step 3, whose state is UNHEALTHY \(rank 0: "
@@ -170,7 +170,7 @@ def test_restore_step_loads_a_named_unhealthy_version_with_a_warning():
         again.save(3)
     again.close()
 
-    t, named = _lm(config, seed=5)
+    t, named = toy_lm(config, seed=5)
     assert named.restore(step=2).step == 2  # a healthy one, by name
     with pytest.raises(
         VersionNotFoundError,
@@ -182,11 +182,11 @@ def test_restore_step_loads_a_named_unhealthy_version_with_a_warning():
 
 
 def test_restore_refuses_to_start_over_when_every_version_is_unhealthy():
-    config = _config(keep_in_memory=2)
+    config = job_config(keep_in_memory=2)
     _, _, _, ckpt = _poisoned_run(config, range(3), bad=0)
     assert ckpt.store.committed_steps() == [0]
     ckpt.close()
-    _, fresh = _lm(config, seed=1)
+    _, fresh = toy_lm(config, seed=1)
     with pytest.raises(
         UnhealthyVersionError,
         match=r"no healthy version to restore: step\(s\) \[0\] are unhealthy: "
@@ -203,18 +203,18 @@ def test_memory_poisoned_after_commit_is_caught_by_the_checksum_and_never_loaded
     # (silent corruption in memory) changes its bytes, so the copy fails its checksum and the
     # item comes from the version's other copy (here: the durable one).
     uri = str(tmp_path / "d")
-    config = _config(durable_uri=uri, persist_every=3)
-    t, ckpt = _lm(config)
+    config = job_config(durable_uri=uri, persist_every=3)
+    t, ckpt = toy_lm(config)
     batches = t.batches()
     for step in range(3):
-        _step(t, batches)
-        _saved(ckpt, step)
+        train_step(t, batches)
+        save_committed(ckpt, step)
     expected = digest([t.model.state_dict(), t.optimizer.state_dict()])
     ckpt.wait_persisted()
     item = next(i for i in ckpt.store.open(2).plans[0].tensors if i.fqn == "model.head.weight")
     damage_copy(ckpt.store, 2, 0, item.at, data=NAN_BITS[item.dtype])
     ckpt.close()
-    t2, fresh = _lm(config, seed=2)
+    t2, fresh = toy_lm(config, seed=2)
     result = fresh.restore()
     assert (result.step, result.health.status, result.sources) == (2, "healthy", {0: "durable"})
     assert item.nbytes <= result.bytes_read["durable"] < 2 * item.nbytes  # that item only, with its framing

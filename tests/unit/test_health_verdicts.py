@@ -24,7 +24,7 @@ from gemini_ckpt.errors import ShardFormatError
 from gemini_ckpt.signing import canonical
 from gemini_ckpt.format.shards import RECORD_MAGIC, ShardRecord
 from gemini_ckpt.trust.manifest import canonical_bytes
-from health_support import _config, _lm, _saved, _step
+from health_support import job_config, toy_lm, save_committed, train_step
 
 
 # --- the verdict is signed with the rest ----------------------------------------------------------------
@@ -43,8 +43,8 @@ def test_a_records_forged_verdict_is_refused_with_a_signing_key():
     model = nn.Linear(4, 4)
     with torch.no_grad():
         model.weight[1, 1] = math.nan
-    ckpt = Checkpointer(TrainState(model=model), _config(signing_key="job-secret"))
-    _saved(ckpt, 0)
+    ckpt = Checkpointer(TrainState(model=model), job_config(signing_key="job-secret"))
+    save_committed(ckpt, 0)
     record = ckpt.store.open(0).records[0]
     assert record.health.unhealthy
     encoded = record.encode(b"job-secret")
@@ -83,12 +83,12 @@ def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_i
     tmp_path, capsys, monkeypatch
 ):
     uri = str(tmp_path / "d")
-    config = _config(durable_uri=uri, persist_every=1, keep_durable=3, signing_key="job-secret")
-    t, ckpt = _lm(config)
+    config = job_config(durable_uri=uri, persist_every=1, keep_durable=3, signing_key="job-secret")
+    t, ckpt = toy_lm(config)
     batches = t.batches()
     for step in range(2):
-        _step(t, batches)
-        _saved(ckpt, step)
+        train_step(t, batches)
+        save_committed(ckpt, step)
     ckpt.close()
     marker = json.loads((tmp_path / "d" / "step_000000001" / ".gemini_complete").read_text())
     assert marker["health"] == {"status": "healthy", "check": "", "item": "", "detail": "", "rank": None}
@@ -116,7 +116,7 @@ def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_i
     t2 = build_training(seed=4, dataset_size=32)
     fresh = Checkpointer(
         TrainState(model=t2.model, optimizer=t2.optimizer, scheduler=t2.scheduler),
-        _config(durable_uri=uri, signing_key="job-secret"),
+        job_config(durable_uri=uri, signing_key="job-secret"),
     )
     with pytest.warns(UserWarning, match=r"step 1 \(durable\) could not be restored.*does not match this signing key"):
         result = fresh.restore()
@@ -151,10 +151,10 @@ def test_a_store_that_gives_no_verdict_never_makes_a_version_healthy_for_the_tra
         ckpt = Checkpointer(
             TrainState(model=model), CheckpointConfig(store="local"), store=store_cls(str(root), rank=0, world_size=1)
         )
-        verdicts = [_saved(ckpt, 0).health.result()]
+        verdicts = [save_committed(ckpt, 0).health.result()]
         with torch.no_grad():
             model.weight.view(-1)[5] = math.nan
-        verdicts.append(_saved(ckpt, 1).health.result())
+        verdicts.append(save_committed(ckpt, 1).health.result())
         ckpt.close()
         fresh = nn.Linear(8, 4)
         again = Checkpointer(

@@ -198,7 +198,7 @@ def test_each_worker_is_told_its_rank_on_its_node():
         )
 
     workers = [worker(3, "b"), worker(0, "a"), worker(2, "b"), worker(1, "a"), worker(4, "c")]
-    assert adapter._node_ranks(workers) == {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 2, 1), 3: (1, 2, 1), 4: (0, 1, 2)}
+    assert adapter.node_ranks(workers) == {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 2, 1), 3: (1, 2, 1), 4: (0, 1, 2)}
 
 
 def test_the_reaper_kills_only_ray_train_workers_of_its_user():

@@ -94,7 +94,8 @@ def gloo():
     dist.destroy_process_group()
 
 
-def _checkpointer(model, namespace):
+def marking_checkpointer(model, namespace):
+    """A Checkpointer of ``model`` over a :class:`MarkingTier` in ``namespace``: (it, the tier's comm state)."""
     import torch
 
     from gemini_ckpt import Checkpointer, TrainState
@@ -129,7 +130,7 @@ def test_the_ddp_hook_marks_each_allreduce_until_it_completes(gloo):
     import gemini_ckpt
 
     model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)), bucket_cap_mb=0.001)
-    ckpt, comm = _checkpointer(model, "interleave-ddp")
+    ckpt, comm = marking_checkpointer(model, "interleave-ddp")
     assert gemini_ckpt.interleave(model, ckpt) is model
     model(torch.randn(8, 64)).sum().backward()
     assert comm.read(0)[2] == 0  # not started: nothing marked
@@ -152,7 +153,7 @@ import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 sys.path[:0] = [os.path.dirname(sys.argv[1]), os.path.dirname(os.path.dirname(sys.argv[1]))]
-from test_interleave import _checkpointer
+from test_interleave import marking_checkpointer
 import gemini_ckpt
 
 def main(rank):
@@ -162,7 +163,7 @@ def main(rank):
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    ckpt, comm = _checkpointer(model, f"interleave-fsdp-{rank}")
+    ckpt, comm = marking_checkpointer(model, f"interleave-fsdp-{rank}")
     gemini_ckpt.interleave(model, ckpt)
     ckpt.start()
     model(torch.randn(4, 16)).sum().backward()
@@ -207,7 +208,7 @@ def test_interleave_refuses_a_model_it_cannot_hook():
 
     import gemini_ckpt
 
-    ckpt, _ = _checkpointer(torch.nn.Linear(2, 2), "interleave-plain")
+    ckpt, _ = marking_checkpointer(torch.nn.Linear(2, 2), "interleave-plain")
     with pytest.raises(TypeError, match="communicating"):
         gemini_ckpt.interleave(torch.nn.Linear(2, 2), ckpt)
 
@@ -216,7 +217,7 @@ def test_recovery_channels_go_unmarked_where_replication_is_marked():
     """Under ``interleave="network"`` only replication yields: a channel opened with
     ``marked=False`` (restore pushes, re-replication) keeps the normal class."""
     from gemini_ckpt import dataplane as T
-    from gemini_ckpt.dataplane._tcp import LOWER_EFFORT_DSCP
+    from gemini_ckpt.dataplane import LOWER_EFFORT_DSCP
 
     class Sink(T.Sink):
         def buffer_for(self, header):
@@ -235,11 +236,8 @@ def test_recovery_channels_go_unmarked_where_replication_is_marked():
     try:
         marked = sender.connect(listener.endpoint)
         plain = sender.connect(listener.endpoint, marked=False)
-        tos = {
-            name: {s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in ch._socks}
-            for name, ch in (("marked", marked), ("plain", plain))
-        }
-        assert tos == {"marked": {LOWER_EFFORT_DSCP << 2}, "plain": {0}}
+        dscp = {name: set(ch.dscp()) for name, ch in (("marked", marked), ("plain", plain))}
+        assert dscp == {"marked": {LOWER_EFFORT_DSCP}, "plain": {0}}
     finally:
         sender.close()
         receiver.close()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from gemini_ckpt.format.commstate import CommState
+from gemini_ckpt.format.commstate import HEADER_BYTES, SLOT, SLOT_BYTES, CommState
 from gemini_ckpt.dataplane._interleave import unsent_bytes
 from standalone_transport import load_standalone
 
@@ -76,17 +76,26 @@ def test_a_stale_mark_is_ignored_and_a_detached_ranks_marks_are_cleared():
 def test_a_mark_timestamped_in_the_future_goes_stale_too():
     """A slot whose ``entered`` lies in the future (a bad clock, a hostile writer of the page)
     must not hold replication back forever (issue 40, finding 7)."""
-    import struct
+    import mmap
 
     state = CommState.create(slots=1)
-    marker = state.marker(state.slot_for(rank=0))
+    slot = state.slot_for(rank=0)
+    marker = state.marker(slot)
     marker.enter()
-    at = state._at(0)
-    struct.pack_into("<d", state._mm, at + 8, time.monotonic() + 3600)  # what another writer can do
-    assert state.busy_since(stale_s=30) is None and not state.busy(stale_s=30)
-    struct.pack_into("<d", state._mm, at + 8, time.monotonic())
-    assert state.busy(stale_s=30)
-    state.close()
+    page = mmap.mmap(state.fd, state.nbytes)  # what another writer of the page can do: map it and write
+    try:
+
+        def write_entered(entered: float) -> None:
+            depth, _, count, mean_s, busy_s, last = state.read(slot)
+            SLOT.pack_into(page, HEADER_BYTES + SLOT_BYTES * slot, depth, entered, count, mean_s, busy_s, last)
+
+        write_entered(time.monotonic() + 3600)
+        assert state.busy_since(stale_s=30) is None and not state.busy(stale_s=30)
+        write_entered(time.monotonic())
+        assert state.busy(stale_s=30)
+    finally:
+        page.close()
+        state.close()
 
 
 def test_overlapping_collectives_keep_the_rank_busy_until_the_last_ends():

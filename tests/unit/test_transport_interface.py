@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from standalone_transport import NS, SECRET, TRANSPORT_DIR, load_standalone
-from transport_support import RecordingSink, _transport
+from transport_support import RecordingSink, make_transport
 
 T = load_standalone()
 wire = sys.modules["_standalone_gemini_transport._wire"]
@@ -38,15 +38,15 @@ def test_configuration_and_headers_are_validated():
     with pytest.raises(ValueError, match="at least 16 bytes"):
         T.TcpTransport(b"short", NS)
     with pytest.raises(ValueError, match="advertise_host"):
-        _transport().listen("0.0.0.0", RecordingSink())
+        make_transport().listen("0.0.0.0", RecordingSink())
     with (
-        _transport().listen("127.0.0.1", RecordingSink()) as listener,
-        _transport().connect(listener.endpoint) as channel,
+        make_transport().listen("127.0.0.1", RecordingSink()) as listener,
+        make_transport().connect(listener.endpoint) as channel,
     ):
         with pytest.raises(ValueError, match="the header says"):
             channel.send_async(T.Header(NS, 1, "f", 0, 10), b"123")
     with pytest.raises(T.PeerLostError, match="cannot connect"):
-        _transport().connect(listener.endpoint)  # closed
+        make_transport().connect(listener.endpoint)  # closed
 
 
 def test_headers_round_trip_the_wire_and_garbage_is_refused():

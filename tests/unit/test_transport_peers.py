@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from standalone_transport import NS, SECRET, load_standalone
-from transport_support import RecordingSink, _transport
+from transport_support import RecordingSink, make_transport
 
 T = load_standalone()
 wire = sys.modules["_standalone_gemini_transport._wire"]
@@ -77,10 +77,10 @@ def child():
 # --- authentication ---------------------------------------------------------------------------
 def test_a_client_with_the_wrong_secret_cannot_write_into_the_servers_buffers():
     sink = RecordingSink(1 << 20)
-    with _transport().listen("127.0.0.1", sink) as listener:
+    with make_transport().listen("127.0.0.1", sink) as listener:
         endpoint = listener.endpoint
         with pytest.raises(T.AuthenticationError, match="refused our proof"):
-            _transport(secret=b"another-jobs-secret-000000000000").connect(endpoint)
+            make_transport(secret=b"another-jobs-secret-000000000000").connect(endpoint)
         other_ns = T.TcpTransport(SECRET, "other-namespace")
         with pytest.raises(T.AuthenticationError):
             other_ns.connect(endpoint)
@@ -137,7 +137,7 @@ def test_a_fake_server_receives_no_payload_bytes(forgery):
     thread.start()
     endpoint = T.Endpoint("tcp", "127.0.0.1", server.getsockname()[1], "fake")
     with pytest.raises(T.AuthenticationError, match="could not prove"):
-        _transport().connect(endpoint)
+        make_transport().connect(endpoint)
     thread.join(10)
     server.close()
     hello_len = wire.HELLO_C_FIXED.size + len(wire.pack_str(NS)) + len(wire.pack_str("")) + wire.PROOF_BYTES
@@ -198,7 +198,7 @@ def test_a_sender_that_dies_mid_transfer_fails_it_in_the_sink(child, sig, error_
             return super().buffer_for(header)
 
     sink = Sink(n)
-    with _transport(name="receiver-host", progress_timeout_s=1.0).listen("127.0.0.1", sink) as listener:
+    with make_transport(name="receiver-host", progress_timeout_s=1.0).listen("127.0.0.1", sink) as listener:
         c = child(_sender_child, listener.endpoint, n, 64 << 20)
         assert started.wait(30)
         time.sleep(0.2)

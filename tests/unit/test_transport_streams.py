@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from standalone_transport import NS, SECRET, load_standalone
-from transport_support import RecordingSink, _transport
+from transport_support import RecordingSink, make_transport
 
 T = load_standalone()
 
@@ -32,8 +32,8 @@ def test_transfers_land_in_the_sinks_buffer_with_their_headers():
     total = sum(sizes)
     sink = RecordingSink(total)
     src = _data(total)
-    sender = _transport(name="sender-host", streams=3, chunk_bytes=chunk)
-    with _transport(name="receiver-host").listen("127.0.0.1", sink) as listener:
+    sender = make_transport(name="sender-host", streams=3, chunk_bytes=chunk)
+    with make_transport(name="receiver-host").listen("127.0.0.1", sink) as listener:
         assert listener.endpoint.peer == "receiver-host"
         with sender.connect(listener.endpoint) as channel:
             assert "receiver-host" in channel.peer
@@ -70,7 +70,7 @@ def test_checksum_is_verified_when_configured():
     receiver = T.TcpTransport(SECRET, NS, config=T.TcpConfig(verify_checksum=zlib.crc32, chunk_bytes=64 << 10))
     with (
         receiver.listen("127.0.0.1", sink) as listener,
-        _transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
+        make_transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
     ):
         channel.send(T.Header(NS, 1, "good", 0, n, checksum=zlib.crc32(src)), src)
         with pytest.raises(T.ChecksumMismatchError, match="bad.*failed verification"):
@@ -86,8 +86,8 @@ def test_a_sink_that_refuses_tells_the_sender_and_the_channel_keeps_working():
     sink = RecordingSink(1 << 20, refuse=MemoryError("over the host memory budget"))
     src = _data(1 << 20)
     with (
-        _transport().listen("127.0.0.1", sink) as listener,
-        _transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
+        make_transport().listen("127.0.0.1", sink) as listener,
+        make_transport(chunk_bytes=64 << 10).connect(listener.endpoint) as channel,
     ):
         with pytest.raises(T.TransferRejectedError, match="MemoryError: over the host memory budget"):
             channel.send(T.Header(NS, 1, "f", 0, len(src)), src)
@@ -104,8 +104,8 @@ def test_a_sink_that_refuses_tells_the_sender_and_the_channel_keeps_working():
 def test_closing_the_channel_mid_transfer_fails_both_sides():
     n = 32 << 20
     sink = RecordingSink(n)
-    sender = _transport(max_send_bytes_per_s=32 << 20)
-    with _transport().listen("127.0.0.1", sink) as listener:
+    sender = make_transport(max_send_bytes_per_s=32 << 20)
+    with make_transport().listen("127.0.0.1", sink) as listener:
         channel = sender.connect(listener.endpoint)
         future = channel.send_async(T.Header(NS, 1, "f", 0, n), np.ones(n, dtype=np.uint8))
         time.sleep(0.2)
@@ -121,8 +121,8 @@ def test_closing_the_channel_mid_transfer_fails_both_sides():
 def test_a_receiver_that_aborts_a_transfer_gets_no_more_bytes_and_the_sender_stops_at_once():
     n = 32 << 20
     sink = RecordingSink(n)
-    sender = _transport(max_send_bytes_per_s=8 << 20)  # 4 s for the whole transfer
-    with _transport().listen("127.0.0.1", sink) as listener:
+    sender = make_transport(max_send_bytes_per_s=8 << 20)  # 4 s for the whole transfer
+    with make_transport().listen("127.0.0.1", sink) as listener:
         channel = sender.connect(listener.endpoint)
         future = channel.send_async(T.Header(NS, 1, "f", 0, n, put_id="tag-1"), np.ones(n, dtype=np.uint8))
         deadline = time.monotonic() + 10
@@ -147,8 +147,8 @@ def test_bandwidth_cap_64_mib_at_128_mib_per_s_takes_half_a_second():
     n = 64 << 20
     sink = RecordingSink(n)
     src = np.ones(n, dtype=np.uint8)
-    sender = _transport(max_send_bytes_per_s=128 << 20)
-    with _transport().listen("127.0.0.1", sink) as listener, sender.connect(listener.endpoint) as channel:
+    sender = make_transport(max_send_bytes_per_s=128 << 20)
+    with make_transport().listen("127.0.0.1", sink) as listener, sender.connect(listener.endpoint) as channel:
         channel.send(T.Header(NS, 1, "warm", 0, 1 << 20), src[: 1 << 20])
         t0 = time.perf_counter()
         channel.send(T.Header(NS, 1, "f", 0, n), src)

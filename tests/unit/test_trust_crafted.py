@@ -18,20 +18,18 @@ from gemini_ckpt.errors import ShardFormatError, VerificationError
 from gemini_ckpt.format.shards import ShardPlan, ShardRecord
 from gemini_ckpt.trust.metadata import metadata_loads
 from gemini_ckpt.trust.values import value_loads
-from forge import forge_item as _forge_item
-from forge import reseal as _reseal
+from forge import forge_item, reseal
 from helpers import local_tier
 from trust_support import (
     EXTRA_KEY,
     METADATA,
     NEWEST,
-    _Evil,
-    _assert_restored,
-    _copy,
-    _evil_pickle,
-    _state,
-    _torch_saved,
+    JOBS,
+    Evil,
+    evil_pickle,
+    torch_saved,
 )
+from toy_jobs import copy_versions
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from trust_support import versions as versions
@@ -39,39 +37,39 @@ from trust_support import versions as versions
 
 # --- 1. code execution on restore ---------------------------------------------------------------
 @pytest.mark.parametrize("how", ["system", "eval"])
-@pytest.mark.parametrize("reseal", [False, True], ids=["crc-stale", "crc-recomputed"])
-def test_crafted_metadata_pickle_never_runs_and_restore_falls_back(versions, tmp_path, how, reseal):
-    root, pwned = _copy(versions, tmp_path), tmp_path / "pwned"
-    (root / NEWEST / METADATA).write_bytes(_evil_pickle(pwned, how))
-    if reseal:
-        _reseal(root / NEWEST)
-    _assert_restored(root, versions, 0, skipped=(1,))
+@pytest.mark.parametrize("resealed", [False, True], ids=["crc-stale", "crc-recomputed"])
+def test_crafted_metadata_pickle_never_runs_and_restore_falls_back(versions, tmp_path, how, resealed):
+    root, pwned = copy_versions(versions, tmp_path), tmp_path / "pwned"
+    (root / NEWEST / METADATA).write_bytes(evil_pickle(pwned, how))
+    if resealed:
+        reseal(root / NEWEST)
+    JOBS.assert_restored(root, versions, 0, skipped=(1,))
     problems = DurableTier(str(root)).verify(1)
-    assert problems and ("allow-listed" in problems[0] if reseal else "replaced" in problems[0]), problems
+    assert problems and ("allow-listed" in problems[0] if resealed else "replaced" in problems[0]), problems
     assert not pwned.exists()
 
 
 @pytest.mark.parametrize("layer", ["outer", "inner"])
 def test_crafted_non_tensor_item_with_recomputed_crc_never_runs(versions, tmp_path, layer):
     """The ``extra`` item: DCP's own planner would torch.load it with weights_only=False."""
-    root, pwned = _copy(versions, tmp_path), tmp_path / "pwned"
-    payload = _torch_saved(_Evil(pwned)) if layer == "outer" else _torch_saved(_evil_pickle(pwned))
-    _forge_item(root / NEWEST, EXTRA_KEY, payload)
+    root, pwned = copy_versions(versions, tmp_path), tmp_path / "pwned"
+    payload = torch_saved(Evil(pwned)) if layer == "outer" else torch_saved(evil_pickle(pwned))
+    forge_item(root / NEWEST, EXTRA_KEY, payload)
     assert DurableTier(str(root)).verify(1) != []
-    _assert_restored(root, versions, 0, skipped=(1,))
+    JOBS.assert_restored(root, versions, 0, skipped=(1,))
     assert not pwned.exists()
 
 
 def test_crafted_tensor_item_never_runs(versions, tmp_path):
-    root, pwned = _copy(versions, tmp_path), tmp_path / "pwned"
-    _forge_item(root / NEWEST, "model.pos", _torch_saved(_Evil(pwned)))
-    _assert_restored(root, versions, 0, skipped=(1,))
+    root, pwned = copy_versions(versions, tmp_path), tmp_path / "pwned"
+    forge_item(root / NEWEST, "model.pos", torch_saved(Evil(pwned)))
+    JOBS.assert_restored(root, versions, 0, skipped=(1,))
     assert not pwned.exists()
 
 
 def _memory_version(step=3):
     """A real version in a process-local memory tier, and its plan and record."""
-    _, _, state = _state(0)
+    _, _, state = JOBS.state(0)
     tier = local_tier()
     ckpt = Checkpointer(state, CheckpointConfig(store="local"), store=tier)
     ckpt.save(step).committed.result(timeout=60)
@@ -89,7 +87,7 @@ def test_shard_plans_and_records_are_json_and_checked_not_pickled(tmp_path):
         assert encoded.startswith(magic) and b'"crc":' in encoded  # JSON, not a pickle
         # A pickle in their place is refused without being unpickled.
         with pytest.raises(ShardFormatError, match="not an encoded"):
-            cls.decode(_evil_pickle(pwned))
+            cls.decode(evil_pickle(pwned))
         with pytest.raises(ShardFormatError, match="signing key"):
             cls.decode(encoded, b"a key")  # unsigned, and a key is set
         assert cls.decode(obj.encode(b"a key"), b"a key") == obj
@@ -97,7 +95,7 @@ def test_shard_plans_and_records_are_json_and_checked_not_pickled(tmp_path):
             cls.decode(obj.encode(b"a key"), b"another key")
     # A plan whose metadata skeleton is a crafted pickle, every CRC recomputed, decodes (it is
     # consistent), but the metadata allow-list refuses it.
-    forged = ShardPlan.decode(replace(plan, metadata=_evil_pickle(pwned)).encode())
+    forged = ShardPlan.decode(replace(plan, metadata=evil_pickle(pwned)).encode())
     with pytest.raises(VerificationError, match="not allow-listed"):
         metadata_loads(forged.metadata)
     assert not pwned.exists()
@@ -106,7 +104,7 @@ def test_shard_plans_and_records_are_json_and_checked_not_pickled(tmp_path):
 def test_allow_lists_take_what_our_state_needs(versions):
     """Every opaque value TrainState writes (RNG streams, loader, scheduler, extra) passes the
     value allow-list, and real DCP metadata passes the metadata one."""
-    _, _, state = _state(0)
+    _, _, state = JOBS.state(0)
     import numpy as np
 
     state.extra.update({"np": np.arange(3), "f": np.float32(1.5), "t": torch.ones(2), "s": {1, 2}})

@@ -21,7 +21,8 @@ from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.durable.layout import parse_step_dir
 from helpers import local_tier
 from rendezvous import join_group, master_store
-from trust_support import MARKER, METADATA, NEWEST, OLDER, _assert_restored, _copy, _job_namespace, _params, _state
+from toy_jobs import copy_versions, params_of
+from trust_support import JOBS, MARKER, METADATA, NEWEST, OLDER
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from trust_support import versions as versions
@@ -47,20 +48,20 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_newest_version_falls_back_to_the_older_one(versions, tmp_path, damage):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     DAMAGE[damage](root)
-    _assert_restored(root, versions, 0, skipped=(1,))
+    JOBS.assert_restored(root, versions, 0, skipped=(1,))
     assert DurableTier(str(root)).verify(1) != []
     assert DurableTier(str(root)).verify(0) == []
 
 
 @pytest.mark.parametrize("name", ["step_0000000000009", "step_00000000\u0663", "step_000000009.bak", "step_9"])
 def test_non_canonical_step_directories_are_ignored(versions, tmp_path, name, capsys):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     shutil.copytree(root / NEWEST, root / name)
     assert parse_step_dir(name) is None
     assert DurableTier(str(root)).complete_steps() == [0, 1]
-    _assert_restored(root, versions, 1)
+    JOBS.assert_restored(root, versions, 1, skipped=())
     assert cli(["ls", str(root)]) == 0
     assert f"ignored: {name}" in capsys.readouterr().out
 
@@ -70,18 +71,18 @@ def test_non_canonical_step_directories_are_ignored(versions, tmp_path, name, ca
     [b"step_abc\n", b"", b"\xff\xfe", b"step_0000000000001\n", b"step_00000000\xd9\xa3\n", b"../../etc/passwd"],
 )
 def test_bad_latest_is_ignored_and_rewritten_by_the_next_persist(versions, tmp_path, content, caplog):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     (root / "latest").write_bytes(content)
     tier = DurableTier(str(root))
     assert tier.latest() is None
     assert "ignored" in caplog.text or content == b""
-    _assert_restored(root, versions, 1)
+    JOBS.assert_restored(root, versions, 1, skipped=())
     # The next persist goes through and rewrites it.
-    t, extra, state = _state(9)
+    t, extra, state = JOBS.state(9)
     ckpt = Checkpointer(
         state,
         CheckpointConfig(
-            store="local", namespace=_job_namespace(), durable_uri=str(root), persist_every=1, keep_durable=5
+            store="local", namespace=JOBS.fresh_namespace(), durable_uri=str(root), persist_every=1, keep_durable=5
         ),
     )
     with warnings.catch_warnings():
@@ -93,7 +94,7 @@ def test_bad_latest_is_ignored_and_rewritten_by_the_next_persist(versions, tmp_p
 
 
 def test_ls_and_verify_report_damage_per_version_and_never_crash(versions, tmp_path, capsys):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     _truncate(root / NEWEST / METADATA)
     (root / "latest").write_text("step_abc")
     assert cli(["ls", str(root)]) == 1
@@ -113,7 +114,7 @@ def test_ls_and_verify_report_damage_per_version_and_never_crash(versions, tmp_p
 
 
 def test_verify_checks_metadata(versions, tmp_path):
-    root = _copy(versions, tmp_path)
+    root = copy_versions(versions, tmp_path)
     raw = bytearray((root / NEWEST / METADATA).read_bytes())
     raw[len(raw) // 2] ^= 0x20
     (root / NEWEST / METADATA).write_bytes(bytes(raw))
@@ -127,7 +128,7 @@ def _two_rank_worker(rank, world_size, port, roots, out):
     warnings.simplefilter("ignore")
     join_group(port, rank, world_size)
     try:
-        t, extra, state = _state(9)
+        t, extra, state = JOBS.state(9)
         # Every rank reads its own copy of the durable tier: rank 1's newest one is damaged.
         ckpt = Checkpointer(
             state, CheckpointConfig(store="local"), store=local_tier(), durable=DurableTier(roots[rank])
@@ -139,7 +140,7 @@ def _two_rank_worker(rank, world_size, port, roots, out):
                 "step": result.step,
                 "skipped": tuple(result.skipped_steps),
                 "extra": dict(extra),
-                "params": _params(t.model),
+                "params": params_of(t.model),
             },
             os.path.join(out, f"rank{rank}.pt"),
         )
@@ -151,7 +152,7 @@ def _two_rank_worker(rank, world_size, port, roots, out):
 def test_ranks_agree_to_skip_a_version_only_one_rank_finds_damaged(versions, tmp_path):
     """Rank 1 reads a truncated ``.metadata`` for step 1, rank 0 an intact copy: both skip it
     and load step 0 (no hang, no mix of steps)."""
-    intact, damaged = _copy(versions, tmp_path), _copy(versions, tmp_path)
+    intact, damaged = copy_versions(versions, tmp_path), copy_versions(versions, tmp_path)
     _truncate(damaged / NEWEST / METADATA)
     store = master_store(2)
     mp.spawn(_two_rank_worker, args=(2, store.port, [str(intact), str(damaged)], str(tmp_path)), nprocs=2, join=True)

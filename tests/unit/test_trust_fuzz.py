@@ -20,10 +20,10 @@ from gemini_ckpt.stores.views import MemoryVersion
 from gemini_ckpt.stores.memory import LocalTier
 from gemini_ckpt.format.shards import ShardPlan, ShardRecord
 from gemini_ckpt.toy import lm_loss
-from forge import forge_item as _forge_item
-from forge import reseal as _reseal
+from forge import forge_item, reseal
 from helpers import local_tier
-from trust_support import EXTRA_KEY, METADATA, NEWEST, _Evil, _copy, _evil_pickle, _restore, _state, _torch_saved
+from toy_jobs import copy_versions
+from trust_support import EXTRA_KEY, JOBS, METADATA, NEWEST, Evil, evil_pickle, torch_saved
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from trust_support import versions as versions
@@ -54,34 +54,34 @@ def _fuzz_cases(root: Path, rng: random.Random, pwned: Path):
                     f"{name}:crafted-{how}",
                     (
                         lambda r, h=how: (
-                            (r / NEWEST / METADATA).write_bytes(_evil_pickle(pwned, h)),
-                            _reseal(r / NEWEST),
+                            (r / NEWEST / METADATA).write_bytes(evil_pickle(pwned, h)),
+                            reseal(r / NEWEST),
                         )
                     ),
                 )
             elif name.endswith(".distcp"):
                 yield (
                     f"{name}:crafted-extra-{how}",
-                    (lambda r, h=how: _forge_item(r / NEWEST, EXTRA_KEY, _torch_saved(_evil_pickle(pwned, h)))),
+                    (lambda r, h=how: forge_item(r / NEWEST, EXTRA_KEY, torch_saved(evil_pickle(pwned, h)))),
                 )
                 yield (
                     f"{name}:crafted-rng-{how}",
-                    (lambda r, h=how: _forge_item(r / NEWEST, "rank_local.0.rng", _torch_saved(_Evil(pwned, h)))),
+                    (lambda r, h=how: forge_item(r / NEWEST, "rank_local.0.rng", torch_saved(Evil(pwned, h)))),
                 )
             else:
-                yield f"{name}:crafted-{how}", (lambda r, p=path, h=how: p(r).write_bytes(_evil_pickle(pwned, h)))
+                yield f"{name}:crafted-{how}", (lambda r, p=path, h=how: p(r).write_bytes(evil_pickle(pwned, h)))
 
 
 def test_fuzz_damage_to_any_file_never_runs_code_and_restores_the_older_version(versions, tmp_path):
     rng, pwned = random.Random(13), tmp_path / "pwned"
     t0, n = time.perf_counter(), 0
     for name, mutate in _fuzz_cases(versions[0], rng, pwned):
-        root = _copy(versions, tmp_path)
+        root = copy_versions(versions, tmp_path)
         mutate(root)
         intact = DurableTier(str(root)).verify(1) == []
         # Only damage to ``latest`` leaves step 1 good (restore does not need ``latest``).
         assert intact == name.startswith("latest"), name
-        result, extra, params = _restore(root)
+        result, extra, params = JOBS.restore(root)
         assert not pwned.exists(), name
         expected = 1 if intact else 0
         assert result is not None and result.step == expected, name
@@ -100,7 +100,7 @@ def test_fuzz_shard_records_and_plans_held_in_memory(tmp_path):
     flips and crafted pickles never run code; a damaged newest one means the older version is
     restored."""
     pwned, rng = tmp_path / "pwned", random.Random(7)
-    t, extra, state = _state(0)
+    t, extra, state = JOBS.state(0)
     tier = _EncodedTier()
     ckpt = Checkpointer(state, CheckpointConfig(store="local", keep_in_memory=5), store=tier)
     for step in range(2):
@@ -116,14 +116,14 @@ def test_fuzz_shard_records_and_plans_held_in_memory(tmp_path):
         offsets = sorted({0, 5, 16, 20, len(good) - 1, *(rng.randrange(len(good)) for _ in range(10))})
         cases += [(kind, f"truncate@{k}", good[:k]) for k in (0, 10, 30, len(good) - 1)]
         cases += [(kind, f"flip@{o}", good[:o] + bytes([good[o] ^ 0x10]) + good[o + 1 :]) for o in offsets]
-        cases += [(kind, "pickled", _evil_pickle(pwned))]
+        cases += [(kind, "pickled", evil_pickle(pwned))]
     plan = ShardPlan.decode(tier.encoded[(1, "plan")])
-    cases.append(("plan", "crafted-metadata", replace(plan, metadata=_evil_pickle(pwned)).encode()))
+    cases.append(("plan", "crafted-metadata", replace(plan, metadata=evil_pickle(pwned)).encode()))
     t0 = time.perf_counter()
     for kind, name, blob in cases:
         good = tier.encoded[(1, kind)]
         tier.encoded[(1, kind)] = blob
-        t2, extra2, state2 = _state(9)
+        t2, extra2, state2 = JOBS.state(9)
         reader = Checkpointer(state2, CheckpointConfig(store="local"), store=tier.reader())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -17,8 +17,9 @@ from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigErr
 from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import lm_loss
 from gemini_ckpt.trust.manifest import ENV_KEY
-from forge import reseal as _reseal
-from trust_support import MARKER, NAMESPACE, NEWEST, OLDER, _job_namespace, _params, _restore, _state
+from forge import reseal
+from toy_jobs import params_of
+from trust_support import JOBS, MARKER, NAMESPACE, NEWEST, OLDER
 
 
 # --- 2. signing ----------------------------------------------------------------------------------
@@ -28,10 +29,10 @@ def _save_steps(root, steps, *, key=None, config_key=None, monkeypatch=None):
             monkeypatch.delenv(ENV_KEY, raising=False)
         else:
             monkeypatch.setenv(ENV_KEY, key)
-    t, extra, state = _state(0)
+    t, extra, state = JOBS.state(0)
     cfg = CheckpointConfig(
         store="local",
-        namespace=_job_namespace(),
+        namespace=JOBS.fresh_namespace(),
         persist_every=1,
         durable_uri=str(root),
         keep_durable=5,
@@ -60,7 +61,7 @@ def test_signed_versions_restore_and_unsigned_or_forged_ones_are_refused(tmp_pat
     assert "signature" not in json.loads((root / "step_000000002" / MARKER).read_text())
 
     # A forger rewrites step 1's job description with every CRC recomputed, but cannot sign.
-    _reseal(root / NEWEST, lambda m: m["job"].update(world_size=1, note="forged"))
+    reseal(root / NEWEST, lambda m: m["job"].update(world_size=1, note="forged"))
 
     with pytest.warns(UserWarning) as caught:
         result, extra, _ = _restore_warned(root, signing_key=b"job-secret")
@@ -74,7 +75,7 @@ def test_signed_versions_restore_and_unsigned_or_forged_ones_are_refused(tmp_pat
         _restore_warned(root)
     monkeypatch.delenv(ENV_KEY)
     # Without a key, signatures are not needed (and everything still goes through allow-lists).
-    assert _restore(root)[0].step == 2
+    assert JOBS.restore(root)[0].step == 2
 
     monkeypatch.setenv(ENV_KEY, "job-secret")
     assert DurableTier(str(root)).verify(0) == []
@@ -82,15 +83,15 @@ def test_signed_versions_restore_and_unsigned_or_forged_ones_are_refused(tmp_pat
 
 
 def _restore_warned(root, **config):
-    t, extra, state = _state(9)
+    t, extra, state = JOBS.state(9)
     ckpt = Checkpointer(
-        state, CheckpointConfig(store="local", namespace=_job_namespace(), durable_uri=str(root), **config)
+        state, CheckpointConfig(store="local", namespace=JOBS.fresh_namespace(), durable_uri=str(root), **config)
     )
     try:
         result = ckpt.restore()
     finally:
         ckpt.close()
-    return result, extra, _params(t.model)
+    return result, extra, params_of(t.model)
 
 
 def test_signing_key_config_is_validated_and_never_printed():
@@ -106,7 +107,7 @@ def test_config_signing_key_signs_local_store_versions(tmp_path, monkeypatch):
     root = tmp_path / "d"
     _save_steps(root, [0], config_key=b"cfg-secret")
     assert "signature" in json.loads((root / OLDER / MARKER).read_text())
-    assert _restore(root, signing_key=b"cfg-secret")[0].step == 0
+    assert JOBS.restore(root, signing_key=b"cfg-secret")[0].step == 0
 
 
 def test_a_signed_version_copied_into_another_run_is_refused(tmp_path, monkeypatch):
@@ -116,8 +117,8 @@ def test_a_signed_version_copied_into_another_run_is_refused(tmp_path, monkeypat
     root = tmp_path / "d"
     _save_steps(root, [0, 1], config_key=b"shared-key")
     assert json.loads((root / NEWEST / MARKER).read_text())["job"]["namespace"] == NAMESPACE
-    assert _restore(root, signing_key=b"shared-key")[0].step == 1  # its own run restores it
-    t, extra, state = _state(9)
+    assert JOBS.restore(root, signing_key=b"shared-key")[0].step == 1  # its own run restores it
+    t, extra, state = JOBS.state(9)
     other = Checkpointer(
         state,
         CheckpointConfig(store="local", namespace="another-run", durable_uri=str(root), signing_key=b"shared-key"),
@@ -136,18 +137,18 @@ def test_an_item_missing_from_memory_is_never_taken_from_another_version_of_the_
     the version is skipped whole and the older one restored."""
     root = tmp_path / "d"
     _save_steps(root, [0, 1])  # run A: steps 0 and 1 on disk
-    t, extra, state = _state(5)  # run B: another state, its steps 0 and 1 in memory only
-    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=_job_namespace()))
+    t, extra, state = JOBS.state(5)  # run B: another state, its steps 0 and 1 in memory only
+    ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=JOBS.fresh_namespace()))
     batches, params = t.batches(), {}
     for step in (0, 1):
         lm_loss(t.model, next(batches)).backward()
         t.optimizer.step()
         t.optimizer.zero_grad()
         ckpt.save(step)
-        params[step] = _params(t.model)
+        params[step] = params_of(t.model)
     ckpt.close()
     damage_copy(ckpt.store, 1, 0, 0)  # the first item of run B's step 1, in memory
-    t2, _, state2 = _state(9)
+    t2, _, state2 = JOBS.state(9)
     fresh = Checkpointer(state2, CheckpointConfig(store="local", namespace=NAMESPACE, durable_uri=str(root)))
     try:
         with warnings.catch_warnings():
@@ -156,7 +157,7 @@ def test_an_item_missing_from_memory_is_never_taken_from_another_version_of_the_
     finally:
         fresh.close()
     assert result.step == 0 and 1 in result.skipped_steps
-    assert all(torch.equal(p, params[0][n]) for n, p in _params(t2.model).items())
+    assert all(torch.equal(p, params[0][n]) for n, p in params_of(t2.model).items())
 
 
 def test_a_signing_key_needs_an_explicit_namespace(monkeypatch):
