@@ -19,7 +19,7 @@ class Timeouts:
     progress_s: float = 5.0
     """A data-plane peer that makes no progress this long fails the transfer. A peer that dies is
     noticed at once (its connections reset); this catches one that hangs. Shorter gives false
-    alarms on busy hosts: 1 s failed 256 MiB transfers with 4 ranks and their stores on 2 cores."""
+    alarms on busy hosts, where a live peer's CPU is taken by its ranks (docs/transport.md)."""
     abort_s: float = 10.0
     """A reader that gave up on pushes waiting for its data plane to confirm that no stream still
     writes into their buffers (streams stop as soon as they are scheduled after their

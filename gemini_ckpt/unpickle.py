@@ -231,8 +231,8 @@ def safe_load(data: bytes, allowed: Callable[[str, str], Any], what: str) -> Any
 def no_gc():
     """The cyclic garbage collector off inside the block (restore, and decoding pickles that
     build thousands of small objects): an allocation burst otherwise triggers a full collection,
-    which walks every object of the process: 0.26 s of CPU in a Ray Train worker running a small
-    FSDP2 job (412k objects), more than the whole restore of that job's state."""
+    which walks every object of the process and in a Ray Train worker can cost more than the
+    whole restore of a small job's state (measured in docs/recovery.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -35,7 +35,7 @@ from typing import Callable, Optional, Protocol
 
 MIN_CHUNK = 16 << 10
 MAX_CHUNK = 4 << 20
-FRACTION = 0.02  # at 0.05 FSDP2's collectives ran 6% slower on 1 Gbit/s links; at 0.02 not measurably
+FRACTION = 0.02  # larger slowed FSDP2's collectives on slow links; this much did not (docs/interleave.md)
 _POLL_S = 0.0005
 _IDLE_POLL_MAX_S = 0.002  # how late, at most, the gate notices that training went idle
 _SLEEP_MAX_S = 0.05  # the longest a waiting piece sleeps without looking (the checks run between)

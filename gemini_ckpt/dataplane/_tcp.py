@@ -40,10 +40,10 @@ MAX_NAME_BYTES = 1024
 class TcpConfig:
     """How the TCP backend moves bytes.
 
-    ``streams`` connections per peer, each carrying whole chunks of ``chunk_bytes``
-    (benchmarks/bench_transport.py: 4 streams of 4 MiB chunks are within a few percent of a raw
-    socket on loopback). ``progress_timeout_s``: a peer that makes no progress for this long
-    while a transfer is outstanding fails it. ``max_send_bytes_per_s``: the sending host's cap,
+    ``streams`` connections per peer, each carrying whole chunks of ``chunk_bytes`` (the
+    defaults were the fastest and steadiest against a raw socket: docs/transport.md).
+    ``progress_timeout_s``: a peer that makes no progress for this long while a transfer is
+    outstanding fails it. ``max_send_bytes_per_s``: the sending host's cap,
     shared by all its channels (None: unlimited). ``verify_checksum``: a function
     ``f(data, value) -> int`` (``zlib.crc32``, ``crc32c.crc32c``) the receiver runs over a
     complete transfer when the header carries a checksum; None leaves verification to the sink.

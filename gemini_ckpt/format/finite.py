@@ -22,11 +22,10 @@ the record is the version's whole time-to-safe: the local tier, a host store wit
 (the dot product; min and max again only for a chunk whose sum is not finite), so the two threads
 together read the region from memory about once: whole 16 MiB items reduced by ``max`` then
 ``min`` were read twice, which on a host with less memory bandwidth made the check cost more
-than the checksums. Measured on 1 GiB of fp32 items (63 of 16 MiB, 2 cores, 2026-12-03):
-checksums only 72 ms; fused 107 ms of one core; beside 67 ms of wall time (whole-item min/max:
-154 ms that day, 58-65 ms on an earlier host). Beside, the checking thread takes the last items'
-checksums once its check is done (the check reads faster than CRC32C), so the record is not held
-up by one thread while the other idles (``benchmarks/bench_health.py``).
+than the checksums. Beside, the checking thread takes the last items' checksums once its check
+is done (the check reads faster than CRC32C), so the record is not held up by one thread while
+the other idles. What each way costs is measured in docs/health.md
+(``benchmarks/bench_health.py``).
 """
 
 from __future__ import annotations
@@ -102,9 +101,8 @@ class _Scanner:
             return True
         if self._float is not None:
             values = chunk.view(self._float)
-            # Fused, the chunk is in cache: sdot reads it once, min and max twice (17 against 27 ms
-            # of CPU per GiB). Beside, the bytes come from memory and min and max are faster: the
-            # second pass hits the cache, and the checksum thread, a little behind, shares it.
+            # sdot reads the chunk once where min and max read it twice, fused and beside alike
+            # (see the module docstring); min and max only for a chunk whose sum is not finite.
             # Not for fp64: BLAS may spread a long ddot over threads of its own.
             if self._one_pass and np.isfinite(np.dot(values, values)):
                 return True

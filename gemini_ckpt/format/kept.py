@@ -1,7 +1,7 @@
 """Mappings of a host store's segments kept in a training process for the next reader.
 
 Mapping a segment costs a page-table entry per page, and unmapping it tears them down: together
-about two thirds of a copy of its bytes (256 MiB: 8.5 + 5 ms against 21 ms here). A process that
+a large part of a copy of its bytes (docs/recovery.md). A process that
 goes on after a failure (a survivor of an in-place recovery) restores the version it staged
 itself, or one it read a moment ago, from segments it had mapped. So a :class:`Segment` that a
 reader lets go of is kept here, and the next request for the same memory gets it back instead

@@ -25,14 +25,12 @@ ACTOR_ENV = {"RAY_task_events_report_interval_ms": "0", "MALLOC_ARENA_MAX": "2",
 """The environment of host-store and registry processes. No setup hook: an actor inherits the
 runtime env of the worker that creates it, and a Ray Train worker's may name a warm-up hook
 (:func:`gemini_ckpt.integrations.ray_train.warm_runtime_env`) that imports torch and Ray Train,
-~4 s of CPU a host store has no use for (it starts in ~1 s without them), taken from the
-replacement worker it serves while a replacement host starts. They make and take a few Ray calls per
-version for as long as the job runs, and Ray's per-call bookkeeping grew their private memory
-without end: an actor sending 20,000 small calls grew 59.7 -> 134.8 MB, ~3 KB per call, and kept
-growing. Measured on Ray 2.60: without task events (nothing of ours reads them; the state API
-just lists fewer tasks) the same actor grew 59.6 -> 65.2 MB, and with two malloc arenas (its
-threads no longer spread the garbage over one arena each) 59.6 -> 84.3 MB, flat after the
-first 5,000 calls."""
+several times the CPU a host store's own start takes, taken from the replacement worker it
+serves while a replacement host starts. No task events and two malloc arenas: these actors make
+and take a few Ray calls per version for as long as the job runs, and Ray's per-call bookkeeping
+grew their private memory without end; nothing of ours reads task events (the state API just
+lists fewer tasks), and with two arenas the threads no longer spread their garbage over one
+arena each (the growth measured, with and without, is in docs/benchmarks.md)."""
 
 
 def store_name(namespace: str, node_id: str) -> str:

@@ -6,7 +6,8 @@ start importing torch, Ray Train and the training function's modules. Ray can ru
 in every new worker process of a runtime env before it is given work: the Train workers' runtime
 env (``RunConfig(worker_runtime_env=...)``) names :func:`warm_up` as the hook and the modules in
 ``GEMINI_CKPT_WARM_MODULES``. No other Ray worker pays for them: host stores import no torch
-(~1 s of CPU to start instead of ~5 s with torch and Ray Train), and neither do Ray's own actors
+(torch and Ray Train would take several times a store's own start, docs/recovery.md), and
+neither do Ray's own actors
 that a replacement node starts beside the new worker, so the new worker's imports get the cores.
 Ray's cluster-wide ``RAY_preload_python_modules`` (:func:`~.ray_train.preload_env`) makes every
 one of those processes import everything.

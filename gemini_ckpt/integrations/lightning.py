@@ -293,7 +293,8 @@ class _Resume:
     def arrange(self) -> None:
         """In ``on_fit_start``: the loaders' states are loaded where the fit loop would load
         them, or now, when the loaders exist already (``configure_optimizers`` asked for
-        ``trainer.estimated_stepping_batches``: the fit loop will not load them, Lightning#20550)."""
+        ``trainer.estimated_stepping_batches``, which builds them early, and the fit loop then
+        never loads their states; docs/integrations.md)."""
         if self.loops.combined_loader() is None:
             self.loops.patch_loader_loading(self.load_loaders)
         else:

@@ -114,16 +114,14 @@ log = logging.getLogger("gemini_ckpt")
 
 def ranks_on_hosts(num_workers: int, *, ranks_per_host: int = 1) -> list[dict[str, str]]:
     """Per-worker label selectors that put rank ``r`` on host ``r // ranks_per_host`` after
-    every restart: ``ScalingConfig(num_workers=n, label_selector=gray.ranks_on_hosts(n))``.
+    every restart, so each rank restores from its own host's memory, not a peer's:
+    ``ScalingConfig(num_workers=n, label_selector=gray.ranks_on_hosts(n))``.
 
-    Without them Ray Train places its workers wherever its placement group lands, so after a
-    restart a rank may start on a host that does not keep its shards (observed: ranks swapped
-    between surviving hosts) and read them from a peer. The hosts are the nodes labelled
-    :data:`HOST_LABEL` (``ray start --labels gemini-ckpt.io/host=0``; every simulated host of
-    :class:`~gemini_ckpt.testing.cluster.LocalCluster` carries it); a replacement machine started
-    with the lost one's label takes over its slot and is given its copies before the workers
-    start, so its rank restores from local memory too. A worker group waits until every
-    labelled host is there, so give each lost host a replacement (or leave the selectors out).
+    The hosts are the nodes labelled :data:`HOST_LABEL` (``ray start --labels
+    gemini-ckpt.io/host=0``; :class:`~gemini_ckpt.testing.cluster.LocalCluster` labels its
+    hosts); a replacement started with a lost host's label takes over its slot. A worker group
+    waits until every labelled host is there, so give each lost host a replacement (or leave
+    the selectors out). Why Ray Train needs this: docs/recovery.md.
 
     >>> ranks_on_hosts(4, ranks_per_host=2)
     [{'gemini-ckpt.io/host': '0'}, {'gemini-ckpt.io/host': '0'}, {'gemini-ckpt.io/host': '1'}, {'gemini-ckpt.io/host': '1'}]
@@ -313,9 +311,9 @@ class RayTrainCheckpointer(Checkpointer):
     It is a Checkpointer with one listener (:class:`RayTrainReporting`) and nothing overridden.
     Reports are made by a thread of the listener's, never by the training thread:
     ``ray.train.report`` is a barrier of every worker through Ray Train's controller, and on
-    the training thread it stalled the step after each persisted version (0.9-1.0 s where a
-    step took 0.1 s). A version is reported once it is durable, in step order; ``close`` waits
-    for the last reports. While it reports, the job must not call ``ray.train.report`` itself
+    the training thread it stalled the step after each persisted version, for many times a
+    step's length (docs/ray-train.md). A version is reported once it is durable, in step order;
+    ``close`` waits for the last reports. While it reports, the job must not call ``ray.train.report`` itself
     (two threads of one worker reporting could pair up differently on different ranks): pass
     ``report=False`` to :func:`checkpointer` to report yourself.
     """

@@ -1,7 +1,7 @@
 """Which live tensors and values fill each item of the plan, found cheaply every version.
 
-Building the state dict (``get_state_dict`` for FSDP/DDP-aware keys) costs ~13 ms for a
-model of 200 parameters with AdamW, more than the whole per-version budget. So the sources
+Building the state dict (``get_state_dict`` for FSDP/DDP-aware keys) costs more than the whole
+per-version budget, even for a small model (docs/dataplane.md). So the sources
 of the plan's items are resolved once, from a full state dict, and reused while a cheap
 **fingerprint** of the live objects is unchanged: the storage address and shape of every
 parameter, buffer and optimizer-state tensor, and the layout of every optimizer's
@@ -39,7 +39,7 @@ _PARAM_GROUP = re.compile(r"optim\.param_groups\.(\d+)\.(.+)")
 
 def fingerprint(state: TrainState, modules: Optional[list] = None) -> tuple:
     """Storage address and shape of every parameter, buffer and optimizer-state tensor, and
-    the shape of every optimizer's param_groups and module tree (under 1 us per tensor).
+    the shape of every optimizer's param_groups and module tree: cheap enough for every version.
     ``modules``: the module tree as last seen (``module.modules()``), to skip walking it."""
     out: list = []
     for m in modules if modules is not None else state.module.modules():

@@ -187,9 +187,8 @@ def copy_parallel(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     process's intra-op threads (``torch.get_num_threads()``; the caller's thread is one).
 
     Why not ``Tensor.copy_``: it is as fast on an idle machine (it parallelises too), but its
-    OpenMP workers spin-wait, and when other processes hold the cores a copy of a few MB can
-    take 10x longer (measured on a 2-core VM shared with test runs: 32 copies of 8 MB, 0.26 s
-    with 2 threads vs 0.025 s with 1). These are plain memcpys in Python threads that sleep
+    OpenMP workers spin-wait, and when other processes hold the cores a copy of a few MB takes
+    many times longer (docs/dataplane.md). These are plain memcpys in Python threads that sleep
     while they wait (numpy releases the GIL while copying)."""
     workers = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
     total = sum(d.nbytes for d, _ in pairs)

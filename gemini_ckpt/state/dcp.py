@@ -13,8 +13,8 @@ Where a DTensor's local shard sits in the global tensor, without building index 
 DCP's planners ask DTensor for its chunk (``__create_chunk_list__``, ``__create_write_items__``),
 and torch computes the chunk's offsets by materializing ``torch.arange`` over every local row
 of every sharded dimension: an int64 index as long as the shard, allocated and filled for every
-tensor at every plan (a 64M-element shard: 512 MB and 0.2-0.7 s alone; four such ranks on
-a busy host: 2.7 s of a restore, measured in ``bench_recovery``). For the placements FSDP2
+tensor at every plan, a large share of a restore's time (measured in docs/recovery.md). For
+the placements FSDP2
 and most tensor-parallel layouts use, :class:`~torch.distributed.tensor.Shard` and
 :class:`~torch.distributed.tensor.Replicate`, the shard is one contiguous range per
 dimension, and its offset is a sum. :func:`chunk_of` computes that; anything else

@@ -236,8 +236,8 @@ class TrainState(Stateful):
         parameter (sharded like it) or a scalar, of the saved dtype, per saved state name.
         ``get_state_dict`` would make it by running one optimizer step with a zero learning
         rate, which costs more than the whole restore (a first step through DTensor's sharding
-        propagation: 0.7 s for a 4-rank FSDP2 job here). Returns False, touching nothing, when the
-        saved state is not of that form (then ``get_state_dict`` does it)."""
+        propagation; docs/recovery.md). Returns False, touching nothing, when the saved state is
+        not of that form (then ``get_state_dict`` does it)."""
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         if not self.optimizers or any(opt.state for opt in self.optimizers):

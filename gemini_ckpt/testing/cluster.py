@@ -50,10 +50,8 @@ HEALTH_CHECKS = {
 """How the head's GCS decides that a node is dead: 6 failed checks in a row, one every 0.5 s,
 each allowed 2 s. A killed raylet refuses the check at once, so a removed host is dead after
 ~6 x 0.5 s; a stopped or starved one fails a check only after its 2 s timeout, so it must stay
-silent for ~6 x 2.5 s = 15 s. Measured on 2 cores, both loaded with busy loops: a removed host
-was reported dead after 2.8-3.0 s, and raylets stopped (SIGSTOP) for 3 s and 5 s were not
-declared dead. The settings before (0.3 s period, 0.3 s timeout, 3 misses) declared a raylet
-stopped for 3 s dead after 1.5 s, and a busy test suite lost healthy hosts."""
+silent for ~6 x 2.5 s = 15 s. Tighter settings declared briefly starved raylets dead, and a
+busy test suite lost healthy hosts (the measurements are in docs/recovery.md)."""
 DEFAULT_OBJECT_STORE_BYTES = 120 << 20
 NETWORKS = ("loopback", "netns")
 """``loopback``: every host on this machine's one interface (the default). ``netns``: each host in

@@ -214,7 +214,7 @@ class Network:
         _ip("netns", "add", ns)
         # The inside end's MAC follows from the address: a replacement host (same address, new
         # namespace) answers at the MAC its peers' neighbour tables already hold; with a random
-        # one they keep sending to the old MAC until the entry expires (45 s measured here).
+        # one they keep sending to the old MAC until the entry expires (tens of seconds: docs/chaos.md).
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "address", self.mac(host), "netns", ns)
         _ip("link", "set", veth, "master", self.bridge, "up")
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")

@@ -70,9 +70,9 @@ def metadata_loads(data: bytes) -> Any:
 
 def warm_up() -> None:
     """Decode a small DCP ``Metadata`` through the allow-list once. The first decode in a new
-    process costs ~0.25 s of CPU (measured in Ray Train workers, not in a plain interpreter; the
-    second takes 2 ms): a restarted job's ranks pay it while they wait for each other at the
-    rendezvous instead of on the restore's critical path (:meth:`gemini_ckpt.Checkpointer.start`)."""
+    process costs far more than later ones (docs/recovery.md): a restarted job's ranks pay it
+    while they wait for each other at the rendezvous instead of on the restore's critical path
+    (:meth:`gemini_ckpt.Checkpointer.start`)."""
     import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
