@@ -26,6 +26,9 @@ class Timeouts:
     connections are shut down; this bounds a loaded host)."""
     serve_s: float = 600.0
     """A host store pushing a restoring trainer the bytes it asked for (one batch of items)."""
+    reader_idle_s: float = 30.0
+    """A host store closes its channel to a reader that no push has used this long (a restore
+    reads for seconds; the reader's next read connects again)."""
     handshake_s: float = 5.0
     """A process attaching to its host store's local channel, from connect to proof."""
     ping_every_s: float = 1.0

@@ -8,8 +8,7 @@ Its part of a version (see ``docs/dataplane.md``; roles and messages in ``docs/c
    straight into their segments; a holder verifies and acknowledges (``ReplicaAck``).
 3. **Commit among the stores** (votes up a tree to the registry's coordinator, the decision down:
    :meth:`commit_message`); tell the ranks the outcome; release what retention lets go.
-4. **Serve**: readers map a shard or have it pushed (:meth:`push_range`); the persister has it
-   written as a DCP data file (:meth:`persist_shard`).
+4. **Serve**: readers map a shard or have it pushed (:meth:`push_range`), the persister a DCP data file.
 
 The actor is a thin facade (this module: configuration per epoch, the data plane, status) over
 named parts that share one small :class:`.state.StoreState` and own the rest of their state:
@@ -18,8 +17,8 @@ named parts that share one small :class:`.state.StoreState` and own the rest of 
 :class:`.commit_driver.CommitDriver` (step 3, the protocol's messages and deadlines) and
 :class:`.serving.ShardServer` (step 4).
 
-A training process that dies after staging takes nothing with it: its shard is here. One that
-dies before staging closes its attach socket, and the versions waiting for it fail at once.
+A training process that dies after staging takes nothing with it: its shard is here; one that dies
+before staging closes its attach socket, and the versions waiting for it fail at once.
 
 Actors raise built-in exceptions (``MemoryError`` over budget, ``LookupError`` no such version,
 ``PermissionError`` fenced, ``ValueError`` refused), which the client maps onto the library's.
@@ -294,6 +293,7 @@ class HostStore:
                 self.driver.check_timeouts()
                 self.driver.check_refs()
                 self._retain_copies()
+                self.server.close_idle_readers(TIMEOUTS.reader_idle_s)
                 self._publish_metrics()
             except Exception as exc:  # noqa: BLE001 - housekeeping must never stop
                 log.warning("node %s: housekeeping failed: %s: %s", self.node_id[:12], type(exc).__name__, exc)
@@ -351,6 +351,7 @@ class HostStore:
                 "memory": self.s.table.memory(),
                 "started_unix": self.started_unix,
                 "epoch": self.s.epoch,
+                "readers": len(self.server.readers),  # open channels to restoring readers
                 "interleave": self._interleave_stats(),
                 "slot": self.s.cfg.slot if self.s.cfg else None,
                 "versions": {
@@ -385,9 +386,8 @@ class HostStore:
         return out
 
     def timeline(self, step: int) -> dict[str, float]:
-        """When each phase of ``step`` happened here (unix seconds): staged, recorded,
-        replicating, sent, copies of slot N complete/checked, decided (for benchmarks and
-        ``gemini_ckpt status``)."""
+        """When each phase of ``step`` happened here (unix seconds): staged, recorded, replicating,
+        sent, copies of slot N complete/checked, decided (benchmarks, ``gemini_ckpt status``)."""
         with self.s.lock:
             v = self.s.table.versions.get(step)
             return dict(v.marks) if v is not None else {}

@@ -29,6 +29,8 @@ class ShardServer:
         self.s = state
         self.readers: dict[tuple, Any] = {}  # (host, port) of a restoring reader -> channel (the store's lock)
         self._connecting: dict[tuple, threading.Lock] = {}  # reader -> its one connect, however many pushes want it
+        self._pushing: dict[tuple, int] = {}  # reader -> pushes using its channel now
+        self._last_push: dict[tuple, float] = {}  # reader -> when a push to it last ended (monotonic)
 
     # --- reading ------------------------------------------------------------------------------------
     def index(self) -> dict[int, dict]:
@@ -84,6 +86,7 @@ class ShardServer:
                     )
             self.s.table.use(shard)
         channel = None
+        key = (reader.host, reader.port)
         try:
             channel = self._reader_channel(reader)
             sent = [
@@ -110,21 +113,44 @@ class ShardServer:
                 landed += length
             return landed
         except (TransportError, TimeoutError) as exc:
-            key = (reader.host, reader.port)
             with self.s.lock:
                 if channel is not None and self.readers.get(key) is channel:
                     del self.readers[key]
+                    self._pushing.pop(key, None)
+                    self._last_push.pop(key, None)
             if channel is not None:
                 channel.close()
             raise ConnectionError(f"node {self.s.node_id[:12]} could not send to the reader: {exc}") from None
         finally:
             with self.s.lock:
                 self.s.table.done_with(shard)
+                if channel is not None and self.readers.get(key) is channel:  # else closed: nothing to count
+                    self._pushing[key] -= 1
+                    self._last_push[key] = time.monotonic()
 
     def forget_readers(self) -> None:
         """The data plane started again: the channels to readers went with the old one."""
         with self.s.lock:
-            self.readers, self._connecting = {}, {}
+            self.readers, self._connecting, self._pushing, self._last_push = {}, {}, {}, {}
+
+    def close_idle_readers(self, idle_s: float) -> int:
+        """Close the channels to readers that no push has used for ``idle_s``: a reader reads for
+        a restore and goes away (its listener closes with its Checkpointer), and nothing else would
+        close the store's end. A later read connects again. Returns how many were closed."""
+        now = time.monotonic()
+        with self.s.lock:
+            idle = [
+                key
+                for key in self.readers
+                if not self._pushing.get(key) and now - self._last_push.get(key, now) >= idle_s
+            ]
+            channels = [self.readers.pop(key) for key in idle]
+            for key in idle:
+                self._pushing.pop(key, None)
+                self._last_push.pop(key, None)
+        for channel in channels:
+            channel.close()
+        return len(channels)
 
     def _reader_channel(self, reader: Endpoint):
         """The one channel to a reader's listener, shared by every push to it (the pushes of one
@@ -134,15 +160,19 @@ class ShardServer:
         with self.s.lock:
             channel = self.readers.get(key)
             if channel is not None:
+                self._pushing[key] = self._pushing.get(key, 0) + 1  # not closed as idle while it pushes
                 return channel
             connecting = self._connecting.setdefault(key, threading.Lock())
         with connecting:
             with self.s.lock:
                 channel = self.readers.get(key)
-            if channel is None:
-                channel = self.s.transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
-                with self.s.lock:
-                    self.readers[key] = channel
+                if channel is not None:
+                    self._pushing[key] = self._pushing.get(key, 0) + 1
+                    return channel
+            channel = self.s.transport.connect(reader, marked=False)  # a restore waits on it: never lower-effort
+            with self.s.lock:
+                self.readers[key] = channel
+                self._pushing[key] = self._pushing.get(key, 0) + 1
             return channel
 
     # --- the durable tier ----------------------------------------------------------------------------
