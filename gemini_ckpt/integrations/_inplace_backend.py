@@ -231,8 +231,31 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 other = groups[index]
                 if other is not group and other.is_active():
                     other.shutdown()
+            self._shut_dead_since_the_poll(group, groups)
         finally:
             self._shutting_others = False
+
+    def _shut_dead_since_the_poll(self, group, groups) -> None:
+        """A worker that died after the poll (a second failure during the reform) is not among the
+        failing groups, and Ray Train's call to clear its result queue would fail the whole run. So
+        that call is made here first, where a dead worker's group is shut down instead (a worker
+        that does not answer in time is left to Ray Train's next poll)."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        calls = [
+            (other, [w.actor.clear_result_queue.remote() for w in other.get_workers()])
+            for other in groups
+            if other is not group and other.is_active()
+        ]
+        for other, refs in calls:
+            try:
+                ray.get(refs, timeout=REAP_S)
+            except RayActorError:
+                log.info("gemini_ckpt: a worker died since the last poll; its group is replaced next")
+                other.shutdown()
+            except GetTimeoutError:
+                pass
 
     def _start_reapers(self, workers) -> None:
         import ray

@@ -42,8 +42,13 @@ def test_ray_train_still_has_the_replica_group_path_the_adapter_uses():
         "starting_world_rank=replica_group_index",
         "start_training",
         "i != replica_group_index and rg.is_active()",
-    ):  # other failing groups: shut first (adapter)
+        "w.actor.clear_result_queue.remote()",  # on every other active group: a dead one fails the run
+    ):  # other failing groups, and workers dead since the poll: shut first (adapter)
         assert step in replace, step
+    assert replace.index("old_replica_group.shutdown()") < replace.index("clear_result_queue")  # our hook runs first
+    from ray.train.v2._internal.execution.worker_group.worker import RayTrainWorker
+
+    assert callable(RayTrainWorker.clear_result_queue)
     for name in ("get_latest_poll_status", "get_replica_groups", "get_workers"):
         assert callable(getattr(WorkerGroup, name)), name
     from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
