@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from gemini_ckpt import CheckpointConfig, Checkpointer
 from toy_jobs import ToyJobs
 
 MARKER, METADATA, IN_PROGRESS, DATA = ".gemini_complete", ".metadata", ".gemini_inprogress", "__0_0.distcp"
@@ -120,18 +119,7 @@ def outside(tmp_path):
 def continue_job(root, steps, **config):
     """A new job restores from ``root`` and saves (and persists) ``steps``: (its restore's result, its Checkpointer)."""
     t, extra, state = JOBS.state(9)
-    ckpt = Checkpointer(
-        state,
-        CheckpointConfig(
-            store="local",
-            namespace=JOBS.fresh_namespace(),
-            durable_uri=str(root),
-            persist_every=1,
-            keep_durable=5,
-            timeout_s=30,
-            **config,
-        ),
-    )
+    ckpt = JOBS.checkpointer(state, root, persist_every=1, keep_durable=5, timeout_s=30, **config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = ckpt.restore()

@@ -73,6 +73,12 @@ class ToyJobs:
         drop_local_store(self.namespace)
         return self.namespace
 
+    def checkpointer(self, state: TrainState, root, **config) -> Checkpointer:
+        """A job of this family (memory dropped, as at a restart) over ``state``, its durable tier at ``root``."""
+        return Checkpointer(
+            state, CheckpointConfig(store="local", namespace=self.fresh_namespace(), durable_uri=str(root), **config)
+        )
+
     def state(self, seed: int):
         """A toy LM built from ``seed``: (its training setup, the ``extra`` dict, its TrainState)."""
         t = build_training(seed=seed, dataset_size=32)
@@ -83,17 +89,7 @@ class ToyJobs:
     def make_versions(self, root: Path, **config):
         """A job trains and saves steps 0 and 1, each persisted to ``root``: (root, {step: its parameters})."""
         t, extra, state = self.state(0)
-        ckpt = Checkpointer(
-            state,
-            CheckpointConfig(
-                store="local",
-                namespace=self.fresh_namespace(),
-                persist_every=1,
-                durable_uri=str(root),
-                keep_durable=5,
-                **config,
-            ),
-        )
+        ckpt = self.checkpointer(state, root, persist_every=1, keep_durable=5, **config)
         batches, params = t.batches(), {}
         for step in range(2):
             lm_loss(t.model, next(batches)).backward()
@@ -109,10 +105,7 @@ class ToyJobs:
     def restore(self, root, **config):
         """A new job (empty memory) restores from ``root``: (result, extra, params)."""
         t, extra, state = self.state(9)
-        config = {**self.restore_config, **config}
-        ckpt = Checkpointer(
-            state, CheckpointConfig(store="local", namespace=self.fresh_namespace(), durable_uri=str(root), **config)
-        )
+        ckpt = self.checkpointer(state, root, **{**self.restore_config, **config})
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

@@ -58,17 +58,7 @@ def test_a_persist_failing_at_the_marker_leaves_no_complete_version_and_retentio
 def _three_versions(tmp_path) -> Path:
     root = tmp_path / "three"
     t, extra, state = JOBS.state(0)
-    ckpt = Checkpointer(
-        state,
-        CheckpointConfig(
-            store="local",
-            namespace=JOBS.fresh_namespace(),
-            persist_every=3,
-            durable_uri=str(root),
-            keep_durable=5,
-            persist_on_close=False,
-        ),
-    )
+    ckpt = JOBS.checkpointer(state, root, persist_every=3, keep_durable=5, persist_on_close=False)
     for step in range(9):
         ckpt.save(step)
     ckpt.close()
