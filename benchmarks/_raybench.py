@@ -1,5 +1,7 @@
 """Shared harness for the multi-host benchmarks (restore, persist): a local Ray cluster of
-simulated hosts (one Ray node each, all on this machine) and one FSDP2 rank actor per host.
+simulated hosts (one Ray node each, all on this machine) and one FSDP2 rank actor per host (a
+:class:`gemini_ckpt.testing.ranks.TrainingRank`, its process group joined through a
+:class:`~gemini_ckpt.testing.ranks.Rendezvous` this process holds).
 
 The rank class is shipped to Ray workers by value (``cloudpickle.register_pickle_by_value``),
 so the workers need not have ``benchmarks/`` on their path."""
@@ -8,9 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -18,7 +20,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 
+from gemini_ckpt.testing.ranks import Rendezvous, TrainingRank  # noqa: E402
+
 LAYER_DIM = 2048  # one fp32 layer = 16 MiB, sharded over the ranks
+TIMEOUT_S = 900  # the process group's join and collectives, and each Checkpointer's
 
 
 def load_average() -> list[float]:
@@ -34,12 +39,6 @@ def drop_page_cache() -> tuple[bool, str]:
         return True, ""
     except OSError as exc:
         return False, f"{type(exc).__name__}: {exc}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(hosts: int, plasma_bytes: int):
@@ -66,56 +65,32 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-class Rank:
+class Rank(TrainingRank):
     """One rank: an FSDP2 stack of Linear layers whose local shard is about ``mb`` MB."""
 
-    def __init__(self) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.ckpt = None
-
-    def setup(self, rank: int, world_size: int, port: int, mb: int, fill: bool = True) -> int:
-        import datetime
-
-        import torch.distributed as dist
+    def setup(self, rank: int, world_size: int, rendezvous: tuple, mb: int, fill: bool = True) -> int:
         from torch.distributed.device_mesh import init_device_mesh
 
         from gemini_ckpt.toy import linear_stack
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=900),
-        )
-        self.rank, self.world_size = rank, world_size
+        self.join(rank, world_size, tuple(rendezvous), TIMEOUT_S)
         layers = max(1, round(mb * world_size / (LAYER_DIM * LAYER_DIM * 4 / 2**20)))
         mesh = init_device_mesh("cpu", (world_size,))
         self.model = model = linear_stack(layers, LAYER_DIM, mesh, seed=rank, fill=fill)
         return sum(p.to_local().nbytes for p in model.parameters())
 
     def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
+        return self.info()["node_id"]
 
     def checkpointer(self, **config):
-        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+        from gemini_ckpt import CheckpointConfig, TrainState
 
-        if self.ckpt is not None:
-            self.ckpt.close()
-        self.ckpt = Checkpointer(TrainState(model=self.model), CheckpointConfig(store="ray", timeout_s=900, **config))
-        return self.ckpt
+        return self.replace_checkpointer(
+            TrainState(model=self.model), CheckpointConfig(store="ray", timeout_s=TIMEOUT_S, **config)
+        )
 
     def close(self) -> None:
-        if self.ckpt is not None:
-            self.ckpt.close()
-            self.ckpt = None
+        self.close_checkpointer()
 
     # --- restore ------------------------------------------------------------------------------
     def save_version(self, step: int, persist: bool, **config) -> dict:
@@ -224,35 +199,44 @@ class Rank:
         self.close()
         return out
 
-    def teardown(self) -> None:
-        import torch.distributed as dist
-
+    def teardown(self, limit_s: float = 10.0) -> bool:
+        """A benchmark's job ends cleanly: its Checkpointer is closed (in-flight work awaited), not
+        aborted, before the process group is left."""
         self.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return super().teardown(limit_s)
 
 
-def make_ranks(hosts: int, mb: int, *, rotate: int = 0, fill: bool = True):
-    """Rank ``r`` runs on simulated host ``(r + rotate) % hosts``; returns (actors, shard bytes)."""
-    import sys
+class RankGroup(list):
+    """The rank actors of one job, and the :class:`Rendezvous` their process group joined (held
+    open by this process until :func:`kill_ranks`)."""
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's own copy: cloudpickle is not ours
-    ranks = [
-        ray.remote(Rank).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
+    rendezvous: Rendezvous
+
+
+def make_ranks(hosts: int, mb: int, *, rotate: int = 0, fill: bool = True, cls: type = Rank):
+    """Rank ``r`` (a ``cls``, :class:`Rank` or a subclass) runs on simulated host
+    ``(r + rotate) % hosts``; returns (a :class:`RankGroup`, shard bytes)."""
+    for module in {__name__, cls.__module__}:  # shipped by value: Ray's own cloudpickle, not ours
+        ray.cloudpickle.register_pickle_by_value(sys.modules[module])
+    ranks = RankGroup(
+        ray.remote(cls).options(num_cpus=0, resources={f"host{(i + rotate) % hosts}": 0.01}).remote()
         for i in range(hosts)
-    ]
-    port = free_port()
-    shard = ray.get([r.setup.remote(i, hosts, port, mb, fill) for i, r in enumerate(ranks)])
+    )
+    ranks.rendezvous = Rendezvous(hosts, TIMEOUT_S)
+    shard = ray.get(
+        [r.setup.remote(i, hosts, ranks.rendezvous.address, mb, fill) for i, r in enumerate(ranks)], timeout=TIMEOUT_S
+    )
     return ranks, int(statistics.mean(shard))
 
 
-def kill_ranks(ranks) -> None:
+def kill_ranks(ranks: RankGroup) -> None:
     for r in ranks:
         try:
             ray.get(r.teardown.remote(), timeout=120)
         except Exception:  # noqa: BLE001 - best-effort
             pass
         ray.kill(r, no_restart=True)
+    ranks.rendezvous.close()
 
 
 def rmtree(path: str) -> None:

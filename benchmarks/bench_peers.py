@@ -490,21 +490,18 @@ def _peer_rank_class():
     class PeerRank(rb.Rank):
         """``_raybench.Rank`` with AdamW state next to the model, saved and restored with it."""
 
-        def setup(self, rank, world_size, port, mb, fill=True):
-            super().setup(rank, world_size, port, mb, fill)
+        def setup(self, rank, world_size, rendezvous, mb, fill=True):
+            super().setup(rank, world_size, rendezvous, mb, fill)
             self.opt = make_optimizer(self.model)
             return state_bytes(self.model, self.opt)
 
         def checkpointer(self, **config):
-            from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+            from gemini_ckpt import CheckpointConfig, TrainState
 
-            if self.ckpt is not None:
-                self.ckpt.close()
-            self.ckpt = Checkpointer(
+            return self.replace_checkpointer(
                 TrainState(model=self.model, optimizer=self.opt),
                 CheckpointConfig(store="ray", timeout_s=PG_TIMEOUT_S, **config),
             )
-            return self.ckpt
 
         def ours_saves(self, saves: int, **config) -> dict:
             import torch.distributed as dist
@@ -563,15 +560,10 @@ def _peer_rank_class():
 
 
 def _make_ranks(hosts: int, mb: float, **kw):
-    """``_raybench.make_ranks`` with the rank class swapped for :class:`PeerRank` (model + AdamW)."""
+    """``_raybench.make_ranks`` with :class:`PeerRank` (model + AdamW)."""
     import _raybench as rb
 
-    original = rb.Rank
-    rb.Rank = _peer_rank_class()
-    try:
-        return rb.make_ranks(hosts, mb, **kw)
-    finally:
-        rb.Rank = original
+    return rb.make_ranks(hosts, mb, cls=_peer_rank_class(), **kw)
 
 
 def _node_id_of_host(i: int) -> str:

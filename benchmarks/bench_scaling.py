@@ -158,15 +158,6 @@ def _store_pids(namespace: str, node_ids: list[str]) -> dict[str, int]:
     return pids
 
 
-def _make_ranks(hosts: int, mb: int):
-    """``_raybench.make_ranks`` with :class:`ScalingRank` (rank ``r`` on simulated host ``r``)."""
-    ray.cloudpickle.register_pickle_by_value(rb)  # Ray's own copy: cloudpickle is not a dependency
-    ranks = [ray.remote(ScalingRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(hosts)]
-    port = rb.free_port()
-    shard = ray.get([r.setup.remote(i, hosts, port, mb) for i, r in enumerate(ranks)], timeout=900)
-    return ranks, int(statistics.mean(shard))
-
-
 def _grow(cluster, hosts: int, plasma: int) -> None:
     """Add simulated hosts ``host{i}`` until the cluster has ``hosts`` (main thread only)."""
     for i in range(len(cluster.present()), hosts):
@@ -182,7 +173,7 @@ def measure(cluster, hosts: int, args, plasma: int) -> dict:
     ns = f"bench-scaling-{os.getpid()}-h{hosts}"
     config = dict(namespace=ns, replicas=REPLICAS, keep_in_memory=args.keep)
     load_before = rb.load_average()
-    ranks, shard = _make_ranks(hosts, args.mb)
+    ranks, shard = rb.make_ranks(hosts, args.mb, cls=ScalingRank)
     try:
         nodes = ray.get([r.node_id.remote() for r in ranks], timeout=300)
         # Stores started before the first save, so their baseline memory excludes every shard.

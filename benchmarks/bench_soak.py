@@ -77,15 +77,9 @@ def main(argv=None) -> int:
     cluster = rb.start_cluster(args.hosts, 100 << 20)
     namespace = f"soak-{os.getpid()}"
     config = {"namespace": namespace, "replicas": 2, "keep_in_memory": 2}
-    ranks = []
+    ranks = None
     try:
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-        ray.cloudpickle.register_pickle_by_value(rb)
-        ranks = [
-            ray.remote(SoakRank).options(num_cpus=0, resources={f"host{i}": 0.01}).remote() for i in range(args.hosts)
-        ]
-        port = rb.free_port()
-        shard = ray.get([r.setup.remote(i, args.hosts, port, args.mb) for i, r in enumerate(ranks)], timeout=900)
+        ranks, shard = rb.make_ranks(args.hosts, args.mb, cls=SoakRank)
         nodes = ray.get([r.node_id.remote() for r in ranks], timeout=60)
         ray.get([r.saves.remote(0, 1, **config) for r in ranks], timeout=900)  # the stores start here
         pids = _store_pids(namespace, nodes)
@@ -110,7 +104,8 @@ def main(argv=None) -> int:
 
         accounts = {h.node_id[:12]: h.memory for h in cluster_status(namespace)[namespace].hosts}
     finally:
-        rb.kill_ranks(ranks)
+        if ranks is not None:
+            rb.kill_ranks(ranks)
         rb.stop_cluster(cluster, [namespace])
 
     base = next(s for s in samples if s["versions"] >= args.warmup)
@@ -135,7 +130,7 @@ def main(argv=None) -> int:
         "versions": args.versions,
         "warmup_versions": base["versions"],
         "half_versions": mid["versions"],
-        "shard_bytes": int(sum(shard) / len(shard)),
+        "shard_bytes": shard,
         "seconds": end["seconds"],
         "versions_per_s": args.versions / end["seconds"],
         "stores": stores,

@@ -3,7 +3,9 @@
 ``tests/integration/conftest.py``).
 
 - :class:`Ranks`: one :class:`RankWorker` actor per host (rank ``i`` pinned to ``host{i}``), each
-  training a small FSDP2 model over gloo with a ``Checkpointer``; dead workers are replaced by
+  a :class:`~gemini_ckpt.testing.ranks.TrainingRank` training a small FSDP2 model over gloo with a
+  ``Checkpointer``, its process group joined through a
+  :class:`~gemini_ckpt.testing.ranks.Rendezvous`; dead workers are replaced by
   :meth:`Ranks.replace_dead`, and a job restarts with :meth:`Ranks.setup` (new process group).
 
 Add/remove hosts only from the main thread (``Cluster`` is not thread-safe).
@@ -21,6 +23,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 
 from gemini_ckpt.state.digest import digest as digest_state  # noqa: E402
+from gemini_ckpt.testing.ranks import Rendezvous, TrainingRank  # noqa: E402
+
+TIMEOUT_S = 180.0  # the process group's join and collectives
 
 
 def node_id_of_host(i: int) -> str:
@@ -29,18 +34,6 @@ def node_id_of_host(i: int) -> str:
         if n["Alive"] and n["Resources"].get(f"host{i}"):
             return n["NodeID"]
     raise LookupError(f"no alive node with resource host{i}")
-
-
-def rendezvous_store(world_size: int):
-    """A process-group store bound by the test process on port 0 (never a port picked and
-    released first: that races with everything else on the machine); ranks join as clients."""
-    import datetime
-
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=180)
-    )
 
 
 def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
@@ -56,32 +49,21 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.2, what: str 
 # --- the training rank ---------------------------------------------------------------------------
 
 
-class RankWorker:
+class RankWorker(TrainingRank):
     """One training process: FSDP2 over gloo, AdamW, a Checkpointer with ``store="ray"``."""
 
-    def __init__(self) -> None:
+    def setup(
+        self, rank: int, world_size: int, rendezvous: tuple, config: dict, seed: int = 0, ballast_mb: int = 0
+    ) -> dict:
         import torch
-
-        torch.set_num_threads(1)
-        self.rank = -1
-        self.ckpt = None
-
-    def info(self) -> dict:
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
-
-    def setup(self, rank: int, world_size: int, port: int, config: dict, seed: int = 0, ballast_mb: int = 0) -> dict:
-        import torch
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+        from gemini_ckpt import CheckpointConfig, TrainState
         from gemini_ckpt.toy import fully_shard_layers, mlp
 
         self.teardown()
-        timeout = __import__("datetime").timedelta(seconds=180)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.join(rank, world_size, tuple(rendezvous), TIMEOUT_S)
+        self.seed = seed
         mesh = init_device_mesh("cpu", (world_size,))
         torch.manual_seed(seed)
         model = fully_shard_layers(mlp(64), mesh)
@@ -94,7 +76,7 @@ class RankWorker:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         self.state = TrainState(model=model, optimizer=self.opt, extra={"seen": 0})
-        self.ckpt = Checkpointer(self.state, CheckpointConfig(**config))
+        self.replace_checkpointer(self.state, CheckpointConfig(**config))
         return self.info()
 
     def train_step(self, step: int) -> None:
@@ -239,18 +221,6 @@ class RankWorker:
         self.ckpt = None
         return {"abort_s": abort_s, "error": error, "resolved_s": time.monotonic() - t0}
 
-    def teardown(self) -> None:
-        import torch.distributed as dist
-
-        if self.ckpt is not None:
-            try:
-                self.ckpt.abort()
-            except Exception:  # noqa: BLE001 - a crashed job's leftovers
-                pass
-            self.ckpt = None
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class Ranks:
     """``world_size`` RankWorkers, rank ``i`` on host ``i``."""
@@ -265,11 +235,13 @@ class Ranks:
         return ray.remote(RankWorker).options(num_cpus=0, resources={f"host{i}": 0.01}, max_restarts=0).remote()
 
     def setup(self, namespace: str, ballast_mb: int = 0, **config) -> list[dict]:
-        self._rendezvous = rendezvous_store(self.world_size)  # kept open while the job runs
-        port = self._rendezvous.port
+        self._rendezvous = Rendezvous(self.world_size, TIMEOUT_S)  # kept open while the job runs
         cfg = {"store": "ray", "namespace": namespace, "replicas": 2, "keep_in_memory": 2, "timeout_s": 120.0, **config}
         self.infos = ray.get(
-            [w.setup.remote(r, self.world_size, port, cfg, 0, ballast_mb) for r, w in enumerate(self.workers)],
+            [
+                w.setup.remote(r, self.world_size, self._rendezvous.address, cfg, 0, ballast_mb)
+                for r, w in enumerate(self.workers)
+            ],
             timeout=300,
         )
         return self.infos

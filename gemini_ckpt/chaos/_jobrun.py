@@ -1,5 +1,6 @@
 """One training job on the harness's rank pool (:class:`JobRun`), its rendezvous store
-(:class:`Rendezvous`), and telling infrastructure failures from the library's."""
+(:class:`~gemini_ckpt.testing.ranks.Rendezvous`), and telling infrastructure failures from the
+library's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import uuid
 from typing import Any, Callable, Optional, Protocol
 
+from ..testing.ranks import Rendezvous
 from ._results import HarnessError, InfraError, err, infrastructure
 from ._phases import HookRule
 from ._spec import DOMAIN_LABEL, ChaosConfig
@@ -194,44 +196,6 @@ class JobRun:
                 shutdown_host_stores(self.namespace)
             finally:
                 shutil.rmtree(self.durable_root, ignore_errors=True)
-
-
-class Rendezvous:
-    """The rendezvous of one job start: a ``torch.distributed.TCPStore`` served by the driver,
-    bound to port 0 so that the port it listens on is chosen by the kernel at ``bind`` and
-    stays ours until :meth:`close`. Ranks connect to :attr:`address` as clients.
-
-    (A port found free and released again before the process group binds it can be taken in
-    between by any process on the machine: EADDRINUSE. Nothing here picks a port in advance.)
-
-    ``host``: the address it binds and advertises; on hosts with their own network namespaces
-    (``ChaosConfig.network="netns"``) the head's bridge address, the one the ranks can reach.
-    """
-
-    HOST = "127.0.0.1"
-
-    def __init__(self, world_size: int, timeout_s: float, *, host: str = HOST) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        self.host = host
-        self._store = dist.TCPStore(
-            host, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
-        )
-        self.port: int = self._store.port
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-    @property
-    def closed(self) -> bool:
-        return self._store is None
-
-    def close(self) -> None:
-        """Stop serving and release the port (the store's last reference is dropped)."""
-        self._store = None
 
 
 def infra_problem(answer: Any) -> Optional[str]:

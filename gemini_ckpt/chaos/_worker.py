@@ -1,6 +1,9 @@
 """The training rank: a Ray actor pinned to one simulated host, running the user's job with a
 ``Checkpointer`` and the harness's fault hook.
 
+A :class:`~gemini_ckpt.testing.ranks.TrainingRank` (the process group's join, the Checkpointer,
+the teardown) with the job, its error stages, the fault hook and the storage switch.
+
 Threaded (``max_concurrency=4``) so the driver can ask whether a rank is held at a phase, and
 let it go, while ``run`` is busy. Everything it returns is plain data (and, for the
 reference run, CPU tensors).
@@ -8,13 +11,11 @@ reference run, CPU tensors).
 
 from __future__ import annotations
 
-import datetime
-import os
 import threading
 import time
-import traceback
 from typing import Any, Optional
 
+from ..testing.ranks import TrainingRank
 from ._phases import HookRule
 
 
@@ -27,12 +28,10 @@ def describe_error(exc: BaseException) -> str:
     return text
 
 
-class RankWorker:
+class RankWorker(TrainingRank):
     """One training process (see the module docstring)."""
 
     def __init__(self) -> None:
-        import torch
-
         import gemini_ckpt  # noqa: F401  (imported now: a restart should not pay for it)
         from gemini_ckpt.hoststore.fence import fence_when_node_lost
 
@@ -40,10 +39,7 @@ class RankWorker:
         # the raylet's pid was seen to miss it once): the old machine's rank process must not train on
         fence_when_node_lost("chaos rank process")
 
-        torch.set_num_threads(1)
-        self.rank = -1
-        self.world_size = 0
-        self.ckpt = None
+        super().__init__()
         self.state = None
         self.job = None
         self._rules: list[HookRule] = []
@@ -53,12 +49,6 @@ class RankWorker:
         self._hold_limit_s = 300.0
         self._broken = False  # this process's torch.distributed state is not to be trusted again
         self._stage: Optional[str] = None
-
-    # --- liveness -------------------------------------------------------------------------------
-    def info(self) -> dict:
-        import ray
-
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     # --- a job (re)start --------------------------------------------------------------------------
     def setup(self, spec: dict) -> dict:
@@ -71,9 +61,7 @@ class RankWorker:
         failed: ``"rendezvous"`` (joining the process group) or ``"build"`` (the job's
         ``build``) are the harness's machinery; ``"checkpointer"`` is the library under test.
         After a failed rendezvous or build this process is not reused (see :meth:`teardown`)."""
-        import torch.distributed as dist
-
-        from .. import CheckpointConfig, Checkpointer
+        from .. import CheckpointConfig
         from ..faults import set_hook
         from ..durable.tier import DurableTier
 
@@ -86,13 +74,9 @@ class RankWorker:
                 "stage": stage,
             }
         try:
-            self.rank, self.world_size = spec["rank"], spec["world_size"]
             self.timeout_s = spec["timeout_s"]
-            timeout = datetime.timedelta(seconds=spec["timeout_s"])
             host, port = spec["rendezvous"]
-            # A client of the store the driver already holds bound: no port is picked here.
-            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+            self.join(spec["rank"], spec["world_size"], (host, port), self.timeout_s)
             stage = self._stage = "build"
             self.job = spec["job"]
             self.state = self.job.build(self.rank, self.world_size, spec["seed"])
@@ -109,7 +93,7 @@ class RankWorker:
             store = None
             if spec.get("store_factory") is not None:
                 store = spec["store_factory"](config, self.rank, self.world_size)
-            self.ckpt = Checkpointer(self.state, config, store=store, durable=durable)
+            self.replace_checkpointer(self.state, config, store=store, durable=durable)
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             if stage != "checkpointer":
                 # A failed init_process_group still used up a group name in this process (the next
@@ -250,28 +234,15 @@ class RankWorker:
         not stop within ``limit_s`` (stuck in a collective with a dead peer) or a setup failed
         in its rendezvous or build: the process is then not safe to reuse and the driver
         replaces it."""
-        import torch.distributed as dist
-
         from ..faults import set_hook
 
         set_hook(None)
         self._rules = []
         self._release.set()
-        clean = True
-        if self.ckpt is not None:
-            ckpt, self.ckpt = self.ckpt, None
-            stopper = threading.Thread(target=_quiet_shutdown, args=(ckpt,), daemon=True)
-            stopper.start()
-            stopper.join(limit_s)
-            clean = not stopper.is_alive()
+        clean = super().teardown(limit_s)
         self.state = self.job = None
         self._fs_handler = None
-        if clean and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group is still gone
-                traceback.print_exc()
-        return clean and not self._broken and not dist.is_initialized()
+        return clean and not self._broken
 
 
 def poison_optimizer_state(state) -> str:
@@ -294,10 +265,3 @@ def poison_optimizer_state(state) -> str:
     with torch.no_grad():
         best[0].view(-1)[0] = float("nan")
     return best[1]
-
-
-def _quiet_shutdown(ckpt) -> None:
-    try:
-        ckpt.abort()
-    except BaseException:  # noqa: BLE001 - a crashed job's leftovers
-        pass

@@ -36,7 +36,7 @@ from gemini_ckpt.chaos import (
     versions_after,
 )
 from helpers import listening
-from gemini_ckpt.chaos._jobrun import Rendezvous
+from gemini_ckpt.testing.ranks import Rendezvous
 from gemini_ckpt.chaos._scenarios import CI_NETWORK_SCENARIOS
 
 CONFIG = ChaosConfig()  # 4 hosts, replicas 2, steps 0..5, persisted 1, 3, 5
