@@ -18,6 +18,7 @@ from tier_contract import save_filled  # noqa: E402
 
 from gemini_ckpt import CheckpointConfig  # noqa: E402
 from gemini_ckpt.hoststore.client import connect  # noqa: E402
+from gemini_ckpt.settings import store_settings  # noqa: E402
 from gemini_ckpt.hoststore.cluster import start_host_stores  # noqa: E402
 from gemini_ckpt.testing.cluster import LocalCluster  # noqa: E402
 
@@ -27,7 +28,7 @@ def main(stall_s: float) -> None:
     try:
         config = CheckpointConfig(namespace="gcs-stall", replicas=1, timeout_s=60)
         stores = start_host_stores(config)  # the head's (the driver's, rank 0's) and host 0's
-        tier = connect(config, rank=0, world_size=1)
+        tier = connect(store_settings(config), rank=0, world_size=1)
         save_filled(tier, 1, 3.0)
         assert cluster.node_id(0) in stores and len(stores) == 2
         pids = ray.get([s.__ray_call__.remote(lambda self: os.getpid()) for s in stores.values()], timeout=60)

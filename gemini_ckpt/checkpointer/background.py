@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..config import CheckpointConfig
+from ..settings import SaveSettings
 from ..errors import BackgroundError, CheckpointError, UnhealthyVersionError
 from ..faults import fire
 from ..health import UNCHECKED_VERDICT, Health, no_verdict
@@ -43,12 +43,12 @@ class Background:
     """The background thread and the versions queued for it (started by ``Checkpointer.start``)."""
 
     def __init__(
-        self, inflight: InFlight, lineage: Lineage, stats: CheckpointStats, config: CheckpointConfig, *, rank: int
+        self, inflight: InFlight, lineage: Lineage, stats: CheckpointStats, settings: SaveSettings, *, rank: int
     ) -> None:
         self.inflight = inflight
         self.lineage = lineage
         self.stats = stats
-        self.config = config
+        self.settings = settings
         self.rank = rank
         self.jobs: queue.Queue = queue.Queue()
         self.thread: Optional[threading.Thread] = None
@@ -135,7 +135,7 @@ class Background:
                 outcome = self._hand_off(job)
                 health = outcome.health or (
                     UNCHECKED_VERDICT
-                    if self.config.health_check is None
+                    if self.settings.health_check is None
                     else no_verdict(
                         "the host stores did not say that every shard carries a verdict, though health checks are on "
                         "(a store of another gemini_ckpt version?)"
@@ -186,7 +186,7 @@ class Background:
     def _hand_off(self, job: Job):
         if self.lineage.discard_pending and self.rank == 0:
             self.lineage.discard_abandoned(self.store, self.durable)
-        outcome = job.outcome.result(timeout=self.config.timeout_s)
+        outcome = job.outcome.result(timeout=self.settings.timeout_s)
         if not outcome.committed:
             if outcome.error is not None:
                 raise outcome.error
@@ -225,7 +225,7 @@ class Background:
             )
         else:
             log.info("rank %d: step %d is unhealthy too: %s", self.rank, step, health.reason)
-        if self.config.health_check is not None and self.config.health_check.on_unhealthy == "raise":
+        if self.settings.health_check is not None and self.settings.health_check.on_unhealthy == "raise":
             err = UnhealthyVersionError(
                 f"rank {self.rank}: step {step} is unhealthy: {health.reason}; {good}. Stop and restart from it "
                 f"(restore() skips unhealthy versions), or set HealthCheck(on_unhealthy='warn') to train on",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .. import attempts
 from ..collective import rank0s
 from ..config import CheckpointConfig
+from ..settings import compile_config
 from ..errors import CheckpointError, ConfigError
 from ..faults import fire
 from ..format.commstate import Marker
@@ -75,6 +76,7 @@ class Checkpointer:
         self.config = config if config is not None else CheckpointConfig()
         if not isinstance(self.config, CheckpointConfig):
             raise TypeError("Checkpointer(config=...) must be a CheckpointConfig")
+        self.settings = compile_config(self.config)  # what each part is told (gemini_ckpt.settings)
         if store is not None and not isinstance(store, MemoryTier):
             raise TypeError(
                 f"Checkpointer(store=...) must be a memory tier (gemini_ckpt.stores.base.MemoryTier), "
@@ -88,20 +90,15 @@ class Checkpointer:
         self._flight = InFlight()  # the in-flight slots, the background's errors, the closing flags
         self._bg_group = None
         self._closed = False
-        self.persist_policy = persist_policy(
-            self.config.persist_every, self.config.durable_uri or (durable.uri if durable else None)
-        )
+        durable_uri = self.settings.durable.uri or (durable.uri if durable else None)
+        self.persist_policy = persist_policy(self.settings.durable.every, durable_uri)
         self._durable: Optional[DurableTier] = durable
-        self._durable_retention = durable_retention or KeepNewest(self.config.keep_durable)
+        self._durable_retention = durable_retention or KeepNewest(self.settings.durable.keep)
         self._persister: Optional[Persister] = None
         # the snapshot phase: sources, stager, overlap copier (staging="overlap"), metric history
-        self._snapshot = Snapshot(state, self.config, self.stats, rank=self.rank, world_size=self.world_size)
-        self._lineage = Lineage(
-            self.config.resolved_namespace,
-            overwrite=self.config.overwrite,
-            durable_uri=self.config.durable_uri or (durable.uri if durable else None),
-        )
-        self._background = Background(self._flight, self._lineage, self.stats, self.config, rank=self.rank)
+        self._snapshot = Snapshot(state, self.settings.save, self.stats, rank=self.rank, world_size=self.world_size)
+        self._lineage = Lineage(self.settings.namespace, overwrite=self.settings.overwrite, durable_uri=durable_uri)
+        self._background = Background(self._flight, self._lineage, self.stats, self.settings.save, rank=self.rank)
         self._run_id = uuid.uuid4().hex
         self._warm: Optional[threading.Thread] = None
         self._events = Events(rank=self.rank, on_error=self._flight.add_error)
@@ -132,11 +129,11 @@ class Checkpointer:
         self._warm = threading.Thread(target=warm_up, name="gemini-ckpt-warm-up", daemon=True)
         self._warm.start()
         if self._store is None:
-            self._store = make_store(self.config, rank=self.rank, world_size=self.world_size)
+            self._store = make_store(self.settings, rank=self.rank, world_size=self.world_size)
         for listener in self._store.listeners():
             self._events.add(listener)
-        if self._durable is None and self.config.durable_uri:
-            self._durable = DurableTier(self.config.durable_uri, keep=self._durable_retention)
+        if self._durable is None and self.settings.durable.uri:
+            self._durable = DurableTier(self.settings.durable.uri, keep=self._durable_retention)
         # Steps the memory and durable tiers hold now (rank 0; every rank gets its answer).
         existing = survey(self._store, self._durable) if self.rank == 0 else ()
         if self.world_size > 1:
@@ -151,7 +148,7 @@ class Checkpointer:
             self._persister = start_persister(
                 self._durable,
                 self._store,
-                self.config,
+                self.settings,
                 self.stats,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -248,7 +245,7 @@ class Checkpointer:
         self._snapshot.wait_copy()
         slot, queued = object(), False
         try:  # whatever interrupts us before the job is queued (KeyboardInterrupt too) frees the slot
-            if not self._flight.take(slot, step, self.config, self.stats):
+            if not self._flight.take(slot, step, self.settings.save, self.stats):
                 return SaveHandle(step, skipped=True)
             fire("admitted", step=step, rank=self.rank)
             self._raise_background_errors()
@@ -276,7 +273,7 @@ class Checkpointer:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until every version in flight is committed (or failed); raise what failed."""
-        self._flight.wait(self.config.timeout_s if timeout is None else timeout)
+        self._flight.wait(self.settings.timeout_s if timeout is None else timeout)
         self._raise_background_errors()
 
     def close(self) -> None:
@@ -287,12 +284,12 @@ class Checkpointer:
         try:
             if self._background.started:
                 self.wait()
-                if self._persister is not None and self.config.persist_on_close and self.config.persist_every > 0:
+                if self._persister is not None and self.settings.durable.on_close and self.settings.durable.every > 0:
                     self._persister.persist_on_close(self._background.newest_healthy)
                 self.wait_persisted()
         finally:
             try:
-                self._events.close(self, timeout=self.config.timeout_s)
+                self._events.close(self, timeout=self.settings.timeout_s)
             finally:
                 self._shutdown(raise_errors=True)
             if self.stats.persist_failed:
@@ -308,17 +305,17 @@ class Checkpointer:
         if self._background.started:
             self.wait(timeout)  # a persist is queued when its version commits
         if self._persister is not None:
-            self._persister.wait(self.config.timeout_s if timeout is None else timeout)
+            self._persister.wait(self.settings.timeout_s if timeout is None else timeout)
         self._raise_background_errors()
 
     def _shutdown(self, *, raise_errors: bool, wait: bool = True) -> None:
         # abort (wait=False): the version the background thread is tracking is not waited for;
         # closing the store below fails its outcome at once (the attach socket shuts)
-        self._background.stop(self.config.timeout_s if wait else 0.0, drain=wait)
+        self._background.stop(self.settings.timeout_s if wait else 0.0, drain=wait)
         self._snapshot.stop()
         self._background.fail_unfinished()
         if self._persister is not None:
-            self._persister.stop(self.config.timeout_s)
+            self._persister.stop(self.settings.timeout_s)
         self._closed = True
         if self._store is not None:
             self._store.close()
@@ -329,7 +326,7 @@ class Checkpointer:
         self._flight.raise_errors()
 
     def _persist_failed(self, err: BaseException) -> None:
-        if self.config.persist_errors == "raise":  # else counted in stats and logged only
+        if self.settings.durable.raise_errors:  # else counted in stats and logged only
             self._flight.add_error(err)
 
     # --- restore ------------------------------------------------------------------------------
@@ -354,14 +351,14 @@ class Checkpointer:
         self.start()
         self.wait()
         if self._warm is not None:
-            self._warm.join(timeout=self.config.timeout_s)
+            self._warm.join(timeout=self.settings.timeout_s)
         marks.append(("connected", time.time()))
         with no_gc():
             result, restored_plan = restore_version(
                 self.state,
                 self._store,
                 self._durable,
-                self.config,
+                self.settings.restore,
                 self._lineage,
                 rank=self.rank,
                 world_size=self.world_size,
@@ -383,4 +380,6 @@ class Checkpointer:
         self.start()
         self.wait()
         tiers = [self._store] + ([self._durable] if self._durable is not None else [])
-        return peek_newest(tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group, config=self.config)
+        return peek_newest(
+            tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group, settings=self.settings.restore
+        )

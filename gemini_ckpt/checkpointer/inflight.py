@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 
-from ..config import CheckpointConfig
+from ..settings import SaveSettings
 from ..errors import CheckpointError, CheckpointTimeoutError
 from ..results import CheckpointStats
 
@@ -34,7 +34,7 @@ class InFlight:
     def count(self) -> int:
         return len(self.slots)
 
-    def take(self, slot: object, step: int, config: CheckpointConfig, stats: CheckpointStats) -> bool:
+    def take(self, slot: object, step: int, settings: SaveSettings, stats: CheckpointStats) -> bool:
         """Admit ``save(step)``: wait for a free slot and hold it as ``slot``; False when the
         save is skipped instead (``inflight_policy="skip"``)."""
         with self.lock:
@@ -44,9 +44,9 @@ class InFlight:
                         f"save({step}): this Checkpointer is closing (close() or abort() "
                         f"was called from another thread); build a new one"
                     )
-                if self.count < config.max_inflight:
+                if self.count < settings.max_inflight:
                     break
-                if config.inflight_policy == "skip":
+                if settings.skip_when_busy:
                     stats.skipped += 1
                     log.warning(
                         "skipped save of step %d: %d version(s) still in flight (skipped %d so far)",
@@ -55,9 +55,9 @@ class InFlight:
                         stats.skipped,
                     )
                     return False
-                if not self.lock.wait(timeout=config.timeout_s):
+                if not self.lock.wait(timeout=settings.timeout_s):
                     raise CheckpointTimeoutError(
-                        f"save({step}) waited {config.timeout_s}s for the previous version's "
+                        f"save({step}) waited {settings.timeout_s}s for the previous version's "
                         f"background work; raise CheckpointConfig.timeout_s or look at the store"
                     )
             self.slots.add(slot)

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from typing import Optional
 
-from ..config import CheckpointConfig
+from ..settings import RestoreSettings
 from ..lineage import Lineage
 from ..restore import restore_newest
 from ..results import RestoreResult
@@ -27,7 +27,7 @@ def restore_version(
     state: TrainState,
     store: MemoryTier,
     durable: Optional[DurableTier],
-    config: CheckpointConfig,
+    settings: RestoreSettings,
     lineage: Lineage,
     *,
     rank: int,
@@ -45,13 +45,13 @@ def restore_version(
     if durable is not None:
         tiers.append(durable)
     found = restore_newest(
-        state, tiers, rank=rank, world_size=world_size, group=group, config=config, marks=marks, step=step
+        state, tiers, rank=rank, world_size=world_size, group=group, settings=settings, marks=marks, step=step
     )
     result = found.result
-    if result is None and config.init_from and step is None:
+    if result is None and settings.init_from and step is None:
         from ..init_from import init_from
 
-        result = init_from(state, config.init_from, rank=rank, world_size=world_size, group=group)
+        result = init_from(state, settings.init_from, rank=rank, world_size=world_size, group=group)
     if before is not None and result is not None:
         result = dataclasses.replace(result, rng_state=RandomState(capture_rng()))
         restore_rng_state(before)

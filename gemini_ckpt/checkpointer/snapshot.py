@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..collective import everyones
-from ..config import CheckpointConfig
+from ..settings import SaveSettings
 from ..faults import fire
 from ..health import Health, MetricHistory
 from ..results import CheckpointStats, Phases, SaveHandle, StageInfo
@@ -54,14 +54,14 @@ class Snapshot:
     """The snapshot phase of :meth:`~gemini_ckpt.Checkpointer.save` (see the module docstring)."""
 
     def __init__(
-        self, state: TrainState, config: CheckpointConfig, stats: CheckpointStats, *, rank: int, world_size: int
+        self, state: TrainState, settings: SaveSettings, stats: CheckpointStats, *, rank: int, world_size: int
     ) -> None:
-        self.state, self.config, self.stats = state, config, stats
+        self.state, self.settings, self.stats = state, settings, stats
         self.rank, self.world_size = rank, world_size
         self.sources = Sources(state, rank)
         self.stager = Stager()
-        self.overlap = OverlapCopier(state, self.sources, self.stager, stats, rank=rank, timeout_s=config.timeout_s)
-        check = config.health_check
+        self.overlap = OverlapCopier(state, self.sources, self.stager, stats, rank=rank, timeout_s=settings.timeout_s)
+        check = settings.health_check
         self.history = MetricHistory(check.metrics) if check is not None else None
         self.restored_plan = None  # the restored version's shard plan, until the first save decides on it
         self.store: Optional[MemoryTier] = None
@@ -90,13 +90,13 @@ class Snapshot:
         self.stats.state_dicts = self.sources.rebuilt
         tensors, blobs = captured
         plan = self.sources.plan
-        check = self.config.health_check
+        check = self.settings.health_check
         verdict = check.judge(step, self.state, metrics, self.history) if check is not None else None
         phases.mark("check")
         segment = self.store.segment(plan.shard)
         try:
             phases.mark("segment")
-            behind = self.overlap.behind(tensors) if self.config.staging == "overlap" else []
+            behind = self.overlap.behind(tensors) if self.settings.overlap else []
             if behind:
                 outcome = self.overlap.stage(
                     self.store, step, plan, segment, tensors, blobs, behind, due, verdict, handle, phases, t0
@@ -130,7 +130,7 @@ class Snapshot:
         state_dict = self.sources.live_state()
         restored, self.restored_plan = self.restored_plan, None
         rank, world_size, group = self.rank, self.world_size, self.group
-        job = job_description(self.config, world_size=world_size)
+        job = job_description(self.settings, world_size=world_size)
         plan = None
         if restored is not None:
             flat = flatten(state_dict)
@@ -153,7 +153,7 @@ class Snapshot:
         # DESIGN's invariant: the footprint is known (and over budget refused) before anything is staged
         sizes = everyones(self.sources.plan.shard.region_bytes, world_size=world_size, group=group)
         self.stats.footprint = self.store.footprint(
-            dict(enumerate(sizes)), self.config.keep_in_memory + self.config.max_inflight
+            dict(enumerate(sizes)), self.settings.keep + self.settings.max_inflight
         )
         return captured
 
@@ -163,7 +163,7 @@ class Snapshot:
             value = flat[index.fqn]
             check_saveable(index.fqn, value._local_tensor if hasattr(value, "_local_tensor") else value)
         # The store checks the items the plan names: only here do we know parameters from buffers.
-        checked = checked_items(plan, flat, self.state, self.config.health_check)
+        checked = checked_items(plan, flat, self.state, self.settings.health_check)
         plan.shard = dataclasses.replace(plan.shard, checked=checked)
         return self.sources.bind(plan, flat)
 

@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from ..config import CheckpointConfig
 from ..errors import ConfigError
 from ..durable.writer import Persister
 from ..results import CheckpointStats
@@ -20,7 +19,8 @@ from ..retention import KeepNewest
 from ..stores.base import MemoryTier
 from ..durable.tier import DurableTier
 from ..stores.memory import local_store
-from ..trust.manifest import ENV_KEY, resolve_key
+from ..settings import SaveSettings, Settings
+from ..signing import ENV_KEY
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -35,36 +35,36 @@ def warm_up() -> None:
         log.debug("warm-up failed: %s: %s", type(exc).__name__, exc)
 
 
-def make_store(config: CheckpointConfig, *, rank: int, world_size: int) -> MemoryTier:
-    if config.namespace is None and resolve_key(config.signing_key) is not None:
+def make_store(settings: Settings, *, rank: int, world_size: int) -> MemoryTier:
+    if not settings.store.named and settings.store.key is not None:
         # a signature binds the namespace: every job left on the default one would accept the others' versions
         raise ConfigError(
             f"a signing key (CheckpointConfig.signing_key or ${ENV_KEY}) needs an explicit CheckpointConfig.namespace: "
             f"a signature binds the namespace, and every job left on the default one "
-            f"({config.resolved_namespace!r}) with the same key would accept the others' signed versions as its own. "
+            f"({settings.namespace!r}) with the same key would accept the others' signed versions as its own. "
             f"Set namespace= to a name this run and its restarts alone use (gray.checkpointer names it after the "
             f"Ray Train run)"
         )
-    if config.store == "local":
+    if settings.local:
         if world_size > 1:
             raise ConfigError(
                 f"CheckpointConfig.store='local' keeps versions in one process, but this job has "
                 f"{world_size} ranks; use store='ray' (host stores) for multi-process jobs"
             )
-        return local_store(config.resolved_namespace).attach(keep=KeepNewest(config.keep_in_memory))
+        return local_store(settings.namespace).attach(keep=KeepNewest(settings.store.keep))
     from ..hoststore.client import connect  # Ray is imported only when it is used
 
-    return connect(config, rank=rank, world_size=world_size)
+    return connect(settings.store, rank=rank, world_size=world_size)
 
 
-def job_description(config: CheckpointConfig, *, world_size: int) -> dict:
+def job_description(save: SaveSettings, *, world_size: int) -> dict:
     from .._version import __version__
 
     return {
-        "namespace": config.resolved_namespace,
+        "namespace": save.namespace,
         "world_size": world_size,
-        "replicas": config.replicas,
-        "placement": config.placement,
+        "replicas": save.replicas,
+        "placement": save.placement,
         "gemini_ckpt": __version__,
         "torch": torch.__version__,
     }
@@ -73,7 +73,7 @@ def job_description(config: CheckpointConfig, *, world_size: int) -> dict:
 def start_persister(
     durable: DurableTier,
     store: MemoryTier,
-    config: CheckpointConfig,
+    settings: Settings,
     stats: CheckpointStats,
     *,
     rank: int,
@@ -98,10 +98,10 @@ def start_persister(
         store,
         rank=rank,
         world_size=world_size,
-        timeout_s=config.timeout_s,
-        signing_key=config.signing_key,
+        timeout_s=settings.durable.timeout_s,
+        signing_key=settings.durable.key,
         run_id=run_id,
-        job=job_description(config, world_size=world_size),
+        job=job_description(settings.save, world_size=world_size),
         stats=stats,
         on_error=on_error,
     )

@@ -15,7 +15,7 @@ import time
 
 from ..health import UNCHECKED, Health
 from ..durable.tier import DurableTier
-from ..trust.manifest import resolve_key
+from ..signing import resolve_key
 from ..trust.metadata import load_metadata
 
 

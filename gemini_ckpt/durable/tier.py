@@ -38,7 +38,7 @@ from ..checksum import checksum
 from ..errors import CheckpointError, DamagedFileError, VerificationError
 from ..retention import Retention, as_retention
 from ..trust.items import item_nbytes, safe_opaque, torch_load_value
-from ..trust.manifest import resolve_key
+from ..signing import resolve_key
 from ..trust.metadata import load_metadata
 from ..trust.values import check_torch_bytes
 from ..stores.base import Tier

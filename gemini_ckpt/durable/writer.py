@@ -46,7 +46,8 @@ from ..stores.base import MemoryTier
 from .tier import DurableTier
 from .layout import data_file_name
 from ..format.manifest import ItemChecksum, VersionManifest
-from ..trust.manifest import resolve_key, sign
+from ..signing import resolve_key
+from ..trust.manifest import sign
 from ..trust.metadata import metadata_loads
 from ..trust.values import value_loads
 

@@ -13,10 +13,9 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..config import CheckpointConfig
 from ..errors import CheckpointTimeoutError, ConfigError
-from ..trust.manifest import resolve_key
-from .actors.state import job_settings, store_config
+from ..settings import StoreSettings
+from .actors.state import store_config
 from .attach_client import AttachClient
 from .cluster import (
     current_node_id,
@@ -31,14 +30,15 @@ from .slots import SlotTable, placement_for, unlabelled
 log = logging.getLogger("gemini_ckpt")
 
 
-def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> RayTier:
+def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
     """Connect rank ``rank`` of ``world_size`` to its namespace's host stores.
 
     Collective: every rank of the job calls it (``Checkpointer.start`` does, at the first
     ``save``/``restore``); it returns once all have, with the slot table they share. Creates
-    the registry and this host's store when they do not exist yet.
+    the registry and this host's store when they do not exist yet. ``settings``: the
+    ``CheckpointConfig``'s part for host stores (:func:`gemini_ckpt.settings.store_settings`).
     """
-    if config.namespace is None:
+    if not settings.named:
         raise ConfigError(
             "CheckpointConfig.namespace is required with store='ray' outside Ray Train: host stores are "
             "reachable by every job on the Ray cluster, and a job must not restore (or drop) another's "
@@ -46,36 +46,35 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> RayTier:
             "uses the same name to find them. (gemini_ckpt.integrations.ray_train uses the run name.)"
         )
     ensure_ray()
-    namespace = config.resolved_namespace
+    namespace = settings.namespace
     node_id = current_node_id()
     registry = get_or_create_registry(namespace)
-    store = _start_local_store(config, node_id)
-    key = resolve_key(config.signing_key)
+    store = _start_local_store(settings, node_id)
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
-    job = job_settings(config, key)
+    job = settings.job()
     try:
         joined = ray.get(
-            registry.join.remote(rank, world_size, node_id, config.timeout_s, config.keep_in_memory, job),
-            timeout=config.timeout_s + 10,
+            registry.join.remote(rank, world_size, node_id, settings.timeout_s, settings.keep, job),
+            timeout=settings.timeout_s + 10,
         )
     except RayTaskError as exc:
         raise cause(exc) from None
     except GetTimeoutError:
         raise CheckpointTimeoutError(
-            f"rank {rank}: the registry of namespace {namespace!r} did not answer within {config.timeout_s}s"
+            f"rank {rank}: the registry of namespace {namespace!r} did not answer within {settings.timeout_s}s"
         ) from None
     table = SlotTable.from_registry(namespace, joined)
-    if table.hosts < config.replicas:
+    if table.hosts < settings.replicas:
         raise ConfigError(
-            f"CheckpointConfig.replicas={config.replicas} needs {config.replicas} hosts but this job's "
+            f"CheckpointConfig.replicas={settings.replicas} needs {settings.replicas} hosts but this job's "
             f"ranks run on {table.hosts}; lower replicas to at most {table.hosts} or use more hosts"
         )
     if rank == 0:
-        warning = unlabelled(table.nodes, table.domains, config.failure_domain)
+        warning = unlabelled(table.nodes, table.domains, settings.failure_domain)
         if warning:
             log.warning(warning)
         placement_for(
-            hosts=table.hosts, replicas=config.replicas, strategy=config.placement, domains=table.domains
+            hosts=table.hosts, replicas=settings.replicas, strategy=settings.placement, domains=table.domains
         )  # warns here, once, when the domains cannot be honoured
     epoch = store_config(
         job,
@@ -84,8 +83,8 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> RayTier:
         nodes=tuple(table.nodes),
         ranks_here=tuple(sorted(int(r) for r, n in joined["ranks"].items() if n == node_id)),
         world_size=world_size,
-        keep=config.keep_in_memory,
-        timeout_s=config.timeout_s,
+        keep=settings.keep,
+        timeout_s=settings.timeout_s,
         dead=frozenset(joined["dead"]),
         idle=frozenset(joined["idle"]),
         committed=tuple(tuple(v) for v in joined["committed"]),
@@ -93,13 +92,13 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> RayTier:
         domains=table.domains,
     )
     try:
-        attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=config.timeout_s)
+        attached = ray.get(store.attach.remote(table.epoch, epoch), timeout=settings.timeout_s)
     except RayTaskError as exc:
         raise cause(exc, f"rank {rank}: ") from None
     secret = bytes.fromhex(joined["secret"])
-    channel = AttachClient(attached["attach"], secret, rank=rank, epoch=table.epoch, timeout_s=config.timeout_s)
+    channel = AttachClient(attached["attach"], secret, rank=rank, epoch=table.epoch, timeout_s=settings.timeout_s)
     tier = RayTier(
-        config,
+        settings,
         rank=rank,
         world_size=world_size,
         node_id=node_id,
@@ -113,11 +112,11 @@ def connect(config: CheckpointConfig, *, rank: int, world_size: int) -> RayTier:
     return tier
 
 
-def _start_local_store(config: CheckpointConfig, node_id: str):
+def _start_local_store(settings: StoreSettings, node_id: str):
     # A store killed a moment ago may still hold its name; retry until a live one answers.
-    deadline = time.monotonic() + config.timeout_s
+    deadline = time.monotonic() + settings.timeout_s
     while True:
-        handle = get_or_create_store(config.resolved_namespace, node_id, config.host_memory_budget_bytes)
+        handle = get_or_create_store(settings.namespace, node_id, settings.budget_bytes)
         try:
             ray.get(handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
             return handle
@@ -128,5 +127,5 @@ def _start_local_store(config: CheckpointConfig, node_id: str):
         except GetTimeoutError:
             raise CheckpointTimeoutError(
                 f"the host store on node {node_id[:12]} did not start within "
-                f"{config.timeout_s}s (CheckpointConfig.timeout_s)"
+                f"{settings.timeout_s}s (CheckpointConfig.timeout_s)"
             ) from None

@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..config import CheckpointConfig
+from ..settings import StoreSettings
 from ..errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -35,11 +35,11 @@ class HostStores:
     was gone at the rendezvous (``dead``), is left out of every call and reported to the
     ``registry`` once."""
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, table: SlotTable, registry, dead: set[int]) -> None:
-        self.config, self.rank, self.table = config, rank, table
+    def __init__(self, settings: StoreSettings, *, rank: int, table: SlotTable, registry, dead: set[int]) -> None:
+        self.settings, self.rank, self.table = settings, rank, table
         self._registry = registry
         self._lock = threading.Lock()
-        self._handles = {s: find_store(config.resolved_namespace, n) for s, n in enumerate(table.nodes)}
+        self._handles = {s: find_store(settings.namespace, n) for s, n in enumerate(table.nodes)}
         self._dead: dict[int, str] = {s: "gone at the rendezvous" for s in dead}
         self._dead.update({s: "no host store" for s, h in self._handles.items() if h is None})
 
@@ -70,7 +70,7 @@ class HostStores:
         """Call ``method`` on every live store in parallel; slot -> result (stores that died
         are marked, ones that do not answer in time are left out)."""
         calls = {s: getattr(h, method).remote(*args) for s, h in self.live().items()}
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = time.monotonic() + self.settings.timeout_s
         out = {}
         for slot, ref in calls.items():
             try:
@@ -85,7 +85,7 @@ class HostStores:
                     self.rank,
                     self.describe(slot),
                     method,
-                    self.config.timeout_s,
+                    self.settings.timeout_s,
                 )
         return out
 

@@ -35,7 +35,7 @@ def persist_files(
                     handle.persist_shard.remote(
                         step, rank, uri, directory, data_file_name(rank), sections[rank], opener
                     ),
-                    timeout=hosts.config.timeout_s,
+                    timeout=hosts.settings.timeout_s,
                 )
             except RayActorError:
                 hosts.mark_dead(slot, "died while persisting")

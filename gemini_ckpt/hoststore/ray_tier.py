@@ -28,7 +28,7 @@ import threading
 from typing import Optional
 
 
-from ..config import CheckpointConfig, Interleave
+from ..config import Interleave
 from ..errors import (
     AttachError,
     MemoryBudgetError,
@@ -36,6 +36,7 @@ from ..errors import (
     VersionNotFoundError,
 )
 from ..health import HEALTHY_VERDICT, Health
+from ..settings import StoreSettings
 from ..stores.views import MemoryVersion
 from ..stores.base import Capabilities, MemoryTier, Outcome
 from ..format.commstate import CommState, Marker
@@ -60,7 +61,7 @@ class RayTier(MemoryTier):
 
     def __init__(
         self,
-        config: CheckpointConfig,
+        settings: StoreSettings,
         *,
         rank: int,
         world_size: int,
@@ -71,13 +72,13 @@ class RayTier(MemoryTier):
         attach: AttachClient,
         dead: set[int],
     ) -> None:
-        self.config, self.rank, self.world_size, self.node_id = config, rank, world_size, node_id
+        self.settings, self.rank, self.world_size, self.node_id = settings, rank, world_size, node_id
         self.table, self.epoch, self.slot = table, table.epoch, table.slot_of(node_id)
         self._secret, self._attach = secret, attach
         self._lock = threading.Lock()
-        self.hosts = HostStores(config, rank=rank, table=table, registry=registry, dead=dead)
+        self.hosts = HostStores(settings, rank=rank, table=table, registry=registry, dead=dead)
         self.reads = TierReads(
-            config, rank=rank, slot=self.slot, node_id=node_id, secret=secret, attach=attach, hosts=self.hosts
+            settings, rank=rank, slot=self.slot, node_id=node_id, secret=secret, attach=attach, hosts=self.hosts
         )
         self.peer_reads = self.reads.peer_reads
         self._segments: dict[int, Segment] = {}
@@ -102,8 +103,8 @@ class RayTier(MemoryTier):
             for holder in holders_for(
                 slot,
                 hosts=self.table.hosts,
-                replicas=self.config.replicas,
-                strategy=self.config.placement,
+                replicas=self.settings.replicas,
+                strategy=self.settings.placement,
                 dead=dead,
                 domains=self.table.domains,
             ):
@@ -285,18 +286,18 @@ class RayTier(MemoryTier):
 
     def listeners(self) -> list:
         """This rank's metrics (``CheckpointConfig.metrics``; :mod:`gemini_ckpt.hoststore.metrics`)."""
-        if not self.config.metrics:
+        if not self.settings.metrics:
             return []
         from .metrics import trainer_metrics
 
-        found = trainer_metrics(self.config.resolved_namespace, self.rank)
+        found = trainer_metrics(self.settings.namespace, self.rank)
         return [found] if found is not None else []
 
     def comm_marker(self) -> Optional[Marker]:
         """This rank's slot in its host store's comm state (asked for once; None unless
         ``interleave`` is ``True``/``"gate"``): marks in it hold the store's sends back
         (docs/interleave.md)."""
-        if self.config.interleave_mode != Interleave.GATE:
+        if self.settings.interleave != Interleave.GATE:
             return None
         with self._lock:
             if self._marker is None and not self._no_marker:

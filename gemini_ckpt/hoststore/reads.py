@@ -16,7 +16,7 @@ from typing import Optional
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..config import CheckpointConfig
+from ..settings import StoreSettings
 from ..errors import ReadNotStoppedError, ShardFormatError, VersionNotFoundError
 from ..format.shards import ShardPlan, ShardRecord
 from ..stores.views import MemoryVersion, ShardCopy
@@ -37,7 +37,7 @@ class TierReads:
 
     def __init__(
         self,
-        config: CheckpointConfig,
+        settings: StoreSettings,
         *,
         rank: int,
         slot: int,
@@ -46,7 +46,7 @@ class TierReads:
         attach: AttachClient,
         hosts: HostStores,
     ) -> None:
-        self.config, self.rank, self.slot, self.node_id = config, rank, slot, node_id
+        self.settings, self.rank, self.slot, self.node_id = settings, rank, slot, node_id
         self._secret, self._attach, self._hosts = secret, attach, hosts
         self._lock = threading.Lock()
         self._where: dict[int, Resolved] = {}
@@ -60,7 +60,7 @@ class TierReads:
             cancel=self._cancel,
             lost=hosts.mark_dead,
             describe=hosts.describe,
-            timeout_s=config.timeout_s,
+            timeout_s=settings.timeout_s,
         )
 
     def where(self, step: int) -> Optional[Resolved]:
@@ -110,7 +110,7 @@ class TierReads:
                 where = self._where.get(step)
         if where is None or not where.committed:
             raise VersionNotFoundError(
-                f"step {step} is not committed on the live host stores of namespace {self.config.resolved_namespace!r}"
+                f"step {step} is not committed on the live host stores of namespace {self.settings.namespace!r}"
             )
         plans, records, copies, problems = {}, {}, {}, []
         with self._lock:
@@ -153,7 +153,7 @@ class TierReads:
         out = {}
         for slot, ref in calls.items():
             try:
-                out[slot] = ray.get(ref, timeout=self.config.timeout_s)
+                out[slot] = ray.get(ref, timeout=self.settings.timeout_s)
             except RayActorError:
                 self._hosts.mark_dead(slot, "died")
             except (RayTaskError, GetTimeoutError) as exc:
@@ -218,7 +218,7 @@ class TierReads:
             if self._transport is None:
                 self._transport = TcpTransport(
                     self._secret,
-                    self.config.resolved_namespace,
+                    self.settings.namespace,
                     host_name=self.node_id,
                     config=TcpConfig(progress_timeout_s=TIMEOUTS.progress_s),
                 )

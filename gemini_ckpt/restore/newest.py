@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from ..collective import everyones
-from ..config import CheckpointConfig
+from ..settings import RestoreSettings
 from ..errors import (
     CheckpointError,
     ChecksumError,
@@ -59,7 +59,7 @@ def restore_newest(
     rank: int,
     world_size: int,
     group,
-    config: CheckpointConfig,
+    settings: RestoreSettings,
     marks: Optional[list] = None,
     step: Optional[int] = None,
 ) -> Restored:
@@ -104,7 +104,7 @@ def restore_newest(
                 rank=rank,
                 world_size=world_size,
                 group=group,
-                config=config,
+                settings=settings,
                 t0=t0,
                 marks=marks,
                 allow_unhealthy=named is not None,

@@ -16,9 +16,8 @@ from typing import Any, Optional
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..collective import everyones
-from ..config import CheckpointConfig
+from ..settings import RestoreSettings
 from ..state.train_state import EXTRA, RANK_LOCAL, extra_from
-from ..trust.manifest import resolve_key
 from .newest import surveyed_by_rank0
 from .opening import open_views
 from .version import source_rank_of, short
@@ -36,10 +35,10 @@ class Peeked:
     extra: dict
 
 
-def peek_newest(tiers: list, *, rank: int, world_size: int, group, config: CheckpointConfig) -> Optional[Peeked]:
+def peek_newest(tiers: list, *, rank: int, world_size: int, group, settings: RestoreSettings) -> Optional[Peeked]:
     _, order, _ = surveyed_by_rank0(tiers, None, rank=rank, world_size=world_size, group=group)
     for step, holding in order:
-        found, why = _peek_one([tiers[i] for i in holding], step, rank=rank, world_size=world_size, config=config)
+        found, why = _peek_one([tiers[i] for i in holding], step, rank=rank, world_size=world_size, settings=settings)
         everyone = everyones(why, world_size=world_size, group=group)
         if not any(everyone):
             return found
@@ -51,9 +50,9 @@ def peek_newest(tiers: list, *, rank: int, world_size: int, group, config: Check
 
 
 def _peek_one(
-    tiers: list, step: int, *, rank: int, world_size: int, config: CheckpointConfig
+    tiers: list, step: int, *, rank: int, world_size: int, settings: RestoreSettings
 ) -> tuple[Optional[Peeked], Optional[str]]:
-    views, problems = open_views(tiers, step, resolve_key(config.signing_key), config.resolved_namespace)
+    views, problems = open_views(tiers, step, settings.key, settings.namespace)
     try:
         if not views:
             return None, "; ".join(problems) or "no tier opens it"
@@ -61,7 +60,7 @@ def _peek_one(
         if primary.health.unhealthy:
             return None, f"unhealthy: {short(primary.health.reason)}"
         try:
-            source_rank = source_rank_of(rank, primary.world_size, world_size, config)
+            source_rank = source_rank_of(rank, primary.world_size, world_size, settings)
             key = f"{RANK_LOCAL}.{source_rank}.{EXTRA}"
             extra: Any = None
             errors = []

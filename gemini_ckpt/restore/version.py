@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 
 from ..collective import everyones
-from ..config import CheckpointConfig
+from ..settings import RestoreSettings
 from ..errors import (
     CheckpointError,
     ChecksumError,
@@ -30,7 +30,6 @@ from ..errors import (
 from ..results import RestoreResult
 from ..state.dcp import flatten, live_storages
 from ..state.train_state import GRADS, MODEL, OPTIM, TrainState, derive_rng_state, restore_rng_state
-from ..trust.manifest import resolve_key
 from .direct import direct_load, direct_plan
 from .loader import load as dcp_load
 from .opening import open_views
@@ -62,7 +61,7 @@ def load_version(
     rank: int,
     world_size: int,
     group,
-    config: CheckpointConfig,
+    settings: RestoreSettings,
     t0: float,
     marks: Optional[list] = None,
     allow_unhealthy: bool = False,
@@ -72,7 +71,7 @@ def load_version(
     fingerprint = None
     direct = None
     health = None
-    views, problems = open_views(tiers, step, resolve_key(config.signing_key), config.resolved_namespace)
+    views, problems = open_views(tiers, step, settings.key, settings.namespace)
     marks.append(("fetched", time.time()))  # the version's plans and records, verified
     if not views:
         outcome = ("skip", "; ".join(problems))
@@ -87,7 +86,7 @@ def load_version(
             metadata: Metadata = primary.metadata
             saved_keys = set(metadata.state_dict_metadata)
             saved_ws = primary.world_size
-            source_rank = source_rank_of(rank, saved_ws, world_size, config)
+            source_rank = source_rank_of(rank, saved_ws, world_size, settings)
             target = state.load_target(
                 rank=rank, saved_keys=saved_keys, source_rank=source_rank, saved=metadata.state_dict_metadata
             )
@@ -208,10 +207,10 @@ def check_structure(target: dict[str, Any], metadata: Metadata) -> None:
         )
 
 
-def source_rank_of(rank: int, saved_ws: int, world_size: int, config: CheckpointConfig) -> int:
+def source_rank_of(rank: int, saved_ws: int, world_size: int, settings: RestoreSettings) -> int:
     if saved_ws == world_size:
         return rank
-    if config.world_size_change == "error":
+    if not settings.derive_world_size:
         raise ConfigError(
             f"the version was saved at world size {saved_ws} and this job has {world_size}; "
             f"CheckpointConfig.world_size_change='error' forbids mapping rank-local state; "

@@ -1,4 +1,4 @@
-"""The manifest as JSON, and the keys that sign it: ``resolve_key``, ``sign`` and
+"""The manifest as JSON, and its signature: ``sign`` and
 ``check_signature`` (HMAC-SHA256 over the canonical encoding), ``manifest_to_json`` and
 ``manifest_from_json`` for the durable marker, ``check_marker`` for a marker read before its
 ``.metadata``, and ``check_metadata`` (the ``.metadata`` checksum). Nothing here unpickles
@@ -6,32 +6,21 @@ anything, and nothing here imports torch."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from ..checksum import checksum
 from ..errors import VerificationError
-from ..signing import canonical, mac, mac_matches
+from ..signing import ENV_KEY, canonical, mac, mac_matches
 from ..health import Health
 from ..format.manifest import ItemChecksum, VersionManifest
 
-ENV_KEY = "GEMINI_CKPT_SIGNING_KEY"
 FORMAT = "gemini_ckpt/2"
 LEGACY_FORMATS = ("gemini_ckpt/1",)  # markers without metadata/manifest checksums
 _SIGN_CONTEXT = b"gemini_ckpt manifest hmac-sha256 v1\x00"
 
 
-# --- keys and signatures ----------------------------------------------------------------------
-def resolve_key(key: Union[bytes, str, None] = None) -> Optional[bytes]:
-    """The signing key: ``key`` if given, else ``$GEMINI_CKPT_SIGNING_KEY``, else None."""
-    if key is None:
-        key = os.environ.get(ENV_KEY) or None
-    if key is None:
-        return None
-    return key.encode() if isinstance(key, str) else bytes(key)
-
-
+# --- signatures ------------------------------------------------------------------------------
 def sign(manifest: VersionManifest, key: Optional[bytes]) -> VersionManifest:
     """``manifest`` with its HMAC-SHA256 signature (unchanged when ``key`` is None)."""
     if key is None:

@@ -81,8 +81,9 @@ def _acknowledges_without_copying(config, rank, world_size):
     import dataclasses
 
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
 
-    return connect(dataclasses.replace(config, replicas=1), rank=rank, world_size=world_size)
+    return connect(store_settings(dataclasses.replace(config, replicas=1)), rank=rank, world_size=world_size)
 
 
 @pytest.mark.ray

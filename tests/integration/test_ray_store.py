@@ -186,10 +186,13 @@ def test_without_the_secret_a_peer_gets_nothing_and_writes_nothing(ray_cluster):
     from gemini_ckpt.errors import AttachError
     from gemini_ckpt.hoststore.attach_client import AttachClient
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from gemini_ckpt.dataplane import AuthenticationError, Header, PeerLostError, TcpTransport
     from tier_contract import save_filled
 
-    tier = connect(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60), rank=0, world_size=1)
+    tier = connect(
+        store_settings(CheckpointConfig(namespace="dataplane-auth", replicas=1, timeout_s=60)), rank=0, world_size=1
+    )
     try:
         save_filled(tier, 1, 2.0)  # the job's own save goes through
         actor = find_store("dataplane-auth", tier.node_id)
@@ -231,10 +234,13 @@ def test_an_authenticated_peer_cannot_make_a_store_allocate_past_its_limits(ray_
     it is allocated, and the store goes on with the job's versions."""
     from gemini_ckpt.hoststore.actors.replication import MAX_META_TRANSFER_BYTES
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from gemini_ckpt.dataplane import Header, TcpTransport, TransferRejectedError
     from tier_contract import save_filled
 
-    tier = connect(CheckpointConfig(namespace="dataplane-meta", replicas=1, timeout_s=60), rank=0, world_size=1)
+    tier = connect(
+        store_settings(CheckpointConfig(namespace="dataplane-meta", replicas=1, timeout_s=60)), rank=0, world_size=1
+    )
     try:
         save_filled(tier, 1, 2.0)
         actor = find_store("dataplane-meta", tier.node_id)
@@ -268,10 +274,11 @@ def test_ranks_with_different_signing_keys_are_refused_when_they_connect(ray_clu
     import concurrent.futures
 
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
 
     def join(rank: int, key):
         cfg = CheckpointConfig(namespace="mixed-keys", replicas=1, timeout_s=60, signing_key=key)
-        return connect(cfg, rank=rank, world_size=2)
+        return connect(store_settings(cfg), rank=rank, world_size=2)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(join, 0, "the-secret"), pool.submit(join, 1, None)]

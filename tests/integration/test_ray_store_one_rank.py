@@ -25,10 +25,13 @@ HOSTS = 4
 @pytest.mark.ray
 def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from tier_contract import check_tier_contract
 
     tier = connect(
-        CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120), rank=0, world_size=1
+        store_settings(CheckpointConfig(namespace="contract", replicas=1, keep_in_memory=2, timeout_s=120)),
+        rank=0,
+        world_size=1,
     )
     try:
         check_tier_contract(tier, keep=2)
@@ -42,10 +45,13 @@ def test_the_host_stores_keep_the_memory_tier_contract(ray_cluster):
 @pytest.mark.ray
 def test_reads_from_a_peer_through_the_read_ahead_blocks_are_exact_in_any_order(ray_cluster):
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from gemini_ckpt.hoststore.readahead import PeerCopy
     from tier_contract import save_filled
 
-    tier = connect(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120), rank=0, world_size=1)
+    tier = connect(
+        store_settings(CheckpointConfig(namespace="readahead", replicas=1, timeout_s=120)), rank=0, world_size=1
+    )
     try:
         plan = save_filled(tier, 5, 3.0)
         size = plan.shard.region_bytes
@@ -88,10 +94,13 @@ def test_a_reader_that_skips_read_ahead_blocks_still_in_flight_reads_on(ray_clus
     sends them, and back: every range it reads is exact, and no push it wants fails (the blocks
     it skipped are refused, and that must not close the channel the wanted ones share)."""
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from gemini_ckpt.hoststore.readahead import PeerCopy
 
     tier = connect(
-        CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120, replication_bandwidth=1 << 20),
+        store_settings(
+            CheckpointConfig(namespace="readahead-skip", replicas=1, timeout_s=120, replication_bandwidth=1 << 20)
+        ),
         rank=0,
         world_size=1,
     )
@@ -119,10 +128,13 @@ def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster)
     exact. (Before, the refusal closed the shared channel and failed the wanted push: the rare
     "the channel ... was closed" of the read-ahead tests.)"""
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from gemini_ckpt.hoststore.readahead import PeerCopy
 
     tier = connect(
-        CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120, replication_bandwidth=1 << 20),
+        store_settings(
+            CheckpointConfig(namespace="readahead-refuse", replicas=1, timeout_s=120, replication_bandwidth=1 << 20)
+        ),
         rank=0,
         world_size=1,
     )
@@ -150,11 +162,14 @@ def test_a_range_the_reader_refuses_leaves_its_other_pushes_landing(ray_cluster)
 @pytest.mark.ray
 def test_a_save_over_the_memory_budget_is_refused_before_anything_is_dropped(ray_cluster):
     from gemini_ckpt.hoststore.client import connect
+    from gemini_ckpt.settings import store_settings
     from tier_contract import save_filled
 
     tier = connect(
-        CheckpointConfig(
-            namespace="budget", replicas=1, keep_in_memory=1, host_memory_budget_bytes=12_000, timeout_s=120
+        store_settings(
+            CheckpointConfig(
+                namespace="budget", replicas=1, keep_in_memory=1, host_memory_budget_bytes=12_000, timeout_s=120
+            )
         ),
         rank=0,
         world_size=1,

@@ -34,6 +34,7 @@ LAYERS = [
         "retention",
         "timeouts",
         "config",
+        "settings",
     },
     # the data plane (authenticated TCP streams, stdlib only) and the commit protocol (sans-I/O)
     {"dataplane", "commit"},

@@ -140,9 +140,10 @@ def test_a_newer_checkpointer_on_the_same_namespace_fences_the_older_one():
 
 def test_store_ray_outside_ray_train_needs_a_namespace():
     from gemini_ckpt.hoststore.client import connect as connect_ray_store
+    from gemini_ckpt.settings import store_settings
 
     with pytest.raises(ConfigError, match=r"CheckpointConfig.namespace is required with store='ray'.*namespace='lm-7'"):
-        connect_ray_store(CheckpointConfig(store="ray"), rank=0, world_size=1)
+        connect_ray_store(store_settings(CheckpointConfig(store="ray")), rank=0, world_size=1)
 
 
 # --- never delete what we did not write ---------------------------------------------------------

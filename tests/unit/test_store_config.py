@@ -1,14 +1,15 @@
-"""What a host store is told for an epoch (issue 42, part 3: one builder). Ranks build it at their
-rendezvous from their CheckpointConfig; the registry builds it for a store without ranks (a
-replacement it adopts) from the job settings the ranks sent. Before, the registry's own copy of
-the builder left ``metrics`` out: a job with metrics off had its replacement's store publish them."""
+"""What a host store is told for an epoch (one builder). Ranks build it at their rendezvous from
+their compiled settings; the registry builds it for a store without ranks (a replacement it
+adopts) from the job settings the ranks sent. Before, the registry's own copy of the builder
+left ``metrics`` out: a job with metrics off had its replacement's store publish them."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from gemini_ckpt import CheckpointConfig
-from gemini_ckpt.hoststore.actors.state import EpochConfig, job_settings, store_config
+from gemini_ckpt.hoststore.actors.state import EpochConfig, store_config
+from gemini_ckpt.settings import compile_config
 
 FACTS = dict(
     epoch=3,
@@ -36,8 +37,9 @@ def test_every_setting_of_the_job_reaches_the_store_and_the_job_settings_are_pla
         metrics=False,
         failure_domain="rack",
         keep_in_memory=2,
+        signing_key=b"\x01\x02",
     )
-    job = job_settings(config, b"\x01\x02")
+    job = compile_config(config).store.job()
     assert job == {
         "replicas": 3,
         "strategy": "ring",

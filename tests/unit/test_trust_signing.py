@@ -16,7 +16,7 @@ from gemini_ckpt.chaos import damage_copy
 from gemini_ckpt import ChecksumError, CheckpointConfig, Checkpointer, ConfigError
 from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import lm_loss
-from gemini_ckpt.trust.manifest import ENV_KEY
+from gemini_ckpt.signing import ENV_KEY
 from forge import reseal
 from toy_jobs import params_of
 from trust_support import JOBS, MARKER, NAMESPACE, NEWEST, OLDER

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ...config import CheckpointConfig, Interleave, interleave_mode
+from ...config import Interleave, interleave_mode
 from ...commit import HostCommit, VersionState
 from .versions import VersionTable
 
@@ -43,22 +43,6 @@ class EpochConfig:
         return len(self.nodes)
 
 
-def job_settings(config: CheckpointConfig, key: Optional[bytes]) -> dict:
-    """What a job tells its registry about itself at every rendezvous (plain values: it travels
-    over Ray and is kept there), compiled once from the rank's ``CheckpointConfig``: the registry
-    tells stores from it outside a rendezvous (:func:`store_config`) and budgets replacements'."""
-    return {
-        "replicas": config.replicas,
-        "strategy": config.placement,
-        "budget": config.host_memory_budget_bytes,
-        "key": key.hex() if key else None,
-        "bandwidth": config.replication_bandwidth,
-        "domain": config.failure_domain,
-        "interleave": config.interleave_mode,
-        "metrics": bool(config.metrics),
-    }
-
-
 def store_config(
     job: dict,
     *,
@@ -76,7 +60,8 @@ def store_config(
     domains: Optional[tuple],
 ) -> EpochConfig:
     """What a host store is told for an epoch: the one builder, used by ranks at their rendezvous
-    and by the registry for a store without ranks. ``job``: :func:`job_settings`."""
+    and by the registry for a store without ranks. ``job``: what the job told its registry
+    (:meth:`gemini_ckpt.settings.StoreSettings.job`)."""
     return EpochConfig(
         epoch=epoch,
         slot=slot,
