@@ -53,18 +53,18 @@ class Recovery:
     """Replacements and re-replication for the registry (``s``: its shared state). Held by the
     chaos harness while it lands a second failure (:meth:`hold`)."""
 
-    def __init__(self, s: RegistryState) -> None:
-        self.s = s
+    def __init__(self, state: RegistryState) -> None:
+        self.slots, self.terms, self.commits, self.rerep, self.reports = state.parts()
 
     def note_nodes(self) -> None:
         for n in ray.nodes():
             if n.get("Alive"):
-                self.s.node_info[n["NodeID"]] = _node_info(n)
+                self.slots.node_info[n["NodeID"]] = _node_info(n)
 
     def note_deaths(self) -> None:
         """When Ray declared each lost host's node dead (the recovery timeline)."""
         alive = None
-        for event in self.s.recovery:
+        for event in self.rerep.timeline:
             if "node_dead" not in event:
                 alive = set(alive_node_ids()) if alive is None else alive
                 if event["node_id"] not in alive:
@@ -77,48 +77,48 @@ class Recovery:
         A replacement is a live node without a slot whose resources have the same names as the
         dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
         carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
-        if not self.s.job:
+        if not self.terms.job:
             return
-        dead = sorted(s for s in self.s.dead if self.s.nodes[s] not in self._alive_now())
+        dead = sorted(s for s in self.slots.dead if self.slots.nodes[s] not in self._alive_now())
         if not dead:
             return
-        taken = set(self.s.nodes)
+        taken = set(self.slots.nodes)
         for n in ray.nodes():
             if not dead:
                 break
             node = n["NodeID"]
             if not n.get("Alive") or node in taken:
                 continue
-            slot = next((s for s in dead if _same_kind(self.s.node_info.get(self.s.nodes[s]), n)), None)
+            slot = next((s for s in dead if _same_kind(self.slots.node_info.get(self.slots.nodes[s]), n)), None)
             if slot is None:
                 continue
             dead.remove(slot)
-            old = self.s.nodes[slot]
-            store = get_or_create_store(self.s.namespace, node, self.s.job.get("budget"), judge=False)
+            old = self.slots.nodes[slot]
+            store = get_or_create_store(self.slots.namespace, node, self.terms.job.get("budget"), judge=False)
             cfg = self.epoch_config(slot)
             try:
-                await asyncio.wait_for(store.attach.remote(self.s.epoch, cfg), timeout=self.s.timeout_s)
+                await asyncio.wait_for(store.attach.remote(self.slots.epoch, cfg), timeout=self.terms.timeout_s)
             except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
                 log.warning(
                     "registry %s: the replacement node %s for slot %d could not start its store: %s",
-                    self.s.namespace,
+                    self.slots.namespace,
                     node[:12],
                     slot,
                     exc,
                 )
                 continue
-            self.s.nodes[slot] = node
-            self.s.node_info[node] = _node_info(n)
-            self.s.handles.pop(slot, None)
-            self.s.dead.discard(slot)
-            self.s.event(
+            self.slots.nodes[slot] = node
+            self.slots.node_info[node] = _node_info(n)
+            self.slots.handles.pop(slot, None)
+            self.slots.dead.discard(slot)
+            self.reports.event(
                 f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
                 f"dead host's copies now)"
             )
-            for event in self.s.recovery:
+            for event in self.rerep.timeline:
                 if event["slot"] == slot and "replacement" not in event:
                     event.update(replacement=node, replacement_joined=time.time())
-            self.s.rerep_pending = True
+            self.rerep.pending = True
 
     def _alive_now(self) -> set[str]:
         return set(alive_node_ids())
@@ -127,21 +127,21 @@ class Recovery:
         """What a store without ranks this epoch is told (as ranks tell theirs in ``attach``): a
         replacement adopted outside a rendezvous, or a live store whose ranks went elsewhere at
         one. It holds copies only, this epoch."""
-        committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
+        committed = self.commits.coordinator.committed_versions() if self.commits.coordinator is not None else ()
         return store_config(
-            self.s.job,
-            epoch=self.s.epoch,
+            self.terms.job,
+            epoch=self.slots.epoch,
             slot=slot,
-            nodes=tuple(self.s.nodes),
+            nodes=tuple(self.slots.nodes),
             ranks_here=(),
-            world_size=self.s.coordinator.world_size if self.s.coordinator is not None else 0,
-            keep=self.s.keep,
-            timeout_s=self.s.timeout_s,
-            dead=frozenset(self.s.dead - {slot}),
-            idle=frozenset(set(self.s.idle) | {slot}),
+            world_size=self.commits.coordinator.world_size if self.commits.coordinator is not None else 0,
+            keep=self.terms.keep,
+            timeout_s=self.terms.timeout_s,
+            dead=frozenset(self.slots.dead - {slot}),
+            idle=frozenset(set(self.slots.idle) | {slot}),
             committed=tuple((v.epoch, v.step) for v in committed),
-            secret=self.s.secret,
-            domains=self.s.domains,
+            secret=self.slots.secret,
+            domains=self.slots.domains,
         )
 
     async def rereplicate(self) -> None:
@@ -150,10 +150,10 @@ class Recovery:
         sent by a store that holds one. A copy becomes visible only once its new holder checked
         it, so a version is never half-copied to a reader. Runs until nothing is missing (or
         nothing missing can be fixed: no live copy)."""
-        if not self.s.job or not self.s.nodes:
-            self.s.rerep_pending = False
+        if not self.terms.job or not self.slots.nodes:
+            self.rerep.pending = False
             return
-        live = {s: self.s.store(s) for s in range(len(self.s.nodes)) if s not in self.s.dead}
+        live = {s: self.slots.store(s) for s in range(len(self.slots.nodes)) if s not in self.slots.dead}
         live = {s: h for s, h in live.items() if h is not None}
         indexes = {}
         for slot, handle in live.items():
@@ -165,9 +165,9 @@ class Recovery:
         # The versions a restore may choose: committed and not unhealthy (one kept for inspection
         # is never made again).
         committed = sorted((s for s, r in found.items() if r.committed and r.health != "unhealthy"), reverse=True)[
-            : max(1, self.s.keep)
+            : max(1, self.terms.keep)
         ]
-        replicas, strategy = int(self.s.job.get("replicas", 2)), self.s.job.get("strategy", "auto")
+        replicas, strategy = int(self.terms.job.get("replicas", 2)), self.terms.job.get("strategy", "auto")
         sends = []
         for step in committed:
             where = found[step]
@@ -186,11 +186,11 @@ class Recovery:
                 try:
                     want = holders_for(
                         owner,
-                        hosts=len(self.s.nodes),
+                        hosts=len(self.slots.nodes),
                         replicas=replicas,
                         strategy=strategy,
-                        dead=self.s.dead,
-                        domains=self.s.domains,
+                        dead=self.slots.dead,
+                        domains=self.slots.domains,
                     )
                 except Exception:  # noqa: BLE001 - too few live hosts for the copies asked: nothing to do
                     continue
@@ -198,7 +198,7 @@ class Recovery:
                     source = slots[len(sends) % len(slots)]  # spread the sending over the holders
                     sends.append((step, rank, source, target))
         if not sends:
-            self.s.rerep_pending = False
+            self.rerep.pending = False
             self._rereplicated()
             return
         endpoints = {}
@@ -208,14 +208,16 @@ class Recovery:
         t0 = time.time()
         results = await asyncio.gather(
             *[
-                asyncio.wait_for(live[source].send_copy.remote(step, rank, endpoints[target]), timeout=self.s.timeout_s)
+                asyncio.wait_for(
+                    live[source].send_copy.remote(step, rank, endpoints[target]), timeout=self.terms.timeout_s
+                )
                 for step, rank, source, target in sends
             ],
             return_exceptions=True,
         )
         failed = [(send, r) for send, r in zip(sends, results) if isinstance(r, BaseException)]
         moved = sum(r for r in results if isinstance(r, int))
-        self.s.event(
+        self.reports.event(
             f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
             f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else "")
         )
@@ -223,7 +225,7 @@ class Recovery:
 
     def _rereplicated(self) -> None:
         now = time.time()
-        for event in self.s.recovery:
+        for event in self.rerep.timeline:
             event.setdefault("rereplicated", now)
             if "replacement" in event:
                 event.setdefault("replacement_seeded", now)
@@ -231,14 +233,14 @@ class Recovery:
     def hold(self) -> None:
         """Fault injection (the chaos harness): make no copies and adopt no replacement until
         :meth:`release`, so a second failure can land inside that window."""
-        self.s.rerep_held = True
+        self.rerep.held = True
 
     def release(self) -> None:
-        self.s.rerep_held = False
+        self.rerep.held = False
 
     def timeline(self) -> list[dict]:
         """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,
         ``node_dead`` as Ray declared it, ``rereplicated`` (every committed version back to
         ``replicas`` copies), ``replacement_joined`` and ``replacement_seeded`` (its store holds
         the dead host's copies), and the ``slot``, ``node_id`` and ``replacement`` node."""
-        return [dict(e) for e in self.s.recovery]
+        return [dict(e) for e in self.rerep.timeline]

@@ -18,7 +18,8 @@ An async actor: ``join`` waits for the whole world, the liveness loop is a task.
 
 :class:`Registry` is a facade: the coordinator and liveness are its own; the rendezvous
 (:mod:`.rendezvous`) and the work after a host is lost (:mod:`.recovery`) are collaborators, all
-sharing one :class:`~.registry_state.RegistryState`.
+sharing one :class:`~.registry_state.RegistryState` in named parts (slots, the job's terms,
+commits, re-replication, reports).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class Registry:
     def __init__(self, namespace: str) -> None:
         configure_logging()
         self.namespace = namespace
-        self.s = RegistryState(namespace)
-        self.recovery_work = Recovery(self.s)
-        self.rendezvous = Rendezvous(self.s, self.recovery_work)
+        state = RegistryState(namespace)
+        self.slots, self.terms, self.commits, self.rerep, self.reports = state.parts()
+        self.recovery_work = Recovery(state)
+        self.rendezvous = Rendezvous(state, self.recovery_work)
         self._watch: Optional[asyncio.Task] = None
 
     # --- the rendezvous ----------------------------------------------------------------------------
@@ -68,40 +70,40 @@ class Registry:
     # --- the coordinator ---------------------------------------------------------------------------
     async def commit_message(self, message) -> None:
         """A vote or a query from a store (fire-and-forget)."""
-        coordinator = self.s.coordinator
-        if coordinator is None or message.version.epoch != self.s.epoch:
+        coordinator = self.commits.coordinator
+        if coordinator is None or message.version.epoch != self.slots.epoch:
             return
-        self.s.started.setdefault(message.version, time.monotonic())
+        self.commits.started.setdefault(message.version, time.monotonic())
         self._apply(coordinator.on_message(message))
 
     def _apply(self, actions: list) -> None:
         for a in actions:
             if isinstance(a, Send) and a.to != COORDINATOR:
-                handle = self.s.store(a.to)
+                handle = self.slots.store(a.to)
                 if handle is not None:
                     handle.commit_message.remote(a.message)
 
     def committed(self) -> list[list[int]]:
         """The versions the coordinator committed (newest ``keep``), as ``[epoch, step]``."""
-        if self.s.coordinator is None:
+        if self.commits.coordinator is None:
             return []
-        return [[v.epoch, v.step] for v in self.s.coordinator.committed_versions()]
+        return [[v.epoch, v.step] for v in self.commits.coordinator.committed_versions()]
 
     def _time_out(self) -> None:
-        coordinator = self.s.coordinator
+        coordinator = self.commits.coordinator
         if coordinator is None:
             return
-        limit = 0.8 * self.s.timeout_s  # before the stores' own timeout, so the decision arrives first
+        limit = 0.8 * self.terms.timeout_s  # before the stores' own timeout, so the decision arrives first
         now = time.monotonic()
         for version in coordinator.pending():
-            started = self.s.started.setdefault(version, now)
+            started = self.commits.started.setdefault(version, now)
             if now - started > limit:
                 self._apply(coordinator.on_timeout(version))
 
     # --- liveness ------------------------------------------------------------------------------------
     async def suspect(self, slot: int, why: str) -> None:
         """A store could not reach ``slot``'s store: check now (it may just be busy)."""
-        if slot in self.s.dead or not 0 <= slot < len(self.s.nodes):
+        if slot in self.slots.dead or not 0 <= slot < len(self.slots.nodes):
             return
         if not await self._alive(slot):
             self._died(slot, why)
@@ -109,7 +111,7 @@ class Registry:
     async def _alive(self, slot: int) -> bool:
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        handle = self.s.store(slot)
+        handle = self.slots.store(slot)
         if handle is None:
             return False
         try:
@@ -121,36 +123,36 @@ class Registry:
             return True  # busy, not known dead
 
     def _died(self, slot: int, why: str) -> None:
-        if slot in self.s.dead:
+        if slot in self.slots.dead:
             return
-        self.s.dead.add(slot)
-        message = f"the host store of slot {slot} (node {self.s.nodes[slot][:12]}) is gone ({why})"
+        self.slots.dead.add(slot)
+        message = f"the host store of slot {slot} (node {self.slots.nodes[slot][:12]}) is gone ({why})"
         log.error("registry %s: %s", self.namespace, message)
-        self.report_failure(slot, self.s.nodes[slot], message)
-        self.s.recovery.append({"slot": slot, "node_id": self.s.nodes[slot], "noticed": time.time()})
-        del self.s.recovery[:-MAX_REPORTS]
-        self.s.rerep_pending = True
-        if self.s.coordinator is not None:
-            self._apply(self.s.coordinator.on_peer_dead(slot))
-        for other in range(len(self.s.nodes)):
-            if other not in self.s.dead:
-                handle = self.s.store(other)
+        self.report_failure(slot, self.slots.nodes[slot], message)
+        self.rerep.timeline.append({"slot": slot, "node_id": self.slots.nodes[slot], "noticed": time.time()})
+        del self.rerep.timeline[:-MAX_REPORTS]
+        self.rerep.pending = True
+        if self.commits.coordinator is not None:
+            self._apply(self.commits.coordinator.on_peer_dead(slot))
+        for other in range(len(self.slots.nodes)):
+            if other not in self.slots.dead:
+                handle = self.slots.store(other)
                 if handle is not None:
                     handle.peer_dead.remote(slot)
 
     async def _watch_stores(self) -> None:
         while True:
-            await asyncio.sleep(TIMEOUTS.ping_every_s if not self.s.rerep_pending else TIMEOUTS.ping_every_s / 4)
+            await asyncio.sleep(TIMEOUTS.ping_every_s if not self.rerep.pending else TIMEOUTS.ping_every_s / 4)
             try:
-                for slot in range(len(self.s.nodes)):
-                    if slot not in self.s.dead and not await self._alive(slot):
+                for slot in range(len(self.slots.nodes)):
+                    if slot not in self.slots.dead and not await self._alive(slot):
                         self._died(slot, "it stopped answering")
                 self._time_out()
-                if self.s.dead:
+                if self.slots.dead:
                     self.recovery_work.note_deaths()
-                    if not self.s.rerep_held:
+                    if not self.rerep.held:
                         await self.recovery_work.adopt_replacements()
-                if self.s.rerep_pending and not self.s.rerep_held:
+                if self.rerep.pending and not self.rerep.held:
                     await self.recovery_work.rereplicate()
             except Exception as exc:  # noqa: BLE001 - the watch must outlive any one failure
                 log.warning("registry %s: liveness check failed: %s: %s", self.namespace, type(exc).__name__, exc)
@@ -173,13 +175,13 @@ class Registry:
 
     # --- status ------------------------------------------------------------------------------------
     def report_failure(self, slot: int, node_id: str, message: str) -> None:
-        self.s.report_failure(slot, node_id, message)
+        self.reports.report_failure(slot, node_id, message)
 
     def failures(self) -> list[dict]:
-        return list(self.s.failures)
+        return list(self.reports.failures)
 
     def events(self) -> list[dict]:
-        return list(self.s.events)
+        return list(self.reports.events)
 
 
 def get_or_create_registry(namespace: str):

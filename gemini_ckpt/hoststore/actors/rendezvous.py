@@ -56,11 +56,12 @@ def _key_mismatch(keys: dict[int, str]) -> str:
 
 
 class Rendezvous:
-    """Joins the ranks of one round and opens the epoch (``s``: the registry's shared state;
+    """Joins the ranks of one round and opens the epoch (``state``: the registry's shared state;
     ``recovery`` notes the nodes' resources, for finding replacements later)."""
 
-    def __init__(self, s: RegistryState, recovery: Recovery) -> None:
-        self.s, self.recovery = s, recovery
+    def __init__(self, state: RegistryState, recovery: Recovery) -> None:
+        self.slots, self.terms, self.commits, self.rerep, self.reports = state.parts()
+        self.recovery = recovery
         self._round: Optional[_Round] = None
 
     async def join(
@@ -78,7 +79,7 @@ class Rendezvous:
         rnd.keys[rank] = key_fingerprint((job or {}).get("key"))
         rnd.params = {"keep": keep, "timeout_s": timeout_s}
         if job:
-            self.s.job = dict(job)
+            self.terms.job = dict(job)
         for stale in [r for r in rnd.pending if r >= world_size]:
             del rnd.pending[stale]
             rnd.keys.pop(stale, None)
@@ -95,7 +96,7 @@ class Rendezvous:
                 missing = sorted(set(range(world_size)) - set(rnd.pending))
                 raise TimeoutError(
                     f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
-                    f"namespace {self.s.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
+                    f"namespace {self.slots.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
                     f"rank must build its Checkpointer and save/restore"
                 ) from None
         if rnd.error:
@@ -104,45 +105,45 @@ class Rendezvous:
 
     async def _open_epoch(self, pending: dict[int, str], params: dict) -> dict:
         self._assign(pending)
-        self.s.epoch += 1
+        self.slots.epoch += 1
         hosting = set(pending.values())
         self.recovery.note_nodes()
         # The slots' failure domains, fixed for the epoch like dead and idle (a replacement
         # adopted meanwhile is placed by its slot's domain until the next rendezvous reads it).
-        label = self.s.job.get("domain")
-        labels = {node: info.get("Labels") or {} for node, info in self.s.node_info.items()}
-        self.s.domains = node_domains(self.s.nodes, labels, label)
-        warning = unlabelled(self.s.nodes, self.s.domains, label)
+        label = self.terms.job.get("domain")
+        labels = {node: info.get("Labels") or {} for node, info in self.slots.node_info.items()}
+        self.slots.domains = node_domains(self.slots.nodes, labels, label)
+        warning = unlabelled(self.slots.nodes, self.slots.domains, label)
         if warning:
-            self.s.event(warning)
+            self.reports.event(warning)
         alive = set(alive_node_ids())
         dead = set()
-        for slot, node in enumerate(self.s.nodes):
+        for slot, node in enumerate(self.slots.nodes):
             if node not in alive or (node not in hosting and not await self._store_exists(node)):
                 dead.add(slot)
-        idle = frozenset(s for s, n in enumerate(self.s.nodes) if n not in hosting and s not in dead)
-        committed = self.s.coordinator.committed_versions() if self.s.coordinator is not None else ()
-        since = [dict(e) for e in self.s.recovery if e["noticed"] >= self.s.epoch_opened]
-        self.s.epoch_opened = time.time()
+        idle = frozenset(s for s, n in enumerate(self.slots.nodes) if n not in hosting and s not in dead)
+        committed = self.commits.coordinator.committed_versions() if self.commits.coordinator is not None else ()
+        since = [dict(e) for e in self.rerep.timeline if e["noticed"] >= self.slots.epoch_opened]
+        self.slots.epoch_opened = time.time()
         keep = int(params.get("keep", 2))
-        self.s.coordinator = Coordinator(
-            hosts=len(self.s.nodes), keep=keep, dead=dead, idle=idle, committed=committed, world_size=len(pending)
+        self.commits.coordinator = Coordinator(
+            hosts=len(self.slots.nodes), keep=keep, dead=dead, idle=idle, committed=committed, world_size=len(pending)
         )
-        self.s.dead, self.s.idle, self.s.handles, self.s.started = set(dead), idle, {}, {}
-        self.s.timeout_s = float(params.get("timeout_s", TIMEOUTS.version_s))
-        self.s.keep = keep
-        self.s.rerep_pending = bool(dead)
+        self.slots.dead, self.slots.idle, self.slots.handles, self.commits.started = set(dead), idle, {}, {}
+        self.terms.timeout_s = float(params.get("timeout_s", TIMEOUTS.version_s))
+        self.terms.keep = keep
+        self.rerep.pending = bool(dead)
         await self._move_idle_stores(idle)
         return {
-            "nodes": list(self.s.nodes),
-            "epoch": self.s.epoch,
+            "nodes": list(self.slots.nodes),
+            "epoch": self.slots.epoch,
             "ranks": dict(pending),
-            "secret": self.s.secret,
+            "secret": self.slots.secret,
             "dead": sorted(dead),
             "idle": sorted(idle),
             "committed": [[v.epoch, v.step] for v in committed],
             "recovery": since,
-            "domains": None if self.s.domains is None else list(self.s.domains),
+            "domains": None if self.slots.domains is None else list(self.slots.domains),
         }
 
     async def _move_idle_stores(self, idle) -> None:
@@ -150,47 +151,49 @@ class Rendezvous:
         counts it), but no rank of the new epoch attaches to it: the registry moves it to the
         epoch, or it would refuse the new epoch's copies as from the future."""
         for slot in sorted(idle):
-            store = find_store(self.s.namespace, self.s.nodes[slot])
+            store = find_store(self.slots.namespace, self.slots.nodes[slot])
             if store is None:
                 continue
             try:
                 await asyncio.wait_for(
-                    store.attach.remote(self.s.epoch, self.recovery.epoch_config(slot)), timeout=TIMEOUTS.progress_s
+                    store.attach.remote(self.slots.epoch, self.recovery.epoch_config(slot)), timeout=TIMEOUTS.progress_s
                 )
             except Exception as exc:  # noqa: BLE001 - its copies fail and are reported where they fail
-                self.s.event(
+                self.reports.event(
                     f"slot {slot}'s store (no ranks this epoch) could not be moved to epoch "
-                    f"{self.s.epoch}: {type(exc).__name__}: {exc}"
+                    f"{self.slots.epoch}: {type(exc).__name__}: {exc}"
                 )
 
     async def _store_exists(self, node: str) -> bool:
-        return find_store(self.s.namespace, node) is not None
+        return find_store(self.slots.namespace, node) is not None
 
     def _assign(self, pending: dict[int, str]) -> None:
         first_rank: dict[str, int] = {}
         for rank, node in sorted(pending.items()):
             first_rank.setdefault(node, rank)
-        new = [n for n in sorted(first_rank, key=first_rank.get) if n not in self.s.nodes]
+        new = [n for n in sorted(first_rank, key=first_rank.get) if n not in self.slots.nodes]
         if new:
             alive = set(alive_node_ids())
-            free = [i for i, n in enumerate(self.s.nodes) if n not in alive]
+            free = [i for i, n in enumerate(self.slots.nodes) if n not in alive]
             for node in new:
                 if free:
                     slot = free.pop(0)
-                    self.s.event(f"node {node[:12]} took over slot {slot} of dead node {self.s.nodes[slot][:12]}")
-                    self.s.nodes[slot] = node
+                    self.reports.event(
+                        f"node {node[:12]} took over slot {slot} of dead node {self.slots.nodes[slot][:12]}"
+                    )
+                    self.slots.nodes[slot] = node
                 else:
-                    self.s.nodes.append(node)
-                    self.s.event(f"node {node[:12]} got slot {len(self.s.nodes) - 1}")
+                    self.slots.nodes.append(node)
+                    self.reports.event(f"node {node[:12]} got slot {len(self.slots.nodes) - 1}")
 
     def table(self) -> Optional[dict]:
-        if not self.s.nodes:
+        if not self.slots.nodes:
             return None
         return {
-            "nodes": list(self.s.nodes),
-            "epoch": self.s.epoch,
+            "nodes": list(self.slots.nodes),
+            "epoch": self.slots.epoch,
             "ranks": {},
-            "dead": sorted(self.s.dead),
-            "idle": sorted(self.s.idle),
-            "domains": None if self.s.domains is None else list(self.s.domains),
+            "dead": sorted(self.slots.dead),
+            "idle": sorted(self.slots.idle),
+            "domains": None if self.slots.domains is None else list(self.slots.domains),
         }
