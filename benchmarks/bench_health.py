@@ -14,7 +14,7 @@ alike. For each save:
 - *time to safe*: the ``save()`` call until ``handle.committed`` resolves (checksums, the
   check and the commit done).
 
-The target (issue 21): both within 5% of the check off, by median. Writes
+The target: both within 5% of the check off, by median. Writes
 ``benchmarks/results/health.json`` and prints a table.
 """
 

@@ -10,7 +10,7 @@ Checkpointers of the same state in three namespaces (three host stores): ``on`` 
 ``control`` do not. They save in turn, the order rotating every step, so background load hits all
 alike; ``control`` / ``off`` is the noise floor of the comparison (an A/A run once showed 1.04-1.07
 between two Checkpointers without metrics, by creation order alone). For each save: the *stall*
-(the ``save()`` call) and the *time to safe* (until ``handle.committed``). The target (issue 43):
+(the ``save()`` call) and the *time to safe* (until ``handle.committed``). The target:
 the stall with metrics on within 5% of off, by median. Writes ``benchmarks/results/metrics.json``
 and prints a table.
 """

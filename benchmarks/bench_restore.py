@@ -17,14 +17,14 @@ rank actors already up, as after a restart):
   and after dropping the page cache (``echo 3 > /proc/sys/vm/drop_caches``, if permitted).
 
 All "hosts" share this machine's cores and memory bus; a local read maps the host store's
-memory, a peer read is pushed over the data plane on loopback. Targets (issue 12): peer
+memory, a peer read is pushed over the data plane on loopback. Targets: peer
 memory at least as fast as a cold ``dcp.load``; local memory at least 2x faster than a warm one.
 
 The local-memory restore is measured against its two baselines in ``--repeats`` interleaved
 rounds (each round: the restore, a plain copy of the same bytes into the live tensors, a warm
 ``dcp.load`` of the same state, every rank at once), so all three see the same load on the
 machine; the table gives medians, the JSON every round, the per-round ratios and the slowest
-rank's stage times (issue 39: >= 2x faster than the warm ``dcp.load``, <= 1.5x the copy).
+rank's stage times (>= 2x faster than the warm ``dcp.load``, <= 1.5x the copy).
 
 Usage::
 

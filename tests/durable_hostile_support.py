@@ -1,5 +1,5 @@
 """Shared by the ``test_durable_hostile_*`` files: a writer of the durable directory (or of an
-``init_from`` directory) is hostile (issue 22).
+``init_from`` directory) is hostile.
 
 The versions those tests plant things in, the jobs that restore and persist them (:data:`JOBS`,
 :func:`continue_job`; the deadline every operation that could hang runs under is

@@ -1,6 +1,6 @@
 """A GCS stopped (SIGSTOP) for longer than the host stores' lease, on a cluster of its own (issue
 40, finding 5): a host store that holds a committed version must outlive the stall, in the same
-process, and still serve that version afterwards. Run by tests/integration/test_gcs_stall.py
+process, and still serve that version afterwards. Run by tests/integration/hoststore/test_gcs_stall.py
 in its own process: it starts and stops its own Ray."""
 
 from __future__ import annotations

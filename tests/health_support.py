@@ -1,4 +1,4 @@
-"""Shared by the ``test_health_*`` files (validated versions, issue 21): the module's namespace
+"""Shared by the ``test_health_*`` files (validated versions): the module's namespace
 (a signed version is bound to it), the config every test starts from, the toy LM and its
 Checkpointer, one training step, and a save waited on until it is committed.
 """

@@ -1,5 +1,5 @@
 """Shared by the ``test_trust_*`` files: verify before interpret, and any damaged version falls
-back (issue 13).
+back.
 
 The jobs that save and restore (:data:`JOBS`) and their namespace, the pickle that runs code
 when loaded with arbitrary globals (:class:`Evil`), and the fixture ``versions`` (a test file

@@ -22,7 +22,7 @@ dimension, and its offset is a sum. :func:`chunk_of` computes that; anything els
 
 :func:`local_save_plan` and :func:`local_load_plan` are DCP's default local plans
 (``create_default_local_save_plan``, ``create_default_local_load_plan``) with the chunk taken
-from :func:`chunk_of`; ``tests/unit/test_chunks.py`` holds them equal to DCP's.
+from :func:`chunk_of`; ``tests/unit/format/test_chunks.py`` holds them equal to DCP's.
 """
 
 from __future__ import annotations

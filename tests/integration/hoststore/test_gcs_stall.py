@@ -1,4 +1,4 @@
-"""Issue 40, finding 5: a GCS that stalls longer than the host stores' lease no longer ends them
+"""A GCS that stalls longer than the host stores' lease no longer ends them
 all at once (the fence asks the GCS's machine before it gives up; see gemini_ckpt.hoststore.fence).
 The stall runs on a cluster of its own, in a child process (tests/gcs_stall_child.py): stopping
 the session cluster's GCS would stall every other test's cluster too."""
@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import paths
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = str(paths.TESTS)
 
 
 @pytest.mark.slow

@@ -21,8 +21,9 @@ import uuid
 
 import pytest
 import ray
+import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?P<labels>.*)\})? (?P<value>\S+)$")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 

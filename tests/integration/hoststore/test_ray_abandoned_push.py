@@ -1,5 +1,5 @@
-"""A restore that gives up on a slow peer leaves nothing writing into the live state (issue 40,
-finding 1). 4 hosts, replicas=2: host 1's own copy of its biggest item (the ballast) is damaged,
+"""A restore that gives up on a slow peer leaves nothing writing into the live state.
+4 hosts, replicas=2: host 1's own copy of its biggest item (the ballast) is damaged,
 so rank 1 asks host 0 for it, and host 0 sends at 1 MiB/s (``replication_bandwidth``, the
 store's cap, which restore pushes share): the reader's wait (``timeout_s``) ends long before the
 push would, the version is skipped on every rank and the one before it restored. The test then

@@ -1,4 +1,4 @@
-"""Issue 40, finding 2, on the cluster: another local process floods a host store's abstract
+"""On the cluster: another local process floods a host store's abstract
 attach socket with connects (the audit's four connect loops made 4 of 5 job restarts fail with
 ``AttachError ... [Errno 11] Resource temporarily unavailable``). Every restart of the job must
 still attach and commit: the trainer's connect retries a full queue until its deadline

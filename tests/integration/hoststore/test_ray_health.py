@@ -1,4 +1,4 @@
-"""Validated versions with host stores (issue 21): 4 FSDP2 ranks, one per host, replicas=2. One
+"""Validated versions with host stores: 4 FSDP2 ranks, one per host, replicas=2. One
 rank's shard of a weight turns NaN at step 6 and training goes on to step 9: every rank hears the
 version is unhealthy, no host store counts it for retention, it is never persisted, and a
 restarted job restores step 5, bit-identical, unless it names step 6."""

@@ -6,8 +6,8 @@ nobody in without the namespace's secret.
 One rank and its store: test_ray_store_one_rank.py. The Ray scenarios here share one cluster
 (head + 4 simulated hosts) and one set of 4 rank actors
 (rank i on host i, so slot i is host i); each scenario (re)starts the job in its own namespace.
-Run: ``RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 python -m pytest tests/integration/test_ray_store.py -q -x``
-(the holders rule and what counts as committed: tests/unit/test_holders_and_resolve.py)
+Run: ``RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 python -m pytest tests/integration/hoststore/test_ray_store.py -q -x``
+(the holders rule and what counts as committed: tests/unit/hoststore/test_holders_and_resolve.py)
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def test_a_replacement_host_takes_over_the_dead_hosts_slot(ray_cluster, ranks):
 
     ranks.restart("takeover")
     # Host 1's memory is gone; the replacement's store was given its copies by slot 0 when it
-    # joined (tests/integration/test_ray_recovery.py), so rank 1 reads its shard locally.
+    # joined (tests/integration/recovery/test_ray_recovery.py), so rank 1 reads its shard locally.
     wait_for(lambda: status("takeover").host(1).node_id == new_node, timeout=60, what="the replacement's slot")
     restored = ranks.call("restore")
     assert [r["digest"] for r in restored] == [before[r][1]["digest"] for r in range(HOSTS)]

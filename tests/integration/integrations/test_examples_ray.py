@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 EXAMPLES = os.path.join(ROOT, "examples")
 
 

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import paths
 
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 
 
 @pytest.mark.ray

@@ -11,8 +11,9 @@ import subprocess
 import sys
 
 import pytest
+import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 
 
 @pytest.mark.ray

@@ -4,8 +4,8 @@ Ray checkpoints that stock DCP loads; the demo runs end to end.
 
 The scenarios run on the session's cluster (head without CPUs + 4 simulated hosts, one Ray
 Train worker each); each compares with one uninterrupted reference run (a module fixture, so
-any of them passes alone). The pure parts are in ``tests/unit/test_ray_train_config.py``. Run:
-``python -m pytest tests/integration/test_ray_train.py -q``
+any of them passes alone). The pure parts are in ``tests/unit/integrations/test_ray_train_config.py``. Run:
+``python -m pytest tests/integration/integrations/test_ray_train.py -q``
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ harness notices when the library misbehaves (a store that acknowledges copies it
 
 One harness for the module, on the session's cluster (head + 4 simulated hosts; rank actors
 reused across scenarios), runs the reduced CI matrix (``gemini_ckpt.chaos.CI_SCENARIOS``);
-the pure parts are in ``tests/unit/test_chaos_plans.py``. Every test here is ``slow`` and
+the pure parts are in ``tests/unit/tools/test_chaos_plans.py``. Every test here is ``slow`` and
 ``ci``: CI runs them after the default suite, on one harness. Run:
-``python -m pytest tests/integration/test_chaos.py -q -m "slow or not slow"``
+``python -m pytest tests/integration/tools/test_chaos.py -q -m "slow or not slow"``
 """
 
 from __future__ import annotations
@@ -162,8 +162,8 @@ def test_ranks_join_the_process_group_through_the_drivers_bound_store(harness):
 
 class _LosesItsRendezvousOnce(TinyJob):
     """TinyJob, except that the second time rank 1 builds it (the first scenario's start, after
-    the reference run) it breaks that process's torch.distributed exactly as the incident of
-    issue 13 did: its process group's store cannot bind a port another socket holds
+    the reference run) it breaks that process's torch.distributed exactly as an earlier
+    incident did: its process group's store cannot bind a port another socket holds
     (EADDRINUSE). A failed init_process_group leaves the process unfit for the next one
     (it used up a group name its peers did not), so the harness must replace it."""
 

@@ -1,5 +1,5 @@
-"""close() and abort() against a save() on another thread, and an interrupt inside save()
-(issue 22, item 9): saves after close() are refused, every handle a save() returned resolves,
+"""close() and abort() against a save() on another thread, and an interrupt inside save():
+saves after close() are refused, every handle a save() returned resolves,
 and an interrupted save() gives its in-flight slot back."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import paths
 
 from gemini_ckpt.config import CheckpointConfig, Interleave, interleave_mode
 from gemini_ckpt.errors import ConfigError
@@ -62,7 +63,7 @@ def test_a_marked_socket_carries_the_lower_effort_class_and_bulk_priority():
 # --- the hooks (one process, world size 1: DDP and FSDP2 still run their collectives) ------------
 class MarkingTier:
     """The local tier with the comm state a host store would lend it (slot 0): what the hooks see
-    of a Ray tier, without a Ray cluster (tests/integration/test_ray_store.py has the real one)."""
+    of a Ray tier, without a Ray cluster (tests/integration/hoststore/test_ray_store.py has the real one)."""
 
     @staticmethod
     def make(namespace: str):
@@ -152,7 +153,7 @@ FSDP2_WORKER = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-sys.path[:0] = [os.path.dirname(sys.argv[1]), os.path.dirname(os.path.dirname(sys.argv[1]))]
+sys.path[:0] = [os.path.dirname(sys.argv[1]), sys.argv[3]]  # this test file's folder, then tests/
 from test_interleave import marking_checkpointer
 import gemini_ckpt
 
@@ -192,7 +193,7 @@ def test_the_fsdp2_hooks_mark_all_gathers_and_reduce_scatters(tmp_path):
     script.write_text(FSDP2_WORKER)
     # a file rendezvous: a port picked here and bound later by the workers could be taken between
     done = subprocess.run(
-        [sys.executable, str(script), __file__, str(tmp_path / "rendezvous")],
+        [sys.executable, str(script), __file__, str(tmp_path / "rendezvous"), str(paths.TESTS)],
         capture_output=True,
         text=True,
         timeout=120,

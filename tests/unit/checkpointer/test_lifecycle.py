@@ -1,6 +1,6 @@
 """A version's life around the edges: steps only go forward, one Checkpointer per namespace,
 never deleting what we did not write, a persist thread that survives, and the small inputs
-that used to fail obscurely (issue 13)."""
+that used to fail obscurely."""
 
 from __future__ import annotations
 

@@ -188,7 +188,7 @@ def test_a_dead_holder_aborts_the_version_everywhere_and_the_next_commits():
 
 
 def test_unhealthy_versions_commit_but_every_store_releases_them_alike_and_keeps_its_healthy_ones():
-    """Issue 21: one rank's shard of versions 2, 3 and 5 fails its health checks. They commit
+    """One rank's shard of versions 2, 3 and 5 fails its health checks. They commit
     (the copies exist), every participant hears why, and retention counts healthy versions only:
     each keeps the newest ``keep`` healthy ones plus the first of the latest run of unhealthy ones."""
     hosts = 64
@@ -209,7 +209,7 @@ def test_unhealthy_versions_commit_but_every_store_releases_them_alike_and_keeps
 
 
 def test_every_participant_hears_whether_every_shard_carries_a_verdict_and_a_missing_one_is_never_assumed():
-    """Issue 40, finding 3: a store that gives no verdict for a shard (one of another gemini_ckpt
+    """A store that gives no verdict for a shard (one of another gemini_ckpt
     version, which leaves the field out: the message's default) makes the version unchecked at
     every participant, never healthy; with every verdict present, every participant says so."""
     hosts = 16

@@ -1,4 +1,4 @@
-"""The data plane against unauthenticated clients (issue 22, item 6): a client that trickles its
+"""The data plane against unauthenticated clients: a client that trickles its
 hello is cut at one deadline for the whole pre-auth phase, and a crowd of such clients is held
 to a cap per listener, so a real peer still gets its transfer through (in a receiver whose fds
 are limited, as a real host store's are).

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ from helpers import corrupt_item
 from gemini_ckpt import BackgroundError, CheckpointConfig, CheckpointError, Checkpointer, TrainState
 from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import TinyLM, build_training, lm_loss
+import paths
 
-HERE = Path(__file__).resolve().parents[1]  # tests/: the support modules
+HERE = paths.TESTS  # the support modules
 
 
 def _train_and_save(config, steps, *, durable=None, record=()):

@@ -1,4 +1,4 @@
-"""A hostile ``init_from`` directory (issue 22): it is never read outside, a FIFO in it is refused
+"""A hostile ``init_from`` directory: it is never read outside, a FIFO in it is refused
 instead of waited for, a model-only checkpoint loads the model, a damaged one raises our error.
 """
 

@@ -1,4 +1,4 @@
-"""A torn completion marker never counts (issue 22): a persist failing at the marker leaves no
+"""A torn completion marker never counts: a persist failing at the marker leaves no
 complete version, retention never counts a torn marker, and one of ours is removed when the
 next job opens the tier.
 """

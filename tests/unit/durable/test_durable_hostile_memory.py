@@ -1,4 +1,4 @@
-"""Memory stays bounded when a hostile writer plants oversized files (issue 22): nothing is read
+"""Memory stays bounded when a hostile writer plants oversized files: nothing is read
 before its size is checked against the signed marker, and an allocation is bounded by what was
 recorded (pickle and ``torch.load`` bombs, deflated tensor items, crafted numpy arrays).
 """
@@ -14,7 +14,6 @@ import subprocess
 import sys
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +39,7 @@ from toy_jobs import copy_versions, within
 
 # fixtures (a redundant alias: pytest finds them here, ruff sees them used)
 from durable_hostile_support import versions as versions
+import paths
 
 KEY = "hostile-test-key"
 
@@ -205,7 +205,7 @@ def test_a_crafted_numpy_object_array_is_refused_not_a_crash(tmp_path):
         "except VerificationError as exc:\n"
         "    print('refused:', exc)\n"
     )
-    repo = str(Path(__file__).resolve().parents[2])  # this checkout's gemini_ckpt, not an installed one
+    repo = str(paths.ROOT)  # this checkout's gemini_ckpt, not an installed one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     child = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S, env=env)
     assert child.returncode == 0, f"the decoder died (status {child.returncode}): {child.stderr[-500:]}"

@@ -1,4 +1,4 @@
-"""A hostile writer plants symlinks and FIFOs in the durable directory (issue 22): a persist
+"""A hostile writer plants symlinks and FIFOs in the durable directory: a persist
 never writes outside the directory, no FIFO hangs a restore, a persist or close, and the
 property: anything planted anywhere the durable tier opens neither writes outside, nor hangs,
 nor bloats memory, and the newest good version is restored.

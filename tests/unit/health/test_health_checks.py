@@ -1,4 +1,4 @@
-"""What makes a version unhealthy (issue 21): the finite check of every tensor (parameters in
+"""What makes a version unhealthy: the finite check of every tensor (parameters in
 every float format, items many chunks long, buffers when asked, optimizer state and
 hyperparameters), ``health_check=None``, and the checks on the trainer: metrics, loss spikes, a
 user validator; health settings are checked when made. Single process, ``store="local"``.
@@ -111,7 +111,7 @@ def test_optimizer_state_is_checked_and_each_check_can_be_turned_off():
 
 def test_a_non_finite_optimizer_hyperparameter_makes_the_version_unhealthy_and_it_is_not_restored():
     """A NaN learning rate (float or tensor) or an infinite weight decay lives in param_groups,
-    not in the state tensors; one more step makes every parameter non-finite (issue 40, 4)."""
+    not in the state tensors; one more step makes every parameter non-finite."""
     t, ckpt = toy_lm(job_config())
     batches = t.batches()
     train_step(t, batches)

@@ -1,8 +1,8 @@
-"""What an unhealthy version is denied (issue 21): it is never the restore choice, never
+"""What an unhealthy version is denied: it is never the restore choice, never
 persisted over good ones, never counted by retention, and ``on_unhealthy='raise'`` stops the
 job; ``restore(step=...)`` still loads one on purpose. Single process, ``store="local"``; the
-host stores' side is tests/integration/test_ray_health.py and the commit protocol's is
-tests/unit/test_commit_protocol.py.
+host stores' side is tests/integration/hoststore/test_ray_health.py and the commit protocol's is
+tests/unit/commit/test_commit_protocol.py.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _poisoned_run(config, steps, bad, *, seed=0):
 
 
 def test_the_issue_case_restores_the_last_healthy_version_and_disk_keeps_healthy_ones(tmp_path):
-    # Issue 21: persist_every=2, keep_durable=2, keep_in_memory=3; NaN in one weight at step 6;
+    # persist_every=2, keep_durable=2, keep_in_memory=3; NaN in one weight at step 6;
     # saves go on to step 9. Before: step 9 restored with NaN, durable [7, 9] both poisoned.
     uri = str(tmp_path / "d")
     config = job_config(persist_every=2, keep_durable=2, keep_in_memory=3, durable_uri=uri)

@@ -1,6 +1,6 @@
-"""The verdict on a version (issue 21): it is signed with the rest (a forged one in a record or
+"""The verdict on a version: it is signed with the rest (a forged one in a record or
 a durable marker is refused with a signing key; ``ls`` and ``verify`` show it), and a missing
-verdict is never a healthy one (issue 40, finding 3).
+verdict is never a healthy one.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_the_durable_verdict_is_signed_shown_by_ls_and_verify_and_a_forged_one_i
     assert "UNHEALTHY" in out and "unhealthy: rank 0: model.head.weight failed the finite check (forged)" in out
 
 
-# --- issue 40, finding 3: a missing verdict is never a healthy one -----------------------------------
+# --- a missing verdict is never a healthy one -----------------------------------
 def test_a_store_that_gives_no_verdict_never_makes_a_version_healthy_for_the_trainer_or_for_restore(tmp_path):
     """A store of another gemini_ckpt version (the one the audit ran) takes the shard but neither
     checks it nor passes the trainer's verdict on: its records carry no verdict, its outcome

@@ -1,4 +1,4 @@
-"""The attach socket against other local processes (issue 22, item 7): the socket is abstract, so
+"""The attach socket against other local processes: the socket is abstract, so
 any process on the node can connect. Before the proof checks, a connection gets a deadline, a
 few KiB at most, and no file descriptor of its is kept; a process of another uid is refused at
 accept."""
@@ -234,7 +234,7 @@ def test_received_fds_are_not_inherited_by_child_processes(tmp_path):
 
 def test_a_store_of_another_version_is_refused_with_a_clear_error(store, monkeypatch):
     """Detached host stores outlive jobs: a trainer must not attach to one an older (or newer)
-    gemini_ckpt left running (issue 40, finding 3: an old store's records without verdicts made
+    gemini_ckpt left running (an old store's records without verdicts made
     a NaN step healthy). Both ends name the attach protocol and refuse another."""
     from gemini_ckpt.hoststore import attach_client
     from gemini_ckpt.hoststore.attach import PROTOCOL
@@ -310,7 +310,7 @@ def _full_queue(address: str) -> tuple[socket.socket, list[socket.socket]]:
 def test_a_trainer_attaches_once_a_full_attach_queue_drains():
     """A full listen queue (a burst, or another local user's connect loop) makes a non-blocking
     connect fail with EAGAIN at once; the trainer tries again until its deadline instead of
-    failing the job's start (issue 40, finding 2: 4 of 5 restarts failed under a flood)."""
+    failing the job's start (4 of 5 restarts failed under a flood)."""
     import threading
 
     from gemini_ckpt.hoststore.attach_client import connect_until

@@ -1,4 +1,4 @@
-"""The fence (gemini_ckpt.hoststore.fence) past its lease (issue 40, finding 5): a second look on a
+"""The fence (gemini_ckpt.hoststore.fence) past its lease: a second look on a
 new connection tells a stalled or restarting GCS, whose machine answers, from a machine cut off;
 the process serves on through a stall up to Ray's own limit, and a slow second look does not keep
 the fence from watching the raylet. Also: Ray still has the one-node question the fence asks."""
@@ -30,7 +30,7 @@ from gemini_ckpt.hoststore.fence import (
 )
 
 
-# --- issue 40, finding 5: a silent GCS whose machine answers is a stall, not a partition ----------------
+# --- a silent GCS whose machine answers is a stall, not a partition ----------------
 def _listener_stopped():
     """A real process that listens on a TCP port and is then stopped (SIGSTOP), as a stalled GCS
     is: its kernel still completes new connections into the listen backlog."""

@@ -75,7 +75,7 @@ def test_a_stale_mark_is_ignored_and_a_detached_ranks_marks_are_cleared():
 
 def test_a_mark_timestamped_in_the_future_goes_stale_too():
     """A slot whose ``entered`` lies in the future (a bad clock, a hostile writer of the page)
-    must not hold replication back forever (issue 40, finding 7)."""
+    must not hold replication back forever."""
     import mmap
 
     state = CommState.create(slots=1)

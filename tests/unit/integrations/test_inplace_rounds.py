@@ -13,8 +13,9 @@ import time
 import pytest
 
 from gemini_ckpt.integrations import _rounds, _sever
+import paths
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = str(paths.TESTS)
 CHILD = os.path.join(HERE, "inplace_child.py")
 WORLD = 3
 

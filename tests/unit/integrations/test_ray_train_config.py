@@ -1,6 +1,6 @@
 """Ray Train integration without a cluster: settings default from the run, retention is Ray's,
 the callback adapter checks its config, ``host_stores()`` needs a name; the demo's options,
-report and timeline. (TorchTrainer runs are in ``tests/integration/test_ray_train.py``.)"""
+report and timeline. (TorchTrainer runs are in ``tests/integration/integrations/test_ray_train.py``.)"""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+import paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 
 
 # ---- CLI ------------------------------------------------------------------------------
@@ -125,7 +126,7 @@ def test_cli_from_bench_takes_measured_costs_and_names_the_rest(tmp_path):
 
 
 def test_cli_from_bench_refuses_hostile_sizes_and_nesting_with_one_line(tmp_path):
-    """A benchmark file is not trusted to size the work (issue 40, 12): a row claiming 10^8
+    """A benchmark file is not trusted to size the work: a row claiming 10^8
     copies took 141 s and 10.5 GB, a deeply nested file was a RecursionError traceback."""
     (tmp_path / "replicate.json").write_text(
         json.dumps(

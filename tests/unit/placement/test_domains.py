@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -20,8 +19,9 @@ from gemini_ckpt import CheckpointConfig, ConfigError
 from gemini_ckpt.chaos import ChaosConfig, RemoveHosts, Scenario, At, ScenarioError, full_matrix, ci_matrix, kill_rack
 from gemini_ckpt.chaos import plan_scenario
 from gemini_ckpt.hoststore.slots import SlotTable, holders_for, node_domains, placement_for, unlabelled
+import paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 RACKS = ["0", "0", "1", "1"]
 
 

@@ -9,15 +9,15 @@ import os
 import subprocess
 import sys
 from math import comb
-from pathlib import Path
 
 import pytest
 
 import placement
 from placement import PlacementError, recovery_probability
 from placement_support import brute_survivable
+import paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 
 
 def test_docstring_examples():

@@ -1,6 +1,6 @@
 """The failure-injection harness without Ray: scenarios are validated, predictions follow the
 planner, the fate of the version in flight, the report, the CLI listing, the rendezvous
-store. (The scenarios themselves run in ``tests/integration/test_chaos.py``.)"""
+store. (The scenarios themselves run in ``tests/integration/tools/test_chaos.py``.)"""
 
 from __future__ import annotations
 

@@ -14,11 +14,11 @@ import builtins
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 import pytest
+import paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = paths.ROOT
 OURS = ("gemini_ckpt", "placement")
 NEEDS_A_CLUSTER = ("ray", "gemini_ckpt.testing.cluster", "gemini_ckpt.chaos", "lightning", "transformers")
 

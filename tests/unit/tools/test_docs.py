@@ -11,8 +11,9 @@ import sys
 import pytest
 
 import gemini_ckpt
+import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):

@@ -1,14 +1,15 @@
 """``examples/train_local.py`` runs as the README says, in a fast mode (the Ray example:
-``tests/integration/test_examples_ray.py``)."""
+``tests/integration/integrations/test_examples_ray.py``)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import paths
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 EXAMPLES = os.path.join(ROOT, "examples")
 
 

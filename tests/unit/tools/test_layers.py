@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import gemini_ckpt
+import paths
 
 PACKAGE = pathlib.Path(gemini_ckpt.__file__).parent
 NAME = "gemini_ckpt"
@@ -250,7 +251,7 @@ def test_no_library_module_over_400_lines(package):
 
 def test_no_test_module_over_400_lines():
     # tests are laid out by what they test; a file past this tests more than one thing
-    tests = pathlib.Path(__file__).resolve().parents[1]
+    tests = paths.TESTS
     long = sorted(
         f"{path.relative_to(tests)}: {n}"
         for path in tests.rglob("*.py")

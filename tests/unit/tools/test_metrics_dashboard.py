@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(paths.ROOT)
 
 
 def test_the_grafana_dashboard_queries_only_exported_metrics():

@@ -1,4 +1,4 @@
-"""Crafted files never run code (issue 13): a crafted ``.metadata`` pickle, non-tensor or tensor
+"""Crafted files never run code: a crafted ``.metadata`` pickle, non-tensor or tensor
 item never runs and restore falls back; shard plans and records are checked JSON, not pickles;
 the allow-lists take what our own state needs.
 """

@@ -1,4 +1,4 @@
-"""A damaged newest version falls back to the older one (issue 13), on every rank alike: every
+"""A damaged newest version falls back to the older one, on every rank alike: every
 kind of damage, non-canonical step directories and a bad ``latest`` are ignored, and
 ``ls``/``verify`` report damage with exit status 1, never a traceback.
 """

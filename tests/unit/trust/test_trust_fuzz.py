@@ -1,4 +1,4 @@
-"""Fuzzing (issue 13): truncations, byte flips and crafted pickles of any file of the newest
+"""Fuzzing: truncations, byte flips and crafted pickles of any file of the newest
 durable version, and of the shard records and plans a memory tier keeps as bytes, never run
 code, and the older version is restored.
 """

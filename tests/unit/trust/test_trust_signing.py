@@ -1,4 +1,4 @@
-"""Signing (issue 13): signed versions restore and unsigned or forged ones are refused, the key is
+"""Signing: signed versions restore and unsigned or forged ones are refused, the key is
 validated and never printed, a signature binds the namespace (a version copied from another run
 is refused; a key needs an explicit namespace), and a damaged memory item is never taken from
 another version of the step on disk.
@@ -162,7 +162,7 @@ def test_an_item_missing_from_memory_is_never_taken_from_another_version_of_the_
 
 def test_a_signing_key_needs_an_explicit_namespace(monkeypatch):
     """A signature binds the namespace: two jobs left on the default one would accept each
-    other's signed versions (issue 40, 9). A key, from the config or the environment, without a
+    other's signed versions. A key, from the config or the environment, without a
     namespace is refused before anything is saved; with one, the Checkpointer starts."""
     import warnings
 
