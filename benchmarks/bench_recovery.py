@@ -624,8 +624,14 @@ def main(argv=None) -> int:
     by = {r["mode"]: r for r in rows}
     restarts = restart_comparison(repeats)
     if not {"none", "gemini", "durable"} <= set(by):  # --modes: a partial run has no ratios
+        partial = {"fault": args.fault, "state_mb_per_rank": args.mb, "step_s": args.step_s, "rows": rows}
+        partial["restarts"] = restarts
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(partial, f, indent=2, default=str)
         print(json.dumps(rows, indent=2, default=str))
         print(json.dumps(restarts, indent=2))
+        print(f"wrote {args.out}")
         return 0
     g, d, n = by["gemini"], by["durable"], by["none"]
     result = {
