@@ -114,7 +114,7 @@ def _store(config: CheckpointConfig, key: Optional[bytes]) -> StoreSettings:
     return StoreSettings(
         namespace=config.resolved_namespace,
         named=config.namespace is not None,
-        timeout_s=float(config.timeout_s),
+        timeout_s=config.timeout_s,
         replicas=config.replicas,
         placement=config.placement,
         keep=config.keep_in_memory,
@@ -131,7 +131,7 @@ def compile_config(config: CheckpointConfig) -> Settings:
     """``config`` compiled into per-concern settings; the signing key (``signing_key``, else
     ``$GEMINI_CKPT_SIGNING_KEY``) is resolved here, once."""
     key = resolve_key(config.signing_key)
-    timeout_s = float(config.timeout_s)
+    timeout_s = config.timeout_s
     return Settings(
         local=config.store == "local",
         namespace=config.resolved_namespace,

@@ -99,7 +99,7 @@ def start_persister(
         rank=rank,
         world_size=world_size,
         timeout_s=settings.durable.timeout_s,
-        signing_key=settings.durable.key,
+        key=settings.durable.key,
         run_id=run_id,
         job=job_description(settings.save, world_size=world_size),
         stats=stats,

@@ -46,7 +46,6 @@ from ..stores.base import MemoryTier
 from .tier import DurableTier
 from .layout import data_file_name
 from ..format.manifest import ItemChecksum, VersionManifest
-from ..signing import resolve_key
 from ..trust.manifest import sign
 from ..trust.metadata import metadata_loads
 from ..trust.values import value_loads
@@ -71,7 +70,7 @@ class Persister:
         rank: int,
         world_size: int,
         timeout_s: float,
-        signing_key,
+        key: Optional[bytes],
         run_id: str,
         job: dict,
         stats: CheckpointStats,
@@ -79,10 +78,11 @@ class Persister:
     ) -> None:
         """Versions go to ``durable``, whose retention runs after each commit. ``stats``: the
         Checkpointer's counters (``persisted``, ``persist_failed``, ...), updated here;
-        ``on_error``: called with each failure (on the persist thread)."""
+        ``on_error``: called with each failure (on the persist thread). ``key``: the signing key,
+        resolved once with the rest of the settings (``DurableSettings.key``)."""
         self.durable, self.tier = durable, tier
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.signing_key = signing_key
+        self.key = key
         self.run_id, self.job = run_id, job
         self.stats = stats
         self._on_error = on_error
@@ -275,7 +275,7 @@ class Persister:
                 metadata_crc=checksum(metadata_bytes),
                 health=view.health.to_json(),
             ),
-            resolve_key(self.signing_key),
+            self.key,
         )
 
     # --- telling the other ranks ------------------------------------------------------------------

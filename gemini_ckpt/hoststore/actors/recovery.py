@@ -50,7 +50,7 @@ def _node_info(node: dict) -> dict:
 
 
 class Recovery:
-    """Replacements and re-replication for the registry (``s``: its shared state). Held by the
+    """Replacements and re-replication for the registry (``state``: its shared state). Held by the
     chaos harness while it lands a second failure (:meth:`hold`)."""
 
     def __init__(self, state: RegistryState) -> None:

@@ -109,3 +109,24 @@ def test_the_signing_key_is_resolved_once_from_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_KEY, "changed-later")
     assert ckpt.settings.restore.key == ckpt.settings.store.key == ckpt.settings.durable.key == b"from-env"
     assert compile_config(CheckpointConfig(signing_key=b"given")).restore.key == b"given"  # the field wins
+
+
+def test_a_key_set_after_the_checkpointer_was_built_signs_nothing(monkeypatch, tmp_path):
+    """Every tier signs with the key resolved at construction: a key that appears in the
+    environment later would otherwise sign the durable copy alone, which the memory tier and
+    restore (unsigned) disagree with."""
+    from gemini_ckpt.durable.tier import DurableTier
+
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    state = TrainState(model=torch.nn.Linear(2, 2))
+    uri = str(tmp_path / "durable")
+    config = CheckpointConfig(store="local", namespace="late-key", persist_every=1, durable_uri=uri)
+    ckpt = Checkpointer(state, config)
+    monkeypatch.setenv(ENV_KEY, "set-later")
+    ckpt.save(1)
+    ckpt.wait_persisted()
+    ckpt.close()
+    problems = DurableTier(uri).verify(1, signing_key="set-later")
+    assert problems and "not signed" in problems[0], problems
+    monkeypatch.delenv(ENV_KEY)
+    assert DurableTier(uri).verify(1) == []
