@@ -152,11 +152,11 @@ class RankWorker(TrainingRank):
 
         _faults.set_hook(hook)
 
-    def restore(self) -> dict:
+    def restore(self, step: Optional[int] = None) -> dict:
         from gemini_ckpt.format.kept import KEPT
 
         reused = KEPT.reused
-        result = self.ckpt.restore()
+        result = self.ckpt.restore(step)
         store = self.ckpt.store
         read = {} if result is None else result.bytes_read
         return {

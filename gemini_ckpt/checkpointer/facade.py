@@ -18,13 +18,12 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from .. import attempts
-from ..collective import rank0s
 from ..config import CheckpointConfig
 from ..settings import compile_config
 from ..errors import CheckpointError, ConfigError
 from ..faults import fire
 from ..format.commstate import Marker
-from ..lineage import Lineage, survey
+from ..lineage import Lineage
 from ..durable.writer import Persister
 from ..retention import KeepNewest, Retention
 from ..results import CheckpointStats, RestoreResult, SaveHandle
@@ -38,7 +37,7 @@ from ..events import CheckpointListener, Events
 from .inflight import InFlight
 from .restoring import restore_version
 from .snapshot import Snapshot
-from .tiers import make_store, start_persister, warm_up
+from .tiers import make_store, start_persister, start_survey, warm_up
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -115,8 +114,16 @@ class Checkpointer:
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "Checkpointer":
         """Connect to the store and start the background threads (idempotent)."""
+        self._start()
+        return self
+
+    def _start(self, restoring: Optional[tuple] = None) -> Optional[tuple]:
+        """:meth:`start`. ``restoring``: ``(step,)`` when :meth:`restore` starts it. Rank 0 then
+        takes the restore's survey of the tiers here, and the start's one collective carries it:
+        returned when every rank asked for the same restore, so the restore needs no survey
+        round of its own (None otherwise: the restore surveys, and raises on different steps)."""
         if self._background.started:
-            return self
+            return None
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; build a new one")
         # A runner that can run the training function again (in-place recovery) aborts this
@@ -134,14 +141,13 @@ class Checkpointer:
             self._events.add(listener)
         if self._durable is None and self.settings.durable.uri:
             self._durable = DurableTier(self.settings.durable.uri, keep=self._durable_retention)
-        # Steps the memory and durable tiers hold now (rank 0; every rank gets its answer).
-        existing = survey(self._store, self._durable) if self.rank == 0 else ()
         if self.world_size > 1:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
             self._bg_group = dist.new_group(backend="gloo")
-            # rank 0's run id names this job's persist outcomes in the rendezvous store
-            self._run_id, existing = rank0s((self._run_id, existing), world_size=self.world_size, group=self._bg_group)
+        self._run_id, existing, surveyed = start_survey(
+            self._tiers(), restoring, self._run_id, rank=self.rank, world_size=self.world_size, group=self._bg_group
+        )
         self._lineage.started(existing)
         self._snapshot.start(self._store, group=self._bg_group, run_id=self._run_id)
         if self._durable is not None:
@@ -157,7 +163,10 @@ class Checkpointer:
             )
         self._background.start(self._store, self._durable, self._persister)
         self._events.started(self)
-        return self
+        return surveyed
+
+    def _tiers(self) -> list:
+        return [self._store] + ([self._durable] if self._durable is not None else [])
 
     @property
     def started(self) -> bool:
@@ -348,7 +357,7 @@ class Checkpointer:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"restore(step=...) needs a non-negative int step or None, got {step!r}")
         marks = [("called", time.time())]
-        self.start()
+        surveyed = self._start(restoring=(step,))
         self.wait()
         if self._warm is not None:
             self._warm.join(timeout=self.settings.timeout_s)
@@ -366,6 +375,7 @@ class Checkpointer:
                 marks=marks,
                 step=step,
                 rng=rng,
+                surveyed=surveyed,
             )
         if result is not None:
             self._snapshot.restored_plan = restored_plan  # the first save may take it over
@@ -379,7 +389,10 @@ class Checkpointer:
         before its optimizer exists: peek, build it, ``restore(step=peeked.step)``. Every rank calls it."""
         self.start()
         self.wait()
-        tiers = [self._store] + ([self._durable] if self._durable is not None else [])
         return peek_newest(
-            tiers, rank=self.rank, world_size=self.world_size, group=self._bg_group, settings=self.settings.restore
+            self._tiers(),
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self._bg_group,
+            settings=self.settings.restore,
         )

@@ -36,16 +36,26 @@ def restore_version(
     marks: list,
     step: Optional[int],
     rng: bool = True,
+    surveyed: Optional[tuple] = None,
 ) -> tuple[Optional[RestoreResult], object]:
     """Load the newest healthy version (or ``step``) into ``state``: (the result or None, the
     restored version's shard plan, which the first save may take over). ``rng=False``: the
-    process's random number generators are left as they were, the restored ones kept in the result."""
+    process's random number generators are left as they were, the restored ones kept in the result.
+    ``surveyed``: rank 0's survey of these tiers, already on every rank (taken at the start)."""
     before = None if rng else capture_rng()
     tiers = [store]
     if durable is not None:
         tiers.append(durable)
     found = restore_newest(
-        state, tiers, rank=rank, world_size=world_size, group=group, settings=settings, marks=marks, step=step
+        state,
+        tiers,
+        rank=rank,
+        world_size=world_size,
+        group=group,
+        settings=settings,
+        marks=marks,
+        step=step,
+        surveyed=surveyed,
     )
     result = found.result
     if result is None and settings.init_from and step is None:

@@ -1,4 +1,5 @@
-"""What ``Checkpointer.start()`` builds: the memory tier, the durable tier's persister, the warm-up.
+"""What ``Checkpointer.start()`` builds: the memory tier, the durable tier's persister, the warm-up,
+and the start's one collective (:func:`start_survey`).
 
 The memory tier is a process-local store (``store="local"``) or the connection to the host
 stores (``store="ray"``; Ray is imported only then). With a durable tier, rank 0 cleans up what
@@ -8,11 +9,14 @@ an earlier run left incomplete, and the :class:`~gemini_ckpt.durable.writer.Pers
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+from ..collective import everyones
 from ..errors import ConfigError
+from ..lineage import survey
+from ..restore.newest import take_survey
 from ..durable.writer import Persister
 from ..results import CheckpointStats
 from ..retention import KeepNewest
@@ -107,3 +111,24 @@ def start_persister(
     )
     persister.start()
     return persister
+
+
+def start_survey(tiers: list, restoring: Optional[tuple], run_id: str, *, rank: int, world_size: int, group):
+    """The start's one collective: ``(rank 0's run id, the steps the tiers hold, the restore's
+    survey or None)`` on every rank. The run id names this job's persist outcomes in the
+    rendezvous store. ``restoring``: ``(step,)`` when ``restore(step)`` starts the Checkpointer;
+    rank 0 then takes the restore's survey (:func:`~gemini_ckpt.restore.newest.take_survey`) and
+    it is returned when every rank asked for the same restore, so that the restore needs no
+    survey round of its own (None otherwise: it surveys again, and raises on different steps)."""
+    surveyed, existing = None, ()
+    if rank == 0 and restoring is not None:
+        surveyed = take_survey(tiers, world_size=world_size)
+        existing = tuple(sorted(step for step, _ in surveyed[0]))
+    elif rank == 0:
+        existing = survey(tiers[0], tiers[1] if len(tiers) > 1 else None)
+    if world_size == 1:
+        return run_id, existing, surveyed
+    everyone = everyones((run_id, existing, surveyed, restoring), world_size=world_size, group=group)
+    run_id, existing, surveyed, _ = everyone[0]
+    agreed = restoring is not None and all(ask == restoring for *_, ask in everyone)
+    return run_id, existing, surveyed if agreed else None

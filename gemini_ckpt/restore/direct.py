@@ -11,8 +11,8 @@ tensor of the same dtype, and :func:`direct_load` then moves the bytes:
 - from this node's store: out of the mapped shard (mapped while the ranks agree on the
   version), one copy into the live tensor, whose bytes are then checked against the item's
   CRC32C (memory can change after any earlier check: what lands is what counts). The copy
-  goes a block at a time and a thread of its own checks each block as it lands, so the check
-  of one block overlaps the copy of the next (both release the GIL);
+  goes a cache-sized block at a time and each block is checked right after it landed, from
+  the cache;
 - from a peer: pushed by the peer's store over the data plane straight into the live
   tensors' memory (``receive_into``, a batch of items per call), then checked against the
   record while the next batches are still on the wire. A peer that does not deliver a batch
@@ -31,8 +31,6 @@ allow-list, as on the DCP path (:mod:`.loader`).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
@@ -52,8 +50,10 @@ from .loader import SafeLoadPlanner
 
 log = logging.getLogger("gemini_ckpt")
 
-BLOCK_BYTES = 8 << 20
-"""A local copy is checked a block of this many bytes at a time, each while the next is copied."""
+BLOCK_BYTES = 512 << 10
+"""A local copy goes a block of this many bytes at a time, each checked right after it landed,
+while it is still in the core's cache (half a 1-2 MiB L2): one pass over memory, where a copy of
+the whole item followed by its check reads it back from memory (docs/recovery.md)."""
 BATCH_BYTES = 32 << 20
 BATCH_ITEMS = 512
 """A peer is asked for items in batches of about this many bytes (or items): one Ray call per
@@ -178,74 +178,37 @@ def _from_copy(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem])
     if copy.receive_into is not None:
         return _from_peer(version, copy, items)
     failed: list[DirectItem] = []
-    dests = [item.dest_bytes for item in items]  # before the copies: torch calls there would wait on the checker
     # What landed is checked, every time: memory can change after any earlier check (a flipped bit,
     # a process writing into the segment), and the copy itself could go wrong.
-    with _Checker() as checker:
-        for item, dest in zip(items, dests):
-            try:
-                src = as_uint8(copy.fetch(item.at, item.nbytes))
-            except (LookupError, OSError, ValueError, CheckpointError) as exc:
-                _problem(version, copy, [item], f"{type(exc).__name__}: {exc}")
-                failed.append(item)
-                continue
-            if src.nbytes != item.nbytes:
-                _problem(version, copy, [item], f"{src.nbytes} bytes where the record says {item.nbytes}")
-                failed.append(item)
-                continue
-            for lo in range(0, max(item.nbytes, 1), BLOCK_BYTES):
-                hi = min(lo + BLOCK_BYTES, item.nbytes)
-                np.copyto(dest[lo:hi], src[lo:hi])
-                checker.landed(item, dest[lo:hi], last=hi >= item.nbytes)
-        for item, crc in checker.results():
-            if crc != item.crc:
-                _problem(version, copy, [item], "checksum mismatch (corrupt copy skipped)")
-                failed.append(item)
-            else:
-                _count(version, copy, item)
+    for item in items:
+        try:
+            src = as_uint8(copy.fetch(item.at, item.nbytes))
+        except (LookupError, OSError, ValueError, CheckpointError) as exc:
+            _problem(version, copy, [item], f"{type(exc).__name__}: {exc}")
+            failed.append(item)
+            continue
+        if src.nbytes != item.nbytes:
+            _problem(version, copy, [item], f"{src.nbytes} bytes where the record says {item.nbytes}")
+            failed.append(item)
+            continue
+        if _copy_checked(item.dest_bytes, src) != item.crc:
+            _problem(version, copy, [item], "checksum mismatch (corrupt copy skipped)")
+            failed.append(item)
+        else:
+            _count(version, copy, item)
     return failed
 
 
-class _Checker:
-    """The CRC32C of what landed, block by block in the order the blocks landed, on a thread of
-    its own: the check of one block overlaps the copy of the next (both release the GIL)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: list[tuple[DirectItem, int]] = []
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="gemini-ckpt-check", daemon=True)
-
-    def __enter__(self) -> "_Checker":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def landed(self, item: DirectItem, block: np.ndarray, *, last: bool) -> None:
-        self._queue.put((item, block, last))
-
-    def results(self) -> list[tuple[DirectItem, int]]:
-        """``(item, its CRC32C)`` of every item whose last block landed, once all are checked."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._done
-
-    def _run(self) -> None:
-        crc = 0
-        try:
-            while (work := self._queue.get()) is not None:
-                item, block, last = work
-                crc = checksum(block, crc)
-                if last:
-                    self._done.append((item, crc))
-                    crc = 0
-        except BaseException as exc:  # noqa: BLE001 - raised on the restoring thread by results()
-            self._error = exc
+def _copy_checked(dest: np.ndarray, src: np.ndarray) -> int:
+    """Copy ``src`` into ``dest`` a cache-sized block at a time, each block's CRC32C taken from
+    ``dest`` right after it landed (still in the cache): the CRC32C of what landed, for one pass
+    over memory. Returns it."""
+    crc = 0
+    for lo in range(0, src.nbytes, BLOCK_BYTES):
+        hi = lo + BLOCK_BYTES
+        np.copyto(dest[lo:hi], src[lo:hi])
+        crc = checksum(dest[lo:hi], crc)
+    return crc
 
 
 def _from_peer(version: MemoryVersion, copy: ShardCopy, items: list[DirectItem]) -> list[DirectItem]:

@@ -62,6 +62,7 @@ def restore_newest(
     settings: RestoreSettings,
     marks: Optional[list] = None,
     step: Optional[int] = None,
+    surveyed: Optional[tuple] = None,
 ) -> Restored:
     """Try versions newest first (memory before durable at equal steps) until a healthy one loads.
 
@@ -74,11 +75,16 @@ def restore_newest(
     ``marks``: the restore's timeline so far (``(stage, unix time)``), continued here and
     returned in :attr:`RestoreResult.timeline`. ``step``: only that version, healthy or not
     (every rank must ask for the same one); ``VersionNotFoundError`` when no tier holds it.
+    ``surveyed``: rank 0's survey (:func:`take_survey`) already on every rank, every rank having
+    asked for the same ``step`` (the start's collective carried it): no survey round here.
     Returns a :class:`~.version.Restored`: the result (None: nothing to restore), the steps the
     tiers held and the plan the first save may take over."""
     t0 = time.perf_counter()
     marks = list(marks) if marks else [("called", time.time())]
-    named, order, unreachable = surveyed_by_rank0(tiers, step, rank=rank, world_size=world_size, group=group)
+    if surveyed is None:
+        named, order, unreachable = surveyed_by_rank0(tiers, step, rank=rank, world_size=world_size, group=group)
+    else:
+        named, (order, unreachable, _) = step, adopt_survey(tiers, surveyed, rank=rank)
     marks.append(("surveyed", time.time()))
     held = tuple(sorted(s for s, _ in order))  # every rank walks the same survey
     fire("restore", step=order[0][0] if order else None, rank=rank)
@@ -169,16 +175,26 @@ def restore_newest(
 def surveyed_by_rank0(tiers: list, step: Optional[int], *, rank: int, world_size: int, group):
     """Rank 0's survey of the tiers, on every rank (one collective): ``(the step every rank named,
     [(step, tier indices)] newest first, {tier: why it could not be listed})``."""
-    surveyed = None
-    if rank == 0 or world_size == 1:
-        order, unreachable = survey(tiers)
-        states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
-        surveyed = (order, unreachable, states)
-    named, (order, unreachable, states) = _agree(step, surveyed, rank, world_size, group)
-    if rank != 0:
-        for tier, shared in zip(tiers, states):
-            tier.use_survey_state(shared)
+    surveyed = take_survey(tiers, world_size=world_size) if rank == 0 or world_size == 1 else None
+    named, surveyed = _agree(step, surveyed, rank, world_size, group)
+    order, unreachable, _ = adopt_survey(tiers, surveyed, rank=rank)
     return named, order, unreachable
+
+
+def take_survey(tiers: list, *, world_size: int) -> tuple:
+    """Rank 0's survey, as every rank walks it: ``([(step, tier indices)] newest first, {tier:
+    why it could not be listed}, each tier's state for the other ranks' reads)``."""
+    order, unreachable = survey(tiers)
+    states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
+    return order, unreachable, states
+
+
+def adopt_survey(tiers: list, surveyed: tuple, *, rank: int) -> tuple:
+    """Rank 0's survey taken over by this rank's tiers (its reads then need no calls of their own); returns it."""
+    if rank != 0:
+        for tier, shared in zip(tiers, surveyed[2]):
+            tier.use_survey_state(shared)
+    return surveyed
 
 
 def _agree(step: Optional[int], surveyed, rank: int, world_size: int, group) -> tuple[Optional[int], Any]:

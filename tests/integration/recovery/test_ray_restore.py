@@ -197,3 +197,26 @@ def test_a_training_process_killed_right_after_save_returned_still_commits_its_v
     restored = ranks.call("restore")
     assert [r["step"] for r in restored] == [3] * HOSTS  # every committed version is found
     assert [r["digest"] for r in restored] == [reference[r][3] for r in range(HOSTS)]
+
+
+@pytest.mark.ray
+def test_ranks_naming_different_steps_all_raise_and_naming_the_same_one_load_it(ranks, reference):
+    """The start's collective carries each rank's ``restore(step=...)``: ranks that disagree all
+    raise (none waits for the others), and ranks that agree load that step, not the newest."""
+    from gemini_ckpt import ConfigError
+
+    ns = f"named-{uuid.uuid4().hex[:8]}"
+    ranks.restart(ns)
+    ranks.train(range(4))
+    ranks.restart(ns)
+    asked = [2, None, 2, 2]
+    calls = [w.restore.remote(step) for w, step in zip(ranks.workers, asked)]
+    for call in calls:
+        with pytest.raises(ray.exceptions.RayTaskError) as caught:
+            ray.get(call, timeout=120)
+        assert isinstance(caught.value.as_instanceof_cause(), ConfigError), caught.value
+        assert "different steps" in str(caught.value)
+    ranks.restart(ns)
+    restored = ray.get([w.restore.remote(2) for w in ranks.workers], timeout=120)
+    assert [r["step"] for r in restored] == [2] * HOSTS
+    assert [r["digest"] for r in restored] == [reference[r][2] for r in range(HOSTS)]
