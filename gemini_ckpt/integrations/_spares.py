@@ -9,6 +9,12 @@ that host, and it has already run their runtime env's warm-up hook
 ``RAY_preload_python_modules`` (``preload_env``). Without either it still saves the
 Ray worker's own start.
 
+A host that joins while the run lasts (a replacement for a lost one, a standby) gets its spares
+as soon as it is seen (the node table is read every ``WATCH_S``): Ray declares the lost host dead
+seconds after it stopped answering, and only then places its replacement worker, which finds a
+process that has been importing meanwhile instead of starting one. Such a host's spares are not
+renewed unless a Train worker is placed there.
+
 The call is internal to Ray (2.60), like the rest of the in-place path: when it fails, spares are
 turned off with one warning and replacements start cold, as without them.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Optional
 
 log = logging.getLogger("gemini_ckpt")
@@ -25,6 +32,7 @@ KEEP_ALIVE_S = 3600  # how long the raylet keeps an unused spare; they are start
 REFILL_DELAY_S = 15.0  # a replacement's spare is made again this long after: its imports would
 # otherwise take a core from the recovery they are meant to shorten
 CALL_TIMEOUT_S = 5.0
+WATCH_S = 0.5  # how often the node table is read for hosts that joined
 
 
 def describe() -> tuple[str, str]:
@@ -48,6 +56,8 @@ class Spares:
         self._timer: Optional[threading.Timer] = None
         self._stopped = False
         self._lock = threading.Lock()
+        self._seen: Optional[set[str]] = None  # the live nodes the watch knows of (None: not watching)
+        self._watch_s = WATCH_S
 
     def learn(self, runtime_env: str, job_id: str) -> None:
         self._runtime_env, self._job_id = runtime_env, job_id
@@ -94,6 +104,28 @@ class Spares:
         self._nodes = (self._nodes | set(node_ids)) & raylets.keys()  # a lost host's spares went with it
         if self._timer is None:
             self._arm()
+        if self._seen is None:
+            self._seen = set(raylets)
+            threading.Thread(target=self._watch, name="gemini-ckpt-spares-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Spares on every host that joins while the run lasts, as soon as it is seen."""
+        while True:
+            time.sleep(self._watch_s)
+            with self._lock:
+                if self._stopped or self._off is not None:
+                    self._seen = None
+                    return
+                try:
+                    raylets = _live_raylets()
+                    for node in raylets.keys() - self._seen:
+                        _prestart(raylets[node], self._runtime_env, self._job_id, self.per_node, self.keep_alive_s)
+                        log.info("gemini_ckpt: %d warm spare(s) on host %s, which joined", self.per_node, node[:12])
+                    self._seen = set(raylets)
+                except Exception as exc:  # noqa: BLE001 - an internal call of Ray's: the watch ends, spares stay
+                    log.warning("gemini_ckpt: hosts that join get no warm spare (%s: %s)", type(exc).__name__, exc)
+                    self._seen = None
+                    return
 
     def stop(self) -> None:
         """Stop renewing (the run's worker group ended; spares left die with the job or expire)."""
