@@ -365,8 +365,7 @@ class Checkpointer:
         with no_gc():
             result, restored_plan = restore_version(
                 self.state,
-                self._store,
-                self._durable,
+                self._tiers(),
                 self.settings.restore,
                 self._lineage,
                 rank=self.rank,

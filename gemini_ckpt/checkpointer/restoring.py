@@ -18,15 +18,13 @@ from ..restore import restore_newest
 from ..results import RestoreResult
 from ..state.train_state import RandomState, TrainState, capture_rng, restore_rng_state
 from ..stores.base import MemoryTier
-from ..durable.tier import DurableTier
 
 log = logging.getLogger("gemini_ckpt")
 
 
 def restore_version(
     state: TrainState,
-    store: MemoryTier,
-    durable: Optional[DurableTier],
+    tiers: list,
     settings: RestoreSettings,
     lineage: Lineage,
     *,
@@ -41,11 +39,10 @@ def restore_version(
     """Load the newest healthy version (or ``step``) into ``state``: (the result or None, the
     restored version's shard plan, which the first save may take over). ``rng=False``: the
     process's random number generators are left as they were, the restored ones kept in the result.
+    ``tiers``: the memory tier, then the durable one if any (the order ``surveyed`` indexes);
     ``surveyed``: rank 0's survey of these tiers, already on every rank (taken at the start)."""
     before = None if rng else capture_rng()
-    tiers = [store]
-    if durable is not None:
-        tiers.append(durable)
+    store: MemoryTier = tiers[0]
     found = restore_newest(
         state,
         tiers,

@@ -57,7 +57,6 @@ class Spares:
         self._stopped = False
         self._lock = threading.Lock()
         self._seen: Optional[set[str]] = None  # the live nodes the watch knows of (None: not watching)
-        self._watch_s = WATCH_S
 
     def learn(self, runtime_env: str, job_id: str) -> None:
         self._runtime_env, self._job_id = runtime_env, job_id
@@ -111,7 +110,7 @@ class Spares:
     def _watch(self) -> None:
         """Spares on every host that joins while the run lasts, as soon as it is seen."""
         while True:
-            time.sleep(self._watch_s)
+            time.sleep(WATCH_S)
             with self._lock:
                 if self._stopped or self._off is not None:
                     self._seen = None
