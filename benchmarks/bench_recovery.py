@@ -317,13 +317,19 @@ def run(
         "ckpt": ckpt,
         "progress": name,
     }
-    # every Train worker process imports torch and Ray Train as it starts (all modes alike): the
-    # in-place mode's warm spares are ready when a worker is replaced; a full restart starts new processes
+    # every Train worker process imports torch, Ray Train and what train_loop imports as it starts (all
+    # modes alike): the in-place mode's warm spares are ready when a worker is replaced; a full restart
+    # starts new processes
     run_config = RunConfig(
         name=name,
         storage_path=workdir,
         failure_config=FailureConfig(max_failures=1),
-        worker_runtime_env=warm_runtime_env(),
+        worker_runtime_env=warm_runtime_env(
+            "torch.distributed.device_mesh",
+            "torch.distributed.tensor",
+            "torchdata.stateful_dataloader",
+            "gemini_ckpt.toy",
+        ),
     )
     # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
     scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))

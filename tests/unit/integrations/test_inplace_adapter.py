@@ -232,3 +232,44 @@ def test_the_reaper_kills_only_ray_train_workers_of_its_user():
     assert outcome == "killed", (outcome, open(f"/proc/{worker.pid}/cmdline", "rb").read())
     assert worker.wait(timeout=10) == -9
     assert reaper.kill(worker.pid) == "gone"
+
+
+WARMED_LEAVES_NOTHING = """
+import inspect, sys
+from gemini_ckpt.integrations._warm import warm_up
+import os
+from gemini_ckpt.integrations.ray_train import PRELOAD
+os.environ["GEMINI_CKPT_WARM_MODULES"] = ",".join(PRELOAD)
+warm_up()
+before = set(sys.modules)
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1,)))  # the first DTensor made
+dist.destroy_process_group()
+# what every ray.train.get_context() runs first (its decorator), read from Ray's source
+from ray.train.v2._internal import util
+source = inspect.getsource(util.requires_train_worker)
+line = next(l.strip() for l in source.splitlines() if "_in_tune_session" in l and "import" in l)
+exec(line)
+from gemini_ckpt.checkpointer import tiers  # the rank's side of the connection, as a Checkpointer starts
+from gemini_ckpt.hoststore.client import connect
+new = {".".join(m.split(".")[:2]) for m in set(sys.modules) - before}
+new = sorted(m for m in new if m in ("torch._dynamo", "ray.tune", "gemini_ckpt.hoststore"))
+print("new:", new)
+"""
+
+
+def test_a_warmed_worker_imports_nothing_more_for_fsdp_ray_trains_context_or_a_checkpointer():
+    """What a replacement's training function would import lazily while the survivors wait (the
+    first DTensor imports torch._dynamo, the first ``ray.train.get_context()`` Ray Tune's session
+    check, the first Checkpointer start the host-store client) is in ``PRELOAD``: a warmed process
+    imports none of it again. Fails when torch or Ray moves what they import lazily."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", WARMED_LEAVES_NOTHING], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "new: []", out.stdout
