@@ -166,10 +166,7 @@ print("ok")
 def test_spares_turn_off_once_when_rays_call_fails():
     """Without a reachable raylet the first call fails: one warning, no retries. In a process of
     its own: the suite's other tests may have connected this one to a cluster."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", SPARES_WITHOUT_RAY], capture_output=True, text=True, timeout=120)
+    out = _run_alone(SPARES_WITHOUT_RAY)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
@@ -235,9 +232,8 @@ def test_the_reaper_kills_only_ray_train_workers_of_its_user():
 
 
 WARMED_LEAVES_NOTHING = """
-import inspect, sys
+import inspect, os, sys
 from gemini_ckpt.integrations._warm import warm_up
-import os
 from gemini_ckpt.integrations.ray_train import PRELOAD
 os.environ["GEMINI_CKPT_WARM_MODULES"] = ",".join(PRELOAD)
 warm_up()
@@ -254,8 +250,7 @@ from ray.train.v2._internal import util
 source = inspect.getsource(util.requires_train_worker)
 line = next(l.strip() for l in source.splitlines() if "_in_tune_session" in l and "import" in l)
 exec(line)
-from gemini_ckpt.checkpointer import tiers  # the rank's side of the connection, as a Checkpointer starts
-from gemini_ckpt.hoststore.client import connect
+from gemini_ckpt.hoststore.client import connect  # what a Checkpointer's first start imports
 new = {".".join(m.split(".")[:2]) for m in set(sys.modules) - before}
 new = sorted(m for m in new if m in ("torch._dynamo", "ray.tune", "gemini_ckpt.hoststore"))
 print("new:", new)
@@ -267,9 +262,15 @@ def test_a_warmed_worker_imports_nothing_more_for_fsdp_ray_trains_context_or_a_c
     first DTensor imports torch._dynamo, the first ``ray.train.get_context()`` Ray Tune's session
     check, the first Checkpointer start the host-store client) is in ``PRELOAD``: a warmed process
     imports none of it again. Fails when torch or Ray moves what they import lazily."""
+    out = _run_alone(WARMED_LEAVES_NOTHING)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "new: []", out.stdout
+
+
+def _run_alone(script: str):
+    """``script`` in a Python process of its own (the suite's other tests may have imported or
+    connected this one)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", WARMED_LEAVES_NOTHING], capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "new: []", out.stdout
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
