@@ -53,6 +53,27 @@ def pytest_configure(config):
     watch.capture = config.pluginmanager.getplugin("capturemanager")
 
 
+def pytest_collection_finish(session):
+    """Two costs of the garbage collector in one long-lived process:
+
+    - The ~700k objects the imports leave (torch, Ray, Lightning, transformers) live for the
+      session; every full collection walked them again (14 s of the durable tier's property test).
+      Frozen, they are left out of collections.
+    - A data loader's worker iterator that dies in a reference cycle (HF's and Lightning's
+      trainers make such cycles) is shut down by whichever test's allocation triggers the
+      collection: its queues' feeder threads are finalized first, so its workers never get the
+      word and each is waited for ``MP_STATUS_CHECK_INTERVAL`` (5 s) before it is terminated
+      (20 s inside an unrelated test). Tests wait half a second instead.
+    """
+    import gc
+
+    from torch.utils.data import _utils as loader_utils
+
+    loader_utils.MP_STATUS_CHECK_INTERVAL = 0.5
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_runtest_logstart(nodeid, location):
     import watch
 

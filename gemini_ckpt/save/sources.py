@@ -174,8 +174,12 @@ class Sources:
         if key == "params":  # parameter names: fixed while the fingerprint (which covers the groups) is
             fixed = _blob(flat[fqn], "pickle")
             return lambda opaque: fixed
+        state = self.state  # not self: a getter kept in self._values must not make a cycle
+        # (it would keep the user's model, optimizer and loader alive after close, until a full
+        # garbage collection, and a loader's worker processes are then shut down from whichever
+        # thread collects: 5 s per worker where they are slow to join)
         return lambda opaque, g=g, key=key: _blob(
-            [gr for opt in self.state.optimizers for gr in opt.param_groups][g][key], "pickle"
+            [gr for opt in state.optimizers for gr in opt.param_groups][g][key], "pickle"
         )
 
     def _with_grads(self, tensors: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:

@@ -137,3 +137,34 @@ def test_abort_while_a_save_is_handing_off_refuses_that_save_with_a_checkpoint_e
     assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError), outcome
     assert "aborted" in str(outcome[0])
     assert ckpt.inflight == 0
+
+
+def test_a_closed_checkpointer_and_its_state_go_when_dropped_without_a_garbage_collection():
+    # A cycle through the TrainState would keep the user's model, optimizer and loader (and a
+    # loader's worker processes) alive until a full collection, which then shuts the workers down
+    # from whichever thread runs it: 5 s per worker here. (torch's own cycles, such as a
+    # scheduler and its optimizer, are not ours to break.)
+    import gc
+    import weakref
+
+    from gemini_ckpt.toy import build_training, lm_loss
+
+    gc.collect()
+    gc.disable()
+    try:
+        t = build_training(seed=0, dataset_size=64)
+        state = TrainState(model=t.model, optimizer=t.optimizer, scheduler=t.scheduler, dataloader=t.loader)
+        ckpt = Checkpointer(state, CheckpointConfig(store="local", namespace=uuid.uuid4().hex, timeout_s=30))
+        for step, batch in zip(range(3), t.loader):  # the later saves take the fast path and its getters
+            lm_loss(t.model, batch).backward()
+            t.optimizer.step()
+            t.optimizer.zero_grad(set_to_none=True)
+            ckpt.save(step)
+        ckpt.wait()
+        ckpt.close()
+        assert ckpt.stats.saves == 3
+        alive = {"checkpointer": weakref.ref(ckpt), "state": weakref.ref(state)}
+        del ckpt, state
+        assert [name for name, ref in alive.items() if ref() is not None] == []
+    finally:
+        gc.enable()
