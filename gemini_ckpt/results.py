@@ -135,9 +135,9 @@ class RestoreResult:
     recovery: tuple[dict, ...] = field(default=())
     """What the host stores did about host losses since the job last ran (empty otherwise):
     per lost host, unix times ``noticed`` (by the stores), ``node_dead`` (declared by Ray),
-    ``rereplicated`` (every committed version back to ``replicas`` copies), and, when a
-    replacement joined, ``replacement_joined`` and ``replacement_seeded`` (its store holds the
-    lost host's copies)."""
+    ``rereplicated`` (the newest committed version back to ``replicas`` copies; the older kept
+    versions follow 10 s after the loss), and, when a replacement joined, ``replacement_joined``
+    and ``replacement_seeded`` (its store holds the lost host's copies of the newest version)."""
 
     rng_state: Optional[Any] = field(default=None, repr=False)
     """With ``restore(rng=False)``: the restored random number generators' states, not yet

@@ -23,6 +23,14 @@ from .state import EpochConfig, store_config
 
 log = logging.getLogger("gemini_ckpt")
 
+OLDER_AFTER_S = 10.0
+"""After a host is lost (or its replacement joins), the copies of the kept versions older than the
+newest committed one are made this long after; the newest's at once. A restore reads the newest,
+and the older copies (``keep - 1`` times its bytes) would otherwise take the CPU and memory
+bandwidth that the replacement's start and restore need, on the critical path (a lost host's
+in-place recovery: node dead + 6.25 s median before, + 5.68 s after, docs/recovery.md). A version
+committed meanwhile lets the oldest go, and its copies are not made at all."""
+
 
 def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
     """Whether a node ``candidate`` can stand in for the ``dead`` one (both as ``ray.nodes()``
@@ -148,8 +156,9 @@ class Recovery:
         """Bring every committed version back to ``replicas`` copies, where the placement puts
         them with the live hosts of now (:func:`~gemini_ckpt.hoststore.slots.holders_for`), each copy
         sent by a store that holds one. A copy becomes visible only once its new holder checked
-        it, so a version is never half-copied to a reader. Runs until nothing is missing (or
-        nothing missing can be fixed: no live copy)."""
+        it, so a version is never half-copied to a reader. The newest committed version's copies
+        are made first, the older kept versions' :data:`OLDER_AFTER_S` after the newest loss or
+        replacement. Runs until nothing is missing (or nothing missing can be fixed: no live copy)."""
         if not self.terms.job or not self.slots.nodes:
             self.rerep.pending = False
             return
@@ -197,8 +206,12 @@ class Recovery:
                 for target in [h for h in want if h not in slots and h in live]:
                     source = slots[len(sends) % len(slots)]  # spread the sending over the holders
                     sends.append((step, rank, source, target))
+        later = []
+        if sends and time.time() < self._older_due():
+            later = [send for send in sends if send[0] != committed[0]]
+            sends = [send for send in sends if send[0] == committed[0]]
         if not sends:
-            self.rerep.pending = False
+            self.rerep.pending = bool(later)  # a pass after the wait makes them
             self._rereplicated()
             return
         endpoints = {}
@@ -217,13 +230,24 @@ class Recovery:
         )
         failed = [(send, r) for send, r in zip(sends, results) if isinstance(r, BaseException)]
         moved = sum(r for r in results if isinstance(r, int))
+        steps = ", ".join(str(step) for step in sorted({send[0] for send in sends}, reverse=True))
         self.reports.event(
-            f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies ({moved / 1e6:.1f} MB) in "
-            f"{time.time() - t0:.2f}s" + (f"; failed: {failed[0][1]}" if failed else "")
+            f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies of step {steps} ({moved / 1e6:.1f} MB) "
+            f"in {time.time() - t0:.2f}s"
+            + (f"; failed: {failed[0][1]}" if failed else "")
+            + (f"; {len(later)} of older steps follow {OLDER_AFTER_S:.0f}s after the loss" if later else "")
         )
         # Another round checks what is still missing (a source that died meanwhile, a new loss).
 
+    def _older_due(self) -> float:
+        """When the copies of versions older than the newest are made (:data:`OLDER_AFTER_S`
+        after the newest loss or replacement)."""
+        last = max((e.get(k, 0.0) for e in self.rerep.timeline for k in ("noticed", "replacement_joined")), default=0.0)
+        return last + OLDER_AFTER_S
+
     def _rereplicated(self) -> None:
+        """Stamp the timeline: the newest committed version is back to ``replicas`` copies, and a
+        replacement holds its lost host's copies of it (what its restore reads)."""
         now = time.time()
         for event in self.rerep.timeline:
             event.setdefault("rereplicated", now)
@@ -240,7 +264,8 @@ class Recovery:
 
     def timeline(self) -> list[dict]:
         """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,
-        ``node_dead`` as Ray declared it, ``rereplicated`` (every committed version back to
-        ``replicas`` copies), ``replacement_joined`` and ``replacement_seeded`` (its store holds
-        the dead host's copies), and the ``slot``, ``node_id`` and ``replacement`` node."""
+        ``node_dead`` as Ray declared it, ``rereplicated`` (the newest committed version back to
+        ``replicas`` copies; the older kept ones follow :data:`OLDER_AFTER_S` after the loss),
+        ``replacement_joined`` and ``replacement_seeded`` (its store holds the dead host's copies
+        of the newest version), and the ``slot``, ``node_id`` and ``replacement`` node."""
         return [dict(e) for e in self.rerep.timeline]

@@ -168,9 +168,10 @@ class Registry:
 
     def recovery(self) -> list[dict]:
         """Per host lost (newest last), when (unix seconds): ``noticed`` by the stores,
-        ``node_dead`` as Ray declared it, ``rereplicated`` (every committed version back to
+        ``node_dead`` as Ray declared it, ``rereplicated`` (the newest committed version back to
         ``replicas`` copies), ``replacement_joined`` and ``replacement_seeded`` (its store holds
-        the dead host's copies), and the ``slot``, ``node_id`` and ``replacement`` node."""
+        the dead host's copies of it), and the ``slot``, ``node_id`` and ``replacement`` node
+        (see ``Recovery.timeline``)."""
         return self.recovery_work.timeline()
 
     # --- status ------------------------------------------------------------------------------------
