@@ -135,7 +135,7 @@ def test_survivors_whose_checkpointing_failed_first_wait_for_the_failed_peer_to_
 
 @pytest.mark.multiproc
 def test_a_checkpointing_error_with_no_failed_peer_ends_the_rank_after_the_grace(tmp_path):
-    job = Job(tmp_path, "fail@2:3", reform_s=8.0, grace_s=2.0)
+    job = Job(tmp_path, "fail@2:3", reform_s=4.0, grace_s=2.0)
     codes = job.run()
     assert codes[2] != 0 and b"BackgroundError" in job.procs[2].stderr.read()
     lines = job.lines()
@@ -145,7 +145,7 @@ def test_a_checkpointing_error_with_no_failed_peer_ends_the_rank_after_the_grace
 
 @pytest.mark.multiproc
 def test_an_error_of_the_users_code_is_not_recovered_in_place(tmp_path):
-    job = Job(tmp_path, "raise@2", reform_s=8.0)
+    job = Job(tmp_path, "raise@2", reform_s=4.0)
     codes = job.run()
     assert codes[2] != 0 and b"ValueError: the user's code fails here" in job.procs[2].stderr.read()
     assert "rank 2: ValueError: the user's code fails here" in _rounds.escaped(job.store)
