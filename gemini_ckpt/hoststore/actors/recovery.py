@@ -28,7 +28,7 @@ OLDER_AFTER_S = 10.0
 newest committed one are made this long after; the newest's at once. A restore reads the newest,
 and the older copies (``keep - 1`` times its bytes) would otherwise take the CPU and memory
 bandwidth that the replacement's start and restore need, on the critical path (a lost host's
-in-place recovery: node dead + 6.25 s median before, + 5.68 s after, docs/recovery.md). A version
+in-place recovery: node dead + 6.25 s median of 9 before, + 5.11 s of 6 after, docs/recovery.md). A version
 committed meanwhile lets the oldest go, and its copies are not made at all."""
 
 
@@ -235,7 +235,7 @@ class Recovery:
             f"re-replicated {len(sends) - len(failed)} of {len(sends)} copies of step {steps} ({moved / 1e6:.1f} MB) "
             f"in {time.time() - t0:.2f}s"
             + (f"; failed: {failed[0][1]}" if failed else "")
-            + (f"; {len(later)} of older steps follow {OLDER_AFTER_S:.0f}s after the loss" if later else "")
+            + (f"; {len(later)} of older steps follow {OLDER_AFTER_S:.0f}s after the loss or join" if later else "")
         )
         # Another round checks what is still missing (a source that died meanwhile, a new loss).
 
