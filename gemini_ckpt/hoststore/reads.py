@@ -82,7 +82,7 @@ class TierReads:
         # the newest one the stores call healthy is opened too.
         healthy = max((s for s, r in where.items() if r.committed and r.health != "unhealthy"), default=None)
         wanted = {s for s in (newest, healthy) if s is not None}
-        infos = {s: self._shard_infos(s, where[s]) for s in wanted}
+        infos = {s: _once_each(self._shard_infos(s, where[s])) for s in wanted}
         with self._lock:
             self._surveyed_infos = dict(infos)  # this rank opens the version too: no second round of calls
         return {"where": where, "infos": infos}
@@ -233,3 +233,18 @@ class TierReads:
             listener.close()
         if transport is not None:
             transport.close()
+
+
+def _once_each(infos: dict[int, dict]) -> dict[int, dict]:
+    """``slot -> {rank: (plan, record)}`` with the bytes of a rank's shard kept once where several
+    stores hold the same: a reader decodes the first of a rank's it finds, so a second identical
+    copy never changes what it reads (copies that differ are all kept) and only lengthens the
+    survey every rank receives."""
+    kept: dict[int, list] = {}
+    out: dict[int, dict] = {}
+    for slot, held in infos.items():
+        for rank, pair in held.items():
+            if pair not in kept.setdefault(rank, []):
+                kept[rank].append(pair)
+                out.setdefault(slot, {})[rank] = pair
+    return out

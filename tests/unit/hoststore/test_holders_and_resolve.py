@@ -50,3 +50,11 @@ def test_a_step_counts_only_when_committed_somewhere_with_every_shard_on_a_live_
     assert resolve(again)[7].epoch == 2 and resolve(again)[7].copies == {0: (1,), 1: (1,)}
     aborted = {0: {7: _entry(2, "committed", {0: 0})}, 1: {7: _entry(2, "aborted", {1: 1})}}
     assert not resolve(aborted)[7].committed
+
+
+def test_the_survey_carries_a_shards_plan_and_record_once_unless_the_copies_differ():
+    from gemini_ckpt.hoststore.reads import _once_each
+
+    good, forged = (b"plan-1", b"record-1"), (b"plan-1", b"forged")
+    infos = {0: {0: good, 1: (b"plan-2", b"record-2")}, 1: {0: good, 1: (b"plan-2", b"record-2")}, 2: {0: forged}}
+    assert _once_each(infos) == {0: {0: good, 1: (b"plan-2", b"record-2")}, 2: {0: forged}}
