@@ -8,6 +8,7 @@ Standard library only.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -18,26 +19,41 @@ from .attach import MAX_HELLO, PROTOCOL, RESTART_STORES, Connection, close_all, 
 from .attach_messages import VersionOutcome
 
 
+QUEUE_WAIT_S = 1.0
+"""The longest one try of :func:`connect_until` waits in the kernel for room in the store's queue."""
+
+
 def connect_until(address: str, deadline: float) -> socket.socket:
     """A connected socket to ``address``, trying again until ``deadline`` (monotonic) while the
     listener's queue is full (EAGAIN: a burst of connections, or another local user flooding the
-    socket). The last error past the deadline."""
-    pause = 0.01
+    socket). The last error past the deadline.
+
+    Each try is a blocking connect bounded by ``SO_SNDTIMEO`` (at most :data:`QUEUE_WAIT_S`): it
+    waits in the kernel's queue of the listener's waiters, and every connection the store accepts
+    wakes one of them. Tries of non-blocking connects with sleeps between them lost the race for
+    each freed slot to processes connecting in a tight loop (four such: 3-15 s to get in here, and
+    a CI run in which one trainer did not get in within its 120 s)."""
     while True:
+        wait = max(0.05, min(QUEUE_WAIT_S, deadline - time.monotonic()))
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
         try:
-            sock.connect(address)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
+            sock.connect(address)  # blocking: a full queue is waited on, for ``wait`` at most
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # later sends: as before
+            sock.settimeout(max(0.05, deadline - time.monotonic()))
             return sock
         except (BlockingIOError, InterruptedError) as exc:
             sock.close()
-            if time.monotonic() + pause > deadline:
+            if time.monotonic() >= deadline:
                 raise OSError(exc.errno, f"the store's attach queue stayed full ({exc.strerror})") from None
         except OSError:
             sock.close()
             raise
-        time.sleep(pause)
-        pause = min(0.2, pause * 2)
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 class _Skew(Exception):

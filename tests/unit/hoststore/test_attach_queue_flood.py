@@ -1,0 +1,87 @@
+"""A trainer's attach while other local processes connect to the store's socket in a tight loop
+(the flood of ``tests/integration/hoststore/test_ray_attach_flood.py``, without Ray): the
+trainer waits in the kernel for room in the accept queue, so a slot the store frees goes to it
+and not to whichever flooder tries next. With tries of non-blocking connects and sleeps between
+them (the code before), two flooders kept a trainer out for 20 s in two tries of four here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from gemini_ckpt.hoststore.attach_client import connect_until
+
+FLOODER = r"""
+import socket, sys, time
+address = "\0" + sys.argv[1]
+held, full, end = [], False, time.monotonic() + float(sys.argv[2])
+try:
+    print("flooding", flush=True)
+    while time.monotonic() < end:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+            held.append(s)
+        except BlockingIOError:
+            s.close()
+            full = True
+        except OSError:
+            s.close()
+        if len(held) > 64:
+            held.pop(0).close()
+except KeyboardInterrupt:
+    pass
+print("full" if full else "never-full", flush=True)
+"""
+
+FLOODERS = 2
+TRIES = 3
+
+
+def test_a_trainer_gets_into_an_attach_queue_that_local_processes_flood():
+    name = f"gemini-ckpt-test-flood-{os.getpid()}-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    stop = threading.Event()
+
+    def accept():  # the store's accept thread: a thread per connection, until it proves itself or times out
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: (time.sleep(0.5), c.close()), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    flooders = [
+        subprocess.Popen([sys.executable, "-c", FLOODER, name, "60"], stdout=subprocess.PIPE, text=True)
+        for _ in range(FLOODERS)
+    ]
+    try:
+        for f in flooders:
+            assert f.stdout.readline().strip() == "flooding"
+        time.sleep(0.5)  # the queue full
+        took = []
+        for _ in range(TRIES):
+            t0 = time.monotonic()
+            sock = connect_until("\0" + name, t0 + 20)
+            took.append(time.monotonic() - t0)
+            sock.close()
+        for f in flooders:
+            f.send_signal(signal.SIGINT)
+        seen = [f.communicate(timeout=30)[0].split() for f in flooders]
+        assert any(s[-1:] == ["full"] for s in seen), f"no flooder found the queue full: nothing was flooded: {seen}"
+        assert max(took) < 5, f"the trainer waited {[round(t, 2) for t in took]} s to get in"
+    finally:
+        stop.set()
+        listener.close()
+        for f in flooders:
+            f.kill()
+            f.wait(10)
