@@ -7,6 +7,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 import threading
@@ -39,6 +40,9 @@ def connect_until(address: str, deadline: float) -> socket.socket:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(wait))
             sock.connect(address)  # blocking: a full queue is waited on, for ``wait`` at most
+            # A signal that interrupts the wait makes CPython take it for a connection in progress
+            # (as for TCP) and return without one: ENOTCONN here, and another try.
+            sock.getpeername()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))  # later sends: as before
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             return sock
@@ -46,9 +50,10 @@ def connect_until(address: str, deadline: float) -> socket.socket:
             sock.close()
             if time.monotonic() >= deadline:
                 raise OSError(exc.errno, f"the store's attach queue stayed full ({exc.strerror})") from None
-        except OSError:
+        except OSError as exc:
             sock.close()
-            raise
+            if exc.errno != errno.ENOTCONN or time.monotonic() >= deadline:
+                raise
 
 
 def _timeval(seconds: float) -> bytes:

@@ -2,7 +2,8 @@
 (the flood of ``tests/integration/hoststore/test_ray_attach_flood.py``, without Ray): the
 trainer waits in the kernel for room in the accept queue, so a slot the store frees goes to it
 and not to whichever flooder tries next. With tries of non-blocking connects and sleeps between
-them (the code before), two flooders kept a trainer out for 20 s in two tries of four here."""
+them (the code before), two flooders kept a trainer out for 20 s in two tries of four here.
+And a signal that interrupts that wait does not leave the trainer with an unconnected socket."""
 
 from __future__ import annotations
 
@@ -85,3 +86,45 @@ def test_a_trainer_gets_into_an_attach_queue_that_local_processes_flood():
         for f in flooders:
             f.kill()
             f.wait(10)
+
+
+def test_a_signal_during_the_wait_for_room_is_not_taken_for_a_connection():
+    """CPython takes a connect that a signal interrupted for one in progress (as on TCP) and
+    returns a socket that is not connected; the trainer tries again and gets a real one."""
+    address = f"\0gemini-ckpt-test-eintr-{os.getpid()}-{time.monotonic_ns()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(0)
+    held = []
+    while True:  # the queue full
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(address)
+        except BlockingIOError:
+            s.close()
+            break
+        held.append(s)
+
+    def drain_later():
+        time.sleep(0.6)
+        listener.settimeout(1)
+        while True:
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                return
+
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        threading.Thread(target=drain_later, daemon=True).start()
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # while the connect waits for room
+        sock = connect_until(address, time.monotonic() + 10)
+        assert sock.getpeername() == address.encode()
+        sock.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        for s in held:
+            s.close()
+        listener.close()
