@@ -246,6 +246,9 @@ class RayTier(MemoryTier):
     def committed_steps(self) -> list[int]:
         return self.reads.committed_steps()
 
+    def survey_steps(self) -> list[int]:
+        return self.reads.committed_steps(prefetch=True)
+
     def survey_state(self) -> dict:
         return self.reads.survey_state()
 

@@ -51,6 +51,7 @@ class TierReads:
         self._lock = threading.Lock()
         self._where: dict[int, Resolved] = {}
         self._surveyed_infos: dict[int, dict] = {}  # step -> slot -> {rank: (plan, record)}, from the survey
+        self._prefetched: dict[int, tuple] = {}  # slot -> (its newest committed step, {rank: (plan, record)})
         self._transport: Optional[TcpTransport] = None
         self._read_sink = ReadSink()
         self._read_listener = None
@@ -68,10 +69,20 @@ class TierReads:
         with self._lock:
             return self._where.get(step)
 
-    def committed_steps(self) -> list[int]:
-        found = resolve(self._hosts.gather("index"), local_slot=self.slot)
+    def committed_steps(self, *, prefetch: bool = False) -> list[int]:
+        """``prefetch``: each store also sends, read with its index, the plans and records of its
+        shards of the newest step it holds committed (its ``survey``; what :meth:`survey_state`
+        then asks it for again only when it wants another step): a restore's survey in one round
+        of calls instead of two."""
+        if prefetch:
+            replies = self._hosts.gather("survey")
+            index = {slot: reply["index"] for slot, reply in replies.items()}
+            fetched = {slot: (reply["newest"], reply["infos"]) for slot, reply in replies.items()}
+        else:
+            index, fetched = self._hosts.gather("index"), {}
+        found = resolve(index, local_slot=self.slot)
         with self._lock:
-            self._where = found
+            self._where, self._prefetched = found, fetched
         return sorted(s for s, r in found.items() if r.committed)
 
     def survey_state(self) -> dict:
@@ -82,7 +93,9 @@ class TierReads:
         # the newest one the stores call healthy is opened too.
         healthy = max((s for s, r in where.items() if r.committed and r.health != "unhealthy"), default=None)
         wanted = {s for s in (newest, healthy) if s is not None}
-        infos = {s: _once_each(self._shard_infos(s, where[s])) for s in wanted}
+        with self._lock:
+            fetched, self._prefetched = self._prefetched, {}
+        infos = {s: _once_each(self._shard_infos(s, where[s], fetched)) for s in wanted}
         with self._lock:
             self._surveyed_infos = dict(infos)  # this rank opens the version too: no second round of calls
         return {"where": where, "infos": infos}
@@ -142,15 +155,22 @@ class TierReads:
             copies[rank] = [self._copy(step, rank, slot, plans[rank].region_bytes) for slot in where.copies[rank]]
         return MemoryVersion(step, plans, records, copies, on_close=lambda: self._release_maps(copies))
 
-    def _shard_infos(self, step: int, where: Resolved) -> dict[int, dict]:
-        """slot -> {rank: (plan bytes, record bytes)} from every live store holding a copy."""
+    def _shard_infos(self, step: int, where: Resolved, fetched: Optional[dict] = None) -> dict[int, dict]:
+        """slot -> {rank: (plan bytes, record bytes)} from every live store holding a copy: what
+        a store sent with its index when ``step`` is its newest committed (``fetched``, see
+        :meth:`committed_steps`), else asked for now."""
         wanted: dict[int, list[int]] = {}
         for rank, slots in where.copies.items():
             for slot in slots:
                 wanted.setdefault(slot, []).append(rank)
+        out = {}
+        for slot, ranks in list(wanted.items()):
+            newest, held = (fetched or {}).get(slot, (None, {}))
+            if newest == step:  # read with the index ``where`` comes from: the same version
+                out[slot] = {rank: held[rank] for rank in ranks if rank in held}
+                del wanted[slot]
         live = self._hosts.live()
         calls = {slot: live[slot].shard_info.remote(step, ranks) for slot, ranks in wanted.items() if slot in live}
-        out = {}
         for slot, ref in calls.items():
             try:
                 out[slot] = ray.get(ref, timeout=self.settings.timeout_s)

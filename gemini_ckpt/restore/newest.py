@@ -34,15 +34,16 @@ class UnhealthyRestoreWarning(UserWarning):
     """``restore(step=...)`` loaded a version whose state failed its health checks, as asked."""
 
 
-def survey(tiers: list) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
+def survey(tiers: list, *, prefetch: bool = False) -> tuple[list[tuple[int, tuple[int, ...]]], dict[str, str]]:
     """What every tier holds: ``([(step, tier indices holding it, in tier order)] newest first,
     {tier name: why it could not be listed})``. A tier that cannot be listed (storage
-    unreachable) is left out and named, never taken for an empty one."""
+    unreachable) is left out and named, never taken for an empty one. ``prefetch``: each tier's
+    :meth:`~gemini_ckpt.stores.base.Tier.survey_state` follows (the tier may fetch for it now)."""
     held: dict[int, list[int]] = {}
     unreachable: dict[str, str] = {}
     for i, tier in enumerate(tiers):
         try:
-            steps = tier.committed_steps()
+            steps = tier.survey_steps() if prefetch else tier.committed_steps()
         except OSError as exc:
             unreachable[tier.name] = f"{type(exc).__name__}: {exc}"
             log.warning("the %s tier cannot be listed: %s", tier.name, unreachable[tier.name])
@@ -184,7 +185,7 @@ def surveyed_by_rank0(tiers: list, step: Optional[int], *, rank: int, world_size
 def take_survey(tiers: list, *, world_size: int) -> tuple:
     """Rank 0's survey, as every rank walks it: ``([(step, tier indices)] newest first, {tier:
     why it could not be listed}, each tier's state for the other ranks' reads)``."""
-    order, unreachable = survey(tiers)
+    order, unreachable = survey(tiers, prefetch=world_size > 1)
     states = [t.survey_state() if t.name not in unreachable else None for t in tiers] if world_size > 1 else []
     return order, unreachable, states
 

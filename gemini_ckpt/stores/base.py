@@ -86,6 +86,11 @@ class Tier(abc.ABC):
     def close(self) -> None:
         """Release this client's connections (versions stay where they are); idempotent."""
 
+    def survey_steps(self) -> list[int]:
+        """:meth:`committed_steps`, on the rank that surveys for a restore of several ranks, right
+        before :meth:`survey_state`: a tier may fetch what that needs in the same calls."""
+        return self.committed_steps()
+
     def survey_state(self) -> Any:
         """After :meth:`committed_steps` on the rank that surveys (rank 0): what the other ranks'
         views of this tier need to open versions without asking again (plain data, sent to them

@@ -247,16 +247,17 @@ class HostStore:
         self.replicator.drop_channel(slot)
         self.driver.peer_dead(slot)
 
-    def send_copy(self, step: int, rank: int, target: Endpoint) -> int:
-        """See :meth:`.replication.Replicator.send_copy`."""
+    def send_copy(self, step: int, rank: int, target: Endpoint) -> int:  # see .replication.Replicator.send_copy
         return self.replicator.send_copy(step, rank, target)
 
-    def index(self) -> dict[int, dict]:
-        """See :meth:`.serving.ShardServer.index`."""
+    def index(self) -> dict[int, dict]:  # see .serving.ShardServer.index
         return self.server.index()
 
     def shard_info(self, step: int, ranks: list[int]) -> dict[int, tuple[bytes, bytes]]:
         return self.server.shard_info(step, ranks)
+
+    def survey(self) -> dict:  # see .serving.ShardServer.survey
+        return self.server.survey()
 
     def push_range(self, step: int, rank: int, offset: int, length: int, reader: Endpoint, tag: str) -> int:
         return self.server.push_range(step, rank, offset, length, reader, tag)
@@ -275,8 +276,7 @@ class HostStore:
     def discard(self, step: int, epoch: int) -> int:
         return self.server.discard(step, epoch)
 
-    def hold_vote(self, step: int) -> None:
-        """Fault injection (the chaos harness): see :meth:`.commit_driver.CommitDriver.hold_vote`."""
+    def hold_vote(self, step: int) -> None:  # fault injection (the chaos harness): .commit_driver.CommitDriver
         self.driver.hold_vote(step)
 
     def held(self) -> Optional[int]:

@@ -46,6 +46,16 @@ class ShardServer:
                         entry["state"] = VersionState.PREPARED if prepared else VersionState.PENDING
             return out
 
+    def survey(self) -> dict:
+        """:meth:`index` and, read with it, :meth:`shard_info` of the shards held here of the
+        newest step this store holds committed (``newest``; None: none): a restore opens the
+        newest committed version, so its survey asks each store once instead of twice."""
+        with self.s.lock:
+            index = self.index()
+            newest = max((step for step, e in index.items() if e["state"] == VersionState.COMMITTED), default=None)
+            infos = {} if newest is None else self.shard_info(newest, sorted(index[newest]["shards"]))
+            return {"index": index, "newest": newest, "infos": infos}
+
     def shard_info(self, step: int, ranks: list[int]) -> dict[int, tuple[bytes, bytes]]:
         """``rank -> (encoded plan, encoded record)`` of the complete shards of ``step`` held here."""
         with self.s.lock:
