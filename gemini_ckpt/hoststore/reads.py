@@ -74,8 +74,13 @@ class TierReads:
         shards of the newest step it holds committed (its ``survey``; what :meth:`survey_state`
         then asks it for again only when it wants another step): a restore's survey in one round
         of calls instead of two."""
+        replies = None
         if prefetch:
-            replies = self._hosts.gather("survey")
+            try:
+                replies = self._hosts.gather("survey")
+            except AttributeError:  # a store left running by a release before ``survey``: two rounds
+                log.info("rank %d: a host store has no survey (an earlier release): asking for its index", self.rank)
+        if replies is not None:
             index = {slot: reply["index"] for slot, reply in replies.items()}
             fetched = {slot: (reply["newest"], reply["infos"]) for slot, reply in replies.items()}
         else:

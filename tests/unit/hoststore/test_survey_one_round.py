@@ -5,6 +5,8 @@ epoch)."""
 
 from __future__ import annotations
 
+import threading
+
 from gemini_ckpt.commit import VersionState
 from gemini_ckpt.format.shards import ALIGN, ShardPlan, Template, TensorItem, make_record
 from gemini_ckpt.hoststore.actors.serving import ShardServer
@@ -99,3 +101,29 @@ def test_the_surveying_rank_asks_a_store_again_only_for_a_step_it_did_not_send(m
     hosts.asked.clear()
     assert reader._shard_infos(6, where[6], fetched) == {1: servers[1].shard_info(6, [0, 1])}
     assert hosts.asked == []
+
+
+def test_stores_of_an_earlier_release_are_surveyed_in_two_rounds():
+    """A store left running by a release before ``survey`` (the same attach protocol) has no such
+    method: the survey asks every store for its index instead, and for plans and records later."""
+    table = VersionTable(1 << 24)
+    for rank in (0, 1):
+        _stage(table, 5, rank, VersionState.COMMITTED)
+    server = ShardServer(StoreState("survey-test", "node-0" * 8, table))
+
+    class OldStores:
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def gather(self, method):
+            self.asked.append(method)
+            if method == "survey":
+                raise AttributeError("'ActorHandle' object has no attribute 'survey'")
+            return {0: getattr(server, method)()}
+
+    stores = OldStores()
+    reader = TierReads.__new__(TierReads)
+    reader._hosts, reader.rank, reader.slot = stores, 0, 0
+    reader._lock, reader._prefetched = threading.Lock(), {}
+    assert reader.committed_steps(prefetch=True) == [5]
+    assert stores.asked == ["survey", "index"] and reader._prefetched == {}
