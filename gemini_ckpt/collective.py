@@ -1,11 +1,9 @@
 """The two small collectives every rank-agreement uses: rank 0's value everywhere, and every rank's
-value everywhere (Python objects, over the group the caller names; a no-op at world size 1), and
-the gloo group a Checkpointer runs them on."""
+value everywhere (Python objects, over the group the caller names; a no-op at world size 1)."""
 
 from __future__ import annotations
 
 import pickle
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -17,16 +15,6 @@ INLINE_BYTES = 4096
 agreements' verdicts do); a longer one takes a second round: a broadcast from its rank when it
 is the only one (rank 0's survey), else an ``all_gather`` of the longest's size."""
 _HEAD = 8  # the pickle's length, ahead of the inline bytes
-
-
-def background_group(timeout_s: float):
-    """A new gloo group of every rank, for a Checkpointer's own collectives, in which every wait
-    (its formation included) ends after ``timeout_s`` (``CheckpointConfig.timeout_s``): a rank
-    that stops taking part (it raised before the collective, or hangs) fails the others' next one
-    after ``timeout_s``, not after the default group's timeout (30 minutes under Ray Train). The
-    ranks reach these collectives together: each follows the registry's rendezvous, or a
-    ``save``/``restore`` every rank makes at the same step."""
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def rank0s(value: Any, *, world_size: int, group=None) -> Any:

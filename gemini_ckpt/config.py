@@ -96,9 +96,7 @@ class CheckpointConfig:
             (see :mod:`gemini_ckpt.hoststore.actors.budget`).
         world_size_change: rank-local state at a new world size: ``derive`` (documented rule,
             with a warning) or ``error``.
-        timeout_s: limit for every blocking call (waits, store calls, and the collectives of the
-            Checkpointer's own gloo group, whose formation included: a rank that stops taking
-            part fails the others' next one after ``timeout_s``).
+        timeout_s: limit for every blocking call (waits, collectives, store calls).
         signing_key: bytes or str; signs every version's manifest (HMAC-SHA256) and refuses
             unsigned or wrongly signed ones at restore. None: ``$GEMINI_CKPT_SIGNING_KEY`` if set.
         replication_bandwidth: cap on the bytes per second each host store sends to the other

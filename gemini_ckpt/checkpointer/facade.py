@@ -21,7 +21,6 @@ from .. import attempts
 from ..config import CheckpointConfig
 from ..settings import compile_config
 from ..errors import CheckpointError, ConfigError
-from ..collective import background_group
 from ..faults import fire
 from ..format.commstate import Marker
 from ..lineage import Lineage
@@ -145,7 +144,7 @@ class Checkpointer:
         if self.world_size > 1:
             # Background collectives get their own gloo group: sharing the training group from
             # another thread deadlocks when the two interleave differently on two ranks.
-            self._bg_group = background_group(self.settings.timeout_s)
+            self._bg_group = dist.new_group(backend="gloo")
         self._run_id, existing, surveyed = start_survey(
             self._tiers(), restoring, self._run_id, rank=self.rank, world_size=self.world_size, group=self._bg_group
         )
