@@ -49,14 +49,14 @@ def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
     namespace = settings.namespace
     node_id = current_node_id()
     registry = get_or_create_registry(namespace)
-    store = _start_local_store(settings, node_id)
+    store = get_or_create_store(settings.namespace, node_id, settings.budget_bytes)
+    alive = store.ping.remote()  # answered while this rank waits for the others in the join
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
     job = settings.job()
+    joining = registry.join.remote(rank, world_size, node_id, settings.timeout_s, settings.keep, job)
+    store = _start_local_store(settings, node_id, store, alive)
     try:
-        joined = ray.get(
-            registry.join.remote(rank, world_size, node_id, settings.timeout_s, settings.keep, job),
-            timeout=settings.timeout_s + 10,
-        )
+        joined = ray.get(joining, timeout=settings.timeout_s + 10)
     except RayTaskError as exc:
         raise cause(exc) from None
     except GetTimeoutError:
@@ -112,18 +112,20 @@ def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
     return tier
 
 
-def _start_local_store(settings: StoreSettings, node_id: str):
-    # A store killed a moment ago may still hold its name; retry until a live one answers.
+def _start_local_store(settings: StoreSettings, node_id: str, handle, alive):
+    """``handle`` once its ping (``alive``) is answered; a store killed a moment ago may still
+    hold its name, so until a live one answers: another lookup (a new store), another ping."""
     deadline = time.monotonic() + settings.timeout_s
     while True:
-        handle = get_or_create_store(settings.namespace, node_id, settings.budget_bytes)
         try:
-            ray.get(handle.ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            ray.get(alive, timeout=max(0.1, deadline - time.monotonic()))
             return handle
         except RayActorError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+            handle = get_or_create_store(settings.namespace, node_id, settings.budget_bytes)
+            alive = handle.ping.remote()
         except GetTimeoutError:
             raise CheckpointTimeoutError(
                 f"the host store on node {node_id[:12]} did not start within "

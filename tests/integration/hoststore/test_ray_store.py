@@ -24,6 +24,8 @@ import pytest
 import ray
 
 from gemini_ckpt import CheckpointConfig, ConfigError
+from gemini_ckpt.settings import store_settings
+from gemini_ckpt.hoststore.client import _start_local_store
 from gemini_ckpt.hoststore.cluster import find_store
 from gemini_ckpt.hoststore.fence import ALIVE, DEAD, asker, declared_dead, gcs_address, second_look
 from gemini_ckpt.hoststore.slots import holders_for
@@ -130,13 +132,18 @@ def test_a_dead_store_fails_the_version_and_the_restarted_job_goes_on(ranks):
     ranks.restart("holder")
     first = ranks.train([0, 1])
     assert all(r["committed"] for per_rank in first for r in per_rank)
-    ray.kill(find_store("holder", node_id_of_host(3)), no_restart=True)  # host 3's memory is gone
+    dead = find_store("holder", node_id_of_host(3))
+    ray.kill(dead, no_restart=True)  # host 3's memory is gone
     failed = ranks.train([2])  # rank 3 has no store to stage into; the others' holders lost a peer
     assert not any(r[0]["committed"] for r in failed)
     assert any("slot 3" in (r[0]["error"] or "") or "host store" in (r[0]["error"] or "") for r in failed), failed
     st = status("holder")
     assert st.committed_steps == [0, 1] and not st.host(3).store_alive
     wait_for(lambda: any("slot 3" in f["message"] for f in status("holder").failures), what="the death reported")
+    # A rank that looked up the store a moment before it died (its ping already sent) starts a new one.
+    settings = store_settings(CheckpointConfig(store="ray", namespace="holder", timeout_s=30))
+    fresh = _start_local_store(settings, node_id_of_host(3), dead, dead.ping.remote())
+    assert fresh._actor_id != dead._actor_id and ray.get(fresh.ping.remote(), timeout=30) == node_id_of_host(3)
 
     ranks.restart("holder")  # the job restarts: host 3 gets a fresh store, its old copies come from slot 2
     restored = ranks.call("restore")
