@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from attach_flood_support import draining, full_queue
 from gemini_ckpt.hoststore import attach_server
 from gemini_ckpt.errors import AttachError
 from gemini_ckpt.hoststore.attach_client import AttachClient
@@ -289,56 +290,24 @@ def test_the_store_refuses_a_hello_without_its_protocol(store):
     sock.close()
 
 
-def _full_queue(address: str) -> tuple[socket.socket, list[socket.socket]]:
-    """A listener on ``address`` whose accept queue is full, as a flood of connects leaves it
-    (the listener, and the queued connections to close)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(1)
-    fillers = []
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-        except BlockingIOError:
-            s.close()
-            return listener, fillers
-        fillers.append(s)
-
-
 def test_a_trainer_attaches_once_a_full_attach_queue_drains():
     """A full listen queue (a burst, or another local user's connect loop) makes a non-blocking
     connect fail with EAGAIN at once; the trainer tries again until its deadline instead of
     failing the job's start (4 of 5 restarts failed under a flood)."""
-    import threading
-
     from gemini_ckpt.hoststore.attach_client import connect_until
 
     address = f"\0gemini-ckpt-test-queue-{os.getpid()}-{time.monotonic_ns()}"
-    listener, fillers = _full_queue(address)
+    listener, fillers = full_queue(address)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(5)
     with pytest.raises(BlockingIOError):  # what a single try gets
         probe.connect(address)
     probe.close()
 
-    accepted = []
-
-    def drain_later():
-        time.sleep(0.5)
-        listener.settimeout(0.5)
-        while True:  # until the queue stays empty (or the listener is closed)
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            accepted.append(conn)
-
-    threading.Thread(target=drain_later, daemon=True).start()
-    t0 = time.monotonic()
-    sock = connect_until(address, time.monotonic() + 10)
-    assert time.monotonic() - t0 >= 0.4
+    with draining(listener, 0.5) as accepted:
+        t0 = time.monotonic()
+        sock = connect_until(address, time.monotonic() + 10)
+        assert time.monotonic() - t0 >= 0.4
     sock.close()
     for s in fillers + accepted:
         s.close()
@@ -346,7 +315,7 @@ def test_a_trainer_attaches_once_a_full_attach_queue_drains():
 
     # Full, and nobody drains it: the deadline ends the tries with a clear error.
     address = address + "-stuck"
-    listener, fillers = _full_queue(address)
+    listener, fillers = full_queue(address)
     with pytest.raises(OSError, match="attach queue stayed full"):
         connect_until(address, time.monotonic() + 0.5)
     for s in fillers:

@@ -10,36 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
+from attach_flood_support import draining, full_queue, kill_flooders, start_flooders, stop_flooders
 from gemini_ckpt.hoststore.attach_client import connect_until
-
-FLOODER = r"""
-import socket, sys, time
-address = "\0" + sys.argv[1]
-held, full, end = [], False, time.monotonic() + float(sys.argv[2])
-try:
-    print("flooding", flush=True)
-    while time.monotonic() < end:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-            held.append(s)
-        except BlockingIOError:
-            s.close()
-            full = True
-        except OSError:
-            s.close()
-        if len(held) > 64:
-            held.pop(0).close()
-except KeyboardInterrupt:
-    pass
-print("full" if full else "never-full", flush=True)
-"""
 
 FLOODERS = 2
 TRIES = 3
@@ -61,13 +36,8 @@ def test_a_trainer_gets_into_an_attach_queue_that_local_processes_flood():
             threading.Thread(target=lambda c=conn: (time.sleep(0.5), c.close()), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    flooders = [
-        subprocess.Popen([sys.executable, "-c", FLOODER, name, "60"], stdout=subprocess.PIPE, text=True)
-        for _ in range(FLOODERS)
-    ]
+    flooders = start_flooders(name, 60, FLOODERS, held=64)
     try:
-        for f in flooders:
-            assert f.stdout.readline().strip() == "flooding"
         time.sleep(0.5)  # the queue full
         took = []
         for _ in range(TRIES):
@@ -75,56 +45,30 @@ def test_a_trainer_gets_into_an_attach_queue_that_local_processes_flood():
             sock = connect_until("\0" + name, t0 + 20)
             took.append(time.monotonic() - t0)
             sock.close()
-        for f in flooders:
-            f.send_signal(signal.SIGINT)
-        seen = [f.communicate(timeout=30)[0].split() for f in flooders]
-        assert any(s[-1:] == ["full"] for s in seen), f"no flooder found the queue full: nothing was flooded: {seen}"
+        stop_flooders(flooders)
         assert max(took) < 5, f"the trainer waited {[round(t, 2) for t in took]} s to get in"
     finally:
         stop.set()
         listener.close()
-        for f in flooders:
-            f.kill()
-            f.wait(10)
+        kill_flooders(flooders)
 
 
 def test_a_signal_during_the_wait_for_room_is_not_taken_for_a_connection():
     """CPython takes a connect that a signal interrupted for one in progress (as on TCP) and
     returns a socket that is not connected; the trainer tries again and gets a real one."""
     address = f"\0gemini-ckpt-test-eintr-{os.getpid()}-{time.monotonic_ns()}"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(0)
-    held = []
-    while True:  # the queue full
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.setblocking(False)
-        try:
-            s.connect(address)
-        except BlockingIOError:
-            s.close()
-            break
-        held.append(s)
-
-    def drain_later():
-        time.sleep(0.6)
-        listener.settimeout(1)
-        while True:
-            try:
-                held.append(listener.accept()[0])
-            except OSError:
-                return
-
+    listener, held = full_queue(address, backlog=0)
     previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    accepted = []
     try:
-        threading.Thread(target=drain_later, daemon=True).start()
-        signal.setitimer(signal.ITIMER_REAL, 0.2)  # while the connect waits for room
-        sock = connect_until(address, time.monotonic() + 10)
+        with draining(listener, 0.6) as accepted:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)  # while the connect waits for room
+            sock = connect_until(address, time.monotonic() + 10)
         assert sock.getpeername() == address.encode()
         sock.close()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        for s in held:
+        for s in held + accepted:
             s.close()
         listener.close()
