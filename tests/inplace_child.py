@@ -7,7 +7,8 @@ SIGKILLs itself before all-reduce I of its first attempt), ``recv@R:P:I`` (rank 
 receive from rank P, a survivor, at step I: only a cut of the round's connections wakes it), ``raise@R``
 (rank R raises a ValueError in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
 all-reduce I of its first attempt: the BackgroundError a version that did not commit raises, which
-names no peer). Each attempt appends a JSON line to ``OUT/<rank>``:
+names no peer), ``stop@R:I`` (rank R SIGSTOPs itself before all-reduce I of its first attempt: a
+hung worker the controller replaces; resumed, it is the replaced worker's zombie). Each attempt appends a JSON line to ``OUT/<rank>``:
 pid, round, attempt, and how it ended.
 """
 
@@ -56,6 +57,10 @@ def train() -> int:
             if what == "kill" and fresh and attempt["n"] == 1 and where == f"{rank}:{i}":
                 note(event="kill")
                 os.kill(os.getpid(), signal.SIGKILL)
+            if what == "stop" and fresh and attempt["n"] == 1 and where == f"{rank}:{i}":
+                note(event="stop")
+                os.kill(os.getpid(), signal.SIGSTOP)
+                note(event="resumed")
             if (
                 what == "recv"
                 and attempt["n"] == 1

@@ -59,6 +59,19 @@ def add_demo_command(subcommands: argparse._SubParsersAction) -> None:
         default=d.hang_s,
         help="with --fault hang: seconds without an answer before Ray Train counts a worker as failed",
     )
+    p.add_argument(
+        "--no-replacement",
+        action="store_true",
+        help="with --fault host: no host takes the lost one's place; the run is elastic (one rank per host, "
+        "at least half the hosts) and goes on with the hosts left, restoring from memory",
+    )
+    p.add_argument(
+        "--host-returns",
+        type=float,
+        metavar="S",
+        help="with --no-replacement: the lost host joins again S seconds after the failure, and the run grows "
+        "back to every host",
+    )
     p.add_argument("--kill-at-step", type=int, default=d.kill_at_step, help="kill once this step is done")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")
     p.add_argument("--persist-every", type=int, default=d.persist_every, help="durable version every N steps")
@@ -107,6 +120,8 @@ def _run_cli(args: argparse.Namespace) -> int:
             fault=args.fault,
             in_place=not args.full_restart,
             hang_s=args.hang_s,
+            replacement=not args.no_replacement,
+            host_returns_s=args.host_returns,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -130,8 +130,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
         recoverable(train_loop) if options.in_place else train_loop,
         torch_config=torch_config(reform_timeout_s=60.0) if options.in_place else None,
         train_loop_config={"ckpt": ckpt_config, "steps": options.steps, "progress": progress_name},
-        # rank r on host r after every restart, so the replacement of a lost host restores from its memory
-        scaling_config=ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts)),
+        scaling_config=_scaling(options, ScalingConfig, ranks_on_hosts),
         run_config=RunConfig(
             name=run_name,
             storage_path=os.path.abspath(options.out),
@@ -144,7 +143,8 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     echo(
         f"training {options.steps} steps on {options.hosts} workers; "
         + (
-            f"{FAULT_TEXT[options.fault].format(host=options.kill_host)} after step {options.kill_at_step}; "
+            f"{FAULT_TEXT[options.fault if options.replacement else 'host-alone'].format(host=options.kill_host)} "
+            f"after step {options.kill_at_step}; "
             + ("only the failed worker is replaced (in place)" if options.in_place else "every worker restarts")
             if options.failure
             else "no failure"
@@ -165,6 +165,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     events: list[dict] = []
     printer = _Printer(echo, t0)
     killed = not options.failure
+    returns_at = None
     try:
         while True:
             alive = thread.is_alive()
@@ -175,6 +176,13 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
             if not killed and any(e["kind"] == "step" and e["step"] >= options.kill_at_step for e in new):
                 events.append(_inject(options, cluster, events, echo, t0))
                 killed = True
+                if options.host_returns_s is not None:
+                    returns_at = time.time() + options.host_returns_s
+            if returns_at is not None and time.time() >= returns_at:
+                returns_at = None
+                cluster.add_host(options.kill_host)
+                echo(f"[{time.time() - t0:6.1f}s] host {options.kill_host} joined again")
+                events.append({"kind": "host_joined", "host": options.kill_host, "unix": time.time(), "rank": None})
             if not alive:
                 break
             time.sleep(0.1)
@@ -185,8 +193,24 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     return events, t0, box["result"]
 
 
+ELASTIC_MONITOR_S = 5.0  # how often Ray Train looks for hosts to grow back onto (its default: 60 s)
+
+
+def _scaling(options: DemoOptions, ScalingConfig, ranks_on_hosts):
+    """The demo's ``ScalingConfig``: rank r on host r after every restart (so the replacement of a
+    lost host restores from its memory), or for an elastic run one rank per host, on any host."""
+    if options.elastic:
+        return ScalingConfig(
+            num_workers=(options.min_workers, options.hosts),
+            placement_strategy="STRICT_SPREAD",
+            elastic_resize_monitor_interval_s=ELASTIC_MONITOR_S,
+        )
+    return ScalingConfig(num_workers=options.hosts, label_selector=ranks_on_hosts(options.hosts))
+
+
 FAULT_TEXT = {
     "host": "host {host} will be killed",
+    "host-alone": "host {host} will be killed, and no host takes its place",
     "process": "the worker on host {host} will be SIGKILLed",
     "hang": "the worker on host {host} will be SIGSTOPped",
 }
@@ -199,8 +223,11 @@ def _inject(options: DemoOptions, cluster, events: list[dict], echo, t0: float) 
         echo(f"[{time.time() - t0:6.1f}s] !!! killing host {i}: its raylet, Ray Train worker and host store die")
         t_kill = time.time()
         cluster.remove_hosts((i,), wait=False)
-        cluster.add_host(i)
-        echo(f"[{time.time() - t0:6.1f}s] replacement host {i} joined")
+        if options.replacement:
+            cluster.add_host(i)
+            echo(f"[{time.time() - t0:6.1f}s] replacement host {i} joined")
+        else:
+            echo(f"[{time.time() - t0:6.1f}s] no host takes its place: the run goes on with {options.hosts - 1}")
         return {"kind": "failure", "fault": "host", "host": i, "unix": t_kill, "rank": None}
     # rank i runs on host i (ranks_on_hosts); its newest process, from the workers' start events
     pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == i][-1]

@@ -28,6 +28,17 @@ class DemoOptions:
     fault: str = "host"
     in_place: bool = True  # replace only the failed worker; False: Ray Train restarts every worker
     hang_s: float = 10.0
+    replacement: bool = True  # --fault host: a replacement host joins; False: none (an elastic run shrinks)
+    host_returns_s: float | None = None  # with replacement=False: the lost host joins again this much later
+
+    @property
+    def elastic(self) -> bool:
+        """An elastic run (``ScalingConfig(num_workers=(min, max))``, one rank per host, no pinning)."""
+        return not self.replacement
+
+    @property
+    def min_workers(self) -> int:
+        return max(1, self.hosts // 2)
 
     def __post_init__(self) -> None:
         if self.fault not in FAULTS:
@@ -40,6 +51,12 @@ class DemoOptions:
             raise ValueError("--link shapes each host's own link: it needs --network netns")
         if self.hosts < 1 or not 1 <= self.replicas <= self.hosts:
             raise ValueError(f"--replicas must be between 1 and --hosts ({self.hosts}), got {self.replicas}")
+        if not self.replacement and self.fault != "host":
+            raise ValueError("--no-replacement is for --fault host (a process or a hang is replaced on its host)")
+        if self.host_returns_s is not None and (self.replacement or not self.host_returns_s >= 0):
+            raise ValueError("--host-returns S needs --no-replacement and S >= 0")
+        if not self.replacement and self.hosts < 2:
+            raise ValueError("--no-replacement needs at least 2 hosts (the run goes on with the others)")
         if self.steps < 2:
             raise ValueError("--steps must be at least 2")
         if self.failure:

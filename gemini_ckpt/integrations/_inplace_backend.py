@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import RecoveryGaveUpError
-from . import _rounds, _spares
+from . import _elastic, _rounds, _spares
+from ._members import membership, worker_env
 from ._ray_train_callback import ray_version
 
 log = logging.getLogger("gemini_ckpt")
@@ -76,6 +77,10 @@ def support() -> Optional[str]:
     return None
 
 
+def _key(worker) -> tuple[str, int]:
+    return worker.metadata.node_id, worker.metadata.pid
+
+
 def _set_env(env: dict) -> tuple[str, str]:
     os.environ.update(env)
     return _spares.describe()
@@ -115,6 +120,8 @@ class _Context(_TorchContext):  # type: ignore[misc, valid-type]
 
         session = Session.current()
         if session is not None:
+            if _elastic.placed_in_ray_train not in session.on_placed:
+                session.on_placed.append(_elastic.placed_in_ray_train)
             session.ensure_formed()
 
 
@@ -132,6 +139,9 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._reapers_lock = None  # made in the controller (this object is pickled to it)
         self._shutting_others = False
         self._spares: Optional[_spares.Spares] = None
+        self._tokens: dict[tuple[str, int], str] = {}  # (node id, pid) -> the worker's incarnation
+        self._config = None
+        self._handled = None  # the poll status whose failing groups were handled (elastic runs)
 
     def on_start(self, group, config) -> None:
         import ray
@@ -144,23 +154,23 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._spares = _spares.Spares(config.spares)
         if not isinstance(group, _ReplicaGroup):
             self._whole = group
-        why = self._attempts.start(self._server)
-        if why is not None:
-            if not isinstance(group, _ReplicaGroup):
-                # Ray Train cleans up a replica group whose start raised, but not a whole worker
-                # group past this point (its placement group and workers would outlive the run)
-                group.shutdown()
-            raise RecoveryGaveUpError(f"gemini_ckpt ended the run: {why}")
+            self._tokens = {}
+            self._config = config
+            if _elastic.elastic_bounds(group) is not None:
+                _elastic.install(group, self._replace_or_shrink)
+        self._check_attempts(group)
         resources = group.get_resources_per_worker()
         backend = config.backend or ("nccl" if resources.get("GPU", 0) > 0 else "gloo")
-        round_ = _rounds.open_round(self._server)
+        for worker in group.get_workers():
+            self._tokens[_key(worker)] = _rounds.new_token(self._server)
         workers = self._whole.get_workers()
+        round_ = _rounds.open_round(self._server, self._membership(workers))
         placed = node_ranks(workers)
         refs = []
         for worker in group.get_workers():
             rank = worker.distributed_context.world_rank
             local, local_size, node_rank = placed[rank]
-            env = _rounds.worker_env(
+            env = worker_env(
                 host=self._host,
                 port=self._server.port,
                 round_=round_,
@@ -172,6 +182,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 backend=backend,
                 timeout_s=config.timeout_s,
                 reform_timeout_s=config.reform_timeout_s,
+                token=self._tokens[_key(worker)],
             )
             refs.append(worker.execute_async(_set_env, env))
         described = ray.get(refs, timeout=config.reform_timeout_s)
@@ -197,6 +208,100 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             if isinstance(group, _ReplicaGroup)
             else f"group of {len(workers)} workers started",
             round_,
+        )
+
+    def _check_attempts(self, group) -> None:
+        """End the run (an error Ray Train does not retry) when recoveries stopped helping."""
+        why = self._attempts.start(self._server)
+        if why is not None:
+            if group is not None and not isinstance(group, _ReplicaGroup):
+                # Ray Train cleans up a replica group whose start raised, but not a whole worker
+                # group past this point (its placement group and workers would outlive the run)
+                group.shutdown()
+            raise RecoveryGaveUpError(f"gemini_ckpt ended the run: {why}")
+
+    def _membership(self, workers):
+        """The round's members: every worker's incarnation at its world rank and place on its node."""
+        placed = node_ranks(workers)
+        return membership(
+            {
+                self._tokens[_key(w)]: (w.distributed_context.world_rank, *placed[w.distributed_context.world_rank])
+                for w in workers
+            }
+        )
+
+    def _replace_or_shrink(self, index: int, replace) -> None:
+        """An elastic run's replacement of failing replica groups (see :mod:`._elastic`): all of
+        the poll's failing groups at the first call, in place where a node holds (or takes) their
+        bundle, the others dropped, the survivors renumbered."""
+        status = self._whole.get_latest_poll_status()
+        if status is None:
+            return replace(index)
+        if status is self._handled:
+            return None  # handled with the first failing group of this poll
+        self._handled = status
+        groups = self._whole.get_replica_groups()
+        failing = sorted(status.failing_replica_group_indices) or [index]
+        node_of = {i: groups[i].get_workers()[0].metadata.node_id for i in failing}
+        lost = {i for i in failing if _elastic.host_lost(node_of[i])}
+        for i in failing:
+            if i not in lost:
+                replace(i)  # a process fault: its host is there
+        if not lost:
+            return None
+        config = self._config
+        dead = {node_of[i] for i in lost}
+        declared = _elastic.await_deaths(dead, within_s=config.reform_timeout_s)
+        if declared != dead:
+            log.warning(
+                "gemini_ckpt: host(s) %s do not answer, and Ray has not declared them dead within %.0fs",
+                sorted(n[:12] for n in dead - declared),
+                config.reform_timeout_s,
+            )
+        bundles = {_elastic.bundle_index(groups[i]): i for i in lost}
+        low, _ = _elastic.elastic_bounds(self._whole)
+        within = config.replace_within_s
+        if len(groups) - len(lost) < low:
+            within = config.reform_timeout_s  # below min_workers: only a node can help
+            log.warning(
+                "gemini_ckpt: %d host(s) lost and %d worker(s) left, below min_workers=%d: waiting up to %.0fs "
+                "for a node to take their place",
+                len(lost),
+                len(groups) - len(lost),
+                low,
+                within,
+            )
+        placed = _elastic.bundles_placed(self._whole, sorted(bundles), within_s=within, dead=dead)
+        for bundle in placed:
+            replace(bundles[bundle])  # a node took the lost host's place
+        dropped = sorted(bundles[b] for b in set(bundles) - placed)
+        if not dropped:
+            return None
+        left = len(groups) - len(dropped)
+        if left < low:
+            raise RecoveryGaveUpError(
+                f"gemini_ckpt ended the run: {len(dropped)} host(s) lost, {left} worker(s) left, below "
+                f"ScalingConfig min_workers={low}, and no node took their place within {within:.0f}s"
+            )
+        self._shrink(dropped)
+        return None
+
+    def _shrink(self, dropped: list[int]) -> None:
+        """Go on without the replica groups ``dropped`` (lost hosts no node took)."""
+        old = len(self._whole.get_workers())
+        lost = [self._whole.get_replica_groups()[i].get_workers()[0].distributed_context.world_rank for i in dropped]
+        self._check_attempts(None)
+        survivors = _elastic.drop(self._whole, dropped)
+        round_ = _rounds.open_round(self._server, self._membership(survivors))
+        log.warning(
+            "gemini_ckpt: rank(s) %s lost with their host(s) and no node took their place: going on with %d of %d "
+            "workers in their own processes (round %d; ranks renumbered 0..%d), restoring the newest committed "
+            "version resharded from memory",
+            lost,
+            len(survivors),
+            old,
+            round_,
+            len(survivors) - 1,
         )
 
     def on_shutdown(self, group, config) -> None:
@@ -297,6 +402,7 @@ class GeminiTorchConfig(_TorchConfig):  # type: ignore[misc, valid-type]
     reform_timeout_s: float = 120.0
     max_stuck: int = 3
     spares: int = 1
+    replace_within_s: float = 3.0
 
     @property
     def backend_cls(self):

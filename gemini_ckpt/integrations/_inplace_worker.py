@@ -35,6 +35,7 @@ from typing import Callable, Optional
 from .. import attempts
 from ..errors import AttachError, BackgroundError, CheckpointTimeoutError, ReplicationError, RoundTimeoutError
 from . import _rounds, _sever
+from ._members import Told
 
 log = logging.getLogger("gemini_ckpt")
 
@@ -94,7 +95,7 @@ class Session:
 
     _current: Optional["Session"] = None
 
-    def __init__(self, told: _rounds.Told) -> None:
+    def __init__(self, told: Told) -> None:
         self.told = told
         self.store = None
         self.round: Optional[int] = None  # the round whose process group is up now
@@ -109,11 +110,14 @@ class Session:
         self._watcher_store = None
         self._cut_lock = threading.Lock()
         self._store_lock = threading.Lock()
+        # called with (rank, world size) when a round gives this process another place (an
+        # elastic resize renumbered the ranks): the Ray adapter updates Ray Train's context
+        self.on_placed: list[Callable[[int, int], None]] = []
 
     @classmethod
     def current(cls) -> Optional["Session"]:
         if cls._current is None:
-            told = _rounds.Told.from_env()
+            told = Told.from_env()
             if told is None:
                 return None
             cls._current = Session(told)
@@ -130,17 +134,33 @@ class Session:
         if self.round is not None and dist.is_initialized():
             return self.round
         t = self.told
-        self.round = _rounds.form(
-            self._store(),
-            self.wanted,
-            rank=t.rank,
-            world_size=t.world_size,
-            backend=t.backend,
-            timeout_s=t.timeout_s,
-            patience_s=t.reform_timeout_s,
-        )
+        try:
+            self.round, members = _rounds.form(
+                self._store(),
+                self.wanted,
+                token=t.token,
+                backend=t.backend,
+                timeout_s=t.timeout_s,
+                patience_s=t.reform_timeout_s,
+            )
+        except _rounds.SupersededError as exc:
+            _superseded(t, exc)
+        me = members.of(t.token)
+        self.told = t.placed(me, members.world_size)
+        if (me.rank, members.world_size) != (t.rank, t.world_size):
+            log.warning(
+                "rank %d: round %d renumbered the ranks: this process is rank %d of %d now (was %d of %d)",
+                me.rank,
+                self.round,
+                me.rank,
+                members.world_size,
+                t.rank,
+                t.world_size,
+            )
+            for placed in self.on_placed:
+                placed(me.rank, members.world_size)
         self.stages.append(("formed", time.time()))
-        log.info("rank %d: process group round %d formed (%d ranks)", t.rank, self.round, t.world_size)
+        log.info("rank %d: process group round %d formed (%d ranks)", me.rank, self.round, members.world_size)
         return self.round
 
     def _progress(self, step: int) -> None:
@@ -283,6 +303,17 @@ class Session:
             _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}: {_short(exc)}")
         except Exception:  # noqa: BLE001 - best effort: the error itself is what Ray reports
             pass
+
+
+SUPERSEDED_EXIT = 75  # the exit status of a process whose rank a newer process took
+
+
+def _superseded(told: Told, exc: BaseException) -> None:
+    """A replaced worker's zombie reached a round it is no member of: it must not train, and
+    nothing waits for it. End the process (its Ray actor is already gone)."""
+    log.error("rank %d (incarnation %s): %s; this process ends", told.rank, told.token, exc)
+    logging.shutdown()
+    os._exit(SUPERSEDED_EXIT)
 
 
 def _short(exc: BaseException, limit: int = 300) -> str:

@@ -3,14 +3,19 @@ with a new worker in a failed one's place, over a ``torch.distributed`` store no
 
 Every process group the job forms is one *round*, numbered from 1. The keys, under ``PREFIX``:
 
-- ``latest``: the newest round anyone has asked for. Ray Train's controller raises it by one
-  each time it starts workers (the first group, a full restart, or one replacement), and gives
-  the new workers that number; it also asks for the round after the newest formed one as soon as
-  it shuts a failed worker down (:func:`worker_failed`); a survivor of round ``n`` asks for
-  ``n + 1``.
-- ``r{n}/arrived``: how many ranks arrived at round ``n``; the round forms when all have and no
-  newer round was asked for meanwhile (whoever sees a newer one moves there, so every rank ends
-  in the newest round: a second failure during a reform only moves everyone one round on).
+- ``latest``: the newest round anyone has asked for. Ray Train's controller opens a round each time
+  it starts workers (the first group, a full restart, or one replacement) or renumbers them (a
+  lost host not replaced: an elastic shrink), and gives new workers that number; it also asks for
+  the round after the newest formed one as soon as it shuts a failed worker down
+  (:func:`worker_failed`); a survivor of round ``n`` asks for ``n + 1``.
+- ``r{n}/members``: the round's membership (:mod:`._members`), written by the controller when it
+  opens the round: the world size and each current incarnation's rank. A round asked for by a
+  survivor or at a worker's failure has none: the ranks wait there for a newer round.
+- ``r{n}/in/{rank}``: the incarnation that arrived at round ``n`` as ``rank``; the round forms
+  when every member has arrived and no newer round was asked for meanwhile (whoever sees a newer
+  one moves there, so every rank ends in the newest round: a second failure during a reform only
+  moves everyone one round on). An incarnation that is not a member (a replaced worker's zombie)
+  is refused (:class:`._members.SupersededError`).
 - ``r{n}/pg/``: the prefix the round's process group rendezvouses under, so nothing of an older
   round (a late message, a zombie's key) can mix into it.
 - ``r{n}/listeners/{rank}``: where the rank's process groups of round ``n`` listen, so that the
@@ -33,13 +38,14 @@ from datetime import timedelta
 from typing import Optional
 
 from ..errors import RoundTimeoutError
+from ._members import GRACE_S, Membership, SupersededError
+
+__all__ = ["GRACE_S", "Membership", "SupersededError"]  # re-exported: the rounds' terms
 
 PREFIX = "gemini/rounds/"
 POLL_S = 0.01
 FORM_S = 20.0  # how long a closed round waits for its members to connect before it is given up
 MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
-GRACE_S = 10.0  # how long a rank whose checkpointing failed (a version that did not commit, say)
-# waits for the controller to find a failed peer before it counts the error as its own
 
 
 def _int(store, key: str, default: int = -1) -> int:
@@ -53,9 +59,26 @@ def latest(store) -> int:
     return int(store.add(PREFIX + "latest", 0))
 
 
-def open_round(store) -> int:
-    """Ask for a new round (the controller, once per start of workers); returns its number."""
-    return int(store.add(PREFIX + "latest", 1))
+def new_token(store) -> str:
+    """A new incarnation's token (the controller, once per worker process it starts)."""
+    return f"i{int(store.add(PREFIX + 'incarnations', 1))}"
+
+
+def open_round(store, members: Membership) -> int:
+    """Open a new round with ``members`` (the controller, at each start or renumbering of
+    workers); returns its number."""
+    text = members.to_text()
+    n = int(store.add(PREFIX + "latest", 1))
+    store.set(f"{PREFIX}r{n}/members", text)
+    return n
+
+
+def membership(store, round_: int) -> Optional[Membership]:
+    """Round ``round_``'s membership, None while it has none."""
+    key = f"{PREFIX}r{round_}/members"
+    if not store.check([key]):
+        return None
+    return Membership.from_text(store.get(key).decode())
 
 
 def raise_latest(store, at_least: int) -> int:
@@ -117,11 +140,12 @@ def peer_listeners(store, round_: int, *, rank: int, world_size: int) -> list[tu
     return out
 
 
-def arrive(store, round_: int, *, world_size: int, patience_s: float) -> int:
-    """Arrive at ``round_`` (or a newer one asked for meanwhile) and wait until every rank of
-    ``world_size`` arrived at the same one; returns it. Raises :class:`RoundTimeoutError` after
-    ``patience_s`` without a newer round asked for (each start of a worker asks for one, so the
-    ranks wait as long as workers keep being started, one after another).
+def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, Membership]:
+    """Arrive at ``round_`` (or a newer one asked for meanwhile) as incarnation ``token`` and wait
+    until every member of the same round arrived; returns (the round, its membership). Raises
+    :class:`RoundTimeoutError` after ``patience_s`` without a newer round asked for (each start
+    of a worker asks for one, so the ranks wait as long as workers keep being started, one after
+    another), :class:`SupersededError` when ``token`` is not a member of the round it reaches.
 
     A round is decided once, by ``compare_set`` on ``r{n}/state``: the rank whose arrival
     completes it closes it (then every rank that arrived must form it), a rank that sees a newer
@@ -132,32 +156,48 @@ def arrive(store, round_: int, *, world_size: int, patience_s: float) -> int:
     deadline = time.monotonic() + patience_s
     while True:
         state_key = f"{PREFIX}r{n}/state"
-        if int(store.add(f"{PREFIX}r{n}/arrived", 1)) >= world_size:
-            store.compare_set(state_key, "", "closed")
+        members: Optional[Membership] = None
         while True:
             state = store.get(state_key).decode() if store.check([state_key]) else ""
+            if not state and members is None and (members := membership(store, n)) is not None:
+                me = members.of(token)
+                store.set(f"{PREFIX}r{n}/in/{me.rank}", token)
+                if store.check([f"{PREFIX}r{n}/in/{r}" for r in range(members.world_size)]):
+                    store.compare_set(state_key, "", "closed")
+                continue
             if not state and latest(store) > n:
                 state = store.compare_set(state_key, "", "abandoned").decode()
             if state == "closed":
-                return n
+                if members is None:  # closed without this rank: it was not a member
+                    (members := membership(store, n) or Membership(0, {})).of(token)
+                return n, members
             if state == "abandoned":
                 n = raise_latest(store, n + 1)
                 deadline = time.monotonic() + patience_s
                 break
             if time.monotonic() > deadline:
-                count = int(store.add(f"{PREFIX}r{n}/arrived", 0))
                 raise RoundTimeoutError(
-                    f"{count} of {world_size} ranks arrived at round {n} of the process "
-                    f"group, and no worker was started for {patience_s:.0f}s: the others "
-                    f"did not come back"
+                    _waited(store, n, members)
+                    + f", and no worker was started for {patience_s:.0f}s: the others did not come back"
                 )
             time.sleep(POLL_S)
 
 
-def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeout_s: float, patience_s: float) -> int:
+def _waited(store, n: int, members: Optional[Membership]) -> str:
+    if members is None:
+        return f"round {n} of the process group got no members"
+    keys = [f"{PREFIX}r{n}/in/{r}" for r in range(members.world_size)]
+    count = sum(1 for key in keys if store.check([key]))
+    return f"{count} of {members.world_size} ranks arrived at round {n} of the process group"
+
+
+def form(
+    store, round_: int, *, token: str, backend: str, timeout_s: float, patience_s: float
+) -> tuple[int, Membership]:
     """Arrive and form the process group of the newest round (``torch.distributed``'s default
-    group, under that round's prefix); returns the round. A round that fails to form (a rank died
-    while it formed) is given up for the next one."""
+    group, under that round's prefix, at this incarnation's rank in it); returns (the round, its
+    membership). A round that fails to form (a rank died while it formed) is given up for the
+    next one."""
     import torch.distributed as dist
 
     if "nccl" in backend:
@@ -167,7 +207,8 @@ def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeou
     n = round_
     failures = 0
     while True:
-        n = arrive(store, n, world_size=world_size, patience_s=patience_s)
+        n, members = arrive(store, n, token=token, patience_s=patience_s)
+        me, world_size = members.of(token), members.world_size
         prefixed = dist.PrefixStore(f"{PREFIX}r{n}/pg/", store)
         try:
             # Formed with a short timeout: a rank that died after the round closed is waited for
@@ -175,7 +216,7 @@ def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeou
             dist.init_process_group(
                 backend,
                 store=prefixed,
-                rank=rank,
+                rank=me.rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=min(FORM_S, timeout_s)),
             )
@@ -193,9 +234,9 @@ def form(store, round_: int, *, rank: int, world_size: int, backend: str, timeou
                 raise
             n = raise_latest(store, n + 1)
             continue
-        if rank == 0:
+        if me.rank == 0:
             store.set(PREFIX + "formed", str(n))
-        return n
+        return n, members
 
 
 def _check_tensor(backend: str, n: int):
@@ -278,69 +319,3 @@ class Attempts:
         if self.starts_since_formed > self.max_starts:
             return f"{self.starts_since_formed} workers were started without the process group forming again{because}"
         return None
-
-
-def worker_env(
-    *,
-    host: str,
-    port: int,
-    round_: int,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    local_world_size: int,
-    node_rank: int,
-    backend: str,
-    timeout_s: float,
-    reform_timeout_s: float,
-    grace_s: float = GRACE_S,
-) -> dict[str, str]:
-    """What a worker is told (environment variables) to join the job's rounds."""
-    return {
-        "GEMINI_ROUNDS_ADDR": host,
-        "GEMINI_ROUNDS_PORT": str(port),
-        "GEMINI_ROUND": str(round_),
-        "GEMINI_ROUNDS_BACKEND": backend,
-        "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
-        "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s),
-        "GEMINI_ROUNDS_GRACE_S": str(grace_s),
-        "MASTER_ADDR": host,
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "NODE_RANK": str(node_rank),
-    }
-
-
-@dataclass(frozen=True)
-class Told:
-    """What :func:`worker_env` told this process (None outside an in-place job)."""
-
-    host: str
-    port: int
-    round: int
-    rank: int
-    world_size: int
-    backend: str
-    timeout_s: float
-    reform_timeout_s: float
-    grace_s: float = GRACE_S
-
-    @staticmethod
-    def from_env() -> Optional["Told"]:
-        env = os.environ
-        if "GEMINI_ROUNDS_ADDR" not in env:
-            return None
-        return Told(
-            env["GEMINI_ROUNDS_ADDR"],
-            int(env["GEMINI_ROUNDS_PORT"]),
-            int(env["GEMINI_ROUND"]),
-            int(env["RANK"]),
-            int(env["WORLD_SIZE"]),
-            env["GEMINI_ROUNDS_BACKEND"],
-            float(env["GEMINI_ROUNDS_TIMEOUT_S"]),
-            float(env["GEMINI_ROUNDS_REFORM_S"]),
-            float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)),
-        )

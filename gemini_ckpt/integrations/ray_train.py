@@ -141,6 +141,7 @@ def torch_config(
     reform_timeout_s: float = 120.0,
     max_stuck: int = 3,
     spares: int = 1,
+    replace_within_s: float = 3.0,
     in_place: bool = True,
 ):
     """The ``TorchTrainer(torch_config=...)`` for in-place recovery: when a worker fails, Ray
@@ -163,7 +164,10 @@ def torch_config(
     in-place replacement also counts against ``FailureConfig(max_failures)``. ``spares``: idle
     worker processes kept started on each host with a worker, so a replacement does not wait for a
     new process and its imports (give the Train workers :func:`warm_runtime_env` for the imports;
-    0: none).
+    0: none). ``replace_within_s``: in an elastic run (``ScalingConfig(num_workers=(min, max))``),
+    how long a lost host's place is kept for a node to take it (a standby host, a replacement that
+    joins at once) after Ray Train finds its worker dead; then the run goes on without it, the
+    survivors renumbered in their own processes, restoring from memory (docs/recovery.md, "Elastic").
 
     The path relies on Ray Train internals (replica groups, Ray 2.60): on a Ray it was not tested
     with, or with ``in_place=False``, this returns Ray's plain ``TorchConfig`` (every failure
@@ -171,7 +175,11 @@ def torch_config(
     """
     from ._inplace_backend import GeminiTorchConfig, support
 
-    for name, value in (("timeout_s", timeout_s), ("reform_timeout_s", reform_timeout_s)):
+    for name, value in (
+        ("timeout_s", timeout_s),
+        ("reform_timeout_s", reform_timeout_s),
+        ("replace_within_s", replace_within_s),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"torch_config({name}={value!r}): a positive number of seconds")
     if isinstance(max_stuck, bool) or not isinstance(max_stuck, int) or max_stuck < 1:
@@ -189,6 +197,7 @@ def torch_config(
             reform_timeout_s=float(reform_timeout_s),
             max_stuck=max_stuck,
             spares=spares,
+            replace_within_s=float(replace_within_s),
         )
     from ray.train.torch import TorchConfig
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from gemini_ckpt.integrations import _rounds, _sever
+from gemini_ckpt.integrations import _members, _rounds, _sever
 import paths
 
 HERE = str(paths.TESTS)
@@ -34,15 +35,22 @@ class Job:
         self.dead_at: dict[int, float] = {}
         self.procs: dict[int, subprocess.Popen] = {}
         self.replaced: list[int] = []
-        first = _rounds.open_round(self.store)
+        self.tokens = {rank: _rounds.new_token(self.store) for rank in range(WORLD)}
+        first = self.open()
         for rank in range(WORLD):
             self.start(rank, first, fresh=True)
+
+    def open(self) -> int:
+        """A new round with the current incarnations as members (as the backend's on_start does)."""
+        return _rounds.open_round(
+            self.store, _members.membership({t: (r, r, WORLD, 0) for r, t in self.tokens.items()})
+        )
 
     def start(self, rank: int, round_: int, *, fresh: bool) -> None:
         env = dict(
             os.environ,
             GEMINI_TEST_FRESH="1" if fresh else "0",
-            **_rounds.worker_env(
+            **_members.worker_env(
                 host="127.0.0.1",
                 port=self.store.port,
                 round_=round_,
@@ -54,6 +62,7 @@ class Job:
                 backend="gloo",
                 timeout_s=120,
                 reform_timeout_s=self.reform_s,
+                token=self.tokens[rank],
                 grace_s=self.grace_s,
             ),
         )
@@ -77,11 +86,27 @@ class Job:
                     del self.dead_at[rank]
                     _rounds.worker_failed(self.store)  # as the in-place backend's on_shutdown does
                     self.replaced.append(rank)
-                    self.start(rank, _rounds.open_round(self.store), fresh=False)
+                    self.tokens[rank] = _rounds.new_token(self.store)
+                    self.start(rank, self.open(), fresh=False)
                 else:
                     codes[rank] = code
             time.sleep(0.05)
         return codes
+
+    def replace_hung(self, rank: int, *, resume_after_s: float) -> subprocess.Popen:
+        """Rank ``rank`` stopped: replace it as the controller does a hung worker whose process it
+        could not end, and resume the stopped process ``resume_after_s`` later (a zombie)."""
+        deadline = time.monotonic() + 60
+        while not any(x["event"] == "stop" for x in self.lines()[rank]):
+            assert time.monotonic() < deadline, self.lines()
+            time.sleep(0.05)
+        zombie = self.procs[rank]
+        _rounds.worker_failed(self.store)
+        self.tokens[rank] = _rounds.new_token(self.store)
+        self.start(rank, self.open(), fresh=False)
+        time.sleep(resume_after_s)
+        os.kill(zombie.pid, signal.SIGCONT)
+        return zombie
 
     def lines(self) -> dict[int, list[dict]]:
         out = {}
@@ -112,6 +137,28 @@ def test_a_killed_rank_is_replaced_and_the_survivors_form_the_next_round_in_thei
     second = [x for x in lines[0] if x["event"] == "start"][1]
     assert second["t"] - blocked["t"] < 30, "rank 0 waited for its group's timeout instead of being cut free"
     assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.multiproc
+def test_a_replaced_workers_zombie_is_refused_and_its_replacement_trains_as_its_rank(tmp_path):
+    """Rank 1 stops (SIGSTOP) at step 8; the controller replaces it without ending its process,
+    and it runs again 0.3 s later, while its replacement still starts: it is not counted in the
+    next round in its replacement's place (the incarnation is not a member), it ends at once
+    with SUPERSEDED_EXIT, and the replacement trains as rank 1 to the end with the survivors."""
+    from gemini_ckpt.integrations._inplace_worker import SUPERSEDED_EXIT
+
+    job = Job(tmp_path, "stop@1:8")
+    zombie = job.replace_hung(1, resume_after_s=0.3)
+    assert zombie.wait(timeout=60) == SUPERSEDED_EXIT, zombie.stderr.read().decode()[-2000:]
+    assert b"is not a member of this round" in zombie.stderr.read()
+    codes = job.run()
+    assert codes == {0: 0, 1: 0, 2: 0}, {r: p.stderr.read().decode()[-1500:] for r, p in job.procs.items()}
+    lines = job.lines()
+    assert [x["event"] for x in lines[1] if x["pid"] == zombie.pid] == ["start", "stop", "resumed"]
+    done = [x for r in range(WORLD) for x in lines[r] if x["event"] == "done"]
+    assert len(done) == WORLD and len({x["round"] for x in done}) == 1
+    assert {x["pid"] for x in lines[1] if x["event"] == "done"} == {job.procs[1].pid} != {zombie.pid}
+    assert {x["counter"] for x in done} == {float(WORLD * 30)}
 
 
 @pytest.mark.multiproc
@@ -156,31 +203,108 @@ def test_an_error_of_the_users_code_is_not_recovered_in_place(tmp_path):
         assert b"RoundTimeoutError" in job.procs[rank].stderr.read()
 
 
+def _world(**ranks: int) -> _members.Membership:
+    """A membership of the incarnations named, each at its rank (one per node)."""
+    return _members.membership({t: (r, 0, 1, r) for t, r in ranks.items()})
+
+
 def test_rounds_decide_once_who_forms_and_who_moves_on():
     from concurrent.futures import ThreadPoolExecutor
 
     store = _rounds.server("127.0.0.1", timeout_s=10)
     port = store.port
-    assert _rounds.open_round(store) == 1
-    assert _rounds.arrive(store, 1, world_size=1, patience_s=5) == 1
-    _rounds.open_round(store)  # round 2, for a replacement; round 1 was closed and stays closed
-    assert _rounds.arrive(store, 1, world_size=1, patience_s=5) == 1
+    assert _rounds.open_round(store, _world(a=0)) == 1
+    assert _rounds.arrive(store, 1, token="a", patience_s=5) == (1, _world(a=0))
+    _rounds.open_round(store, _world(a=0, b=1))  # round 2, for a replacement; round 1 was closed and stays closed
+    assert _rounds.arrive(store, 1, token="a", patience_s=5)[0] == 1
 
-    def arrive(round_: int) -> int:
+    def arrive(round_: int, token: str) -> int:
         client = _rounds.client("127.0.0.1", port, timeout_s=10)
-        return _rounds.arrive(client, round_, world_size=2, patience_s=10)
+        return _rounds.arrive(client, round_, token=token, patience_s=10)[0]
 
-    # a survivor waits at round 2; a second replacement is asked round 3: round 2 is abandoned
-    # (nobody completed it) and both meet in round 3
+    # a survivor waits at round 2 for b, which never comes; b's replacement c is asked round 3:
+    # round 2 is abandoned (nobody completed it) and both meet in round 3
     with ThreadPoolExecutor(2) as pool:
-        survivor = pool.submit(arrive, 2)
+        survivor = pool.submit(arrive, 2, "a")
         time.sleep(0.2)
-        newcomer = pool.submit(arrive, _rounds.open_round(store))
+        newcomer = pool.submit(arrive, _rounds.open_round(store, _world(a=0, c=1)), "c")
         assert (survivor.result(), newcomer.result()) == (3, 3)
     assert store.get(_rounds.PREFIX + "r2/state") == b"abandoned"
     assert store.get(_rounds.PREFIX + "r3/state") == b"closed"
+    _rounds.open_round(store, _world(a=0, d=1))
     with pytest.raises(_rounds.RoundTimeoutError, match="1 of 2 ranks arrived at round 4"):
-        _rounds.arrive(store, 4, world_size=2, patience_s=0.3)
+        _rounds.arrive(store, 4, token="a", patience_s=0.3)
+    store.add(_rounds.PREFIX + "latest", 1)  # a round asked for by a survivor: no members
+    with pytest.raises(_rounds.RoundTimeoutError, match="round 5 of the process group got no members"):
+        _rounds.arrive(store, 5, token="a", patience_s=0.3)
+
+
+def test_a_replaced_incarnation_is_refused_and_cannot_take_its_replacements_rank():
+    """Rank 1's process (incarnation b) was replaced by c while it was stopped: when it runs
+    again it reaches the newest round, whose members are a and c, and is refused, whether it
+    arrives there first or after the round formed; c forms the round with a at rank 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    port = store.port
+    first = _rounds.open_round(store, _world(a=0, b=1))
+    _rounds.raise_latest(store, first + 1)  # the controller found b failed (worker_failed)
+    replacement = _rounds.open_round(store, _world(a=0, c=1))
+
+    def arrive(round_: int, token: str):
+        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        return _rounds.arrive(client, round_, token=token, patience_s=10)
+
+    with pytest.raises(_members.SupersededError, match="incarnation b is not a member"):
+        arrive(first + 1, "b")  # the zombie, before its replacement arrived
+    with ThreadPoolExecutor(2) as pool:
+        survivor, newcomer = pool.submit(arrive, first + 1, "a"), pool.submit(arrive, replacement, "c")
+        assert survivor.result()[0] == newcomer.result()[0] == replacement
+    assert newcomer.result()[1].of("c").rank == 1
+    with pytest.raises(_members.SupersededError):
+        arrive(first, "b")  # and after it formed
+    assert store.get(f"{_rounds.PREFIX}r{replacement}/in/1") == b"c"
+
+
+def test_a_round_that_renumbers_the_ranks_gives_each_survivor_its_new_place():
+    """An elastic shrink: rank 1 of three is lost with its host; the controller opens a round of
+    two whose members are the survivors, a at rank 0 and c (rank 2 before) at rank 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    port = store.port
+    first = _rounds.open_round(store, _world(a=0, b=1, c=2))
+    shrunk = _rounds.open_round(store, _world(a=0, c=1))
+
+    def arrive(token: str):
+        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        return _rounds.arrive(client, first, token=token, patience_s=10)
+
+    with ThreadPoolExecutor(2) as pool:
+        a, c = (f.result() for f in [pool.submit(arrive, "a"), pool.submit(arrive, "c")])
+    assert a[0] == c[0] == shrunk and c[1].world_size == 2 and c[1].of("c") == _members.Member(1, 0, 1, 1)
+    told = _members.Told("127.0.0.1", port, first, 2, 3, "gloo", 10.0, 10.0, "c")
+    env = dict(os.environ)
+    try:
+        moved = told.placed(c[1].of("c"), c[1].world_size)
+        assert (moved.rank, moved.world_size, os.environ["RANK"], os.environ["WORLD_SIZE"]) == (1, 2, "1", "2")
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_a_membership_from_the_store_is_checked():
+    assert _members.Membership.from_text(_world(a=0, b=1).to_text()) == _world(a=0, b=1)
+    for text in (
+        '{"world_size": 2, "members": {"a": [0, 0, 1, 0]}}',  # rank 1 missing
+        '{"world_size": 1, "members": {"a": [0, 0, 1, -1]}}',
+        '{"world_size": true, "members": {}}',
+        '{"world_size": 1, "members": {"a": "x"}}',
+        "[]",
+        "x" * (_members.MAX_TEXT + 1),
+    ):
+        with pytest.raises(ValueError):
+            _members.Membership.from_text(text)
 
 
 # A rank of the test below: ``python -c FORM_ONE PORT RANK ROUND MODE``. MODE "arrive" arrives at
@@ -189,13 +313,13 @@ def test_rounds_decide_once_who_forms_and_who_moves_on():
 FORM_ONE = """
 import sys, torch.distributed as dist
 from gemini_ckpt.integrations import _rounds
-port, rank, round_, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+port, token, round_, mode = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 _rounds.FORM_S = 2.0
 store = _rounds.client("127.0.0.1", port, timeout_s=30)
 if mode == "arrive":
-    _rounds.arrive(store, round_, world_size=2, patience_s=30)
+    _rounds.arrive(store, round_, token=token, patience_s=30)
     sys.exit(0)
-n = _rounds.form(store, round_, rank=rank, world_size=2, backend="gloo", timeout_s=10, patience_s=30)
+n, _ = _rounds.form(store, round_, token=token, backend="gloo", timeout_s=10, patience_s=30)
 print(n, dist.distributed_c10d._get_default_group().group_name, flush=True)
 """
 
@@ -207,24 +331,24 @@ def test_a_rank_whose_round_failed_to_form_meets_the_others_in_the_next_one(tmp_
     counts per process (a failed ``init_process_group`` left rank 0's count one higher)."""
     store = _rounds.server("127.0.0.1", timeout_s=30)
 
-    def rank(r: int, round_: int, mode: str) -> subprocess.Popen:
+    def rank(token: str, round_: int, mode: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-c", FORM_ONE, str(store.port), str(r), str(round_), mode],
+            [sys.executable, "-c", FORM_ONE, str(store.port), token, str(round_), mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
         )
 
-    survivor = rank(0, _rounds.open_round(store), "form")
-    dying = rank(1, 1, "arrive")
+    survivor = rank("s", _rounds.open_round(store, _world(s=0, d=1)), "form")
+    dying = rank("d", 1, "arrive")
     assert dying.wait(timeout=60) == 0
     deadline = time.monotonic() + 60
     while _rounds.latest(store) < 2:  # the survivor gave round 1 up (after FORM_S) and asked for round 2
         assert time.monotonic() < deadline and survivor.poll() is None, survivor.stderr.read().decode()[-2000:]
         time.sleep(0.05)
-    replacement = rank(1, _rounds.latest(store), "form")
+    replacement = rank("r", _rounds.open_round(store, _world(s=0, r=1)), "form")  # round 3
     outs = [p.communicate(timeout=60) for p in (survivor, replacement)]
     assert [p.returncode for p in (survivor, replacement)] == [0, 0], [e.decode()[-2000:] for _, e in outs]
-    assert [o.decode().split() for o, _ in outs] == [["2", "0"], ["2", "0"]]  # round 2, group "0" on both
+    assert [o.decode().split() for o, _ in outs] == [["3", "0"], ["3", "0"]]  # round 3, group "0" on both
 
 
 def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
@@ -241,13 +365,13 @@ def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
         for _ in range(5):
             if stop.wait(0.3):
                 return
-            _rounds.open_round(client)
+            _rounds.open_round(client, _world(a=0, b=1))
 
     thread = threading.Thread(target=starts)
     t0 = time.monotonic()
     thread.start()
     with pytest.raises(_rounds.RoundTimeoutError, match="no worker was started for 1s"):
-        _rounds.arrive(store, _rounds.open_round(store), world_size=2, patience_s=1.0)
+        _rounds.arrive(store, _rounds.open_round(store, _world(a=0, b=1)), token="a", patience_s=1.0)
     waited = time.monotonic() - t0
     stop.set()
     thread.join()
