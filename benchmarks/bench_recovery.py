@@ -145,16 +145,21 @@ def train_loop(config: dict) -> dict:
     def emit(kind: str, **fields) -> None:
         progress.emit.remote({"kind": kind, "rank": rank, "unix": time.time(), **fields})
 
-    emit("start", pid=os.getpid())
+    emit("start", pid=os.getpid(), world=world)
     mesh = init_device_mesh("cpu", (world,))
     t = build_training(seed=0, total_steps=config["steps"], dataset_size=512, mesh=mesh)
-    # The state a large model would have: ``mb`` MB per rank of sharded (frozen) weights, saved
-    # with it; like every parameter, only an optimizer step may change them.
-    # (Built shard by shard: a full tensor on every rank would be world x mb MB each, at once.)
+    # The state a large model would have: ``mb`` MB per rank of sharded (frozen) weights at HOSTS
+    # ranks (more per rank at fewer: an elastic run resized), saved with it; like every parameter,
+    # only an optimizer step may change them. (Built shard by shard: a full tensor on every rank
+    # would be world x mb MB each, at once.)
+    total = HOSTS * config["mb"] * 2**18
+    chunk = -(-total // world)
+    local = torch.ones(max(0, min(chunk, total - rank * chunk)))
     t.model.register_parameter(
         "ballast",
         torch.nn.Parameter(
-            DTensor.from_local(torch.ones(config["mb"] * 2**18), mesh, [Shard(0)], run_check=False), requires_grad=False
+            DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([total]), stride=(1,)),
+            requires_grad=False,
         ),
     )
     mode = config["mode"]
@@ -171,6 +176,8 @@ def train_loop(config: dict) -> dict:
             start = result.step + 1
             restored = {
                 "step": result.step,
+                "world": world,
+                "path": result.path,
                 "seconds": time.time() - t0,
                 "source": result.source,
                 "bytes": result.bytes_read,
@@ -197,7 +204,7 @@ def train_loop(config: dict) -> dict:
             dcp.load(sd, storage_reader=FsspecReader(f"throttled://{root}/{done[-1]}"))
             set_state_dict(t.model, t.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             start = done[-1] + 1
-            restored = {"step": done[-1], "seconds": time.time() - t0, "source": "durable"}
+            restored = {"step": done[-1], "world": world, "seconds": time.time() - t0, "source": "durable"}
     if restored is not None:
         emit("restore", **restored)
     for _ in range(start):  # the data the restored steps consumed (the loader is not saved here)
@@ -237,7 +244,7 @@ def train_loop(config: dict) -> dict:
                 save_phases={n: round(t, 3) for n, t in phases},
             )
         if rank == 0:
-            emit("step", step=step, stall_s=stall)
+            emit("step", step=step, stall_s=stall, world=world)
     if ckpt is not None:
         ckpt.close()
     emit("done")
@@ -331,8 +338,15 @@ def run(
             "gemini_ckpt.toy",
         ),
     )
-    # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory
-    scaling = ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
+    # rank r on host r after the restart too (every mode): the replacement's rank reads its own host's memory;
+    # with no replacement, an elastic run (one rank per host, on any host, at least half of them)
+    scaling = (
+        ScalingConfig(
+            num_workers=(HOSTS // 2, HOSTS), placement_strategy="STRICT_SPREAD", elastic_resize_monitor_interval_s=60
+        )
+        if fault == "host-alone"
+        else ScalingConfig(num_workers=HOSTS, label_selector=ranks_on_hosts(HOSTS))
+    )
     # in place: Ray Train replaces only the failed worker (polled every 0.25 s); the others recover in
     # their own processes. Every other mode: Ray Train's full restart (its default 2 s poll).
     for key, value in detection_env(poll_s=0.25).items():
@@ -368,11 +382,12 @@ def run(
                 raise TimeoutError(f"{mode}: the run did not finish within {timeout:.0f}s")
             events += ray.get(progress.since.remote(len(events)), timeout=60)
             if failure is None and any(e["kind"] == "step" and e["step"] >= kill_at for e in events):
-                if fault == "host":
+                if fault in ("host", "host-alone"):
                     failure = time.time()
                     cluster.remove_hosts((KILL_HOST,), wait=False)
-                    cluster.add_host(KILL_HOST)
-                else:  # the simulated hosts are processes of this machine
+                    if fault == "host":
+                        cluster.add_host(KILL_HOST)
+                else:  # the simulated hosts are processes of this machine (rank r on host r)
                     pid = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == KILL_HOST][-1]
                     failure = time.time()
                     os.kill(pid, signal.SIGKILL)
@@ -420,8 +435,14 @@ def measure(mode: str, out: dict, step_s: float) -> dict:
     ]
     pids_before = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] <= failure}
     pids_after = {e["rank"]: e.get("pid") for e in events if e["kind"] == "start" and e["unix"] > failure}
+    durable_read = sum((e.get("bytes") or {}).get("durable", 0) for e in restores if e.get("source") == "memory")
     return {
         "kept_processes": sorted(r for r, pid in pids_after.items() if pids_before.get(r) == pid),
+        # processes, not ranks: an elastic shrink renumbers the survivors
+        "kept_pids": len(set(pids_after.values()) & set(pids_before.values())),
+        "world_after": restores[0].get("world") if restores else None,
+        "restore_path": restores[0].get("path") if restores else None,
+        "durable_bytes_read_from_memory_restore": durable_read,
         "mode": mode,
         "failed_after_step": failed_at,
         "restored_step": restored_step,
@@ -555,9 +576,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--fault",
-        choices=("host", "process"),
+        choices=("host", "host-alone", "process"),
         default="host",
-        help="host: host 1 is lost (raylet and every process) and a replacement joins; process: its "
+        help="host: host 1 is lost (raylet and every process) and a replacement joins; host-alone: host 1 is "
+        "lost and no host takes its place (an elastic run, 2 to 4 workers: it goes on with 3); process: its "
         "training worker is SIGKILLed",
     )
     ap.add_argument(
@@ -599,7 +621,11 @@ def main(argv=None) -> int:
     rows, repeats = [], []
     try:
         for mode in [m for _ in range(max(1, args.repeat)) for m in args.modes.split(",")]:
-            what = f"host {KILL_HOST} lost" if args.fault == "host" else f"the worker of host {KILL_HOST} SIGKILLed"
+            what = {
+                "host": f"host {KILL_HOST} lost",
+                "host-alone": f"host {KILL_HOST} lost, no replacement",
+                "process": f"the worker of host {KILL_HOST} SIGKILLed",
+            }[args.fault]
             print(f"== {mode}: {steps} steps of {args.step_s}s, {what} after step {kill_at}", flush=True)
             out = run(
                 cluster,

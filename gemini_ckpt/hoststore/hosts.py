@@ -42,10 +42,15 @@ class HostStores:
         self._handles = {s: find_store(settings.namespace, n) for s, n in enumerate(table.nodes)}
         self._dead: dict[int, str] = {s: "gone at the rendezvous" for s in dead}
         self._dead.update({s: "no host store" for s, h in self._handles.items() if h is None})
+        self._retired = frozenset(dead)
 
     def dead(self) -> set[int]:
         with self._lock:
             return set(self._dead)
+
+    def dead_at_rendezvous(self) -> frozenset:
+        """The slots this epoch formed without (see ``holders_for(retired=...)``)."""
+        return self._retired
 
     def live(self) -> dict[int, Any]:
         with self._lock:

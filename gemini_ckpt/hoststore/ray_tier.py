@@ -94,6 +94,7 @@ class RayTier(MemoryTier):
         copies placement sends it, :func:`~gemini_ckpt.hoststore.slots.holders_for`), checked against
         its store's budget and told to the store (``gemini_ckpt status`` shows it)."""
         dead = self.hosts.dead()
+        retired = self.hosts.dead_at_rendezvous()
         shards: dict[int, int] = {}
         for rank, node in self.table.ranks.items():
             slot = self.table.slot_of(node)
@@ -107,6 +108,7 @@ class RayTier(MemoryTier):
                 strategy=self.settings.placement,
                 dead=dead,
                 domains=self.table.domains,
+                retired=retired,
             ):
                 if holder in need:
                     need[holder] += versions * nbytes

@@ -132,8 +132,15 @@ def holders_for(
     strategy: str = "auto",
     dead: Iterable[int] = (),
     domains: Optional[Sequence[Optional[str]]] = None,
+    retired: Iterable[int] = (),
 ) -> tuple[int, ...]:
     """The slots that keep ``slot``'s shards of the next version (see the module docstring).
+
+    ``retired``: slots the job's epoch formed without (their hosts were dead at its rendezvous: an
+    elastic run went on without them). A live slot's copies then follow the placement made over
+    the other slots, as if the job had been started on them (the copies spread evenly over the
+    hosts left), its dead holders replaced as above; a retired slot's own shards (re-replicated
+    after its loss) keep the rule above.
 
     >>> holders_for(2, hosts=4, replicas=2, strategy="group")
     (2, 3)
@@ -141,8 +148,21 @@ def holders_for(
     (2, 0)
     >>> holders_for(2, hosts=4, replicas=2, strategy="group", domains=["a", "a", "b", "b"])
     (2, 0)
+    >>> holders_for(3, hosts=4, replicas=2, dead={1}), holders_for(3, hosts=4, replicas=2, dead={1}, retired={1})
+    ((3, 2), (3, 0))
     """
-    dead = frozenset(dead)
+    dead, retired = frozenset(dead), frozenset(retired) - {slot}
+    if retired and len(retired) < hosts:
+        live = [s for s in range(hosts) if s not in retired]
+        inner = holders_for(
+            live.index(slot),
+            hosts=len(live),
+            replicas=replicas,
+            strategy=strategy,
+            dead={live.index(s) for s in dead if s in live},
+            domains=None if domains is None else [domains[s] for s in live],
+        )
+        return tuple(live[i] for i in inner)
     if replicas > hosts:
         raise ConfigError(
             f"CheckpointConfig.replicas={replicas} needs {replicas} hosts but the job spans {hosts}; "

@@ -165,6 +165,7 @@ class RankPort:
                         strategy=cfg.strategy,
                         dead=self.s.commit.dead,
                         domains=cfg.domains,
+                        retired=cfg.dead,
                     )
                     actions = self.s.commit.start_version(vid, holders=holders, shards=len(cfg.ranks_here))
                 else:
