@@ -128,8 +128,15 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
         os.environ.update(detection_env(poll_s=0.25, hang_s=options.hang_s))
     trainer = TorchTrainer(
         recoverable(train_loop) if options.in_place else train_loop,
-        torch_config=torch_config(reform_timeout_s=60.0) if options.in_place else None,
-        train_loop_config={"ckpt": ckpt_config, "steps": options.steps, "progress": progress_name},
+        torch_config=torch_config(reform_timeout_s=60.0, replace_within_s=REPLACE_WITHIN_S)
+        if options.in_place
+        else None,
+        train_loop_config={
+            "ckpt": ckpt_config,
+            "steps": options.steps,
+            "progress": progress_name,
+            "full_digests": options.full_digests,
+        },
         scaling_config=_scaling(options, ScalingConfig, ranks_on_hosts),
         run_config=RunConfig(
             name=run_name,
@@ -166,10 +173,12 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     printer = _Printer(echo, t0)
     killed = not options.failure
     returns_at = None
+    read = 0  # the progress actor's events read so far (the driver adds its own to ``events``)
     try:
         while True:
             alive = thread.is_alive()
-            new = ray.get(progress.since.remote(len(events)), timeout=60)
+            new = ray.get(progress.since.remote(read), timeout=60)
+            read += len(new)
             events.extend(new)
             for e in new:
                 printer(e)
@@ -193,6 +202,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
     return events, t0, box["result"]
 
 
+REPLACE_WITHIN_S = 2.0  # an elastic run: how long a lost host's place is kept for a node to take it
 ELASTIC_MONITOR_S = 5.0  # how often Ray Train looks for hosts to grow back onto (its default: 60 s)
 
 

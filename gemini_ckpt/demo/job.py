@@ -50,7 +50,9 @@ def train_loop(config: dict) -> dict:
 
     ``config``: ``ckpt`` (a CheckpointConfig), ``steps``, ``progress`` (actor name or None),
     ``seed``, optional ``kill`` = ``{"rank", "step", "marker"}`` (that rank SIGKILLs itself
-    after saving that step, once: the marker file records it happened), ``step_sleep``.
+    after saving that step, once: the marker file records it happened), ``step_sleep``,
+    ``full_digests`` (every rank gathers the whole model and optimizer state before each save and after
+    each restore, and emits its digest: ``saved_full``, ``restored_full``; costly, for tests).
     Returns a digest of the final model and optimizer state, the restore and reported steps.
     """
     import signal
@@ -78,6 +80,7 @@ def train_loop(config: dict) -> dict:
         node_id=ray.get_runtime_context().get_node_id(),
         process_t=_process_start(),
         in_place=recovery_info(),
+        world=context.get_world_size(),
     )
     steps, seed = config["steps"], config.get("seed", 0)
     # FSDP2 over the process group TorchTrainer set up: each rank holds (and saves) its shard.
@@ -112,8 +115,16 @@ def train_loop(config: dict) -> dict:
             "path": result.path,
             "timeline": [list(m) for m in result.timeline],
             "recovery": list(result.recovery),
+            "world": context.get_world_size(),
         }
         emit("restore", t_start=t0, pid=os.getpid(), **restored)
+        if config.get("full_digests"):
+            emit(
+                "restored_full",
+                step=result.step,
+                world=context.get_world_size(),
+                digest=_full_digest(model, t.optimizer),
+            )
 
     def on_commit(step: int, saved_at: float):
         def done(fut) -> None:
@@ -149,11 +160,14 @@ def train_loop(config: dict) -> dict:
             if rank == 0:
                 emit("step", step=step, loss=loss_value, stall_s=0.0)
         else:
+            if config.get("full_digests"):  # what the version will hold, whole (a collective of every rank)
+                emit("saved_full", step=step, world=context.get_world_size(), digest=_full_digest(model, t.optimizer))
             handle = ckpt.save(step, metrics={"loss": loss_value})
             if rank == 0:
                 emit("step", step=step, loss=loss_value, stall_s=ckpt.stats.last_stall_s)
                 handle.committed.add_done_callback(on_commit(step, saved_at))
                 handle.persisted.add_done_callback(on_persist(step))
+
         if kill and rank == kill["rank"] and step == kill["step"] and not os.path.exists(kill["marker"]):
             with open(kill["marker"], "w") as f:
                 f.write(str(os.getpid()))
@@ -181,6 +195,15 @@ def train_loop(config: dict) -> dict:
 
 
 _RUNS_HERE = 0  # the training function's starts in this process (a survivor of in-place recovery: > 1)
+
+
+def _full_digest(model, optimizer) -> str:
+    """A digest of the whole model and optimizer state (full tensors, by name): the same at any
+    world size. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return digest_state(full)
 
 
 def _kill_in_restore(spec: Optional[dict], rank: int) -> None:

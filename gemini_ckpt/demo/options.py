@@ -30,6 +30,7 @@ class DemoOptions:
     hang_s: float = 10.0
     replacement: bool = True  # --fault host: a replacement host joins; False: none (an elastic run shrinks)
     host_returns_s: float | None = None  # with replacement=False: the lost host joins again this much later
+    full_digests: bool = False  # the workers emit digests of the whole state at each save and restore (tests)
 
     @property
     def elastic(self) -> bool:

@@ -39,6 +39,8 @@ class DemoReport:
     step_s: list = field(default_factory=list)  # rank 0's step times (save included), restarts left out
     after_persist_s: list = field(default_factory=list)  # the step after each persisted version
     kept_processes: Optional[int] = None  # in place: workers that recovered in their own process
+    world_after: Optional[int] = None  # the workers the run went on with (an elastic run: fewer)
+    grow: Optional[dict] = None  # an elastic run grown back: joined_t, started_t, step, lost, next_t, world
 
     @property
     def failure_text(self) -> str:
@@ -76,12 +78,22 @@ class DemoReport:
         if not o.failure:
             lines.append("failure      none (--no-failure)")
         if self.failure_step is not None:
-            joined = "; a replacement host joined" if o.fault == "host" else ""
+            joined = (
+                ("; a replacement host joined" if o.replacement else "; no host took its place")
+                if o.fault == "host"
+                else ""
+            )
             lines.append(
                 f"failure      {self.failure_text} after step {self.failure_step} finished, at "
                 f"t={self.failure_t:.1f}s{joined}"
             )
-            if self.kept_processes is not None:
+            if o.elastic and self.world_after is not None:
+                lines.append(
+                    f"elastic      went on with {self.world_after} of {o.hosts} workers (ScalingConfig num_workers="
+                    f"({o.min_workers}, {o.hosts})), {self.kept_processes} in their own processes, ranks "
+                    f"renumbered; every rank restored the version resharded to {self.world_after}"
+                )
+            elif self.kept_processes is not None:
                 lines.append(
                     f"in place     {self.kept_processes} of {o.hosts} workers kept their processes (Ray Train "
                     f"replaced only the failed one); every rank rolled back in its own process"
@@ -105,6 +117,17 @@ class DemoReport:
                 lines.append(
                     "             " + " > ".join(f"{what} {t:.1f} [{whose}]" for t, what, whose in self.stages)
                 )
+        if self.grow is not None:
+            g = self.grow
+            lines.append(
+                f"grew back    host {o.kill_host} joined again at t={g['joined_t']:.1f}s; the run grew back to "
+                f"{g['world']} workers {g['started_t'] - g['joined_t']:.1f}s later (Ray Train's elastic resize: "
+                f"every worker restarted), restored step {g['step']} from {g['source']} ({g['lost']} steps lost), "
+                f"next step {g['next_t'] - g['started_t']:.1f}s after the restart"
+                if g.get("next_t") is not None
+                else f"grew back    host {o.kill_host} joined again at t={g['joined_t']:.1f}s; "
+                f"the run did not grow back before it ended"
+            )
         if self.steps_lost is not None:
             d = self.durable_before_failure
             redone = (
@@ -189,7 +212,10 @@ def build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: flo
         durable = [e["step"] for e in persists if e["unix"] <= failure["unix"]]
         report.durable_before_failure = max(durable) if durable else None
         restores = [e for e in events if e["kind"] == "restore" and e["unix"] > failure["unix"]]
+        later = [e for e in restores if e["attempt"] != restores[0]["attempt"]] if restores else []
+        restores = [e for e in restores if e["attempt"] == restores[0]["attempt"]]  # this failure's recovery
         if restores:
+            report.world_after = restores[0].get("world")
             report.restored_step = restores[0]["step"]
             report.restored_from = restores[0]["source"]
             report.restore_s = max(e["seconds"] for e in restores)
@@ -199,17 +225,47 @@ def build_report(options: DemoOptions, events: list[dict], run_dir: str, t0: flo
             after = [e["unix"] for e in steps if e["unix"] > max(r["unix"] for r in restores)]
             if after:
                 report.recovery_s = min(after) - failure["unix"]
-            report.stages = recovery_stages(failure["unix"], events, restores, min(after) if after else None)
+            done_at = max(r["unix"] for r in restores)
+            this = [e for e in events if e["unix"] <= done_at]  # a later recovery's (a grow's) come after
+            report.stages = recovery_stages(failure["unix"], this, restores, min(after) if after else None)
         # Each rank's process after the failure, from its restore (every recovery ends in one) or
         # its start: one lost progress event must not miscount the workers kept.
         first_pids = {e["rank"]: e["pid"] for e in events if e["kind"] == "start" and e["unix"] < failure["unix"]}
-        after_pids = {
-            e["rank"]: e["pid"]
-            for e in events
-            if e["kind"] in ("start", "restore") and e["unix"] > failure["unix"] and "pid" in e
-        }
+        after_pids = {e["rank"]: e["pid"] for e in restores if "pid" in e}  # every rank restores
+        if not after_pids:
+            after_pids = {
+                e["rank"]: e["pid"]
+                for e in events
+                if e["kind"] == "start" and e["unix"] > failure["unix"] and "pid" in e
+            }
         report.kept_processes = sum(1 for rank, pid in after_pids.items() if first_pids.get(rank) == pid)
+        if options.elastic:  # the ranks were renumbered: processes, not ranks
+            report.kept_processes = len(set(first_pids.values()) & set(after_pids.values()))
+        joined = next((e for e in events if e["kind"] == "host_joined"), None)
+        if joined is not None:
+            report.grow = grown(joined, later, steps, t0)
     return report
+
+
+def grown(joined: dict, later: list[dict], steps: list[dict], t0: float) -> dict:
+    """An elastic run's growth back once the lost host joined again: when, from which step."""
+    out = {"joined_t": joined["unix"] - t0}
+    back = [e for e in later if e["unix"] > joined["unix"] and e.get("world", 0) > 0]
+    if not back:
+        return out
+    attempt = back[0]["attempt"]
+    back = [e for e in back if e["attempt"] == attempt]
+    before = [e["step"] for e in steps if e["attempt"] < attempt]
+    starts = [e["unix"] for e in steps if e["attempt"] == attempt]
+    return {
+        **out,
+        "world": back[0]["world"],
+        "step": back[0]["step"],
+        "source": back[0]["source"],
+        "lost": max(0, max(before, default=-1) - back[0]["step"]),
+        "started_t": min(e["t_start"] for e in back) - t0,
+        "next_t": min(starts) - t0 if starts else None,
+    }
 
 
 def step_times(steps: list[dict], persisted: set) -> tuple[list[float], list[float]]:

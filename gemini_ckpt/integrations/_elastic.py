@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import threading
 import time
 from typing import Callable, Optional
 
@@ -41,6 +42,7 @@ log = logging.getLogger("gemini_ckpt")
 
 POLL_S = 0.1  # how often a lost bundle is checked for a node that took it
 CALL_TIMEOUT_S = 10.0
+WATCH_S = 1.0  # how often an elastic run's controller looks for hosts that joined
 PROBE_S = 1.0  # a lost host's raylet: how long a connection to it may take before it counts as gone
 
 
@@ -181,6 +183,39 @@ def refresh_cluster_view() -> None:
         ray.get(coordinator.get_reserved_resources.remote("gemini-ckpt", recompute=True), timeout=CALL_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - an internal actor of Ray's; its own tick catches up in 20 s
         log.info("gemini_ckpt: Ray's autoscaling coordinator did not refresh its view of the cluster: %s", exc)
+
+
+class JoinWatch:
+    """While an elastic run lasts: when a host joins, have Ray's autoscaling coordinator see it at
+    once (:func:`refresh_cluster_view`), so that Ray's elastic policy grows the group back at its
+    next resize (``elastic_resize_monitor_interval_s``) rather than up to 20 s after it."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="gemini-ckpt-elastic-joins", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread = None
+
+    def _run(self) -> None:
+        seen = None
+        while not self._stop.wait(WATCH_S):
+            try:
+                alive = live_nodes()
+            except Exception as exc:  # noqa: BLE001 - the run is ending (Ray going down)
+                log.debug("gemini_ckpt: reading the node table: %s", exc)
+                continue
+            if seen is not None and alive - seen:
+                log.info("gemini_ckpt: host(s) %s joined; the run can grow back", sorted(n[:12] for n in alive - seen))
+                refresh_cluster_view()
+            seen = alive
 
 
 def placed_in_ray_train(rank: int, world_size: int) -> None:

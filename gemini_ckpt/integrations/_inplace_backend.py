@@ -142,6 +142,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._tokens: dict[tuple[str, int], str] = {}  # (node id, pid) -> the worker's incarnation
         self._config = None
         self._handled = None  # the poll status whose failing groups were handled (elastic runs)
+        self._joins: Optional[_elastic.JoinWatch] = None
 
     def on_start(self, group, config) -> None:
         import ray
@@ -158,6 +159,8 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._config = config
             if _elastic.elastic_bounds(group) is not None:
                 _elastic.install(group, self._replace_or_shrink)
+                self._joins = self._joins or _elastic.JoinWatch()
+                self._joins.start()
         self._check_attempts(group)
         resources = group.get_resources_per_worker()
         backend = config.backend or ("nccl" if resources.get("GPU", 0) > 0 else "gloo")
@@ -317,8 +320,11 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._reap(group.get_workers())
             if not self._shutting_others:
                 self._shut_other_failing(group)
-        elif self._spares is not None:
-            self._spares.stop()
+        else:
+            if self._spares is not None:
+                self._spares.stop()
+            if self._joins is not None:
+                self._joins.stop()
 
     def _shut_other_failing(self, group) -> None:
         """Ray Train replaces failing replica groups one at a time, and while it replaces the
