@@ -135,3 +135,8 @@ class RecoveryGaveUpError(CheckpointError):
 class RoundTimeoutError(CheckpointError, TimeoutError):
     """The ranks of an in-place job did not all arrive at a round of the process group in time
     (a worker never came back)."""
+
+
+class SupersededError(CheckpointError):
+    """This process's incarnation is not a member of the in-place round it reached: a newer
+    process took its rank (it is a replaced worker's zombie). It must not train; the process ends."""

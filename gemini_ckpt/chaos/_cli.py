@@ -22,10 +22,11 @@ def add_chaos_command(subcommands: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--matrix",
-        choices=("ci", "full", "inplace"),
+        choices=("ci", "full", "inplace", "elastic"),
         default="full",
-        help="which scenarios: the reduced CI set, everything (default: full), or only the in-place "
-        "recovery scenarios (a Ray Train job whose failed worker is replaced alone)",
+        help="which scenarios: the reduced CI set, everything (default: full), only the in-place "
+        "recovery scenarios (a Ray Train job whose failed worker is replaced alone), or only the elastic "
+        "ones (hosts lost with no replacement: the run goes on with fewer workers, and grows back)",
     )
     p.add_argument(
         "--scenario",
@@ -111,17 +112,20 @@ def _main(args: argparse.Namespace) -> int:
     except ScenarioError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from . import _inplace
+    from . import _elastic, _inplace
 
-    inplace = [] if args.job or args.network != "loopback" or args.domains else list(_inplace.SCENARIOS)
+    ray_train = not (args.job or args.network != "loopback" or args.domains)  # the default job and cluster
+    inplace = list(_inplace.SCENARIOS) if ray_train and args.matrix != "elastic" else []
+    elastic = list(_elastic.SCENARIOS) if ray_train and args.matrix in ("full", "elastic") else []
     if args.matrix == "ci":
         inplace = [s for s in inplace if s.name in _inplace.CI_SCENARIOS]
-    elif args.matrix == "inplace":
+    elif args.matrix in ("inplace", "elastic"):
         scenarios = []
     if args.scenario:
         scenarios = [s for s in scenarios if any(fnmatch.fnmatch(s.name, pat) for pat in args.scenario)]
         inplace = [s for s in inplace if any(fnmatch.fnmatch(s.name, pat) for pat in args.scenario)]
-        if not scenarios and not inplace:
+        elastic = [s for s in elastic if any(fnmatch.fnmatch(s.name, pat) for pat in args.scenario)]
+        if not scenarios and not inplace and not elastic:
             print(f"error: no scenario matches {args.scenario}", file=sys.stderr)
             return 2
     if args.list:
@@ -129,6 +133,8 @@ def _main(args: argparse.Namespace) -> int:
             print(f"{s.name:48s} {s.placement:6s} {s.describe()}")
         for s in inplace:
             print(f"{s.name:48s} {'group':6s} in place: {s.describe()}")
+        for s in elastic:
+            print(f"{s.name:48s} {'group':6s} elastic: {s.describe()}")
         return 0
     job = load_job(args.job) if args.job else None
     log = (lambda message: None) if args.quiet else None
@@ -142,8 +148,12 @@ def _main(args: argparse.Namespace) -> int:
             if args.json:
                 print(f"report written to {args.json}")
             code = report.exit_code
+        results = []
         if inplace:
-            results = _inplace.run_inplace(inplace, log=log)
+            results += _inplace.run_inplace(inplace, log=log)
+        if elastic:
+            results += _elastic.run_elastic(elastic, log=log)
+        if results:
             print(_inplace.format_table(results))
             if args.json:
                 _inplace.write_json(results, args.json)

@@ -80,6 +80,7 @@ class AttachServer:
         self._sock.listen(64)
         self._stop = False
         self._conns: set[Connection] = set()
+        self._epochs: dict[Connection, int] = {}  # a trainer's connection -> the epoch it attached in
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="gemini-attach-accept", daemon=True).start()
 
@@ -107,9 +108,9 @@ class AttachServer:
         if (n := self._refusals.due()) is not None:
             log.warning("attach: %s (%d refusals since the last line)", what, n)
 
-    def _handshake(self, conn: Connection) -> int:
-        """The trainer's rank once it proved the secret for this epoch, else -1 (the caller
-        closes the socket). Nothing of a stranger's is kept: at most MAX_HELLO bytes are read,
+    def _handshake(self, conn: Connection) -> tuple[int, int]:
+        """The trainer's rank and epoch once it proved the secret for this epoch, else (-1, -1)
+        (the caller closes the socket). Nothing of a stranger's is kept: at most MAX_HELLO bytes are read,
         by the deadline, and fds it passed are closed."""
         deadline = time.monotonic() + self._deadline_s
         conn.sock.settimeout(self._deadline_s)
@@ -118,13 +119,13 @@ class AttachServer:
             conn.send({"nonce": nonce.hex(), "protocol": PROTOCOL})
             hello, _, fds = conn.recv(max_header=MAX_HELLO, max_payload=0, deadline=deadline)
         except EOFError:
-            return -1
+            return -1, -1
         except TimeoutError:
             self._refused(f"a connection did not prove the namespace's secret within {self._deadline_s:g}s")
-            return -1
+            return -1, -1
         except (OSError, ValueError, AttachError) as exc:
             self._refused(f"a connection sent a malformed hello ({exc})")
-            return -1
+            return -1, -1
         close_all(fds)  # a hello carries none, whatever it proves
         try:
             rank, epoch = int(hello.get("rank", -1)), int(hello.get("epoch", -1))
@@ -134,7 +135,7 @@ class AttachServer:
         if rank < 0 or not hmac.compare_digest(str(hello.get("proof", "")), proof(self.secret, nonce, rank, epoch)):
             self._refused("a connection that does not prove the namespace's secret was refused")
             conn.send({"ok": False, "error": "refused: the proof does not match this store's secret"})
-            return -1
+            return -1, -1
         if hello.get("protocol") != PROTOCOL:
             self._refused(
                 f"refused a trainer of attach protocol {hello.get('protocol', 1)!r} (this store's: {PROTOCOL})"
@@ -147,13 +148,13 @@ class AttachServer:
                     f"gemini_ckpt versions; {RESTART_STORES}",
                 }
             )
-            return -1
+            return -1, -1
         if epoch != self._epoch():
             conn.send({"ok": False, "error": f"refused: epoch {epoch} is not this store's ({self._epoch()})"})
-            return -1
+            return -1, -1
         conn.send({"ok": True})
         conn.sock.settimeout(None)
-        return rank
+        return rank, epoch
 
     def _serve(self, conn: Connection) -> None:
         rank = -1
@@ -163,12 +164,18 @@ class AttachServer:
                 return
             self._conns.add(conn)
         try:
-            rank = self._handshake(conn)
+            rank, epoch = self._handshake(conn)
             if rank < 0:
                 return
+            with self._lock:
+                self._epochs[conn] = epoch
             while True:
                 header, payload, fds = conn.recv()
                 rid = header.get("id", 0)
+                if epoch != self._epoch():  # a newer epoch fenced this trainer (a zombie's connection)
+                    close_all(fds)
+                    conn.send({"error": f"refused: epoch {epoch} ended (the store's is {self._epoch()})", "id": rid})
+                    return
                 try:
                     out = self._handler(conn, rank, header, payload, fds)
                 except Exception as exc:  # noqa: BLE001 - the trainer gets the error as the reply
@@ -181,9 +188,20 @@ class AttachServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._epochs.pop(conn, None)
             conn.close()
             if rank >= 0:  # only a trainer that attached detaches
                 self._closed(conn, rank)
+
+    def new_epoch(self, secret: bytes) -> None:
+        """The store opened a new epoch (its secret ``secret``): trainers of older epochs are
+        fenced, their connections closed (a message one sends meanwhile is refused)."""
+        self.secret = secret
+        now = self._epoch()
+        with self._lock:
+            older = [conn for conn, epoch in self._epochs.items() if epoch != now]
+        for conn in older:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -140,7 +140,8 @@ def holders_for(
     elastic run went on without them). A live slot's copies then follow the placement made over
     the other slots, as if the job had been started on them (the copies spread evenly over the
     hosts left), its dead holders replaced as above; a retired slot's own shards (re-replicated
-    after its loss) keep the rule above.
+    after its loss) keep the rule above. Fewer such slots than ``replicas``: as many copies as
+    there are slots, with a warning, once.
 
     >>> holders_for(2, hosts=4, replicas=2, strategy="group")
     (2, 3)
@@ -154,10 +155,16 @@ def holders_for(
     dead, retired = frozenset(dead), frozenset(retired) - {slot}
     if retired and len(retired) < hosts:
         live = [s for s in range(hosts) if s not in retired]
+        if len(live) < replicas:
+            _warn_once(
+                ("retired", len(live), replicas),
+                f"the job runs on {len(live)} host(s) now, fewer than CheckpointConfig.replicas={replicas}: each "
+                f"version keeps {len(live)} copies in memory until hosts join again",
+            )
         inner = holders_for(
             live.index(slot),
             hosts=len(live),
-            replicas=replicas,
+            replicas=min(replicas, len(live)),
             strategy=strategy,
             dead={live.index(s) for s in dead if s in live},
             domains=None if domains is None else [domains[s] for s in live],

@@ -38,6 +38,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ..errors import RecoveryGaveUpError
+
 log = logging.getLogger("gemini_ckpt")
 
 POLL_S = 0.1  # how often a lost bundle is checked for a node that took it
@@ -63,6 +65,75 @@ def install(whole, replace_or_shrink: Callable[[int, Callable[[int], None]], Non
         replace_or_shrink(index, replace)
 
     whole.replace_replica_group = replace_replica_group
+
+
+class ElasticReplacement:
+    """What stands in for Ray Train's replacement of one failing replica group in an elastic run
+    (see the module docstring): called as ``(index, replace)``, ``replace`` being Ray's own, it
+    handles every failing group of the controller's latest poll at its first call (in place where
+    a node holds or takes the group's bundle, the others dropped and the survivors renumbered) and
+    none twice. ``before_shrink()`` may end the run (raises); ``shrunk(survivors, lost ranks)``
+    opens their round."""
+
+    def __init__(self, whole, config, *, before_shrink: Callable[[], None], shrunk: Callable[[list, list], None]):
+        self.whole, self.config = whole, config
+        self.before_shrink, self.shrunk = before_shrink, shrunk
+        self._handled = None  # the poll status whose failing groups were handled
+
+    def __call__(self, index: int, replace: Callable[[int], None]) -> None:
+        status = self.whole.get_latest_poll_status()
+        if status is None:  # not a poll's failure (Ray Train replaces after a poll): as Ray would
+            return replace(index)
+        if status is self._handled:
+            return None  # handled with the first failing group of this poll
+        self._handled = status
+        groups = self.whole.get_replica_groups()
+        failing = sorted(status.failing_replica_group_indices) or [index]
+        node_of = {i: groups[i].get_workers()[0].metadata.node_id for i in failing}
+        lost = {i for i in failing if host_lost(node_of[i])}
+        for i in failing:
+            if i not in lost:
+                replace(i)  # a process fault: its host is there
+        if not lost:
+            return None
+        config = self.config
+        dead = {node_of[i] for i in lost}
+        declared = await_deaths(dead, within_s=config.reform_timeout_s)
+        if declared != dead:
+            log.warning(
+                "gemini_ckpt: host(s) %s do not answer, and Ray has not declared them dead within %.0fs",
+                sorted(n[:12] for n in dead - declared),
+                config.reform_timeout_s,
+            )
+        bundles = {bundle_index(groups[i]): i for i in lost}
+        low, _ = elastic_bounds(self.whole)
+        within = config.replace_within_s
+        if len(groups) - len(lost) < low:
+            within = config.reform_timeout_s  # below min_workers: only a node can help
+            log.warning(
+                "gemini_ckpt: %d host(s) lost and %d worker(s) left, below min_workers=%d: waiting up to %.0fs "
+                "for a node to take their place",
+                len(lost),
+                len(groups) - len(lost),
+                low,
+                within,
+            )
+        placed = bundles_placed(self.whole, sorted(bundles), within_s=within, dead=dead)
+        for bundle in placed:
+            replace(bundles[bundle])  # a node took the lost host's place
+        dropped = sorted(bundles[b] for b in set(bundles) - placed)
+        if not dropped:
+            return None
+        left = len(groups) - len(dropped)
+        if left < low:
+            raise RecoveryGaveUpError(
+                f"gemini_ckpt ended the run: {len(dropped)} host(s) lost, {left} worker(s) left, below "
+                f"ScalingConfig min_workers={low}, and no node took their place within {within:.0f}s"
+            )
+        ranks = [groups[i].get_workers()[0].distributed_context.world_rank for i in dropped]
+        self.before_shrink()
+        self.shrunk(drop(self.whole, dropped), ranks)
+        return None
 
 
 def live_nodes() -> set[str]:
@@ -162,7 +233,8 @@ def drop(whole, indices) -> list:
         if whole._worker_group_context.label_selector is None
         else [whole._worker_group_context.label_selector[bundle_index(g)] for g in keep],
     )
-    whole._latest_poll_status = None  # its indices were the old group's
+    # the latest poll status stays until the next poll: Ray Train goes on through its failing indices
+    # (old numbering), and the backend, knowing that status, handles none of them twice
     for callback in whole._replica_group_callbacks:
         if isinstance(callback, ReportCallbackHandler):
             callback.after_replica_group_start(keep[0])  # its queues, one per worker, made again

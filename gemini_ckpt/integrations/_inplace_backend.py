@@ -141,7 +141,6 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._spares: Optional[_spares.Spares] = None
         self._tokens: dict[tuple[str, int], str] = {}  # (node id, pid) -> the worker's incarnation
         self._config = None
-        self._handled = None  # the poll status whose failing groups were handled (elastic runs)
         self._joins: Optional[_elastic.JoinWatch] = None
 
     def on_start(self, group, config) -> None:
@@ -158,7 +157,12 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._tokens = {}
             self._config = config
             if _elastic.elastic_bounds(group) is not None:
-                _elastic.install(group, self._replace_or_shrink)
+                _elastic.install(
+                    group,
+                    _elastic.ElasticReplacement(
+                        group, config, before_shrink=lambda: self._check_attempts(None), shrunk=self._shrunk
+                    ),
+                )
                 self._joins = self._joins or _elastic.JoinWatch()
                 self._joins.start()
         self._check_attempts(group)
@@ -233,76 +237,15 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             }
         )
 
-    def _replace_or_shrink(self, index: int, replace) -> None:
-        """An elastic run's replacement of failing replica groups (see :mod:`._elastic`): all of
-        the poll's failing groups at the first call, in place where a node holds (or takes) their
-        bundle, the others dropped, the survivors renumbered."""
-        status = self._whole.get_latest_poll_status()
-        if status is None:
-            return replace(index)
-        if status is self._handled:
-            return None  # handled with the first failing group of this poll
-        self._handled = status
-        groups = self._whole.get_replica_groups()
-        failing = sorted(status.failing_replica_group_indices) or [index]
-        node_of = {i: groups[i].get_workers()[0].metadata.node_id for i in failing}
-        lost = {i for i in failing if _elastic.host_lost(node_of[i])}
-        for i in failing:
-            if i not in lost:
-                replace(i)  # a process fault: its host is there
-        if not lost:
-            return None
-        config = self._config
-        dead = {node_of[i] for i in lost}
-        declared = _elastic.await_deaths(dead, within_s=config.reform_timeout_s)
-        if declared != dead:
-            log.warning(
-                "gemini_ckpt: host(s) %s do not answer, and Ray has not declared them dead within %.0fs",
-                sorted(n[:12] for n in dead - declared),
-                config.reform_timeout_s,
-            )
-        bundles = {_elastic.bundle_index(groups[i]): i for i in lost}
-        low, _ = _elastic.elastic_bounds(self._whole)
-        within = config.replace_within_s
-        if len(groups) - len(lost) < low:
-            within = config.reform_timeout_s  # below min_workers: only a node can help
-            log.warning(
-                "gemini_ckpt: %d host(s) lost and %d worker(s) left, below min_workers=%d: waiting up to %.0fs "
-                "for a node to take their place",
-                len(lost),
-                len(groups) - len(lost),
-                low,
-                within,
-            )
-        placed = _elastic.bundles_placed(self._whole, sorted(bundles), within_s=within, dead=dead)
-        for bundle in placed:
-            replace(bundles[bundle])  # a node took the lost host's place
-        dropped = sorted(bundles[b] for b in set(bundles) - placed)
-        if not dropped:
-            return None
-        left = len(groups) - len(dropped)
-        if left < low:
-            raise RecoveryGaveUpError(
-                f"gemini_ckpt ended the run: {len(dropped)} host(s) lost, {left} worker(s) left, below "
-                f"ScalingConfig min_workers={low}, and no node took their place within {within:.0f}s"
-            )
-        self._shrink(dropped)
-        return None
-
-    def _shrink(self, dropped: list[int]) -> None:
-        """Go on without the replica groups ``dropped`` (lost hosts no node took)."""
-        old = len(self._whole.get_workers())
-        lost = [self._whole.get_replica_groups()[i].get_workers()[0].distributed_context.world_rank for i in dropped]
-        self._check_attempts(None)
-        survivors = _elastic.drop(self._whole, dropped)
+    def _shrunk(self, survivors: list, lost: list[int]) -> None:
+        """An elastic run went on without the lost ranks ``lost``: the survivors' round."""
         round_ = _rounds.open_round(self._server, self._membership(survivors))
         log.warning(
-            "gemini_ckpt: rank(s) %s lost with their host(s) and no node took their place: going on with %d of %d "
+            "gemini_ckpt: rank(s) %s lost with their host(s) and no node took their place: going on with %d "
             "workers in their own processes (round %d; ranks renumbered 0..%d), restoring the newest committed "
             "version resharded from memory",
             lost,
             len(survivors),
-            old,
             round_,
             len(survivors) - 1,
         )

@@ -22,16 +22,13 @@ import os
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
-from ..errors import CheckpointError
+from ..errors import SupersededError
+
+__all__ = ["GRACE_S", "Member", "Membership", "SupersededError", "Told", "membership", "worker_env"]
 
 MAX_TEXT = 1 << 20  # a membership's text is refused past this (a stranger's value, not ours)
 GRACE_S = 10.0  # how long a rank whose checkpointing failed (a version that did not commit, say)
 # waits for the controller to find a failed peer before it counts the error as its own
-
-
-class SupersededError(CheckpointError):
-    """This process's incarnation is not a member of the round it reached: a newer process took
-    its rank (it is a replaced worker's zombie). It must not train; the process ends."""
 
 
 @dataclass(frozen=True)

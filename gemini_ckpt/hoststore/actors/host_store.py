@@ -174,7 +174,7 @@ class HostStore:
         if self.attach_server is None:
             self.attach_server = AttachServer(secret, lambda: self.s.epoch, self.ranks.on_attach, self.ranks.on_detach)
         else:
-            self.attach_server.secret = secret
+            self.attach_server.new_epoch(secret)
         self.driver.new_epoch()
         self.replicator.new_epoch()
         held = [v for v in self.s.table.versions.values() if v.state == VersionState.COMMITTED]

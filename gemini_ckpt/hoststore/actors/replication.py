@@ -47,9 +47,12 @@ class Replicator:
         self.copies_in: dict[tuple, Any] = {}  # ((epoch, step, rank), kind) -> a re-replicated copy arriving
 
     def new_epoch(self) -> None:
-        """A new epoch's slots: the channels by slot and the plans sent on them start afresh."""
+        """A new epoch's slots: the channels by slot (the older ones closed) and the plans sent on
+        them start afresh."""
         with self.s.lock:
-            self.channels, self.plans_sent = {}, set()
+            old, self.channels, self.plans_sent = self.channels, {}, set()
+        for channel in old.values():  # each holds a connection and its threads
+            channel.close()
 
     def drop_channel(self, slot: int) -> None:
         """Forget (and close) the channel to ``slot`` (its store died)."""

@@ -170,6 +170,9 @@ class VersionTable:
         if lent is None or lent.rank != rank or lent.state != "staging":
             raise ValueError(f"node {self.node[:12]}: segment {seg_id} is not lent to rank {rank} for staging")
         old = v.shards.get(rank)
+        if v.state is not VersionState.PENDING or (old is not None and old.received):
+            # a version is staged once: a second writer of the same rank (a zombie) replaces nothing
+            raise ValueError(f"node {self.node[:12]}: step {v.step} ({v.state}) already holds rank {rank}'s shard")
         if old is not None:
             self._free_shard(old)
         lent.state = "held"

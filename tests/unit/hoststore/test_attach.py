@@ -104,3 +104,28 @@ def test_closing_the_store_closes_a_connection_still_in_its_handshake():
     assert time.monotonic() - started < TIMEOUTS.handshake_s / 2
     conn.close()
     assert store.calls == [] and not store.closed.is_set()
+
+
+def test_a_trainer_of_an_ended_epoch_reaches_nothing_more():
+    """A zombie still attached from an older epoch (a replaced worker's process that runs again):
+    once the store's epoch moved on, its next message is refused and its connection closed, and
+    the new epoch closes every older connection at once; the new epoch's trainer is served."""
+    store = _Store(epoch=1)
+    zombie = AttachClient(store.server.address, SECRET, rank=1, epoch=1, timeout_s=10)
+    quiet = AttachClient(store.server.address, SECRET, rank=2, epoch=1, timeout_s=10)
+    store.epoch = 2  # the store's next rendezvous opened epoch 2
+    with pytest.raises(AttachError, match="epoch 1 ended"):
+        zombie.request({"type": "segment"})
+    with pytest.raises((AttachError, OSError)):  # its connection is gone
+        for _ in range(50):
+            zombie.send({"type": "staged", "step": 4}, b"a shard of step 4")
+            time.sleep(0.02)
+    store.server.new_epoch(SECRET)
+    with pytest.raises((AttachError, OSError)):  # closed by the store: a broken channel or pipe
+        quiet.request({"type": "segment"}, timeout=10)
+    assert [c for c in store.calls if c[0] in (1, 2)] == []  # nothing of theirs reached the store
+    fresh = AttachClient(store.server.address, SECRET, rank=1, epoch=2, timeout_s=10)
+    assert fresh.request({"type": "segment"})[0]["seg"] == store.seg.id
+    for c in (zombie, quiet, fresh):
+        c.close()
+    store.server.close()

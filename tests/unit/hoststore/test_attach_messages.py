@@ -102,3 +102,23 @@ def test_the_ranks_port_answers_typed_messages_and_refuses_malformed_ones_untouc
         for _ in range(2)
     ]
     assert again.seg not in asked  # the malformed give-back gave nothing back
+
+
+def test_a_version_is_staged_once_and_never_again_once_decided():
+    """A second writer of a rank's shard (a zombie of the same epoch, or one whose message
+    arrives late) replaces nothing: not a shard already staged, not any shard of a version that
+    committed (a committed version replaced under its readers was refused by a fresh restore)."""
+    from gemini_ckpt.commit import VersionState
+
+    table = VersionTable(1 << 20, node="node-a")
+    model = {"w": torch.arange(64, dtype=torch.float32)}
+    plan, _ = make_plan({"model": model}, rank=0, world_size=2, group=None, job={"test": True})
+    v = table.version(1, 4, world_size=2)
+    first = table.stage(v, 0, table.lend(0, plan.shard.region_bytes).seg.id, plan.shard, owner=0)
+    with pytest.raises(ValueError, match="already holds rank 0's shard"):
+        table.stage(v, 0, table.lend(0, plan.shard.region_bytes).seg.id, plan.shard, owner=0)
+    assert v.shards[0] is first
+    v.state = VersionState.COMMITTED
+    with pytest.raises(ValueError, match="committed"):
+        table.stage(v, 1, table.lend(1, plan.shard.region_bytes).seg.id, plan.shard, owner=0)
+    assert 1 not in v.shards

@@ -35,6 +35,7 @@ def _stage(table: VersionTable, step: int, rank: int, state: str) -> None:
     lent = table.lend(rank, (SIZE + ALIGN - 1) // ALIGN * ALIGN)
     lent.seg.array[:] = step
     v = table.version(1, step, world_size=2)
+    v.state = VersionState.PENDING  # its shards are all staged before it is decided
     shard = table.stage(v, rank, lent.seg.id, plan, owner=0)
     shard.record = make_record(plan, lent.seg.array, [], epoch=1, step=step)
     shard.record_bytes = shard.record.encode()

@@ -15,6 +15,7 @@ import pytest
 
 from gemini_ckpt.integrations import _members, _rounds, _sever
 import paths
+from rounds_support import world
 
 HERE = str(paths.TESTS)
 CHILD = os.path.join(HERE, "inplace_child.py")
@@ -203,19 +204,14 @@ def test_an_error_of_the_users_code_is_not_recovered_in_place(tmp_path):
         assert b"RoundTimeoutError" in job.procs[rank].stderr.read()
 
 
-def _world(**ranks: int) -> _members.Membership:
-    """A membership of the incarnations named, each at its rank (one per node)."""
-    return _members.membership({t: (r, 0, 1, r) for t, r in ranks.items()})
-
-
 def test_rounds_decide_once_who_forms_and_who_moves_on():
     from concurrent.futures import ThreadPoolExecutor
 
     store = _rounds.server("127.0.0.1", timeout_s=10)
     port = store.port
-    assert _rounds.open_round(store, _world(a=0)) == 1
-    assert _rounds.arrive(store, 1, token="a", patience_s=5) == (1, _world(a=0))
-    _rounds.open_round(store, _world(a=0, b=1))  # round 2, for a replacement; round 1 was closed and stays closed
+    assert _rounds.open_round(store, world(a=0)) == 1
+    assert _rounds.arrive(store, 1, token="a", patience_s=5) == (1, world(a=0))
+    _rounds.open_round(store, world(a=0, b=1))  # round 2, for a replacement; round 1 was closed and stays closed
     assert _rounds.arrive(store, 1, token="a", patience_s=5)[0] == 1
 
     def arrive(round_: int, token: str) -> int:
@@ -227,84 +223,16 @@ def test_rounds_decide_once_who_forms_and_who_moves_on():
     with ThreadPoolExecutor(2) as pool:
         survivor = pool.submit(arrive, 2, "a")
         time.sleep(0.2)
-        newcomer = pool.submit(arrive, _rounds.open_round(store, _world(a=0, c=1)), "c")
+        newcomer = pool.submit(arrive, _rounds.open_round(store, world(a=0, c=1)), "c")
         assert (survivor.result(), newcomer.result()) == (3, 3)
     assert store.get(_rounds.PREFIX + "r2/state") == b"abandoned"
     assert store.get(_rounds.PREFIX + "r3/state") == b"closed"
-    _rounds.open_round(store, _world(a=0, d=1))
+    _rounds.open_round(store, world(a=0, d=1))
     with pytest.raises(_rounds.RoundTimeoutError, match="1 of 2 ranks arrived at round 4"):
         _rounds.arrive(store, 4, token="a", patience_s=0.3)
     store.add(_rounds.PREFIX + "latest", 1)  # a round asked for by a survivor: no members
     with pytest.raises(_rounds.RoundTimeoutError, match="round 5 of the process group got no members"):
         _rounds.arrive(store, 5, token="a", patience_s=0.3)
-
-
-def test_a_replaced_incarnation_is_refused_and_cannot_take_its_replacements_rank():
-    """Rank 1's process (incarnation b) was replaced by c while it was stopped: when it runs
-    again it reaches the newest round, whose members are a and c, and is refused, whether it
-    arrives there first or after the round formed; c forms the round with a at rank 1."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    store = _rounds.server("127.0.0.1", timeout_s=10)
-    port = store.port
-    first = _rounds.open_round(store, _world(a=0, b=1))
-    _rounds.raise_latest(store, first + 1)  # the controller found b failed (worker_failed)
-    replacement = _rounds.open_round(store, _world(a=0, c=1))
-
-    def arrive(round_: int, token: str):
-        client = _rounds.client("127.0.0.1", port, timeout_s=10)
-        return _rounds.arrive(client, round_, token=token, patience_s=10)
-
-    with pytest.raises(_members.SupersededError, match="incarnation b is not a member"):
-        arrive(first + 1, "b")  # the zombie, before its replacement arrived
-    with ThreadPoolExecutor(2) as pool:
-        survivor, newcomer = pool.submit(arrive, first + 1, "a"), pool.submit(arrive, replacement, "c")
-        assert survivor.result()[0] == newcomer.result()[0] == replacement
-    assert newcomer.result()[1].of("c").rank == 1
-    with pytest.raises(_members.SupersededError):
-        arrive(first, "b")  # and after it formed
-    assert store.get(f"{_rounds.PREFIX}r{replacement}/in/1") == b"c"
-
-
-def test_a_round_that_renumbers_the_ranks_gives_each_survivor_its_new_place():
-    """An elastic shrink: rank 1 of three is lost with its host; the controller opens a round of
-    two whose members are the survivors, a at rank 0 and c (rank 2 before) at rank 1."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    store = _rounds.server("127.0.0.1", timeout_s=10)
-    port = store.port
-    first = _rounds.open_round(store, _world(a=0, b=1, c=2))
-    shrunk = _rounds.open_round(store, _world(a=0, c=1))
-
-    def arrive(token: str):
-        client = _rounds.client("127.0.0.1", port, timeout_s=10)
-        return _rounds.arrive(client, first, token=token, patience_s=10)
-
-    with ThreadPoolExecutor(2) as pool:
-        a, c = (f.result() for f in [pool.submit(arrive, "a"), pool.submit(arrive, "c")])
-    assert a[0] == c[0] == shrunk and c[1].world_size == 2 and c[1].of("c") == _members.Member(1, 0, 1, 1)
-    told = _members.Told("127.0.0.1", port, first, 2, 3, "gloo", 10.0, 10.0, "c")
-    env = dict(os.environ)
-    try:
-        moved = told.placed(c[1].of("c"), c[1].world_size)
-        assert (moved.rank, moved.world_size, os.environ["RANK"], os.environ["WORLD_SIZE"]) == (1, 2, "1", "2")
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-
-
-def test_a_membership_from_the_store_is_checked():
-    assert _members.Membership.from_text(_world(a=0, b=1).to_text()) == _world(a=0, b=1)
-    for text in (
-        '{"world_size": 2, "members": {"a": [0, 0, 1, 0]}}',  # rank 1 missing
-        '{"world_size": 1, "members": {"a": [0, 0, 1, -1]}}',
-        '{"world_size": true, "members": {}}',
-        '{"world_size": 1, "members": {"a": "x"}}',
-        "[]",
-        "x" * (_members.MAX_TEXT + 1),
-    ):
-        with pytest.raises(ValueError):
-            _members.Membership.from_text(text)
 
 
 # A rank of the test below: ``python -c FORM_ONE PORT RANK ROUND MODE``. MODE "arrive" arrives at
@@ -338,14 +266,14 @@ def test_a_rank_whose_round_failed_to_form_meets_the_others_in_the_next_one(tmp_
             stderr=subprocess.PIPE,
         )
 
-    survivor = rank("s", _rounds.open_round(store, _world(s=0, d=1)), "form")
+    survivor = rank("s", _rounds.open_round(store, world(s=0, d=1)), "form")
     dying = rank("d", 1, "arrive")
     assert dying.wait(timeout=60) == 0
     deadline = time.monotonic() + 60
     while _rounds.latest(store) < 2:  # the survivor gave round 1 up (after FORM_S) and asked for round 2
         assert time.monotonic() < deadline and survivor.poll() is None, survivor.stderr.read().decode()[-2000:]
         time.sleep(0.05)
-    replacement = rank("r", _rounds.open_round(store, _world(s=0, r=1)), "form")  # round 3
+    replacement = rank("r", _rounds.open_round(store, world(s=0, r=1)), "form")  # round 3
     outs = [p.communicate(timeout=60) for p in (survivor, replacement)]
     assert [p.returncode for p in (survivor, replacement)] == [0, 0], [e.decode()[-2000:] for _, e in outs]
     assert [o.decode().split() for o, _ in outs] == [["3", "0"], ["3", "0"]]  # round 3, group "0" on both
@@ -365,13 +293,13 @@ def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
         for _ in range(5):
             if stop.wait(0.3):
                 return
-            _rounds.open_round(client, _world(a=0, b=1))
+            _rounds.open_round(client, world(a=0, b=1))
 
     thread = threading.Thread(target=starts)
     t0 = time.monotonic()
     thread.start()
     with pytest.raises(_rounds.RoundTimeoutError, match="no worker was started for 1s"):
-        _rounds.arrive(store, _rounds.open_round(store, _world(a=0, b=1)), token="a", patience_s=1.0)
+        _rounds.arrive(store, _rounds.open_round(store, world(a=0, b=1)), token="a", patience_s=1.0)
     waited = time.monotonic() - t0
     stop.set()
     thread.join()
