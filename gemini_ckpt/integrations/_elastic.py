@@ -48,6 +48,53 @@ WATCH_S = 1.0  # how often an elastic run's controller looks for hosts that join
 PROBE_S = 1.0  # a lost host's raylet: how long a connection to it may take before it counts as gone
 
 
+def support() -> Optional[str]:
+    """Why an elastic run cannot shrink in place on this Ray (None when it can): the names of Ray
+    Train's worker group it rewrites (read for Ray 2.60; ``tests/unit/integrations/
+    test_inplace_adapter.py`` checks them). Without it, Ray's own elastic restart applies."""
+    try:
+        from ray.train.v2._internal.execution.checkpoint.report_handler import ReportCallbackHandler
+        from ray.train.v2._internal.execution.context import TrainContext
+        from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+        from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    except ImportError as exc:
+        return f"Ray Train's worker group cannot be imported ({exc})"
+    fields = set(getattr(WorkerGroupState, "__dataclass_fields__", ()))
+    init = WorkerGroup.__init__.__code__.co_names
+    missing = [
+        name
+        for name, ok in (
+            (
+                "WorkerGroupState(start_time, placement_group_handle, workers, sync_actor)",
+                {"start_time", "placement_group_handle", "workers", "sync_actor"} <= fields,
+            ),
+            ("WorkerGroup's replica-group tables", all(n in init for n in WORKER_GROUP_FIELDS)),
+            (
+                "ReportCallbackHandler.after_replica_group_start",
+                hasattr(ReportCallbackHandler, "after_replica_group_start"),
+            ),
+            (
+                "TrainContext.distributed_context",
+                "distributed_context" in getattr(TrainContext, "__dataclass_fields__", ()),
+            ),
+        )
+        if not ok
+    ]
+    return f"Ray Train lacks {', '.join(missing)}" if missing else None
+
+
+# What drop() rewrites on Ray Train's WorkerGroup (set in its __init__, Ray 2.60)
+WORKER_GROUP_FIELDS = (
+    "_worker_group_state",
+    "_replica_groups",
+    "_worker_rank_to_replica_group_rank",
+    "_world_rank_to_ongoing_poll",
+    "_worker_group_context",
+    "_replica_group_callbacks",
+    "_train_run_context",
+)
+
+
 def elastic_bounds(whole) -> Optional[tuple[int, int]]:
     """(min_workers, max_workers) of an elastic run's worker group, None for a fixed-size one."""
     scaling = whole._train_run_context.scaling_config

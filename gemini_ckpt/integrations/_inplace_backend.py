@@ -12,8 +12,12 @@ What this backend does differently from Ray's own ``_TorchBackend``:
 
 - It forms no process group itself. The workers form it (:mod:`._rounds`) over a
   ``TCPStore`` served from the controller's process, which outlives every worker (losing rank 0
-  loses nothing), and each start of workers asks for a new round. A host with k ranks is
-  replaced one worker at a time; the survivors wait for all of them in one round.
+  loses nothing), and each start of workers opens a new round whose membership names every
+  worker process (an incarnation) at its rank (:mod:`._members`): a replaced worker's zombie is
+  refused. A host with k ranks is replaced one worker at a time; the survivors wait for all of
+  them in one round.
+- In an elastic run it stands in for the replacement of a failed worker whose host is gone and
+  not replaced: the survivors go on at fewer ranks in their own processes (:mod:`._elastic`).
 - It sets the true ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``NODE_RANK`` (with replica groups
   of one worker, Ray's own context says 0, 1 and 0 on every worker).
 - It ends the run when recoveries stop helping (:class:`._rounds.Attempts`): an error raised
@@ -140,7 +144,6 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._shutting_others = False
         self._spares: Optional[_spares.Spares] = None
         self._tokens: dict[tuple[str, int], str] = {}  # (node id, pid) -> the worker's incarnation
-        self._config = None
         self._joins: Optional[_elastic.JoinWatch] = None
 
     def on_start(self, group, config) -> None:
@@ -155,8 +158,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         if not isinstance(group, _ReplicaGroup):
             self._whole = group
             self._tokens = {}
-            self._config = config
-            if _elastic.elastic_bounds(group) is not None:
+            if _elastic.elastic_bounds(group) is not None and self._elastic_supported():
                 _elastic.install(
                     group,
                     _elastic.ElasticReplacement(
@@ -216,6 +218,18 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             else f"group of {len(workers)} workers started",
             round_,
         )
+
+    @staticmethod
+    def _elastic_supported() -> bool:
+        why = _elastic.support()
+        if why is not None:
+            log.warning(
+                "gemini_ckpt: an elastic run cannot shrink in place on this Ray (%s): a host lost with no node "
+                "to take its place restarts every worker at the smaller size (Ray Train's elastic path), still "
+                "restoring from memory",
+                why,
+            )
+        return why is None
 
     def _check_attempts(self, group) -> None:
         """End the run (an error Ray Train does not retry) when recoveries stopped helping."""

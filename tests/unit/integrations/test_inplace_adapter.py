@@ -274,3 +274,41 @@ def _run_alone(script: str):
     import sys
 
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+
+
+def test_ray_train_still_has_what_an_elastic_shrink_in_place_rewrites():
+    """What ``_elastic`` relies on in Ray Train's internals (Ray 2.60): the controller replaces
+    failing replica groups through the worker group's ``replace_replica_group`` (the one call an
+    elastic run's backend stands in for), the worker group's tables it rewrites, the report
+    queues and barrier it resets, the autoscaling coordinator it asks to look again, and the
+    worker's context a survivor takes its new rank into. Fails loudly when a Ray upgrade moves them."""
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+    from ray.train.v2.api.config import ScalingConfig
+
+    from gemini_ckpt.integrations import _elastic
+
+    assert _elastic.support() is None
+    replace = inspect.getsource(TrainController._replace_bad_workers)
+    assert "for rg_index in failing_rg_indices" in replace
+    assert "self._worker_group.replace_replica_group(rg_index)" in replace  # the instance's method
+    resize = inspect.getsource(TrainController._execute_resize_decision)
+    assert "decision.num_workers == current_num_workers" in resize  # a smaller size: a full restart
+    assert "get_latest_poll_status()" in resize  # the status whose failing groups are handled once
+    policy = inspect.getsource(ElasticScalingPolicy.make_decision_for_running_worker_group)
+    assert "worker_group_state.start_time" in policy  # a shrunk group's new start time holds a resize back
+    assert "worker_group_state.num_workers" in policy
+    for name in _elastic.WORKER_GROUP_FIELDS:
+        assert name in WorkerGroup.__init__.__code__.co_names, name
+    poll = inspect.getsource(WorkerGroup._get_poll_tasks)
+    assert "self._world_rank_to_ongoing_poll.get(i)" in poll  # keyed by position: re-keyed at a shrink
+    assert ScalingConfig(num_workers=(2, 4)).elasticity_enabled and ScalingConfig(num_workers=(2, 4)).min_workers == 2
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        _AutoscalingCoordinatorActor,
+        get_or_create_autoscaling_coordinator,
+    )
+
+    assert "recompute" in inspect.signature(_AutoscalingCoordinatorActor.get_reserved_resources).parameters
+    made = inspect.getsource(get_or_create_autoscaling_coordinator)
+    assert 'name="AutoscalingCoordinator"' in made and 'namespace="AutoscalingCoordinator"' in made
