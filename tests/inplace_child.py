@@ -5,7 +5,8 @@ The training function, run under ``recoverable``: ``STEPS`` all-reduces of a cou
 current round. ``SCRIPT`` says what goes wrong, once per rank and attempt: ``kill@R:I`` (rank R
 SIGKILLs itself before all-reduce I of its first attempt), ``recv@R:P:I`` (rank R blocks in a
 receive from rank P, a survivor, at step I: only a cut of the round's connections wakes it), ``raise@R``
-(rank R raises a ValueError in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
+(rank R raises a ValueError in every attempt), ``timeout@R`` (rank R raises
+``TimeoutError("timed out")``, which reads like a peer's failure, in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
 all-reduce I of its first attempt: the BackgroundError a version that did not commit raises, which
 names no peer), ``stop@R:I`` (rank R SIGSTOPs itself before all-reduce I of its first attempt: a
 hung worker the controller replaces; resumed, it is the replaced worker's zombie). Each attempt appends a JSON line to ``OUT/<rank>``:
@@ -78,6 +79,9 @@ def train() -> int:
             if what == "raise" and where == str(rank) and i == 3:
                 note(event="raise")
                 raise ValueError("the user's code fails here")
+            if what == "timeout" and where == str(rank) and i == 3:  # reads like a peer's failure
+                note(event="raise")
+                raise TimeoutError("timed out")
         one = torch.ones(1)
         dist.all_reduce(one)
         counter += one

@@ -119,12 +119,21 @@ class ElasticReplacement:
     (see the module docstring): called as ``(index, replace)``, ``replace`` being Ray's own, it
     handles every failing group of the controller's latest poll at its first call (in place where
     a node holds or takes the group's bundle, the others dropped and the survivors renumbered) and
-    none twice. ``before_shrink()`` may end the run (raises); ``shrunk(survivors, lost ranks)``
-    opens their round."""
+    none twice. ``lost(workers)``: the workers of lost hosts, found (their incarnations end now);
+    ``before_shrink()`` may end the run (raises); ``shrunk(survivors, lost ranks)`` opens their
+    round."""
 
-    def __init__(self, whole, config, *, before_shrink: Callable[[], None], shrunk: Callable[[list, list], None]):
+    def __init__(
+        self,
+        whole,
+        config,
+        *,
+        lost: Callable[[list], None],
+        before_shrink: Callable[[], None],
+        shrunk: Callable[[list, list], None],
+    ):
         self.whole, self.config = whole, config
-        self.before_shrink, self.shrunk = before_shrink, shrunk
+        self.lost, self.before_shrink, self.shrunk = lost, before_shrink, shrunk
         self._handled = None  # the poll status whose failing groups were handled
 
     def __call__(self, index: int, replace: Callable[[int], None]) -> None:
@@ -143,6 +152,9 @@ class ElasticReplacement:
                 replace(i)  # a process fault: its host is there
         if not lost:
             return None
+        # the survivors end their attempt now (they wait a bounded time for this), not once Ray
+        # has declared the hosts dead and their places were kept
+        self.lost([w for i in lost for w in groups[i].get_workers()])
         config = self.config
         dead = {node_of[i] for i in lost}
         declared = await_deaths(dead, within_s=config.reform_timeout_s)

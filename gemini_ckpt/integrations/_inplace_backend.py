@@ -162,7 +162,11 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 _elastic.install(
                     group,
                     _elastic.ElasticReplacement(
-                        group, config, before_shrink=lambda: self._check_attempts(None), shrunk=self._shrunk
+                        group,
+                        config,
+                        lost=self._ended,
+                        before_shrink=lambda: self._check_attempts(None),
+                        shrunk=self._shrunk,
                     ),
                 )
                 self._joins = self._joins or _elastic.JoinWatch()
@@ -192,6 +196,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 timeout_s=config.timeout_s,
                 reform_timeout_s=config.reform_timeout_s,
                 token=self._tokens[_key(worker)],
+                max_stuck=config.max_stuck,
             )
             refs.append(worker.execute_async(_set_env, env))
         described = ray.get(refs, timeout=config.reform_timeout_s)
@@ -251,6 +256,19 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             }
         )
 
+    def _ended(self, workers) -> None:
+        """Failed workers: their incarnations join no round again (a zombie), and the survivors end
+        their attempt now (the next round is asked for), whatever they saw."""
+        if self._server is None:
+            return
+        try:
+            for worker in workers:
+                if (token := self._tokens.get(_key(worker))) is not None:
+                    _rounds.revoke(self._server, token)
+            _rounds.worker_failed(self._server)
+        except Exception as exc:  # noqa: BLE001 - the store serves in this process; the replacement's start asks again
+            log.warning("gemini_ckpt: asking for the next round at a worker's failure: %s", exc)
+
     def _shrunk(self, survivors: list, lost: list[int]) -> None:
         """An elastic run went on without the lost ranks ``lost``: the survivors' round."""
         round_ = _rounds.open_round(self._server, self._membership(survivors))
@@ -269,11 +287,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         # down, then several more for ray.kill); a stopped one would never answer a request to
         # destroy its process group, and the survivors' groups are theirs to end.
         if isinstance(group, _ReplicaGroup):
-            if self._server is not None:  # the survivors end their attempt now, whatever they saw
-                try:
-                    _rounds.worker_failed(self._server)
-                except Exception as exc:  # noqa: BLE001 - the store serves in this process; the replacement's start asks again
-                    log.warning("gemini_ckpt: asking for the next round at a worker's failure: %s", exc)
+            self._ended(group.get_workers())
             self._reap(group.get_workers())
             if not self._shutting_others:
                 self._shut_other_failing(group)

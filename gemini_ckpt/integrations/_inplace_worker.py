@@ -33,61 +33,16 @@ import time
 from typing import Callable, Optional
 
 from .. import attempts
-from ..errors import AttachError, BackgroundError, CheckpointTimeoutError, ReplicationError, RoundTimeoutError
 from . import _rounds, _sever
+from ._failures import AFTERMATH, chain, peer_failure
 from ._members import Told
+
+__all__ = ["Session", "peer_failure", "recoverable", "recovery_info"]
 
 log = logging.getLogger("gemini_ckpt")
 
 WATCH_S = 0.2  # how often a rank asks the round store whether a newer round was asked for
 PUBLISH_EVERY = 5  # polls between two looks at the listeners this process opened (see _sever)
-
-# What torch.distributed's gloo and NCCL backends say when a peer is gone (older releases raise
-# a plain RuntimeError with the transport's message rather than a DistError).
-PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Connection refused",
-    "connectFullMesh",
-    "NCCL communicator was aborted",
-    "ncclRemoteError",
-    "ncclSystemError",
-    "Socket Timeout",
-    "Timed out waiting",
-    "timed out",
-    "Read error",
-    "Write error",
-    "gloo/transport/tcp",
-)
-
-
-# Errors of this library's that a peer's loss causes, often before anything names the peer: a
-# version whose copy to the lost host failed is not committed (a BackgroundError on the training
-# thread, at every rank at once), a wait for it times out, an attach finds a store gone.
-AFTERMATH = (BackgroundError, CheckpointTimeoutError, ReplicationError, AttachError)
-
-
-def _chain(exc: BaseException):
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) says a peer process or its connection is gone."""
-    import torch.distributed as dist
-
-    from ..dataplane import PeerLostError
-
-    for e in _chain(exc):
-        if isinstance(e, (dist.DistError, RoundTimeoutError, PeerLostError)):
-            return True
-        if isinstance(e, (RuntimeError, ConnectionError, OSError)) and any(m in str(e) for m in PEER_GONE):
-            return True
-    return False
 
 
 class Session:
@@ -101,6 +56,8 @@ class Session:
         self.round: Optional[int] = None  # the round whose process group is up now
         self.wanted = told.round
         self.recoveries = 0
+        self.stuck = 0  # recoveries in a row after which no newer version was committed
+        self._progress_seen: Optional[int] = None  # the newest committed version at the last recovery
         self.stages: list[tuple[str, float]] = []  # (what, unix time) of the newest recovery
         # the TCP listeners this process held before any process group: the ones opened since
         # are the groups' (see :mod:`._sever`)
@@ -133,6 +90,8 @@ class Session:
 
         if self.round is not None and dist.is_initialized():
             return self.round
+        if self._progress_seen is None:  # where the run stands as this process first joins
+            self._progress_seen = _rounds.progress(self._store())
         t = self.told
         try:
             self.round, members = _rounds.form(
@@ -237,7 +196,7 @@ class Session:
                 try:
                     return fn(*args)
                 except BaseException as exc:
-                    if not isinstance(exc, Exception) or not self._recoverable(exc):
+                    if not isinstance(exc, Exception) or not self._recoverable(exc) or self._stuck(exc):
                         self._escaped(exc)
                         raise
                     noticed = time.time()
@@ -275,11 +234,37 @@ class Session:
             # controller to find the failed worker and ask for a round (``worker_failed``).
             # Raising it at once would end every survivor with it, and Ray Train would replace
             # the survivors (and fail the run on the dead worker it had not found yet).
-            if any(isinstance(e, AFTERMATH) for e in _chain(exc)):
+            if any(isinstance(e, AFTERMATH) for e in chain(exc)):
                 return self._await_newer_round(self.told.grace_s)
         except Exception:  # noqa: BLE001 - the round store is gone: the run is ending
             return False
         return False
+
+    def _stuck(self, exc: BaseException) -> bool:
+        """Whether in-place recovery stopped helping: ``max_stuck`` recoveries in a row after which no
+        newer version was committed (an error that reads like a peer's failure but repeats at the
+        same place, say a user's ``TimeoutError``). Every rank counts the same (the progress is the
+        round store's), gives up at the same recovery, and the controller then ends the run."""
+        try:
+            progress = _rounds.progress(self._store())
+        except Exception:  # noqa: BLE001 - the round store is gone: the run is ending anyway
+            return False
+        if self._progress_seen is not None:
+            self.stuck = self.stuck + 1 if progress <= self._progress_seen else 0
+        self._progress_seen = progress
+        if self.stuck < self.told.max_stuck:
+            return False
+        why = (
+            f"{self.stuck} in-place recoveries in a row ended without a newer version committed (the newest is "
+            f"step {progress}): the failure repeats at the same place; the last one on rank {self.told.rank}: "
+            f"{type(exc).__name__}: {_short(exc)}"
+        )
+        log.error("rank %d: %s; not recovering again", self.told.rank, why)
+        try:
+            _rounds.note_gave_up(self._store(), why)
+        except Exception:  # noqa: BLE001 - best effort: the error itself ends this worker
+            pass
+        return True
 
     def _newer_round_asked(self) -> bool:
         return self.round is not None and _rounds.latest(self._store()) > self.round

@@ -122,6 +122,7 @@ def worker_env(
     reform_timeout_s: float,
     token: str,
     grace_s: float = GRACE_S,
+    max_stuck: int = 3,
 ) -> dict[str, str]:
     """What a worker is told (environment variables) to join the job's rounds."""
     return {
@@ -133,6 +134,7 @@ def worker_env(
         "GEMINI_ROUNDS_TIMEOUT_S": str(timeout_s),
         "GEMINI_ROUNDS_REFORM_S": str(reform_timeout_s),
         "GEMINI_ROUNDS_GRACE_S": str(grace_s),
+        "GEMINI_ROUNDS_MAX_STUCK": str(max_stuck),
         "MASTER_ADDR": host,
         "MASTER_PORT": str(port),
         "RANK": str(rank),
@@ -157,6 +159,7 @@ class Told:
     reform_timeout_s: float
     token: str = ""
     grace_s: float = GRACE_S
+    max_stuck: int = 3  # recoveries in a row without a newer committed version before a rank gives up
 
     @staticmethod
     def from_env() -> Optional["Told"]:
@@ -174,6 +177,7 @@ class Told:
             float(env["GEMINI_ROUNDS_REFORM_S"]),
             env.get("GEMINI_INCARNATION", f"rank{env['RANK']}"),
             float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)),
+            int(env.get("GEMINI_ROUNDS_MAX_STUCK", 3)),
         )
 
     def placed(self, member: Member, world_size: int) -> "Told":

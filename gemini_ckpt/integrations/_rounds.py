@@ -10,12 +10,16 @@ Every process group the job forms is one *round*, numbered from 1. The keys, und
   (:func:`worker_failed`); a survivor of round ``n`` asks for ``n + 1``.
 - ``r{n}/members``: the round's membership (:mod:`._members`), written by the controller when it
   opens the round: the world size and each current incarnation's rank. A round asked for by a
-  survivor or at a worker's failure has none: the ranks wait there for a newer round.
-- ``r{n}/in/{rank}``: the incarnation that arrived at round ``n`` as ``rank``; the round forms
-  when every member has arrived and no newer round was asked for meanwhile (whoever sees a newer
-  one moves there, so every rank ends in the newest round: a second failure during a reform only
-  moves everyone one round on). An incarnation that is not a member (a replaced worker's zombie)
-  is refused (:class:`._members.SupersededError`).
+  survivor or at a worker's failure has none of its own: its members are the newest round's the
+  controller wrote (``members_round``), so a round formed again with the same processes (a
+  transient fault) needs no controller; ``revoked/{token}``: an incarnation the controller ended
+  (a failed worker replaced or dropped), which joins no round again and completes none.
+- ``r{n}/in/{token}``: the incarnations that arrived at round ``n``; the round closes when every
+  member has arrived, none revoked, and no newer round was asked for meanwhile (whoever sees a
+  newer one moves there, so every rank ends in the newest round: a second failure during a reform
+  only moves everyone one round on). ``r{n}/state`` holds the verdict, with the membership the
+  round closed under. An incarnation that is not a member of a round the controller opened (a
+  replaced worker's zombie) is refused (:class:`._members.SupersededError`).
 - ``r{n}/pg/``: the prefix the round's process group rendezvouses under, so nothing of an older
   round (a late message, a zombie's key) can mix into it.
 - ``r{n}/listeners/{rank}``: where the rank's process groups of round ``n`` listen, so that the
@@ -43,7 +47,7 @@ from ._members import GRACE_S, Membership, SupersededError
 __all__ = ["GRACE_S", "Membership", "SupersededError"]  # re-exported: the rounds' terms
 
 PREFIX = "gemini/rounds/"
-POLL_S = 0.01
+POLL_S = 0.02
 FORM_S = 20.0  # how long a closed round waits for its members to connect before it is given up
 MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
 
@@ -70,6 +74,7 @@ def open_round(store, members: Membership) -> int:
     text = members.to_text()
     n = int(store.add(PREFIX + "latest", 1))
     store.set(f"{PREFIX}r{n}/members", text)
+    store.set(PREFIX + "members_round", str(n))  # the controller's alone: it only grows
     return n
 
 
@@ -112,6 +117,16 @@ def note_progress(store, step: int) -> None:
     store.set(PREFIX + "progress", str(int(step)))
 
 
+def gave_up(store) -> str:
+    """Why the ranks gave in-place recovery up (:func:`note_gave_up`), "" while they have not."""
+    key = PREFIX + "gave_up"
+    return store.get(key).decode(errors="replace") if store.check([key]) else ""
+
+
+def note_gave_up(store, why: str) -> None:
+    store.set(PREFIX + "gave_up", why[:2000])
+
+
 def escaped(store) -> str:
     key = PREFIX + "escaped"
     return store.get(key).decode(errors="replace") if store.check([key]) else ""
@@ -145,32 +160,41 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
     until every member of the same round arrived; returns (the round, its membership). Raises
     :class:`RoundTimeoutError` after ``patience_s`` without a newer round asked for (each start
     of a worker asks for one, so the ranks wait as long as workers keep being started, one after
-    another), :class:`SupersededError` when ``token`` is not a member of the round it reaches.
+    another), :class:`SupersededError` when ``token`` was revoked or is not a member of the round
+    it reaches.
 
-    A round is decided once, by ``compare_set`` on ``r{n}/state``: the rank whose arrival
-    completes it closes it (then every rank that arrived must form it), a rank that sees a newer
-    round asked for first abandons it (then every rank moves on). So no rank forms a round
-    another rank left."""
+    A round's members are the ones the controller wrote for it, or else those of the newest round
+    it wrote them for (a round a survivor asked for: the same incarnations, the revoked ones
+    excepted, who can then never complete it). A round is decided once, by ``compare_set`` on
+    ``r{n}/state``: the rank whose arrival completes it closes it, with the membership it was
+    completed under (then every rank that arrived must form it), a rank that sees a newer round
+    asked for first abandons it (then every rank moves on). So no rank forms a round another rank
+    left, and all form it with the same ranks."""
     n = round_
     raise_latest(store, n)
     deadline = time.monotonic() + patience_s
     while True:
         state_key = f"{PREFIX}r{n}/state"
-        members: Optional[Membership] = None
+        arrived = False
         while True:
+            if revoked(store, token):
+                raise SupersededError(f"incarnation {token} was replaced: a newer process took its rank")
             state = store.get(state_key).decode() if store.check([state_key]) else ""
-            if not state and members is None and (members := membership(store, n)) is not None:
-                me = members.of(token)
-                store.set(f"{PREFIX}r{n}/in/{me.rank}", token)
-                if store.check([f"{PREFIX}r{n}/in/{r}" for r in range(members.world_size)]):
-                    store.compare_set(state_key, "", "closed")
-                continue
+            members, explicit = (None, False) if state else membership_of(store, n)
+            if members is not None:
+                if explicit and token not in members.members:
+                    members.of(token)  # raises: a round the controller opened without it
+                if not arrived and token in members.members:
+                    store.set(f"{PREFIX}r{n}/in/{token}", "1")
+                    arrived = True
+                if arrived and _complete(store, n, members):
+                    state = store.compare_set(state_key, "", "closed " + members.to_text()).decode()
             if not state and latest(store) > n:
                 state = store.compare_set(state_key, "", "abandoned").decode()
-            if state == "closed":
-                if members is None:  # closed without this rank: it was not a member
-                    (members := membership(store, n) or Membership(0, {})).of(token)
-                return n, members
+            if state.startswith("closed "):
+                closed = Membership.from_text(state[len("closed ") :])
+                closed.of(token)  # raises if it closed without this incarnation
+                return n, closed
             if state == "abandoned":
                 n = raise_latest(store, n + 1)
                 deadline = time.monotonic() + patience_s
@@ -183,11 +207,37 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
             time.sleep(POLL_S)
 
 
+def _complete(store, n: int, members: Membership) -> bool:
+    """Every member arrived at round ``n``, none of them revoked."""
+    if not store.check([f"{PREFIX}r{n}/in/{t}" for t in members.members]):
+        return False
+    return not any(revoked(store, t) for t in members.members)
+
+
+def membership_of(store, round_: int) -> tuple[Optional[Membership], bool]:
+    """Round ``round_``'s members and whether they were written for it: else the newest written
+    for an earlier round (None before any)."""
+    explicit = membership(store, round_)
+    if explicit is not None:
+        return explicit, True
+    newest = _int(store, "members_round")
+    return (membership(store, newest) if 0 < newest <= round_ else None), False
+
+
+def revoke(store, token: str) -> None:
+    """The controller ended incarnation ``token`` (a failed worker replaced or dropped): it may
+    join no round any more, and no round waits for it once another rank sees it revoked."""
+    store.set(f"{PREFIX}revoked/{token}", "1")
+
+
+def revoked(store, token: str) -> bool:
+    return store.check([f"{PREFIX}revoked/{token}"])
+
+
 def _waited(store, n: int, members: Optional[Membership]) -> str:
     if members is None:
         return f"round {n} of the process group got no members"
-    keys = [f"{PREFIX}r{n}/in/{r}" for r in range(members.world_size)]
-    count = sum(1 for key in keys if store.check([key]))
+    count = sum(1 for t in members.members if store.check([f"{PREFIX}r{n}/in/{t}"]))
     return f"{count} of {members.world_size} ranks arrived at round {n} of the process group"
 
 
@@ -309,6 +359,8 @@ class Attempts:
             self.stuck = self.stuck + 1 if now_progress <= self.seen_progress else 0
             self.seen_formed, self.seen_progress = now_formed, now_progress
         self.starts_since_formed += 1
+        if given := gave_up(store):  # the ranks stopped recovering in place: the same failure again and again
+            return given
         last = escaped(store)
         because = f"; the last error that ended a worker: {last}" if last else ""
         if self.stuck >= self.max_stuck:

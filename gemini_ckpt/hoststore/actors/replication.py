@@ -212,7 +212,7 @@ class Replicator:
         elif ok and kind == "plan":
             plan = ShardPlan.decode(bytes(target), self.s.key)
             with self.s.lock:
-                self.s.table.add_plan(plan, bytes(target))
+                self.s.table.add_plan(plan, bytes(target), prune=False)
             return
         elif ok and kind == "record":
             record = ShardRecord.decode(bytes(target), self.s.key)
@@ -363,7 +363,7 @@ class Replicator:
             if ok:
                 plan = ShardPlan.decode(bytes(got), self.s.key)
                 with self.s.lock:
-                    self.s.table.add_plan(plan, bytes(got))
+                    self.s.table.add_plan(plan, bytes(got), prune=False)
             return
         if kind == "record":
             if ok:

@@ -91,12 +91,20 @@ class VersionTable:
         self.forgotten: dict[int, list[int]] = {}  # rank -> lent segments its trainer should unmap
 
     # --- plans -----------------------------------------------------------------------------
-    def add_plan(self, plan: ShardPlan, encoded: bytes) -> None:
+    def add_plan(self, plan: ShardPlan, encoded: bytes, *, prune: bool = True) -> None:
+        """Keep ``plan``; ``prune``: a rank of this node sent it, so its older plans no held
+        version uses go. A peer's plan (a copy's) prunes nothing: the same rank number may be a
+        local rank's of a newer epoch (an elastic run renumbers its ranks); unused ones go at the
+        next epoch."""
         self.plans[(plan.plan_id, plan.rank)] = (plan, encoded)
-        used = {(s.plan_id, r) for v in self.versions.values() for r, s in v.shards.items()}
-        keep = used | {(plan.plan_id, plan.rank)}
+        if not prune:
+            return
+        keep = self._used_plans() | {(plan.plan_id, plan.rank)}
         for key in [k for k in self.plans if k not in keep and k[1] == plan.rank]:
             del self.plans[key]
+
+    def _used_plans(self) -> set:
+        return {(s.plan_id, r) for v in self.versions.values() for r, s in v.shards.items()}
 
     def plan(self, plan_id: str, rank: int) -> ShardPlan:
         found = self.plans.get((plan_id, rank))
@@ -135,6 +143,8 @@ class VersionTable:
         self.active_ranks = frozenset(ranks_here)
         for seg_id in [i for i, x in self.lent.items() if x.state in ("free", "staging")]:
             self._forget_lent(seg_id)
+        used = self._used_plans()
+        self.plans = {k: p for k, p in self.plans.items() if k in used}
         self.forgotten = {r: ids for r, ids in self.forgotten.items() if r in self.active_ranks}
 
     def give_back(self, seg_id: int) -> None:

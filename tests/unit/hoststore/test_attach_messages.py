@@ -122,3 +122,19 @@ def test_a_version_is_staged_once_and_never_again_once_decided():
     with pytest.raises(ValueError, match="committed"):
         table.stage(v, 1, table.lend(1, plan.shard.region_bytes).seg.id, plan.shard, owner=0)
     assert 1 not in v.shards
+
+
+def test_a_peers_plan_never_drops_a_local_ranks_plan_of_the_same_number():
+    """An elastic run renumbers its ranks: this node's new rank 1 sends its plan, and a copy of the
+    lost old rank 1's shard (re-replicated) brings that rank's plan: the local rank's plan stays
+    (before: the peer's plan pruned it, and the rank's next save failed: "no plan ... of rank 1")."""
+    table = VersionTable(1 << 20, node="node-a")
+    model = {"w": torch.arange(64, dtype=torch.float32)}
+    local, _ = make_plan({"model": model}, rank=1, world_size=3, group=None, job={"test": True})
+    peer, _ = make_plan({"model": model}, rank=1, world_size=4, group=None, job={"test": True})
+    table.add_plan(local.shard, local.shard.encode())
+    table.add_plan(peer.shard, peer.shard.encode(), prune=False)
+    assert table.plan(local.shard.plan_id, 1) is not None and table.plan(peer.shard.plan_id, 1) is not None
+    table.new_epoch(())  # a new epoch lets go of the plans no held version uses
+    with pytest.raises(LookupError):
+        table.plan(peer.shard.plan_id, 1)

@@ -26,12 +26,19 @@ class Job:
     """The controller's part: a round store, and a new round for every start of workers."""
 
     def __init__(
-        self, tmp_path, script: str, *, reform_s: float = 60.0, grace_s: float = _rounds.GRACE_S, notice_s: float = 0.0
+        self,
+        tmp_path,
+        script: str,
+        *,
+        reform_s: float = 60.0,
+        grace_s: float = _rounds.GRACE_S,
+        notice_s: float = 0.0,
+        max_stuck: int = 3,
     ) -> None:
         self.store = _rounds.server("127.0.0.1", timeout_s=30)
         self.out = str(tmp_path)
         self.script = script
-        self.reform_s, self.grace_s = reform_s, grace_s
+        self.reform_s, self.grace_s, self.max_stuck = reform_s, grace_s, max_stuck
         self.notice_s = notice_s  # how long after a death the controller finds it (Ray Train's polls)
         self.dead_at: dict[int, float] = {}
         self.procs: dict[int, subprocess.Popen] = {}
@@ -65,6 +72,7 @@ class Job:
                 reform_timeout_s=self.reform_s,
                 token=self.tokens[rank],
                 grace_s=self.grace_s,
+                max_stuck=self.max_stuck,
             ),
         )
         self.procs[rank] = subprocess.Popen(
@@ -85,7 +93,8 @@ class Job:
                     if time.monotonic() - self.dead_at.setdefault(rank, time.monotonic()) < self.notice_s:
                         continue
                     del self.dead_at[rank]
-                    _rounds.worker_failed(self.store)  # as the in-place backend's on_shutdown does
+                    _rounds.revoke(self.store, self.tokens[rank])  # as the in-place backend's on_shutdown does
+                    _rounds.worker_failed(self.store)
                     self.replaced.append(rank)
                     self.tokens[rank] = _rounds.new_token(self.store)
                     self.start(rank, self.open(), fresh=False)
@@ -102,6 +111,7 @@ class Job:
             assert time.monotonic() < deadline, self.lines()
             time.sleep(0.05)
         zombie = self.procs[rank]
+        _rounds.revoke(self.store, self.tokens[rank])  # as the backend's on_shutdown does
         _rounds.worker_failed(self.store)
         self.tokens[rank] = _rounds.new_token(self.store)
         self.start(rank, self.open(), fresh=False)
@@ -151,7 +161,7 @@ def test_a_replaced_workers_zombie_is_refused_and_its_replacement_trains_as_its_
     job = Job(tmp_path, "stop@1:8")
     zombie = job.replace_hung(1, resume_after_s=0.3)
     assert zombie.wait(timeout=60) == SUPERSEDED_EXIT, zombie.stderr.read().decode()[-2000:]
-    assert b"is not a member of this round" in zombie.stderr.read()
+    assert b"a newer process took its rank" in zombie.stderr.read()
     codes = job.run()
     assert codes == {0: 0, 1: 0, 2: 0}, {r: p.stderr.read().decode()[-1500:] for r, p in job.procs.items()}
     lines = job.lines()
@@ -204,6 +214,28 @@ def test_an_error_of_the_users_code_is_not_recovered_in_place(tmp_path):
         assert b"RoundTimeoutError" in job.procs[rank].stderr.read()
 
 
+@pytest.mark.multiproc
+def test_an_error_that_reads_like_a_peers_failure_and_repeats_ends_the_run_after_bounded_tries(tmp_path):
+    """Rank 1 raises ``TimeoutError("timed out")`` at step 3 of every attempt: it reads like a
+    peer's failure, so every rank recovers in place (no worker is started, so the controller's
+    count of starts never sees it), but no newer version is committed between the recoveries: after
+    ``max_stuck`` of them every rank gives up with the error (``max_stuck`` + 1 attempts), and the
+    round store says why, so the controller ends the run at the next start."""
+    job = Job(tmp_path, "timeout@1", reform_s=20.0, max_stuck=2)
+    codes = job.run()
+    assert all(code != 0 for code in codes.values()), codes
+    lines = job.lines()
+    for rank in range(WORLD):
+        attempts = [x for x in lines[rank] if x["event"] == "start"]
+        assert len(attempts) <= 3 and len({x["pid"] for x in lines[rank]}) == 1, (rank, attempts)
+    why = _rounds.gave_up(job.store)
+    assert "2 in-place recoveries in a row ended without a newer version committed" in why, why
+    assert b"TimeoutError: timed out" in job.procs[1].stderr.read()
+    controller = _rounds.Attempts(max_stuck=2, max_starts=9)
+    controller.start(job.store)  # the first group
+    assert controller.start(job.store) == why  # the run ends at the next start of workers
+
+
 def test_rounds_decide_once_who_forms_and_who_moves_on():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -226,13 +258,16 @@ def test_rounds_decide_once_who_forms_and_who_moves_on():
         newcomer = pool.submit(arrive, _rounds.open_round(store, world(a=0, c=1)), "c")
         assert (survivor.result(), newcomer.result()) == (3, 3)
     assert store.get(_rounds.PREFIX + "r2/state") == b"abandoned"
-    assert store.get(_rounds.PREFIX + "r3/state") == b"closed"
+    assert store.get(_rounds.PREFIX + "r3/state").startswith(b"closed ")
     _rounds.open_round(store, world(a=0, d=1))
     with pytest.raises(_rounds.RoundTimeoutError, match="1 of 2 ranks arrived at round 4"):
         _rounds.arrive(store, 4, token="a", patience_s=0.3)
-    store.add(_rounds.PREFIX + "latest", 1)  # a round asked for by a survivor: no members
-    with pytest.raises(_rounds.RoundTimeoutError, match="round 5 of the process group got no members"):
+    store.add(_rounds.PREFIX + "latest", 1)  # a round asked for by a survivor: round 4's members
+    with pytest.raises(_rounds.RoundTimeoutError, match="1 of 2 ranks arrived at round 5"):
         _rounds.arrive(store, 5, token="a", patience_s=0.3)
+    _rounds.revoke(store, "d")  # the controller ended d (replaced): it joins no round again
+    with pytest.raises(_members.SupersededError, match="incarnation d was replaced"):
+        _rounds.arrive(store, 5, token="d", patience_s=0.3)
 
 
 # A rank of the test below: ``python -c FORM_ONE PORT RANK ROUND MODE``. MODE "arrive" arrives at
