@@ -618,7 +618,7 @@ def main(argv=None) -> int:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     workdir = tempfile.mkdtemp(prefix="gemini_bench_recovery_", dir=os.environ.get("BENCH_DISK_DIR"))
     cluster = LocalCluster(HOSTS, head_cpus=0, object_store_bytes=128 << 20).start()
-    rows, repeats = [], []
+    rows, repeats, failed = [], [], []
     try:
         for mode in [m for _ in range(max(1, args.repeat)) for m in args.modes.split(",")]:
             what = {
@@ -627,21 +627,27 @@ def main(argv=None) -> int:
                 "process": f"the worker of host {KILL_HOST} SIGKILLed",
             }[args.fault]
             print(f"== {mode}: {steps} steps of {args.step_s}s, {what} after step {kill_at}", flush=True)
-            out = run(
-                cluster,
-                mode,
-                steps=steps,
-                kill_at=kill_at,
-                mb=args.mb,
-                step_s=args.step_s,
-                interval=interval,
-                rate=rate,
-                workdir=workdir,
-                persist_every=args.persist_every,
-                timeout=600 + 3 * steps * args.step_s,
-                staging=args.staging,
-                fault=args.fault,
-            )
+            try:
+                out = run(
+                    cluster,
+                    mode,
+                    steps=steps,
+                    kill_at=kill_at,
+                    mb=args.mb,
+                    step_s=args.step_s,
+                    interval=interval,
+                    rate=rate,
+                    workdir=workdir,
+                    persist_every=args.persist_every,
+                    timeout=600 + 3 * steps * args.step_s,
+                    staging=args.staging,
+                    fault=args.fault,
+                )
+            except Exception as exc:  # noqa: BLE001 - one run failed (say, the 4 hosts' memory): keep the others
+                print(f"   {mode}: the run failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                failed.append({"mode": mode, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"})
+                cluster.ensure_hosts()
+                continue
             row = wasted(measure(mode, out, args.step_s), mtbf_s=args.mtbf_s, step_s=args.step_s, interval=interval)
             repeats.append(row)
             if any(r["mode"] == mode for r in rows):  # a repeat: only the restart comparison takes it
@@ -668,7 +674,8 @@ def main(argv=None) -> int:
     restarts = restart_comparison(repeats)
     if not {"none", "gemini", "durable"} <= set(by):  # --modes: a partial run has no ratios
         partial = {"fault": args.fault, "state_mb_per_rank": args.mb, "step_s": args.step_s, "rows": rows}
-        partial["restarts"] = restarts
+        partial["restarts"], partial["failed_runs"] = restarts, failed
+        partial["repeats"] = repeats
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(partial, f, indent=2, default=str)
