@@ -128,7 +128,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
         os.environ.update(detection_env(poll_s=0.25, hang_s=options.hang_s))
     trainer = TorchTrainer(
         recoverable(train_loop) if options.in_place else train_loop,
-        torch_config=torch_config(reform_timeout_s=60.0, replace_within_s=REPLACE_WITHIN_S)
+        torch_config=torch_config(reform_timeout_s=60.0, replace_within_s=REPLACE_WITHIN_S, spares=options.spares)
         if options.in_place
         else None,
         train_loop_config={
@@ -136,6 +136,7 @@ def _train(options: DemoOptions, run_name: str, cluster, echo) -> tuple[list[dic
             "steps": options.steps,
             "progress": progress_name,
             "full_digests": options.full_digests,
+            "checkpoint": options.checkpoint,
         },
         scaling_config=_scaling(options, ScalingConfig, ranks_on_hosts),
         run_config=RunConfig(

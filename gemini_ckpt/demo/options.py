@@ -31,6 +31,8 @@ class DemoOptions:
     replacement: bool = True  # --fault host: a replacement host joins; False: none (an elastic run shrinks)
     host_returns_s: float | None = None  # with replacement=False: the lost host joins again this much later
     full_digests: bool = False  # the workers emit digests of the whole state at each save and restore (tests)
+    checkpoint: bool = True  # False: the same job without checkpointing (a benchmark's baseline)
+    spares: int = 1  # in place: warm spare processes per host (gray.torch_config(spares=...))
 
     @property
     def elastic(self) -> bool:
@@ -58,6 +60,10 @@ class DemoOptions:
             raise ValueError("--host-returns S needs --no-replacement and S >= 0")
         if not self.replacement and self.hosts < 2:
             raise ValueError("--no-replacement needs at least 2 hosts (the run goes on with the others)")
+        if self.spares < 0:
+            raise ValueError(f"spares must be >= 0, got {self.spares}")
+        if self.failure and not self.checkpoint:
+            raise ValueError("a failure needs checkpointing (checkpoint=False is for runs without one)")
         if self.steps < 2:
             raise ValueError("--steps must be at least 2")
         if self.failure:

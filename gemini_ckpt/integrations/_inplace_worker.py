@@ -62,6 +62,7 @@ class Session:
         # the TCP listeners this process held before any process group: the ones opened since
         # are the groups' (see :mod:`._sever`)
         self.baseline = set(_sever.listeners())
+        self._opened: Optional[_sever.NewListeners] = None  # the listeners opened since (the watch's)
         self.entered = time.time()  # this process reached the training function
         self._cut_round: Optional[int] = None
         self._watcher_store = None
@@ -160,7 +161,9 @@ class Session:
             return self._watcher_store
 
     def _publish(self, round_: int, published: list) -> list:
-        now = _sever.opened_since(self.baseline)
+        if self._opened is None:
+            self._opened = _sever.NewListeners(self.baseline)
+        now = self._opened()
         if now != published:
             _rounds.publish_listeners(self._watch_store(), round_, self.told.rank, now)
         return now

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gemini_ckpt.integrations import _members, _rounds, _sever
+from gemini_ckpt.integrations import _members, _rounds
 import paths
 from rounds_support import world
 
@@ -360,40 +360,3 @@ def test_the_controller_ends_a_run_whose_recoveries_make_no_progress():
     attempts.start(store)
     outcomes = [attempts.start(store) for _ in range(4)]
     assert outcomes[:3] == [None, None, None] and "4 workers were started" in outcomes[3]
-
-
-def test_sever_cuts_what_this_process_accepted_and_what_it_dialed_to_a_published_listener():
-    import socket
-
-    baseline = _sever.listeners()
-    mine = socket.socket()
-    mine.bind(("127.0.0.1", 0))
-    mine.listen()
-    theirs = socket.socket()  # stands for a peer's listener (another process in real life)
-    theirs.bind(("127.0.0.1", 0))
-    theirs.listen()
-    inbound = socket.create_connection(mine.getsockname())
-    accepted, _ = mine.accept()
-    dialed = socket.create_connection(theirs.getsockname())
-    peer_end, _ = theirs.accept()
-    other = socket.socket()  # a listener of before: untouched
-    unrelated = socket.create_connection(("127.0.0.1", _free_listener(other)))
-    assert ("127.0.0.1", mine.getsockname()[1]) in _sever.opened_since(baseline)
-    # the peer's listener was opened after the baseline too; name only our own as ours
-    cut = _sever.sever(baseline | _sever.listeners() - _inodes_of(mine), [theirs.getsockname()])
-    assert cut >= 2
-    assert inbound.recv(1) == b""  # our accepted end was shut: the dialer sees the close
-    assert peer_end.recv(1) == b""  # our dialed end was shut: the peer sees the close
-    unrelated.sendall(b"x")  # still open
-    for s in (mine, theirs, inbound, accepted, dialed, peer_end, other, unrelated):
-        s.close()
-
-
-def _free_listener(sock) -> int:
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    return sock.getsockname()[1]
-
-
-def _inodes_of(sock) -> set[int]:
-    return {int(os.readlink(f"/proc/self/fd/{sock.fileno()}")[8:-1])}
