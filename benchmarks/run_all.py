@@ -50,6 +50,7 @@ BENCHES = [
     ("metrics", "bench_metrics.py", "metrics.json", 300, 1800),
     ("recovery", "bench_recovery.py", "recovery.json", 900, 3600),
     ("steady", "bench_steady.py", "steady.json", 900, 3600),
+    ("commit_sim", "bench_commit_sim.py", "commit_sim.json", 300, 900),
     ("soak", "bench_soak.py", "soak.json", 600, 3600),
     ("peers", "bench_peers.py", "peers.json", 600, 3600),  # needs the [peers] extra; says so and exits 0 without it
     ("interference", "bench_interference.py", "interference.json", 600, 3600),  # needs root (netns); says so without

@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import threading
 from typing import Optional
 
 from ..errors import ConfigError
@@ -36,43 +35,11 @@ MODULES_VAR = "GEMINI_CKPT_WARM_MODULES"
 HOOK = "gemini_ckpt.integrations._warm.warm_up"
 
 
-def _idle_priority() -> None:
-    """This thread (Linux: a policy is a thread's own) runs only when a core has nothing else
-    to run (``SCHED_IDLE``; a thread of any other process that wakes takes the core at once),
-    or, where that is refused, at the lowest niceness."""
-    tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-    except (AttributeError, OSError):  # elsewhere: imports at the process's priority, as before
-        pass
-
-
 def warm_up() -> None:
     """Ray's setup hook in a Train worker's new process: import every module named in
     ``GEMINI_CKPT_WARM_MODULES``. One that fails to import is logged and skipped (the training
-    function imports it again and raises there, as without the hook).
-
-    The imports run on a thread of the lowest CPU priority (``SCHED_IDLE``: only on a core
-    nothing else wants), which this hook waits for: a warm spare started while the job trains takes only the CPU the
-    training leaves (on a busy 2-core host, a spare importing at normal priority made the steps
-    ~3x slower until it was done), and the process's own threads keep their priority afterwards.
-    A recovery that needs the spare before it is warm waits for it while the survivors idle, so
-    the imports get the cores then."""
-    names = [name for name in os.environ.get(MODULES_VAR, "").split(",") if name]
-    if names:
-        thread = threading.Thread(target=_import_all, args=(names,), name="gemini-ckpt-warm-up", daemon=True)
-        thread.start()
-        thread.join()
-
-
-def _import_all(names: list[str]) -> None:
-    _idle_priority()
-    for name in names:
+    function imports it again and raises there, as without the hook)."""
+    for name in filter(None, os.environ.get(MODULES_VAR, "").split(",")):
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - never end a worker over a warm-up
