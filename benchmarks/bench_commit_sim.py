@@ -25,25 +25,10 @@ sys.path.insert(0, HERE)
 
 from _common import RESULTS, machine, table, write_report  # noqa: E402
 
-import placement  # noqa: E402
 from gemini_ckpt.commit import COORDINATOR, DEFAULT_FANOUT  # noqa: E402
-from gemini_ckpt.hoststore.slots import holders_for  # noqa: E402
-from gemini_ckpt.testing.commit_sim import Simulator  # noqa: E402
+from gemini_ckpt.testing.commit_sim import Simulator, placed_holders  # noqa: E402
 
 STRATEGY = "ring"
-
-
-def holders_rule(hosts: int, replicas: int):
-    """``holders_for`` with the placement built once (what the stores compute, faster)."""
-    base = placement.make(STRATEGY, hosts=hosts, replicas=replicas)
-    table_ = [base.holders(s) for s in range(hosts)]
-
-    def holders(slot: int, dead: frozenset) -> tuple:
-        if dead.isdisjoint(table_[slot]):
-            return table_[slot]
-        return holders_for(slot, hosts=hosts, replicas=replicas, strategy=STRATEGY, dead=dead)
-
-    return holders
 
 
 def tree_depth(hosts: int, fanout: int) -> int:
@@ -57,7 +42,9 @@ def tree_depth(hosts: int, fanout: int) -> int:
 
 
 def measure(hosts: int, replicas: int) -> dict:
-    sim = Simulator(hosts=hosts, replicas=replicas, holders=holders_rule(hosts, replicas), keep=2, seed=hosts)
+    sim = Simulator(
+        hosts=hosts, replicas=replicas, holders=placed_holders(hosts, replicas, STRATEGY), keep=2, seed=hosts
+    )
     for step in range(2):
         sim.run_version(step)
     t0 = time.process_time()

@@ -19,15 +19,13 @@ Run with ``python -m gemini_ckpt chaos --matrix elastic`` (and in ``--matrix ful
 
 from __future__ import annotations
 
-import os
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ._inplace import InPlaceResult
+from ._inplace import InPlaceResult, detection, fit_on_thread, progress_actor
 from ._results import Check, short
 
 STEPS, KILL_AT, PERSIST_EVERY = 70, 7, 5
@@ -84,21 +82,16 @@ REFORM_S = 12.0
 
 def _fit(cluster, workdir: str, *, name: str, scenario: ElasticScenario, log) -> tuple:
     """One run; returns (Result or error, events, failure unix time)."""
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..demo.job import RAY_NAMESPACE, Progress, train_loop
-    from ..integrations.ray_train import detection_env, host_stores, recoverable, torch_config
+    from ..demo.job import train_loop
+    from ..integrations.ray_train import recoverable, torch_config
 
     hosts = len(cluster.present())
     progress_name = f"{name}::progress"
-    progress = (
-        ray.remote(Progress)
-        .options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
-        .remote()
-    )
+    progress = progress_actor(name)
     config = {
         "ckpt": CheckpointConfig(
             replicas=scenario.replicas, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0
@@ -108,39 +101,20 @@ def _fit(cluster, workdir: str, *, name: str, scenario: ElasticScenario, log) ->
         "step_sleep": 0.05,
         "full_digests": True,
     }
-    detection = detection_env(poll_s=0.25, hang_s=5.0)  # read by Ray Train's controller at fit()
-    before = {key: os.environ.get(key) for key in detection}
-    os.environ.update(detection)
-    trainer = TorchTrainer(
-        recoverable(train_loop),
-        torch_config=torch_config(reform_timeout_s=REFORM_S, replace_within_s=1.0),
-        train_loop_config=config,
-        scaling_config=ScalingConfig(
-            num_workers=(scenario.min_workers, hosts),
-            placement_strategy="STRICT_SPREAD",
-            elastic_resize_monitor_interval_s=3.0,
-        ),
-        run_config=RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=-1)),
-    )
-    box: dict = {}
-
-    def fit() -> None:
-        try:
-            with host_stores(config["ckpt"], run_name=name):
-                box["result"] = trainer.fit()
-        except BaseException as exc:  # noqa: BLE001 - reported as the scenario's outcome
-            box["error"] = exc
-
-    thread = threading.Thread(target=fit, name=f"chaos-{name}", daemon=True)
-    try:
-        thread.start()
+    with detection():
+        trainer = TorchTrainer(
+            recoverable(train_loop),
+            torch_config=torch_config(reform_timeout_s=REFORM_S, replace_within_s=1.0),
+            train_loop_config=config,
+            scaling_config=ScalingConfig(
+                num_workers=(scenario.min_workers, hosts),
+                placement_strategy="STRICT_SPREAD",
+                elastic_resize_monitor_interval_s=3.0,
+            ),
+            run_config=RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=-1)),
+        )
+        thread, box = fit_on_thread(trainer, config["ckpt"], name)
         return _watch(cluster, scenario, thread, progress, box, name=name, log=log)
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _watch(cluster, scenario: ElasticScenario, thread, progress, box, *, name: str, log) -> tuple:

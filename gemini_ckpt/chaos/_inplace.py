@@ -16,6 +16,7 @@ Run with ``python -m gemini_ckpt chaos --matrix inplace`` (and in ``--matrix ful
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -118,24 +119,72 @@ class InPlaceResult:
         }
 
 
+def progress_actor(name: str):
+    """The run's progress actor (the demo job's events), on the head node."""
+    import ray
+
+    from ..demo.job import RAY_NAMESPACE, Progress
+
+    return (
+        ray.remote(Progress)
+        .options(
+            name=f"{name}::progress", namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001}
+        )
+        .remote()
+    )
+
+
+@contextlib.contextmanager
+def detection():
+    """Ray Train's health-check settings for the runs (its controller reads them from this
+    process's environment at ``fit()``), put back as they were afterwards."""
+    from ..integrations.ray_train import detection_env
+
+    settings = detection_env(poll_s=0.25, hang_s=5.0)
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def fit_on_thread(trainer, ckpt_config, name: str) -> tuple[threading.Thread, dict]:
+    """``trainer.fit()`` inside the run's host stores, on a started thread; the box gets its
+    ``result`` or its ``error``."""
+    from ..integrations.ray_train import host_stores
+
+    box: dict = {}
+
+    def fit() -> None:
+        try:
+            with host_stores(ckpt_config, run_name=name):
+                box["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - reported as the scenario's outcome
+            box["error"] = exc
+
+    thread = threading.Thread(target=fit, name=f"chaos-{name}", daemon=True)
+    thread.start()
+    return thread, box
+
+
 def _fit(cluster, workdir: str, *, name: str, scenario: Optional[InPlaceScenario], log) -> tuple:
     """One run; returns (Result or error, events, failure unix time or None, when the struck
     processes were gone or None)."""
-    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from .. import CheckpointConfig
-    from ..demo.job import RAY_NAMESPACE, Progress, train_loop
-    from ..integrations.ray_train import detection_env, host_stores, ranks_on_hosts, recoverable, torch_config
+    from ..demo.job import train_loop
+    from ..integrations.ray_train import ranks_on_hosts, recoverable, torch_config
 
     hosts = len(cluster.present())
     progress_name = f"{name}::progress"
-    progress = (
-        ray.remote(Progress)
-        .options(name=progress_name, namespace=RAY_NAMESPACE, num_cpus=0, resources={"node:__internal_head__": 0.001})
-        .remote()
-    )
+    progress = progress_actor(name)
     first = os.path.join(workdir, f"{name}.fault")
     config = {
         "ckpt": CheckpointConfig(replicas=2, keep_in_memory=2, persist_every=PERSIST_EVERY, timeout_s=60.0),
@@ -149,36 +198,17 @@ def _fit(cluster, workdir: str, *, name: str, scenario: Optional[InPlaceScenario
             "after": first,
             "marker": os.path.join(workdir, f"{name}.restore-kill"),
         }
-    detection = detection_env(poll_s=0.25, hang_s=5.0)  # read by Ray Train's controller at fit()
-    before = {key: os.environ.get(key) for key in detection}
-    os.environ.update(detection)
     reform = scenario.reform_timeout_s if scenario is not None else 60.0
-    trainer = TorchTrainer(
-        recoverable(train_loop),
-        torch_config=torch_config(reform_timeout_s=reform),
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=hosts, label_selector=ranks_on_hosts(hosts)),
-        run_config=RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=-1)),
-    )
-    box: dict = {}
-
-    def fit() -> None:
-        try:
-            with host_stores(config["ckpt"], run_name=name):
-                box["result"] = trainer.fit()
-        except BaseException as exc:  # noqa: BLE001 - reported as the scenario's error
-            box["error"] = exc
-
-    thread = threading.Thread(target=fit, name=f"chaos-{name}", daemon=True)
-    try:
-        thread.start()
+    with detection():
+        trainer = TorchTrainer(
+            recoverable(train_loop),
+            torch_config=torch_config(reform_timeout_s=reform),
+            train_loop_config=config,
+            scaling_config=ScalingConfig(num_workers=hosts, label_selector=ranks_on_hosts(hosts)),
+            run_config=RunConfig(name=name, storage_path=workdir, failure_config=FailureConfig(max_failures=-1)),
+        )
+        thread, box = fit_on_thread(trainer, config["ckpt"], name)
         return _watch(cluster, scenario, thread, progress, box, name=name, first=first, log=log)
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _watch(cluster, scenario, thread, progress, box, *, name: str, first: str, log) -> tuple:

@@ -60,19 +60,27 @@ def _address(hex_addr: str) -> str:
 Row = tuple  # (inode, local ip, local port, state, remote ip, remote port)
 
 
-def _tcp_rows() -> Iterable[Row]:
-    """Every TCP socket of this network namespace."""
+def _table_rows() -> Iterable[list[str]]:
+    """The fields of every row of this network namespace's TCP tables (IPv4, then IPv6)."""
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
                 next(f, None)
                 for line in f:
                     parts = line.split()
-                    if len(parts) < 10:
-                        continue
-                    (lip, lport), (rip, rport) = parts[1].rsplit(":", 1), parts[2].rsplit(":", 1)
-                    yield (int(parts[9]), _address(lip), int(lport, 16), parts[3], _address(rip), int(rport, 16))
-        except (OSError, ValueError):
+                    if len(parts) >= 10:
+                        yield parts
+        except OSError:
+            continue
+
+
+def _tcp_rows() -> Iterable[Row]:
+    """Every TCP socket of this network namespace."""
+    for parts in _table_rows():
+        try:
+            (lip, lport), (rip, rport) = parts[1].rsplit(":", 1), parts[2].rsplit(":", 1)
+            yield (int(parts[9]), _address(lip), int(lport, 16), parts[3], _address(rip), int(rport, 16))
+        except ValueError:
             continue
 
 
@@ -123,17 +131,13 @@ class NewListeners:
 def _listener_rows(inodes: set[int]) -> Iterable[tuple[int, str, int]]:
     """(inode, ip, port) of the TCP listeners among ``inodes``; the other rows' addresses are
     never decoded."""
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for parts in _table_rows():
         try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    parts = line.split()
-                    if len(parts) < 10 or parts[3] != LISTEN or int(parts[9]) not in inodes:
-                        continue
-                    lip, lport = parts[1].rsplit(":", 1)
-                    yield int(parts[9]), _address(lip), int(lport, 16)
-        except (OSError, ValueError):
+            if parts[3] != LISTEN or int(parts[9]) not in inodes:
+                continue
+            lip, lport = parts[1].rsplit(":", 1)
+            yield int(parts[9]), _address(lip), int(lport, 16)
+        except ValueError:
             continue
 
 

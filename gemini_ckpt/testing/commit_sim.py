@@ -28,7 +28,26 @@ from ..commit import (
     VersionId,
 )
 
-__all__ = ["Simulator", "VersionReport"]
+__all__ = ["Simulator", "VersionReport", "placed_holders"]
+
+
+def placed_holders(hosts: int, replicas: int, strategy: str) -> Callable:
+    """The ``holders(slot, dead)`` a :class:`Simulator` takes: ``holders_for``, with the placement
+    built once (hosts whose holders all live keep their placement, the rule's first clause; the
+    others go through ``holders_for``), fast enough for 1,024 hosts."""
+    import placement
+
+    from ..hoststore.slots import holders_for
+
+    base = placement.make(strategy, hosts=hosts, replicas=replicas)
+    table = [base.holders(s) for s in range(hosts)]
+
+    def holders(slot: int, dead: frozenset) -> tuple:
+        if dead.isdisjoint(table[slot]):
+            return table[slot]
+        return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead)
+
+    return holders
 
 
 @dataclass(frozen=True)

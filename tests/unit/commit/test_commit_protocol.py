@@ -12,7 +12,6 @@ import random
 
 import pytest
 
-import placement
 from gemini_ckpt.hoststore.slots import holders_for
 from gemini_ckpt.commit import (
     COORDINATOR,
@@ -27,25 +26,14 @@ from gemini_ckpt.commit import (
     Vote,
 )
 from gemini_ckpt.commit.participant import Tree
-from gemini_ckpt.testing.commit_sim import Simulator
+from gemini_ckpt.testing.commit_sim import Simulator, placed_holders
 
 HOSTS = 1024
 C = 2  # per-participant bound: C * (replicas + ceil(log2 hosts)) control messages per version
 CONFIGS = [("group", 2), ("ring", 2), ("mixed", 3), ("ring", 3)]  # 3 does not divide 1,024: mixed
 
 
-def make_holders(hosts: int, replicas: int, strategy: str):
-    """``holders_for``, with the placement built once: hosts whose holders all live keep
-    their placement (the rule's first clause), the others go through ``holders_for``."""
-    base = placement.make(strategy, hosts=hosts, replicas=replicas)
-    table = [base.holders(s) for s in range(hosts)]
-
-    def holders(slot: int, dead: frozenset) -> tuple:
-        if dead.isdisjoint(table[slot]):
-            return table[slot]
-        return holders_for(slot, hosts=hosts, replicas=replicas, strategy=strategy, dead=dead)
-
-    return holders
+make_holders = placed_holders
 
 
 def bound(replicas: int, hosts: int = HOSTS) -> int:
