@@ -25,7 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ._inplace import InPlaceResult, detection, fit_on_thread, progress_actor
+from ._inplace import InPlaceResult
+from ._ray_run import detection, fit_on_thread, progress_actor
 from ._results import Check, short
 
 STEPS, KILL_AT, PERSIST_EVERY = 70, 7, 5

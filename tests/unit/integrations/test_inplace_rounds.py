@@ -173,6 +173,8 @@ def test_a_replaced_workers_zombie_is_refused_and_its_replacement_trains_as_its_
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s of waiting for the grace: run after the default suite
 def test_survivors_whose_checkpointing_failed_first_wait_for_the_failed_peer_to_be_found(tmp_path):
     # A host's loss reaches the survivors first as a version that did not commit (their copies to
     # it failed), before any collective names the peer, and before the controller finds the dead
@@ -192,6 +194,8 @@ def test_survivors_whose_checkpointing_failed_first_wait_for_the_failed_peer_to_
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
+@pytest.mark.ci  # ~10 s of waiting for the grace: run after the default suite
 def test_a_checkpointing_error_with_no_failed_peer_ends_the_rank_after_the_grace(tmp_path):
     job = Job(tmp_path, "fail@2:3", reform_s=4.0, grace_s=2.0)
     codes = job.run()
