@@ -25,12 +25,20 @@ log = logging.getLogger("gemini_ckpt")
 class Attempt:
     """One run of the training function: what it started, and where it got to."""
 
-    def __init__(self, on_commit: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, on_commit: Optional[Callable[[int], None]] = None, generation: Optional[int] = None) -> None:
         self._members: "weakref.WeakSet" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._on_commit = on_commit
         self.newest_committed: Optional[int] = None
         self.restored: Optional[int] = None  # the step the attempt restored (None: a fresh start)
+        # The runner's number for this attempt (an in-place round): every rank of one attempt has
+        # the same, a later attempt a larger one; the host stores' rendezvous refuses an older
+        # attempt's ranks once a newer one's join (see hoststore.actors.rendezvous).
+        self.generation = generation
+        # Set (from another thread) once the runner knows the attempt is over, a newer one being
+        # asked for: a wait this attempt's code is in that no connection cut ends (a Ray call, say)
+        # stops at it (:class:`~gemini_ckpt.errors.AttemptInterruptedError`).
+        self.interrupted = threading.Event()
 
     def adopt(self, member) -> None:
         """Record something with an ``abort()`` to call when the attempt ends by a failure."""
@@ -71,10 +79,10 @@ def current() -> Optional[Attempt]:
 
 
 @contextlib.contextmanager
-def attempt(on_commit: Optional[Callable[[int], None]] = None) -> Iterator[Attempt]:
+def attempt(on_commit: Optional[Callable[[int], None]] = None, generation: Optional[int] = None) -> Iterator[Attempt]:
     """Make a new attempt current for the block."""
     global _current
-    previous, _current = _current, Attempt(on_commit)
+    previous, _current = _current, Attempt(on_commit, generation)
     try:
         yield _current
     finally:

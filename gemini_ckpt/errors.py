@@ -137,6 +137,13 @@ class RoundTimeoutError(CheckpointError, TimeoutError):
     (a worker never came back)."""
 
 
+class AttemptInterruptedError(CheckpointError):
+    """In-place recovery: a newer round was asked for (a peer failed) while this rank waited in
+    something no cut connection ends (the host stores' rendezvous); the attempt ends here and the
+    training function runs again in the new round. Seen only by code that catches errors inside a
+    recoverable training function."""
+
+
 class SupersededError(CheckpointError):
     """This process's incarnation is not a member of the in-place round it reached: a newer
     process took its rank (it is a replaced worker's zombie). It must not train; the process ends."""

@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ..errors import RecoveryGaveUpError
 from ._inplace import InPlaceResult
 from ._ray_run import detection, fit_on_thread, progress_actor
 from ._results import Check, short
@@ -173,9 +174,10 @@ def check(scenario: ElasticScenario, outcome, events: list[dict], failure: Optio
         return res
     gave_up = isinstance(outcome, BaseException)
     if scenario.world is None:
-        text = repr(outcome)
-        ok = gave_up and "min_workers" in text and "RecoveryGaveUpError" in text
-        res.checks.append(Check("ended below min_workers", ok, short(text)))
+        # Ray Train wraps the controller's own failure (ControllerError.controller_failure)
+        cause = getattr(outcome, "controller_failure", outcome)
+        ok = isinstance(cause, RecoveryGaveUpError) and "min_workers" in str(cause)
+        res.checks.append(Check("ended below min_workers", ok, short(f"{type(cause).__name__}: {cause}")))
         return res
     res.checks.append(Check("finished", not gave_up, short(repr(outcome)) if gave_up else ""))
     restores = sorted((e for e in events if e["kind"] == "restore" and e["unix"] > failure), key=lambda e: e["unix"])

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..errors import CheckpointTimeoutError, ConfigError
+from .. import attempts
+from ..errors import AttemptInterruptedError, CheckpointTimeoutError, ConfigError
 from ..settings import StoreSettings
 from .actors.state import store_config
 from .attach_client import AttachClient
@@ -53,16 +55,13 @@ def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
     alive = store.ping.remote()  # answered while this rank waits for the others in the join
     # What the registry needs to bring versions back to `replicas` copies after a host is lost.
     job = settings.job()
-    joining = registry.join.remote(rank, world_size, node_id, settings.timeout_s, settings.keep, job)
+    attempt = attempts.current()  # an in-place runner's attempt: its ranks join as one generation
+    generation = attempt.generation if attempt is not None else None
+    joining = registry.join.remote(
+        rank, world_size, node_id, settings.timeout_s, settings.keep, job, generation=generation
+    )
     store = _start_local_store(settings, node_id, store, alive)
-    try:
-        joined = ray.get(joining, timeout=settings.timeout_s + 10)
-    except RayTaskError as exc:
-        raise cause(exc) from None
-    except GetTimeoutError:
-        raise CheckpointTimeoutError(
-            f"rank {rank}: the registry of namespace {namespace!r} did not answer within {settings.timeout_s}s"
-        ) from None
+    joined = _joined(joining, settings, rank=rank, attempt=attempt)
     table = SlotTable.from_registry(namespace, joined)
     if table.hosts < settings.replicas:
         raise ConfigError(
@@ -110,6 +109,42 @@ def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
     )
     tier.recovery_events = tuple(joined.get("recovery", ()))
     return tier
+
+
+JOIN_LOOK_S = 0.1  # within an in-place attempt: how often the join's wait looks whether the attempt ended
+
+
+def _joined(joining, settings: StoreSettings, *, rank: int, attempt: Optional[attempts.Attempt]) -> dict:
+    """The rendezvous' answer. Within an in-place attempt the wait ends as soon as the attempt
+    does (a peer failed while this rank waited for the others: no cut connection ends a Ray call),
+    and the join is withdrawn from the registry."""
+    namespace = settings.namespace
+    deadline = time.monotonic() + settings.timeout_s + 10
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GetTimeoutError()
+            if attempt is None:
+                return ray.get(joining, timeout=left)
+            if attempt.interrupted.is_set():
+                try:  # the registry withdraws this rank's join (see Rendezvous.join)
+                    ray.cancel(joining)
+                except Exception as exc:  # noqa: BLE001 - a newer generation's join discards it anyway
+                    log.debug("rank %d: withdrawing the join: %s", rank, exc)
+                raise AttemptInterruptedError(
+                    f"rank {rank}: a newer round was asked for while this rank waited for the others at the "
+                    f"host stores' rendezvous of namespace {namespace!r}: this attempt ends here"
+                )
+            ready, _ = ray.wait([joining], timeout=min(JOIN_LOOK_S, left))
+            if ready:
+                return ray.get(joining)
+    except RayTaskError as exc:
+        raise cause(exc) from None
+    except GetTimeoutError:
+        raise CheckpointTimeoutError(
+            f"rank {rank}: the registry of namespace {namespace!r} did not answer within {settings.timeout_s}s"
+        ) from None
 
 
 def _start_local_store(settings: StoreSettings, node_id: str, handle, alive):

@@ -4,7 +4,14 @@ the transport's messages where older torch releases raise a plain ``RuntimeError
 
 from __future__ import annotations
 
-from ..errors import AttachError, BackgroundError, CheckpointTimeoutError, ReplicationError, RoundTimeoutError
+from ..errors import (
+    AttachError,
+    AttemptInterruptedError,
+    BackgroundError,
+    CheckpointTimeoutError,
+    ReplicationError,
+    RoundTimeoutError,
+)
 
 # What torch.distributed's gloo and NCCL backends say when a peer is gone (older releases raise
 # a plain RuntimeError with the transport's message rather than a DistError).
@@ -47,7 +54,7 @@ def peer_failure(exc: BaseException) -> bool:
     from ..dataplane import PeerLostError
 
     for e in chain(exc):
-        if isinstance(e, (dist.DistError, RoundTimeoutError, PeerLostError)):
+        if isinstance(e, (dist.DistError, RoundTimeoutError, AttemptInterruptedError, PeerLostError)):
             return True
         if isinstance(e, (RuntimeError, ConnectionError, OSError)) and any(m in str(e) for m in PEER_GONE):
             return True

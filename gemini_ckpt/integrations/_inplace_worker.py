@@ -168,10 +168,10 @@ class Session:
             _rounds.publish_listeners(self._watch_store(), round_, self.told.rank, now)
         return now
 
-    def _watch(self, round_: int, stop: threading.Event) -> None:
+    def _watch(self, round_: int, stop: threading.Event, attempt: attempts.Attempt) -> None:
         """While an attempt runs: once a newer round is asked for (a peer failed, or Ray Train
-        started a replacement), cut this round's connections, whatever the training thread is
-        blocked in."""
+        started a replacement), end the attempt's waits and cut this round's connections, whatever
+        the training thread is blocked in."""
         published: list = []
         ticks = 0
         while True:
@@ -180,6 +180,7 @@ class Session:
                     published = self._publish(round_, published)
                 ticks += 1
                 if _rounds.latest(self._watch_store()) > round_:
+                    attempt.interrupted.set()
                     self.cut(round_)
                     return
             except Exception as exc:  # noqa: BLE001 - the round store is gone: the run is ending
@@ -191,11 +192,11 @@ class Session:
         while True:
             round_ = self.ensure_formed()
             stop = threading.Event()
-            watcher = threading.Thread(
-                target=self._watch, args=(round_, stop), name="gemini-ckpt-round-watch", daemon=True
-            )
-            watcher.start()
-            with attempts.attempt(on_commit=self._progress) as attempt:
+            with attempts.attempt(on_commit=self._progress, generation=round_) as attempt:
+                watcher = threading.Thread(
+                    target=self._watch, args=(round_, stop, attempt), name="gemini-ckpt-round-watch", daemon=True
+                )
+                watcher.start()
                 try:
                     return fn(*args)
                 except BaseException as exc:

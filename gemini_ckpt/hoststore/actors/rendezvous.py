@@ -29,6 +29,9 @@ class _Round:
     table: Optional[dict] = None
     keys: dict = field(default_factory=dict)  # rank -> its signing key's fingerprint ("" for none)
     error: str = ""  # why the round was refused (every rank raises it)
+    generation: Optional[int] = None  # the runner's attempt the ranks join in (None: not told)
+    callers: dict = field(default_factory=dict)  # rank -> the call that joined it (an object() of its own)
+    abandoned: str = ""  # why a newer generation's join ended this round (its waiters are refused)
 
 
 def key_fingerprint(key_hex: Optional[str]) -> str:
@@ -65,24 +68,51 @@ class Rendezvous:
         self._round: Optional[_Round] = None
 
     async def join(
-        self, rank: int, world_size: int, node_id: str, timeout_s: float, keep: int = 2, job: Optional[dict] = None
+        self,
+        rank: int,
+        world_size: int,
+        node_id: str,
+        timeout_s: float,
+        keep: int = 2,
+        job: Optional[dict] = None,
+        generation: Optional[int] = None,
     ) -> dict:
         """Rendezvous of all ranks; returns the slot table every rank of this round shares:
         ``nodes``, ``epoch``, ``ranks`` (rank -> node), ``dead`` and ``idle`` slots, the versions
         committed so far, and the namespace's ``secret``. ``job``: the settings the registry
         needs to bring versions back to ``replicas`` copies after a host is lost (``replicas``,
-        ``strategy``, the stores' ``budget``, the signing ``key``, ``bandwidth``)."""
-        if self._round is None:
-            self._round = _Round()
+        ``strategy``, the stores' ``budget``, the signing ``key``, ``bandwidth``).
+
+        ``generation``: the in-place runner's attempt (its round), the same on every rank of one
+        attempt. A join of a newer generation ends a round still waiting for an older one's ranks
+        (they are refused: their attempt is over), and an older generation's join is refused at
+        once; so a rank that joined and then left (its attempt failed, its process died) is never
+        counted in a later attempt's rendezvous. A join that times out or is withdrawn (cancelled)
+        leaves the round too."""
         rnd = self._round
+        if rnd is not None and generation is not None and rnd.generation is not None:
+            if generation < rnd.generation:
+                raise PermissionError(
+                    f"rank {rank} joins the host stores' rendezvous of namespace {self.slots.namespace!r} for attempt "
+                    f"{generation}, but attempt {rnd.generation}'s ranks are joining: this rank's attempt is over"
+                )
+            if generation > rnd.generation:
+                rnd.abandoned = (
+                    f"the host stores' rendezvous of namespace {self.slots.namespace!r} moved on to attempt "
+                    f"{generation} while these ranks waited in attempt {rnd.generation}: their attempt is over"
+                )
+                rnd.done.set()
+                rnd = self._round = None
+        if rnd is None:
+            rnd = self._round = _Round(generation=generation)
         rnd.pending[rank] = node_id
+        call = rnd.callers[rank] = object()
         rnd.keys[rank] = key_fingerprint((job or {}).get("key"))
         rnd.params = {"keep": keep, "timeout_s": timeout_s}
         if job:
             self.terms.job = dict(job)
         for stale in [r for r in rnd.pending if r >= world_size]:
-            del rnd.pending[stale]
-            rnd.keys.pop(stale, None)
+            self._leave(rnd, stale)
         if all(r in rnd.pending for r in range(world_size)):
             rnd.error = _key_mismatch(rnd.keys)
             if not rnd.error:
@@ -94,14 +124,30 @@ class Rendezvous:
                 await asyncio.wait_for(rnd.done.wait(), timeout=timeout_s)
             except asyncio.TimeoutError:
                 missing = sorted(set(range(world_size)) - set(rnd.pending))
+                self._leave(rnd, rank, call)
                 raise TimeoutError(
                     f"rank {rank}: ranks {missing} of {world_size} did not connect to the host stores of "
                     f"namespace {self.slots.namespace!r} within {timeout_s}s (CheckpointConfig.timeout_s); every "
                     f"rank must build its Checkpointer and save/restore"
                 ) from None
+            except asyncio.CancelledError:  # the rank withdrew its join
+                self._leave(rnd, rank, call)
+                raise
+        if rnd.abandoned:
+            raise PermissionError(f"rank {rank}: {rnd.abandoned}")
         if rnd.error:
             raise ConfigError(rnd.error)
         return rnd.table
+
+    @staticmethod
+    def _leave(rnd: _Round, rank: int, call: Optional[object] = None) -> None:
+        """Take ``rank`` out of a waiting round (only the join ``call`` put there, when given: a
+        later join of the same rank stays)."""
+        if rnd.table is not None or (call is not None and rnd.callers.get(rank) is not call):
+            return
+        rnd.pending.pop(rank, None)
+        rnd.keys.pop(rank, None)
+        rnd.callers.pop(rank, None)
 
     async def _open_epoch(self, pending: dict[int, str], params: dict) -> dict:
         self._assign(pending)

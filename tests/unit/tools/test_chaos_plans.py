@@ -300,3 +300,18 @@ def test_the_rendezvous_binds_and_advertises_the_address_it_is_given():
         assert rendezvous.address[0] == "127.0.0.1" and listening(rendezvous.address[1])
     finally:
         rendezvous.close()
+
+
+def test_the_elastic_below_min_end_is_read_from_the_controllers_own_failure():
+    """Ray Train raises the controller's failure wrapped in ControllerError: the check reads the
+    wrapped error's type, so the designed end passes and any other end is a mismatch."""
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from gemini_ckpt.chaos._elastic import SCENARIOS, check
+    from gemini_ckpt.errors import RecoveryGaveUpError
+
+    below = next(s for s in SCENARIOS if s.world is None)
+    designed = ControllerError(RecoveryGaveUpError("2 worker(s) left, below ScalingConfig min_workers=3"))
+    assert check(below, designed, [], failure=1.0).verdict == "PASS"
+    for other in (ControllerError(RuntimeError("min_workers")), RecoveryGaveUpError("3 recoveries in a row"), None):
+        assert check(below, other, [], failure=1.0).verdict == "MISMATCH"
