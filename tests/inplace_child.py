@@ -5,7 +5,8 @@ The training function, run under ``recoverable``: ``STEPS`` all-reduces of a cou
 current round. ``SCRIPT`` says what goes wrong, once per rank and attempt: ``kill@R:I`` (rank R
 SIGKILLs itself before all-reduce I of its first attempt), ``recv@R:P:I`` (rank R blocks in a
 receive from rank P, a survivor, at step I: only a cut of the round's connections wakes it), ``raise@R``
-(rank R raises a ValueError in every attempt), ``timeout@R`` (rank R raises
+(rank R raises a ValueError in every attempt), ``end@R`` (rank R raises a ValueError once
+its training is done, after the others returned: an error in its last ``close()``), ``timeout@R`` (rank R raises
 ``TimeoutError("timed out")``, which reads like a peer's failure, in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
 all-reduce I of its first attempt: the BackgroundError a version that did not commit raises, which
 names no peer), ``stop@R:I`` (rank R SIGSTOPs itself before all-reduce I of its first attempt: a
@@ -87,6 +88,9 @@ def train() -> int:
         counter += one
         time.sleep(0.02)
     note(event="done", counter=float(counter.item()))
+    if f"end@{rank}" in script.split(","):
+        time.sleep(0.5)  # the others have returned
+        raise ValueError("the user's code fails after the last step")
     return 0
 
 

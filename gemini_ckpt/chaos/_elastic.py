@@ -182,9 +182,14 @@ def check(scenario: ElasticScenario, outcome, events: list[dict], failure: Optio
     res.checks.append(Check("finished", not gave_up, short(repr(outcome)) if gave_up else ""))
     restores = sorted((e for e in events if e["kind"] == "restore" and e["unix"] > failure), key=lambda e: e["unix"])
     recoveries: list[list[dict]] = []
-    for e in restores:  # each recovery: every rank's restore of one version at one world size
-        if recoveries and recoveries[-1][0]["world"] == e["world"] and recoveries[-1][0]["step"] == e["step"]:
-            recoveries[-1].append(e)
+    for e in restores:  # each recovery: every rank's restore of one version at one world size, once
+        last = recoveries[-1] if recoveries else None
+        if (
+            last is not None
+            and (last[0]["world"], last[0]["step"]) == (e["world"], e["step"])
+            and e["rank"] not in {x["rank"] for x in last}
+        ):
+            last.append(e)
         else:
             recoveries.append([e])
     last_world = recoveries[-1][0]["world"] if recoveries else None

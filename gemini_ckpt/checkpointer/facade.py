@@ -323,8 +323,8 @@ class Checkpointer:
         self._background.stop(self.settings.timeout_s if wait else 0.0, drain=wait)
         self._snapshot.stop()
         self._background.fail_unfinished()
-        if self._persister is not None:
-            self._persister.stop(self.settings.timeout_s)
+        if self._persister is not None:  # an abort does not wait for rank 0's persist (it may be the lost one)
+            self._persister.stop(self.settings.timeout_s, abandon=not wait)
         self._closed = True
         if self._store is not None:
             self._store.close()

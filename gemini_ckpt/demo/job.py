@@ -143,7 +143,9 @@ def train_loop(config: dict) -> dict:
     kill = config.get("kill")
     batches = _endless(loader)
     loss_value = float("nan")
-    bug = config.get("raise_at")  # {"step", "rank" (None: every rank)}: the user's code fails there, always
+    # {"step" (or "end": after the last step, once the others returned), "rank" (None: every rank)}:
+    # the user's code fails there, always
+    bug = config.get("raise_at")
     for step in range(result.step + 1 if result else 0, steps):
         if bug and step == bug["step"] and bug.get("rank") in (None, rank):
             raise ValueError(f"the training code fails at step {step} on rank {rank}")
@@ -184,6 +186,9 @@ def train_loop(config: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))  # collective
+    if bug and bug["step"] == "end" and bug.get("rank") in (None, rank):
+        time.sleep(1.0)  # the others have returned
+        raise ValueError(f"the training code fails after its last step on rank {rank}")
     return {
         "digest": digest_state([state.tensor_state(), extra]),
         "restore": restored,

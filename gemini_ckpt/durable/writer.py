@@ -90,6 +90,9 @@ class Persister:
         self._lock = threading.Condition()
         self._queued: set[int] = set()
         self._thread: Optional[threading.Thread] = None
+        # set by an abort: a rank other than 0 stops waiting for rank 0's outcome (rank 0 may be
+        # the process whose loss ended the attempt: its outcome would never come)
+        self._abandoned = threading.Event()
 
     # --- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -97,7 +100,12 @@ class Persister:
             self._thread = threading.Thread(target=self._run, name="gemini-ckpt-persist", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, *, abandon: bool = False) -> None:
+        """Persist what is queued, then end the thread (joined up to ``timeout``). ``abandon``
+        (an abort): ranks other than 0 stop waiting for rank 0's outcomes at once; rank 0 still
+        finishes (or fails) the version it is writing, so nothing half-written is left behind."""
+        if abandon:
+            self._abandoned.set()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=timeout)
@@ -145,6 +153,9 @@ class Persister:
                 self.stats.persisted += 1
                 self.stats.last_persisted_step = step
                 job.handle.persisted.set_result(location)
+            except _Abandoned as exc:  # an abort: nobody waits for the outcome any more
+                log.info("rank %d: %s", self.rank, exc)
+                job.handle.persisted.set_exception(exc)
             except BaseException as exc:  # noqa: BLE001 - the thread must outlive any failure
                 err = BackgroundError(
                     f"rank {self.rank}: version {step} was not persisted to {self.durable.uri}: "
@@ -311,7 +322,12 @@ class Persister:
                 raise CheckpointError(f"rank 0 could not persist step {step}: {store.get(key).decode()}")
             if time.monotonic() > deadline:
                 raise CheckpointTimeoutError(f"step {step} did not become durable within {self.timeout_s}s")
-            time.sleep(0.2)
+            if self._abandoned.wait(0.2):
+                raise _Abandoned(f"stopped waiting for step {step} to become durable: this Checkpointer was aborted")
+
+
+class _Abandoned(CheckpointError):
+    """A rank other than 0 stopped waiting for a persist's outcome (an abort)."""
 
 
 def _value(kind: str, blob: bytes, fqn: str):

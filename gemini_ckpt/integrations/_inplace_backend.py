@@ -158,6 +158,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         if not isinstance(group, _ReplicaGroup):
             self._whole = group
             self._tokens = {}
+            _rounds.new_group(self._server)
             if _elastic.elastic_bounds(group) is not None and self._elastic_supported():
                 _elastic.install(
                     group,
@@ -238,7 +239,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
 
     def _check_attempts(self, group) -> None:
         """End the run (an error Ray Train does not retry) when recoveries stopped helping."""
-        why = self._attempts.start(self._server)
+        why = self._attempts.start(self._server, replacing=group is None or isinstance(group, _ReplicaGroup))
         if why is not None:
             if group is not None and not isinstance(group, _ReplicaGroup):
                 # Ray Train cleans up a replica group whose start raised, but not a whole worker

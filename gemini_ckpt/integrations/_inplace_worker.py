@@ -198,7 +198,9 @@ class Session:
                 )
                 watcher.start()
                 try:
-                    return fn(*args)
+                    result = fn(*args)
+                    self._finished()
+                    return result
                 except BaseException as exc:
                     if not isinstance(exc, Exception) or not self._recoverable(exc) or self._stuck(exc):
                         self._escaped(exc)
@@ -286,6 +288,14 @@ class Session:
                 return True
             time.sleep(WATCH_S)
         return self._newer_round_asked()
+
+    def _finished(self) -> None:
+        """Tell the controller this worker is done: a replacement of a peer that fails from now on
+        ends the run (no round can form with this worker again) rather than being started again."""
+        try:
+            _rounds.note_finished(self._store())
+        except Exception as exc:  # noqa: BLE001 - best effort: the run is ending anyway
+            log.debug("rank %d: noting the end: %s", self.told.rank, exc)
 
     def _escaped(self, exc: BaseException) -> None:
         try:

@@ -136,6 +136,23 @@ def note_escaped(store, what: str) -> None:
     store.set(PREFIX + "escaped", what[:2000])
 
 
+def note_finished(store) -> None:
+    """This worker's training function returned: it is done with the run, and no round forms
+    with it again."""
+    store.add(PREFIX + "finished", 1)
+
+
+def finished(store) -> int:
+    """How many workers of the current group finished (:func:`note_finished`)."""
+    return _int(store, "finished", 0)
+
+
+def new_group(store) -> None:
+    """A whole new group of workers starts (the run's first, or Ray Train's restart or resize):
+    none of them finished yet."""
+    store.set(PREFIX + "finished", "0")
+
+
 def publish_listeners(store, round_: int, rank: int, addresses: list[tuple[str, int]]) -> None:
     """Where this rank's process groups of ``round_`` listen (see :mod:`._sever`)."""
     store.set(f"{PREFIX}r{round_}/listeners/{rank}", ";".join(f"{ip}|{port}" for ip, port in addresses))
@@ -348,8 +365,16 @@ class Attempts:
     seen_formed: Optional[int] = None
     seen_progress: int = -1
 
-    def start(self, store) -> Optional[str]:
-        """Account for a start of workers; returns why the run should end, or None."""
+    def start(self, store, *, replacing: bool = False) -> Optional[str]:
+        """Account for a start of workers (``replacing``: in place of failed ones, the others kept);
+        returns why the run should end, or None."""
+        if replacing and (done := finished(store)):
+            last = escaped(store)
+            return (
+                f"{done} worker(s) of this run already finished their training function, so no process group "
+                f"can form with a replacement again: the run ends with the failed worker's error"
+                + (f"; {last}" if last else "")
+            )
         now_formed, now_progress = formed(store), progress(store)
         if self.seen_formed is None:
             self.seen_formed, self.seen_progress = now_formed, now_progress

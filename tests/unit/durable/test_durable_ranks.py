@@ -61,3 +61,55 @@ def test_a_failed_persist_is_reported_on_every_rank_without_waiting_for_the_time
     assert "injected storage failure" in outcomes[0][0]
     assert "rank 0 could not persist step 0" in outcomes[1][0] and "injected storage failure" in outcomes[1][0]
     assert outcomes[1][1] < 30, f"rank 1 waited {outcomes[1][1]:.1f}s (timeout_s is 120)"
+
+
+def _rank0_lost_worker(rank: int, world_size: int, port: int, root: str, queue) -> None:
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
+
+    join_group(port, rank, world_size)
+    fs, _ = faulty_filesystem(stall_on="step_")  # rank 0's persist hangs in its first write
+    config = CheckpointConfig(persist_every=1, timeout_s=30, persist_on_close=False)
+    t = build_training(seed=rank, dataset_size=32)
+    ckpt = Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer),
+        config,
+        store=local_tier(),
+        durable=DurableTier(filesystem=fs, root=root),
+    )
+    ckpt.save(0).committed.result(timeout=60)
+    if rank == 0:
+        time.sleep(1.0)  # inside the persist
+        os.kill(os.getpid(), signal.SIGKILL)  # lost during the persist
+    time.sleep(2.0)  # rank 1 waits for rank 0's outcome, which never comes
+    t0 = time.monotonic()
+    ckpt.abort()  # an in-place recovery's abort of the failed attempt
+    queue.put((time.monotonic() - t0, ckpt.stats.persisted, ckpt.stats.persist_failed))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_an_abort_does_not_wait_for_the_persist_of_a_lost_rank_0(tmp_path):
+    """Issue 61, 5: rank 0 lost while it persists; a survivor's abort used to wait for rank 0's
+    outcome until ``timeout_s`` (300 s at the defaults) before it could recover."""
+    import torch.multiprocessing as mp
+
+    store = master_store(2)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = mp.start_processes(
+        _rank0_lost_worker,
+        args=(2, store.port, str(tmp_path / "d"), queue),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    took, persisted, failed = queue.get(timeout=120)
+    for p in procs.processes:
+        p.join(timeout=30)
+    assert (persisted, failed) == (0, 0)  # it was waiting for step 0, which never became durable
+    assert took < 5, f"rank 1's abort took {took:.1f}s (timeout_s is 30)"

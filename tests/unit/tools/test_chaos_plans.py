@@ -315,3 +315,24 @@ def test_the_elastic_below_min_end_is_read_from_the_controllers_own_failure():
     assert check(below, designed, [], failure=1.0).verdict == "PASS"
     for other in (ControllerError(RuntimeError("min_workers")), RecoveryGaveUpError("3 recoveries in a row"), None):
         assert check(below, other, [], failure=1.0).verdict == "MISMATCH"
+
+
+def test_two_elastic_recoveries_of_one_version_at_one_size_are_two():
+    """A shrink to 3 restores step 7; a host lost as the run grows back shrinks it to 3 again,
+    restoring step 7 again: two recoveries of 3 ranks each (they were read as one of "6 of 3")."""
+    from gemini_ckpt.chaos._elastic import SCENARIOS, check
+
+    during_grow = next(s for s in SCENARIOS if s.name == "elastic-loss-during-grow")
+    events = [{"kind": "start", "rank": r, "pid": 10 + r, "unix": 0.0, "world": 4} for r in range(4)]
+    events += [{"kind": "commit", "step": 7, "unix": 0.5}, {"kind": "saved_full", "step": 7, "world": 4, "digest": "d"}]
+    for t in (2.0, 9.0):  # failure at 1.0; the second recovery's ranks are the first's processes
+        events += [
+            {"kind": "restore", "rank": r, "pid": 10 + r, "unix": t, "world": 3, "step": 7, "source": "memory"}
+            for r in range(3)
+        ]
+        events += [{"kind": "step", "rank": 0, "step": 8, "unix": t + 1.0}]
+    events += [{"kind": "restored_full", "step": 7, "world": 3, "digest": "d"}]
+    res = check(during_grow, None, events, failure=1.0)
+    assert res.verdict == "PASS", [(c.name, c.detail) for c in res.checks if c.ok is False]
+    assert sum(c.name.endswith("one version, from memory") for c in res.checks) == 2
+    assert res.recovery_s == 2.0  # the first recovery's next step
