@@ -47,7 +47,7 @@ from ._members import GRACE_S, Membership, SupersededError
 __all__ = ["GRACE_S", "Membership", "SupersededError"]  # re-exported: the rounds' terms
 
 PREFIX = "gemini/rounds/"
-POLL_S = 0.02
+POLL_S, POLL_MAX_S = 0.02, 0.1  # a rank waiting at a round looks this often, slower as the wait goes on
 FORM_S = 20.0  # how long a closed round waits for its members to connect before it is given up
 MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
 
@@ -190,6 +190,7 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
     n = round_
     raise_latest(store, n)
     deadline = time.monotonic() + patience_s
+    pause = POLL_S  # each look costs ~6 requests to the one round store: 1,024 ranks waiting ~60k/s at most
     while True:
         state_key = f"{PREFIX}r{n}/state"
         arrived = False
@@ -221,7 +222,8 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
                     _waited(store, n, members)
                     + f", and no worker was started for {patience_s:.0f}s: the others did not come back"
                 )
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(POLL_MAX_S, pause * 1.25)
 
 
 def _complete(store, n: int, members: Membership) -> bool:
