@@ -126,6 +126,7 @@ class Recovery:
             for event in self.rerep.timeline:
                 if event["slot"] == slot and "replacement" not in event:
                     event.update(replacement=node, replacement_joined=time.time())
+            self.rerep.change()
             self.rerep.pending = True
 
     def _alive_now(self) -> set[str]:
@@ -207,7 +208,7 @@ class Recovery:
                     source = slots[len(sends) % len(slots)]  # spread the sending over the holders
                     sends.append((step, rank, source, target))
         later = []
-        if sends and time.time() < self._older_due():
+        if sends and time.monotonic() < self.rerep.changed + OLDER_AFTER_S:
             later = [send for send in sends if send[0] != committed[0]]
             sends = [send for send in sends if send[0] == committed[0]]
         if not sends:
@@ -238,12 +239,6 @@ class Recovery:
             + (f"; {len(later)} of older steps follow {OLDER_AFTER_S:.0f}s after the loss or join" if later else "")
         )
         # Another round checks what is still missing (a source that died meanwhile, a new loss).
-
-    def _older_due(self) -> float:
-        """When the copies of versions older than the newest are made (:data:`OLDER_AFTER_S`
-        after the newest loss or replacement)."""
-        last = max((e.get(k, 0.0) for e in self.rerep.timeline for k in ("noticed", "replacement_joined")), default=0.0)
-        return last + OLDER_AFTER_S
 
     def _rereplicated(self) -> None:
         """Stamp the timeline: the newest committed version is back to ``replicas`` copies, and a

@@ -137,6 +137,7 @@ class Registry:
         log.error("registry %s: %s", self.namespace, message)
         self.report_failure(slot, self.slots.nodes[slot], message)
         self.rerep.timeline.append({"slot": slot, "node_id": self.slots.nodes[slot], "noticed": time.time()})
+        self.rerep.change()
         del self.rerep.timeline[:-MAX_REPORTS]
         self.rerep.pending = True
         if self.commits.coordinator is not None:

@@ -68,7 +68,12 @@ class Rereplication:
     def __init__(self) -> None:
         self.pending = False
         self.held = False
-        self.timeline: list[dict] = []
+        self.timeline: list[dict] = []  # wall-clock stamps, for reports across processes
+        self.changed = float("-inf")  # time.monotonic() of the newest loss or replacement: for waits
+
+    def change(self) -> None:
+        """A loss or a replacement now (the copies of older versions wait a while after it)."""
+        self.changed = time.monotonic()
 
 
 class Reports:
