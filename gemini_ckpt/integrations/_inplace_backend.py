@@ -20,7 +20,7 @@ What this backend does differently from Ray's own ``_TorchBackend``:
   not replaced: the survivors go on at fewer ranks in their own processes (:mod:`._elastic`).
 - It sets the true ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``NODE_RANK`` (with replica groups
   of one worker, Ray's own context says 0, 1 and 0 on every worker).
-- It ends the run when recoveries stop helping (:class:`._rounds.Attempts`): an error raised
+- It ends the run when recoveries stop helping (:class:`._bounds.Attempts`): an error raised
   here is not one Ray Train retries.
 - Shutting a failed worker down does not wait for its process group (a stopped process never
   answers).
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import RecoveryGaveUpError
-from . import _elastic, _rounds, _spares
+from . import _bounds, _elastic, _rounds, _spares
 from ._members import membership, worker_env
 from ._ray_train_callback import ray_version
 
@@ -138,7 +138,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
         self._server = None
         self._host: Optional[str] = None
         self._whole = None  # the WorkerGroup (a replica group is a slice of it)
-        self._attempts: Optional[_rounds.Attempts] = None
+        self._attempts: Optional[_bounds.Attempts] = None
         self._reapers: dict = {}  # node id -> its Reaper actor
         self._reapers_lock = None  # made in the controller (this object is pickled to it)
         self._shutting_others = False
@@ -153,7 +153,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
             self._reapers_lock = threading.Lock()
             self._host = ray.util.get_node_ip_address()
             self._server = _rounds.server(self._host, timeout_s=config.reform_timeout_s)
-            self._attempts = _rounds.Attempts(max_stuck=config.max_stuck, max_starts=4 * len(group) + config.max_stuck)
+            self._attempts = _bounds.Attempts(max_stuck=config.max_stuck, max_starts=4 * len(group) + config.max_stuck)
             self._spares = _spares.Spares(config.spares)
         if not isinstance(group, _ReplicaGroup):
             self._whole = group

@@ -20,7 +20,7 @@ full restart would give, bit for bit, without internal APIs.
 
 An error that is not a peer's failure (the user's code raising) is not caught: it ends this
 worker, Ray Train replaces it in place, and the others recover from its loss. Ray Train's
-controller ends the run when recoveries stop making progress (:class:`._rounds.Attempts`).
+controller ends the run when recoveries stop making progress (:class:`._bounds.Attempts`).
 """
 
 from __future__ import annotations

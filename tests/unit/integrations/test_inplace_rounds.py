@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from gemini_ckpt.integrations import _members, _rounds
+from gemini_ckpt.integrations import _bounds, _members, _rounds
 import paths
 from rounds_support import world
 
@@ -235,7 +235,7 @@ def test_an_error_that_reads_like_a_peers_failure_and_repeats_ends_the_run_after
     why = _rounds.gave_up(job.store)
     assert "2 in-place recoveries in a row ended without a newer version committed" in why, why
     assert b"TimeoutError: timed out" in job.procs[1].stderr.read()
-    controller = _rounds.Attempts(max_stuck=2, max_starts=9)
+    controller = _bounds.Attempts(max_stuck=2, max_starts=9)
     controller.start(job.store)  # the first group
     assert controller.start(job.store) == why  # the run ends at the next start of workers
 
@@ -247,7 +247,7 @@ def test_a_rank_that_fails_after_the_others_finished_ends_the_run_at_its_replace
     error, rather than starting replacements that wait for a round that never forms (12 starts
     and 84 s here before, ~40 minutes at the defaults with 4 workers)."""
     job = Job(tmp_path, "end@1", reform_s=4.0)
-    controller = _rounds.Attempts(max_stuck=3, max_starts=9)
+    controller = _bounds.Attempts(max_stuck=3, max_starts=9)
     assert controller.start(job.store) is None  # the first group
     codes = job.run()
     assert codes == {0: 0, 1: 1, 2: 0}, (codes, job.procs[1].stderr.read())
@@ -366,7 +366,7 @@ def test_a_waiting_rank_is_patient_while_workers_keep_being_started():
 
 def test_the_controller_ends_a_run_whose_recoveries_make_no_progress():
     store = _rounds.server("127.0.0.1", timeout_s=10)
-    attempts = _rounds.Attempts(max_stuck=2, max_starts=3)
+    attempts = _bounds.Attempts(max_stuck=2, max_starts=3)
     assert attempts.start(store) is None  # the first group
     for round_, step in ((1, 10), (2, 20)):  # two recoveries, each after progress
         store.set(_rounds.PREFIX + "formed", str(round_))
@@ -379,7 +379,7 @@ def test_the_controller_ends_a_run_whose_recoveries_make_no_progress():
     why = attempts.start(store)
     assert why is not None and "2 recoveries in a row" in why and "step 20" in why and "ValueError: boom" in why
     # a worker that never comes back: starts without a round forming
-    attempts = _rounds.Attempts(max_stuck=5, max_starts=3)
+    attempts = _bounds.Attempts(max_stuck=5, max_starts=3)
     attempts.start(store)
     outcomes = [attempts.start(store) for _ in range(4)]
     assert outcomes[:3] == [None, None, None] and "4 workers were started" in outcomes[3]

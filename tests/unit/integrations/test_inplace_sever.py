@@ -69,3 +69,16 @@ def _free_listener(sock) -> int:
 
 def _inodes_of(sock) -> set[int]:
     return {int(os.readlink(f"/proc/self/fd/{sock.fileno()}")[8:-1])}
+
+
+def test_the_round_store_listens_on_the_address_it_is_given_only():
+    """A TCPStore that binds itself listens on every interface (issue 61, 3): the round store is
+    given a socket bound to the controller's address, and its clients reach it there."""
+    from gemini_ckpt.integrations import _rounds
+
+    baseline = _sever.listeners()
+    store = _rounds.server("127.0.0.1", timeout_s=10)
+    opened = [(ip, port) for ip, port in _sever.opened_since(baseline) if port == store.port]
+    assert opened == [("127.0.0.1", store.port)], opened
+    _rounds.client("127.0.0.1", store.port, timeout_s=10).set("k", "v")
+    assert store.get("k") == b"v"
