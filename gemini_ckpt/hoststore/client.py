@@ -112,6 +112,7 @@ def connect(settings: StoreSettings, *, rank: int, world_size: int) -> RayTier:
 
 
 JOIN_LOOK_S = 0.1  # within an in-place attempt: how often the join's wait looks whether the attempt ended
+WITHDRAW_S = 1.0  # how long an ended attempt's rank waits for the registry to confirm its join withdrawn
 
 
 def _joined(joining, settings: StoreSettings, *, rank: int, attempt: Optional[attempts.Attempt]) -> dict:
@@ -128,8 +129,9 @@ def _joined(joining, settings: StoreSettings, *, rank: int, attempt: Optional[at
             if attempt is None:
                 return ray.get(joining, timeout=left)
             if attempt.interrupted.is_set():
-                try:  # the registry withdraws this rank's join (see Rendezvous.join)
+                try:  # the registry withdraws this rank's join (see Rendezvous.join), before the next attempt's
                     ray.cancel(joining)
+                    ray.wait([joining], timeout=WITHDRAW_S)
                 except Exception as exc:  # noqa: BLE001 - a newer generation's join discards it anyway
                     log.debug("rank %d: withdrawing the join: %s", rank, exc)
                 raise AttemptInterruptedError(

@@ -55,18 +55,9 @@ class Registry:
         self._watch: Optional[asyncio.Task] = None
 
     # --- the rendezvous ----------------------------------------------------------------------------
-    async def join(
-        self,
-        rank: int,
-        world_size: int,
-        node_id: str,
-        timeout_s: float,
-        keep: int = 2,
-        job: Optional[dict] = None,
-        generation: Optional[int] = None,
-    ) -> dict:
-        """See :meth:`Rendezvous.join`; the first one starts watching the stores."""
-        table = await self.rendezvous.join(rank, world_size, node_id, timeout_s, keep, job, generation)
+    async def join(self, *args, **kwargs) -> dict:
+        """:meth:`Rendezvous.join` (its arguments); the first one starts watching the stores."""
+        table = await self.rendezvous.join(*args, **kwargs)
         if self._watch is None or self._watch.done():
             self._watch = asyncio.get_event_loop().create_task(self._watch_stores())
         return table

@@ -16,6 +16,18 @@ from gemini_ckpt.durable.tier import DurableTier
 from gemini_ckpt.toy import build_training
 
 
+def _persisting(rank: int, fs, root: str, *, timeout_s: float) -> Checkpointer:
+    """A rank's Checkpointer that persists every version to ``fs`` at ``root``. Each rank keeps
+    its own shard in its own memory: enough for a persist that fails or stalls at its start."""
+    t = build_training(seed=rank, dataset_size=32)
+    return Checkpointer(
+        TrainState(model=t.model, optimizer=t.optimizer),
+        CheckpointConfig(persist_every=1, timeout_s=timeout_s, persist_on_close=False),
+        store=local_tier(),
+        durable=DurableTier(filesystem=fs, root=root),
+    )
+
+
 def _persist_failure_worker(rank: int, world_size: int, port: int, root: str, queue) -> None:
     import torch.distributed as dist
 
@@ -23,15 +35,7 @@ def _persist_failure_worker(rank: int, world_size: int, port: int, root: str, qu
     try:
         fs, handler = faulty_filesystem()
         handler.failing.set()  # rank 0 (the coordinator) cannot write; the others only wait
-        config = CheckpointConfig(persist_every=1, timeout_s=120, persist_on_close=False)
-        t = build_training(seed=rank, dataset_size=32)
-        # Each rank keeps its own shard in its own memory: enough for a persist that fails at its start.
-        ckpt = Checkpointer(
-            TrainState(model=t.model, optimizer=t.optimizer),
-            config,
-            store=local_tier(),
-            durable=DurableTier(filesystem=fs, root=root),
-        )
+        ckpt = _persisting(rank, fs, root, timeout_s=120)
         handle = ckpt.save(0)
         handle.committed.result(timeout=60)
         t0 = time.monotonic()
@@ -69,18 +73,9 @@ def _rank0_lost_worker(rank: int, world_size: int, port: int, root: str, queue) 
 
     import torch.distributed as dist
 
-    from gemini_ckpt import CheckpointConfig, Checkpointer, TrainState
-
     join_group(port, rank, world_size)
     fs, _ = faulty_filesystem(stall_on="step_")  # rank 0's persist hangs in its first write
-    config = CheckpointConfig(persist_every=1, timeout_s=30, persist_on_close=False)
-    t = build_training(seed=rank, dataset_size=32)
-    ckpt = Checkpointer(
-        TrainState(model=t.model, optimizer=t.optimizer),
-        config,
-        store=local_tier(),
-        durable=DurableTier(filesystem=fs, root=root),
-    )
+    ckpt = _persisting(rank, fs, root, timeout_s=30)
     ckpt.save(0).committed.result(timeout=60)
     if rank == 0:
         time.sleep(1.0)  # inside the persist
