@@ -74,6 +74,8 @@ def job(ray_cluster, ranks, tmp_path_factory) -> str:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci  # the job's setup takes ~35 s on a busy machine: CI runs both after the default suite
 def test_the_job_is_visible_in_rays_prometheus_export(job):
     ns = job
 
@@ -124,6 +126,8 @@ def _query(port: int, expr: str) -> list[dict]:
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.skipif(
     shutil.which("prometheus") is None,
     reason="Debian's prometheus server is not installed (.ci/run installs it where it can: apt-get install prometheus)",

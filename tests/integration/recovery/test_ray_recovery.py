@@ -36,6 +36,8 @@ def _placed(dead: set) -> dict[int, tuple[int, ...]]:
     }
 
 
+@pytest.mark.slow
+@pytest.mark.ci  # ~33 s on a busy machine: CI runs it after the default suite
 def test_a_lost_hosts_copies_are_made_again_and_a_replacement_is_seeded_before_the_restart(ray_cluster, ranks):
     ns = f"rerep-{uuid.uuid4().hex[:8]}"
     ranks.restart(ns, ballast_mb=8)
