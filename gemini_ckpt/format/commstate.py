@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Optional
 
+from gemini_ckpt.format.segments import MEMFD_PREFIX, not_inherited
+
 MAGIC = b"GEMCOMM1"
 HEADER = struct.Struct("<8sI")
 HEADER_BYTES = 64
@@ -67,6 +69,7 @@ class CommState:
         self.fd: Optional[int] = fd
         self.nbytes = nbytes
         self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        not_inherited(self._mm)
         if owner:
             HEADER.pack_into(self._mm, 0, MAGIC, (nbytes - HEADER_BYTES) // SLOT_BYTES)
         magic, slots = HEADER.unpack_from(self._mm, 0)
@@ -83,7 +86,7 @@ class CommState:
         if not 1 <= slots <= MAX_SLOTS:
             raise ValueError(f"slots must be in [1, {MAX_SLOTS}], got {slots}")
         nbytes = segment_bytes(slots)
-        fd = os.memfd_create("gemini-ckpt-comm", getattr(os, "MFD_CLOEXEC", 0))
+        fd = os.memfd_create(f"{MEMFD_PREFIX}comm", getattr(os, "MFD_CLOEXEC", 0))
         try:
             os.ftruncate(fd, nbytes)
             return cls(fd, nbytes, owner=True)

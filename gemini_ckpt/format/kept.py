@@ -66,13 +66,17 @@ class KeptMappings:
                 seg.id = seg_id
                 return seg
         seg = Segment(nbytes, fd=fd, seg_id=seg_id, writable=writable, populate=populate)
+        # The mapping holds the memory; an open fd would hold it too in a forked child (a
+        # DataLoader worker) for as long as that lives, and fds can't be kept from a fork.
+        os.close(fd)
+        seg.fd = None
         seg.name = name
         return seg
 
     def keep(self, seg: Segment) -> None:
         """Let go of ``seg``: kept for the next :meth:`map` of its memory, or closed."""
         name = getattr(seg, "name", None)
-        if name is None or seg.fd is None:
+        if name is None:
             seg.close()
             return
         gone: list[Segment] = []

@@ -20,6 +20,42 @@ def _next_id() -> int:
         return next(_ids)
 
 
+MEMFD_PREFIX = "gemini-ckpt-"
+_files_mapped = False  # a segment of a memfd was made here: a forked child closes what it inherits
+
+
+def not_inherited(mm: mmap.mmap) -> None:
+    """A process forked from this one (a DataLoader worker, alive for an epoch or more) does not
+    get the mapping, so it holds none of a store's memory after this process lets go of it; it
+    never reads there."""
+    try:
+        mm.madvise(mmap.MADV_DONTFORK)
+    except (AttributeError, OSError):
+        pass  # not Linux: a forked child keeps the mapping as before
+
+
+def _close_inherited_memfds() -> None:
+    """In a forked child: close the fds of store memory it inherited (each mapping of a memfd
+    holds one: Python's mmap keeps a duplicate of its fd), which would hold the memory as a
+    mapping does. The child's segment objects are never used (their mappings are not there)."""
+    if not _files_mapped:
+        return
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith(f"/memfd:{MEMFD_PREFIX}"):
+                os.close(int(name))
+        except (OSError, ValueError):
+            pass  # the listing's own fd, gone by now
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_memfds)
+
+
 class Segment:
     """``nbytes`` of memory a store owns and lends: a memfd mapped here (``shared=True``: a
     local training process maps the same pages through the fd, which the store passes over
@@ -49,7 +85,7 @@ class Segment:
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self._mm = mmap.mmap(fd, length, flags, prot)
         elif shared and hasattr(os, "memfd_create"):
-            self.fd = os.memfd_create(f"gemini-ckpt-{self.id}", getattr(os, "MFD_CLOEXEC", 0))
+            self.fd = os.memfd_create(f"{MEMFD_PREFIX}{self.id}", getattr(os, "MFD_CLOEXEC", 0))
             try:
                 os.ftruncate(self.fd, length)
                 self._mm = mmap.mmap(self.fd, length, mmap.MAP_SHARED, prot)
@@ -59,7 +95,15 @@ class Segment:
         else:
             self.fd = None
             self._mm = mmap.mmap(-1, length, mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20), prot)
+        not_inherited(self._mm)
+        if self.fd is not None:
+            global _files_mapped
+            _files_mapped = True
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes)
+
+    @property
+    def closed(self) -> bool:
+        return self._mm.closed
 
     def close(self) -> None:
         """Unmap (views of :attr:`array` must be gone) and close the fd; idempotent."""

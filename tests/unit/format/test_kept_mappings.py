@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
+import pytest
+import torch
 
 from gemini_ckpt.format.kept import KeptMappings
 from gemini_ckpt.format.segments import Segment
@@ -32,7 +35,7 @@ def test_the_same_memory_mapped_again_is_the_kept_mapping_and_shows_what_the_sto
     assert again.array[:4].tolist() == [1, 2, 3, 4]
     kept.keep(again)
     kept.clear()
-    assert len(kept) == 0 and first.fd is None
+    assert len(kept) == 0 and first.closed
     store.close()
 
 
@@ -60,11 +63,11 @@ def test_kept_mappings_expire_and_the_oldest_go_beyond_the_cap():
     mapped = [kept.map(os.dup(s.fd), s.nbytes, s.id) for s in segs]
     for m in mapped:
         kept.keep(m)
-    assert len(kept) == 2 and mapped[0].fd is None  # the oldest went
+    assert len(kept) == 2 and mapped[0].closed  # the oldest went
     deadline = time.monotonic() + 10
     while len(kept) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(kept) == 0 and all(m.fd is None for m in mapped)
+    assert len(kept) == 0 and all(m.closed for m in mapped)
     for s in segs:
         s.close()
 
@@ -79,4 +82,48 @@ def test_a_dropped_mapping_is_not_handed_out_again():
     assert again is not m and kept.reused == 0
     assert np.array_equal(again.array[:8], np.full(8, 7, np.uint8))
     again.close()
+    store.close()
+
+
+class _WhatAWorkerHolds(torch.utils.data.Dataset):
+    """A forked DataLoader worker's view of the store memory it inherited: the mappings and
+    open fds of memfds named like a store's segments."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict:
+        with open("/proc/self/maps") as f:
+            maps = [line for line in f if "gemini-ckpt-" in line]
+        fds = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if "gemini-ckpt-" in os.readlink(f"/proc/self/fd/{fd}"):
+                    fds.append(fd)
+            except OSError:
+                pass  # the listing's own fd
+        return {"maps": len(maps), "fds": len(fds)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_DONTFORK and /proc are Linux's")
+def test_a_forked_dataloader_worker_holds_none_of_the_store_memory_a_trainer_maps():
+    # A trainer maps store memory to stage and restore; its DataLoader workers (forked, living
+    # for the whole epoch) must not keep that memory after the trainer and store let go of it.
+    store = _store_segment()
+    kept = KeptMappings()
+    staging = kept.map(os.dup(store.fd), store.nbytes, store.id)
+    reading = kept.map(os.dup(store.fd), store.nbytes, store.id, writable=False)
+    kept.keep(reading)
+    assert (staging.array == 7).all() and len(kept) == 1
+    loader = torch.utils.data.DataLoader(
+        _WhatAWorkerHolds(), num_workers=1, multiprocessing_context="fork", collate_fn=lambda b: b[0]
+    )
+    (held,) = list(loader)
+    assert held == {"maps": 0, "fds": 0}
+    # Here (the store's process too, in this test) the memory is still mapped: the store's
+    # mapping and the trainer's two.
+    with open("/proc/self/maps") as f:
+        assert sum(f"gemini-ckpt-{store.id} " in line for line in f) == 3
+    staging.close()
+    kept.clear()
     store.close()
