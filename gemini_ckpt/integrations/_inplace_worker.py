@@ -263,10 +263,12 @@ class Session:
         why = (
             f"{self.stuck} in-place recoveries in a row ended without a newer version committed (the newest is "
             f"step {progress}): the failure repeats at the same place; the last one on rank {self.told.rank}: "
-            f"{type(exc).__name__}: {_short(exc)}"
+            f"{type(exc).__name__}"
         )
-        log.error("rank %d: %s; not recovering again", self.told.rank, why)
+        log.error("rank %d: %s: %s; not recovering again", self.told.rank, why, _short(exc))
         try:
+            # The round store is open to its network: the error's type, never its text (which may
+            # carry data or paths), goes there; the text is in this worker's log and Ray's report.
             _rounds.note_gave_up(self._store(), why)
         except Exception:  # noqa: BLE001 - best effort: the error itself ends this worker
             pass
@@ -299,7 +301,7 @@ class Session:
 
     def _escaped(self, exc: BaseException) -> None:
         try:
-            _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}: {_short(exc)}")
+            _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}")  # not its text
         except Exception:  # noqa: BLE001 - best effort: the error itself is what Ray reports
             pass
 

@@ -25,7 +25,8 @@ Every process group the job forms is one *round*, numbered from 1. The keys, und
 - ``r{n}/listeners/{rank}``: where the rank's process groups of round ``n`` listen, so that the
   others can cut their connections to it when the round ends (:mod:`._sever`).
 - ``formed``: the newest round that formed; ``progress``: the newest version committed in
-  memory (written by rank 0 of each round); ``escaped``: the last error that ended a worker.
+  memory (written by rank 0 of each round); ``escaped``: the rank and type of the last error that
+  ended a worker (never its text: the store is open to its network).
 
 The controller reads ``formed`` and ``progress`` to tell a recovery that helps from one that
 fails again at the same place (:class:`Attempts`).
