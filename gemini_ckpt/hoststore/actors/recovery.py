@@ -13,9 +13,11 @@ from typing import Optional
 
 import ray
 
-from ..names import alive_node_ids
+from ..names import alive_node_ids, named_actors
 from ..resolve import resolve
 from ..slots import HOST_LABEL, holders_for
+from ...errors import MemoryBudgetError
+from .budget import other_budgets
 from .store_handle import get_or_create_store
 from ...timeouts import TIMEOUTS
 from .registry_state import RegistryState
@@ -30,6 +32,11 @@ and the older copies (``keep - 1`` times its bytes) would otherwise take the CPU
 bandwidth that the replacement's start and restore need, on the critical path (a lost host's
 in-place recovery: node dead + 6.25 s median of 9 before, + 5.11 s of 6 after, docs/recovery.md). A version
 committed meanwhile lets the oldest go, and its copies are not made at all."""
+
+
+REFUSED_S = 30.0
+"""A node passed over as a replacement (other jobs' stores leave it no room for the job's budget)
+is not tried again for this long."""
 
 
 def _same_kind(dead: Optional[dict], candidate: Optional[dict]) -> bool:
@@ -63,6 +70,7 @@ class Recovery:
 
     def __init__(self, state: RegistryState) -> None:
         self.slots, self.terms, self.commits, self.rerep, self.reports = state.parts()
+        self._refused: dict[str, float] = {}  # node -> when it may be tried again as a replacement
 
     def note_nodes(self) -> None:
         for n in ray.nodes():
@@ -84,50 +92,83 @@ class Recovery:
         copies, before the job's new workers reach ``restore()``, which then reads them locally.
         A replacement is a live node without a slot whose resources have the same names as the
         dead node's (``host3`` replaces ``host3``; GPUs replace GPUs) and, when the dead node
-        carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it)."""
+        carried the host label, the same label (``gemini-ckpt.io/host=3`` replaces it). Nodes
+        where no other job keeps a host store go first; the store's budget is judged with the other
+        jobs' stores on the node (:mod:`.budget`), and a node that cannot hold the job's explicit
+        budget is passed over (tried again after :data:`REFUSED_S`)."""
         if not self.terms.job:
             return
         dead = sorted(s for s in self.slots.dead if self.slots.nodes[s] not in self._alive_now())
         if not dead:
             return
         taken = set(self.slots.nodes)
-        for n in ray.nodes():
-            if not dead:
-                break
-            node = n["NodeID"]
-            if not n.get("Alive") or node in taken:
+        now = time.monotonic()
+        candidates = [
+            n
+            for n in ray.nodes()
+            if n.get("Alive") and n["NodeID"] not in taken and self._refused.get(n["NodeID"], 0.0) <= now
+        ]
+        for slot in dead:
+            fits = [n for n in candidates if _same_kind(self.slots.node_info.get(self.slots.nodes[slot]), n)]
+            if not fits:
                 continue
-            slot = next((s for s in dead if _same_kind(self.slots.node_info.get(self.slots.nodes[s]), n)), None)
-            if slot is None:
-                continue
-            dead.remove(slot)
-            old = self.slots.nodes[slot]
-            store = get_or_create_store(self.slots.namespace, node, self.terms.job.get("budget"), judge=False)
-            cfg = self.epoch_config(slot)
-            try:
-                await asyncio.wait_for(store.attach.remote(self.slots.epoch, cfg), timeout=self.terms.timeout_s)
-            except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
-                log.warning(
-                    "registry %s: the replacement node %s for slot %d could not start its store: %s",
-                    self.slots.namespace,
-                    node[:12],
-                    slot,
-                    exc,
+            named = await asyncio.to_thread(named_actors)  # off the event loop, once for every node
+            crowded = {}
+            for n in fits:
+                others = await asyncio.to_thread(
+                    other_budgets, self.slots.namespace, n["NodeID"], self.terms.timeout_s, named
                 )
-                continue
-            self.slots.nodes[slot] = node
-            self.slots.node_info[node] = _node_info(n)
-            self.slots.handles.pop(slot, None)
-            self.slots.dead.discard(slot)
-            self.reports.event(
-                f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
-                f"dead host's copies now)"
+                crowded[n["NodeID"]] = bool(others)
+            fits.sort(key=lambda n: crowded[n["NodeID"]])  # stable: the scan order otherwise
+            for n in fits:
+                if await self._take_over(slot, n, named):
+                    candidates.remove(n)
+                    break
+
+    async def _take_over(self, slot: int, n: dict, named: dict) -> bool:
+        """Start the job's store on node ``n`` for ``slot``; whether it took the slot over."""
+        node = n["NodeID"]
+        try:
+            store = await asyncio.to_thread(
+                get_or_create_store,
+                self.slots.namespace,
+                node,
+                self.terms.job.get("budget"),
+                timeout_s=self.terms.timeout_s,
+                named=named,
             )
-            for event in self.rerep.timeline:
-                if event["slot"] == slot and "replacement" not in event:
-                    event.update(replacement=node, replacement_joined=time.time())
-            self.rerep.change()
-            self.rerep.pending = True
+        except MemoryBudgetError as exc:
+            self._refused[node] = time.monotonic() + REFUSED_S
+            log.warning("registry %s: node %s cannot replace slot %d: %s", self.slots.namespace, node[:12], slot, exc)
+            self.reports.event(f"node {node[:12]} was passed over for slot {slot}: other jobs' stores fill it")
+            return False
+        old = self.slots.nodes[slot]
+        cfg = self.epoch_config(slot)
+        try:
+            await asyncio.wait_for(store.attach.remote(self.slots.epoch, cfg), timeout=self.terms.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - not ready yet: the next round tries again
+            log.warning(
+                "registry %s: the replacement node %s for slot %d could not start its store: %s",
+                self.slots.namespace,
+                node[:12],
+                slot,
+                exc,
+            )
+            return False
+        self.slots.nodes[slot] = node
+        self.slots.node_info[node] = _node_info(n)
+        self.slots.handles.pop(slot, None)
+        self.slots.dead.discard(slot)
+        self.reports.event(
+            f"node {node[:12]} took over slot {slot} of dead node {old[:12]} (its store is given the "
+            f"dead host's copies now)"
+        )
+        for event in self.rerep.timeline:
+            if event["slot"] == slot and "replacement" not in event:
+                event.update(replacement=node, replacement_joined=time.time())
+        self.rerep.change()
+        self.rerep.pending = True
+        return True
 
     def _alive_now(self) -> set[str]:
         return set(alive_node_ids())
