@@ -10,7 +10,8 @@ its training is done, after the others returned: an error in its last ``close()`
 ``TimeoutError("timed out")``, which reads like a peer's failure, in every attempt), ``fail@R:I`` (rank R's checkpointing fails before
 all-reduce I of its first attempt: the BackgroundError a version that did not commit raises, which
 names no peer), ``stop@R:I`` (rank R SIGSTOPs itself before all-reduce I of its first attempt: a
-hung worker the controller replaces; resumed, it is the replaced worker's zombie). Each attempt appends a JSON line to ``OUT/<rank>``:
+hung worker the controller replaces; resumed, it is the replaced worker's zombie), ``pace@MS`` (each
+step takes MS milliseconds). Each attempt appends a JSON line to ``OUT/<rank>``:
 pid, round, attempt, and how it ended.
 """
 
@@ -28,6 +29,8 @@ from gemini_ckpt.integrations._inplace_worker import Session, recoverable
 
 STEPS = 30
 script, out = sys.argv[1], sys.argv[2]
+# ``pace@MS``: each step takes MS milliseconds more (a run long enough for something to happen meanwhile)
+PACE_S = next((int(r[5:]) / 1000 for r in script.split(",") if r.startswith("pace@")), 0.02)
 rank = int(os.environ["RANK"])
 fresh = os.environ.get("GEMINI_TEST_FRESH", "1") == "1"  # a first worker, not a replacement
 attempt = {"n": 0}
@@ -86,7 +89,7 @@ def train() -> int:
         one = torch.ones(1)
         dist.all_reduce(one)
         counter += one
-        time.sleep(0.02)
+        time.sleep(PACE_S)
     note(event="done", counter=float(counter.item()))
     if f"end@{rank}" in script.split(","):
         time.sleep(0.5)  # the others have returned

@@ -43,10 +43,11 @@ class Attempts:
             self.stuck = self.stuck + 1 if now_progress <= self.seen_progress else 0
             self.seen_formed, self.seen_progress = now_formed, now_progress
         self.starts_since_formed += 1
-        if given := gave_up(store):  # the ranks stopped recovering in place: the same failure again and again
-            return given
         last = escaped(store)
         because = f"; the last error that ended a worker: {last}" if last else ""
+        if given := gave_up(store):  # the ranks stopped recovering in place: the same failure again and again
+            # (a survivor's own error names the lost peer; the error that ended a worker names the cause)
+            return given + (because if last and last not in given else "")
         if self.stuck >= self.max_stuck:
             return (
                 f"{self.stuck} recoveries in a row ended without a newer version committed (the newest is "

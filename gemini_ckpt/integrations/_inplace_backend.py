@@ -197,6 +197,7 @@ class _InPlaceBackend(_TorchBackendBase):  # type: ignore[misc, valid-type]
                 timeout_s=config.timeout_s,
                 reform_timeout_s=config.reform_timeout_s,
                 token=self._tokens[_key(worker)],
+                secret=self._server.secret,
                 max_stuck=config.max_stuck,
             )
             refs.append(worker.execute_async(_set_env, env))

@@ -83,7 +83,9 @@ class Session:
 
     def _store(self):
         if self.store is None:
-            self.store = _rounds.client(self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s)
+            self.store = _rounds.client(
+                self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s, secret=self.told.secret
+            )
         return self.store
 
     def ensure_formed(self) -> int:
@@ -156,7 +158,7 @@ class Session:
         with self._store_lock:
             if self._watcher_store is None:
                 self._watcher_store = _rounds.client(
-                    self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s
+                    self.told.host, self.told.port, timeout_s=self.told.reform_timeout_s, secret=self.told.secret
                 )
             return self._watcher_store
 
@@ -202,8 +204,10 @@ class Session:
                     self._finished()
                     return result
                 except BaseException as exc:
-                    if not isinstance(exc, Exception) or not self._recoverable(exc) or self._stuck(exc):
-                        self._escaped(exc)
+                    if not isinstance(exc, Exception) or not self._recoverable(exc):
+                        self._escaped(exc)  # the cause, which the controller's error quotes
+                        raise
+                    if self._stuck(exc):  # its reason is in the store (gave_up); the cause stays
                         raise
                     noticed = time.time()
                     log.warning(
@@ -263,13 +267,11 @@ class Session:
         why = (
             f"{self.stuck} in-place recoveries in a row ended without a newer version committed (the newest is "
             f"step {progress}): the failure repeats at the same place; the last one on rank {self.told.rank}: "
-            f"{type(exc).__name__}"
+            f"{type(exc).__name__}: {_short(exc)}"
         )
-        log.error("rank %d: %s: %s; not recovering again", self.told.rank, why, _short(exc))
+        log.error("rank %d: %s; not recovering again", self.told.rank, why)
         try:
-            # The round store is open to its network: the error's type, never its text (which may
-            # carry data or paths), goes there; the text is in this worker's log and Ray's report.
-            _rounds.note_gave_up(self._store(), why)
+            _rounds.note_gave_up(self._store(), why)  # encrypted: the store is open to its network
         except Exception:  # noqa: BLE001 - best effort: the error itself ends this worker
             pass
         return True
@@ -301,7 +303,7 @@ class Session:
 
     def _escaped(self, exc: BaseException) -> None:
         try:
-            _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}")  # not its text
+            _rounds.note_escaped(self._store(), f"rank {self.told.rank}: {type(exc).__name__}: {_short(exc)}")
         except Exception:  # noqa: BLE001 - best effort: the error itself is what Ray reports
             pass
 

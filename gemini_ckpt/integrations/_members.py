@@ -121,13 +121,16 @@ def worker_env(
     timeout_s: float,
     reform_timeout_s: float,
     token: str,
+    secret: str,
     grace_s: float = GRACE_S,
     max_stuck: int = 3,
 ) -> dict[str, str]:
-    """What a worker is told (environment variables) to join the job's rounds."""
+    """What a worker is told (environment variables) to join the job's rounds; ``secret`` seals
+    what it writes to the round store (:mod:`._round_store`)."""
     return {
         "GEMINI_ROUNDS_ADDR": host,
         "GEMINI_INCARNATION": token,
+        "GEMINI_ROUNDS_SECRET": secret,
         "GEMINI_ROUNDS_PORT": str(port),
         "GEMINI_ROUND": str(round_),
         "GEMINI_ROUNDS_BACKEND": backend,
@@ -160,6 +163,7 @@ class Told:
     token: str = ""
     grace_s: float = GRACE_S
     max_stuck: int = 3  # recoveries in a row without a newer committed version before a rank gives up
+    secret: str = ""  # the run's round-store secret
 
     @staticmethod
     def from_env() -> Optional["Told"]:
@@ -178,6 +182,7 @@ class Told:
             env.get("GEMINI_INCARNATION", f"rank{env['RANK']}"),
             float(env.get("GEMINI_ROUNDS_GRACE_S", GRACE_S)),
             int(env.get("GEMINI_ROUNDS_MAX_STUCK", 3)),
+            env.get("GEMINI_ROUNDS_SECRET", ""),
         )
 
     def placed(self, member: Member, world_size: int) -> "Told":

@@ -25,11 +25,15 @@ Every process group the job forms is one *round*, numbered from 1. The keys, und
 - ``r{n}/listeners/{rank}``: where the rank's process groups of round ``n`` listen, so that the
   others can cut their connections to it when the round ends (:mod:`._sever`).
 - ``formed``: the newest round that formed; ``progress``: the newest version committed in
-  memory (written by rank 0 of each round); ``escaped``: the rank and type of the last error that
-  ended a worker (never its text: the store is open to its network).
+  memory (written by rank 0 of each round); ``escaped``: the last error that ended a worker
+  (encrypted, as ``gave_up`` is: the store is open to its network and errors carry data).
 
 The controller reads ``formed`` and ``progress`` to tell a recovery that helps from one that
 fails again at the same place (:class:`Attempts`).
+
+Every value above is sealed with the run's secret (:mod:`._round_store`): one this run did not
+write reads as absent, so a stranger who reaches the store's port starts no recovery and is
+counted in no round.
 
 Pure ``torch.distributed``: no Ray here, so the protocol runs in plain processes in tests.
 """
@@ -37,14 +41,16 @@ Pure ``torch.distributed``: no Ray here, so the protocol runs in plain processes
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from datetime import timedelta
 from typing import Optional
 
 from ..errors import RoundTimeoutError
 from ._members import GRACE_S, Membership, SupersededError
+from ._round_store import RoundStore, client, server
 
-__all__ = ["GRACE_S", "Membership", "SupersededError"]  # re-exported: the rounds' terms
+__all__ = ["GRACE_S", "Membership", "RoundStore", "SupersededError", "client", "server"]  # the rounds' terms
 
 PREFIX = "gemini/rounds/"
 POLL_S, POLL_MAX_S = 0.02, 0.1  # a rank waiting at a round looks this often, slower as the wait goes on
@@ -52,49 +58,44 @@ FORM_S = 20.0  # how long a closed round waits for its members to connect before
 MAX_FORM_FAILURES = 8  # rounds in a row that closed and failed to form before a rank gives up
 
 
-def _int(store, key: str, default: int = -1) -> int:
-    """A counter or a number set as text; ``default`` when the key does not exist."""
-    if not store.check([PREFIX + key]):
-        return default
-    return int(store.get(PREFIX + key).decode())
+def _int(store: RoundStore, key: str, default: int = -1) -> int:
+    """A number set as text; ``default`` when absent (or not sealed by this run)."""
+    return store.read_int(PREFIX + key, default)
 
 
-def latest(store) -> int:
-    return int(store.add(PREFIX + "latest", 0))
+def latest(store: RoundStore) -> int:
+    return store.counter(PREFIX + "latest")
 
 
-def new_token(store) -> str:
-    """A new incarnation's token (the controller, once per worker process it starts)."""
-    return f"i{int(store.add(PREFIX + 'incarnations', 1))}"
+def new_token(store: RoundStore) -> str:
+    """A new incarnation's token (the controller, once per worker process it starts): drawn, so
+    that no write to the store can make the controller hand out a revoked one again."""
+    return f"i{secrets.token_hex(6)}"
 
 
 def open_round(store, members: Membership) -> int:
     """Open a new round with ``members`` (the controller, at each start or renumbering of
     workers); returns its number."""
     text = members.to_text()
-    n = int(store.add(PREFIX + "latest", 1))
-    store.set(f"{PREFIX}r{n}/members", text)
-    store.set(PREFIX + "members_round", str(n))  # the controller's alone: it only grows
+    n = store.add(PREFIX + "latest", 1)
+    for _ in range(1000):  # a round in use already (``latest`` spoiled by a stranger): the next one
+        if not (store.has(f"{PREFIX}r{n}/state") or store.has(f"{PREFIX}r{n}/members")):
+            break
+        n = store.add(PREFIX + "latest", 1)
+    store.put(f"{PREFIX}r{n}/members", text)
+    store.put(PREFIX + "members_round", str(n))  # the controller's alone: it only grows
     return n
 
 
 def membership(store, round_: int) -> Optional[Membership]:
     """Round ``round_``'s membership, None while it has none."""
-    key = f"{PREFIX}r{round_}/members"
-    if not store.check([key]):
-        return None
-    return Membership.from_text(store.get(key).decode())
+    text = store.read(f"{PREFIX}r{round_}/members")
+    return None if text is None else Membership.from_text(text)
 
 
 def raise_latest(store, at_least: int) -> int:
     """Make ``latest`` at least ``at_least`` (race-free); returns it."""
-    while True:
-        now = latest(store)
-        if now >= at_least:
-            return now
-        store.add(PREFIX + "latest", at_least - now)
-        # two ranks raising at once overshoot by at most their difference: harmless, since every
-        # rank follows ``latest`` and a round nobody arrives at is never waited for
+    return store.raise_to(PREFIX + "latest", at_least)
 
 
 def worker_failed(store) -> int:
@@ -106,7 +107,7 @@ def worker_failed(store) -> int:
 
 
 def formed(store) -> int:
-    return _int(store, "formed")
+    return store.counter(PREFIX + "formed", -1)  # only grows (rank 0 raises it to each round it forms)
 
 
 def progress(store) -> int:
@@ -114,32 +115,30 @@ def progress(store) -> int:
 
 
 def note_progress(store, step: int) -> None:
-    store.set(PREFIX + "progress", str(int(step)))
+    store.put(PREFIX + "progress", str(int(step)))
 
 
 def gave_up(store) -> str:
     """Why the ranks gave in-place recovery up (:func:`note_gave_up`), "" while they have not."""
-    key = PREFIX + "gave_up"
-    return store.get(key).decode(errors="replace") if store.check([key]) else ""
+    return store.read_private(PREFIX + "gave_up") or ""
 
 
 def note_gave_up(store, why: str) -> None:
-    store.set(PREFIX + "gave_up", why[:2000])
+    store.put_private(PREFIX + "gave_up", why[:2000])
 
 
 def escaped(store) -> str:
-    key = PREFIX + "escaped"
-    return store.get(key).decode(errors="replace") if store.check([key]) else ""
+    return store.read_private(PREFIX + "escaped") or ""
 
 
 def note_escaped(store, what: str) -> None:
-    store.set(PREFIX + "escaped", what[:2000])
+    store.put_private(PREFIX + "escaped", what[:2000])
 
 
 def note_finished(store) -> None:
     """This worker's training function returned: it is done with the run, and no round forms
     with it again."""
-    store.add(PREFIX + "finished", 1)
+    store.add(PREFIX + "finished", 1)  # sealed: compare-and-set on the value, not the store's add
 
 
 def finished(store) -> int:
@@ -150,22 +149,20 @@ def finished(store) -> int:
 def new_group(store) -> None:
     """A whole new group of workers starts (the run's first, or Ray Train's restart or resize):
     none of them finished yet."""
-    store.set(PREFIX + "finished", "0")
+    store.put(PREFIX + "finished", "0")
 
 
 def publish_listeners(store, round_: int, rank: int, addresses: list[tuple[str, int]]) -> None:
     """Where this rank's process groups of ``round_`` listen (see :mod:`._sever`)."""
-    store.set(f"{PREFIX}r{round_}/listeners/{rank}", ";".join(f"{ip}|{port}" for ip, port in addresses))
+    store.put(f"{PREFIX}r{round_}/listeners/{rank}", ";".join(f"{ip}|{port}" for ip, port in addresses))
 
 
 def peer_listeners(store, round_: int, *, rank: int, world_size: int) -> list[tuple[str, int]]:
     """What the other ranks published with :func:`publish_listeners` for ``round_``."""
     out = []
     for peer in range(world_size):
-        key = f"{PREFIX}r{round_}/listeners/{peer}"
-        if peer == rank or not store.check([key]):
-            continue
-        for item in store.get(key).decode().split(";"):
+        text = None if peer == rank else store.read(f"{PREFIX}r{round_}/listeners/{peer}")
+        for item in (text or "").split(";"):
             if item:
                 ip, port = item.rsplit("|", 1)
                 out.append((ip, int(port)))
@@ -197,18 +194,18 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
         while True:
             if revoked(store, token):
                 raise SupersededError(f"incarnation {token} was replaced: a newer process took its rank")
-            state = store.get(state_key).decode() if store.check([state_key]) else ""
+            state = store.read(state_key) or ""
             members, explicit = (None, False) if state else membership_of(store, n)
             if members is not None:
                 if explicit and token not in members.members:
                     members.of(token)  # raises: a round the controller opened without it
                 if not arrived and token in members.members:
-                    store.set(f"{PREFIX}r{n}/in/{token}", "1")
+                    store.put(f"{PREFIX}r{n}/in/{token}", "1")
                     arrived = True
                 if arrived and _complete(store, n, members):
-                    state = store.compare_set(state_key, "", "closed " + members.to_text()).decode()
+                    state = store.decide(state_key, "closed " + members.to_text()) or ""
             if not state and latest(store) > n:
-                state = store.compare_set(state_key, "", "abandoned").decode()
+                state = store.decide(state_key, "abandoned") or ""
             if state.startswith("closed "):
                 closed = Membership.from_text(state[len("closed ") :])
                 closed.of(token)  # raises if it closed without this incarnation
@@ -228,7 +225,7 @@ def arrive(store, round_: int, *, token: str, patience_s: float) -> tuple[int, M
 
 def _complete(store, n: int, members: Membership) -> bool:
     """Every member arrived at round ``n``, none of them revoked."""
-    if not store.check([f"{PREFIX}r{n}/in/{t}" for t in members.members]):
+    if not store.all_present([f"{PREFIX}r{n}/in/{t}" for t in members.members]):
         return False
     return not any(revoked(store, t) for t in members.members)
 
@@ -246,17 +243,17 @@ def membership_of(store, round_: int) -> tuple[Optional[Membership], bool]:
 def revoke(store, token: str) -> None:
     """The controller ended incarnation ``token`` (a failed worker replaced or dropped): it may
     join no round any more, and no round waits for it once another rank sees it revoked."""
-    store.set(f"{PREFIX}revoked/{token}", "1")
+    store.put(f"{PREFIX}revoked/{token}", "1")
 
 
 def revoked(store, token: str) -> bool:
-    return store.check([f"{PREFIX}revoked/{token}"])
+    return store.read(f"{PREFIX}revoked/{token}") is not None
 
 
 def _waited(store, n: int, members: Optional[Membership]) -> str:
     if members is None:
         return f"round {n} of the process group got no members"
-    count = sum(1 for t in members.members if store.check([f"{PREFIX}r{n}/in/{t}"]))
+    count = sum(1 for t in members.members if store.read(f"{PREFIX}r{n}/in/{t}") is not None)
     return f"{count} of {members.world_size} ranks arrived at round {n} of the process group"
 
 
@@ -278,7 +275,7 @@ def form(
     while True:
         n, members = arrive(store, n, token=token, patience_s=patience_s)
         me, world_size = members.of(token), members.world_size
-        prefixed = dist.PrefixStore(f"{PREFIX}r{n}/pg/", store)
+        prefixed = dist.PrefixStore(f"{PREFIX}r{n}/pg/", store.raw)
         try:
             # Formed with a short timeout: a rank that died after the round closed is waited for
             # FORM_S, not the collectives' timeout; then the group gets its own.
@@ -304,7 +301,7 @@ def form(
             n = raise_latest(store, n + 1)
             continue
         if me.rank == 0:
-            store.set(PREFIX + "formed", str(n))
+            store.raise_to(PREFIX + "formed", n)
         return n, members
 
 
@@ -336,34 +333,3 @@ def destroy() -> None:
         from torch.distributed import distributed_c10d
 
         distributed_c10d._world.group_count = 0
-
-
-def client(host: str, port: int, *, timeout_s: float):
-    """A client of the job's round store."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
-
-
-def server(host: str, *, timeout_s: float):
-    """The job's round store (on Ray Train's controller, which outlives every worker), listening
-    on ``host`` only (a TCPStore binds every interface when it binds itself)."""
-    import socket
-
-    import torch.distributed as dist
-
-    sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=1024)
-    port, fd = sock.getsockname()[1], sock.detach()  # the store owns the socket from here
-    try:
-        return dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-            use_libuv=True,
-            master_listen_fd=fd,
-        )
-    except BaseException:
-        os.close(fd)
-        raise

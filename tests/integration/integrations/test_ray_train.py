@@ -11,6 +11,7 @@ any of them passes alone). The pure parts are in ``tests/unit/integrations/test_
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -269,7 +270,8 @@ def test_in_place_an_error_of_the_training_code_ends_the_run_after_bounded_tries
             tmp_path, f"bug-{where}", in_place=True, raise_at={"step": 9, "rank": where}, max_stuck=2, max_failures=-1
         )  # only gemini_ckpt's bound ends it
     text = str(caught.value)
-    assert "2 recoveries in a row ended without a newer version committed" in text, text
+    # the controller's count or the ranks' own (survivors recovering in place from the lost peer)
+    assert re.search(r"2 (in-place )?recoveries in a row ended without a newer version committed", text), text
     assert "ValueError: the training code fails at step 9" in text, text
 
 

@@ -26,7 +26,7 @@ def test_a_replaced_incarnation_is_refused_and_cannot_take_its_replacements_rank
     replacement = _rounds.open_round(store, world(a=0, c=1))
 
     def arrive(round_: int, token: str):
-        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        client = _rounds.client("127.0.0.1", port, timeout_s=10, secret=store.secret)
         return _rounds.arrive(client, round_, token=token, patience_s=10)
 
     with pytest.raises(_members.SupersededError, match="incarnation b was replaced"):
@@ -37,7 +37,7 @@ def test_a_replaced_incarnation_is_refused_and_cannot_take_its_replacements_rank
     assert newcomer.result()[1].of("c").rank == 1
     with pytest.raises(_members.SupersededError):
         arrive(first, "b")  # and after it formed
-    assert store.check([f"{_rounds.PREFIX}r{replacement}/in/c"]) and not store.check(
+    assert store.raw.check([f"{_rounds.PREFIX}r{replacement}/in/c"]) and not store.raw.check(
         [f"{_rounds.PREFIX}r{replacement}/in/b"]
     )
 
@@ -54,7 +54,7 @@ def test_a_round_of_the_same_processes_forms_without_the_controller():
     first = _rounds.open_round(store, world(a=0, b=1))
 
     def arrive(round_: int, token: str):
-        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        client = _rounds.client("127.0.0.1", port, timeout_s=10, secret=store.secret)
         return _rounds.arrive(client, round_, token=token, patience_s=10)
 
     with ThreadPoolExecutor(2) as pool:
@@ -82,7 +82,7 @@ def test_a_round_that_renumbers_the_ranks_gives_each_survivor_its_new_place():
     shrunk = _rounds.open_round(store, world(a=0, c=1))
 
     def arrive(token: str):
-        client = _rounds.client("127.0.0.1", port, timeout_s=10)
+        client = _rounds.client("127.0.0.1", port, timeout_s=10, secret=store.secret)
         return _rounds.arrive(client, first, token=token, patience_s=10)
 
     with ThreadPoolExecutor(2) as pool:

@@ -80,5 +80,5 @@ def test_the_round_store_listens_on_the_address_it_is_given_only():
     store = _rounds.server("127.0.0.1", timeout_s=10)
     opened = [(ip, port) for ip, port in _sever.opened_since(baseline) if port == store.port]
     assert opened == [("127.0.0.1", store.port)], opened
-    _rounds.client("127.0.0.1", store.port, timeout_s=10).set("k", "v")
-    assert store.get("k") == b"v"
+    _rounds.client("127.0.0.1", store.port, timeout_s=10, secret=store.secret).put("k", "v")
+    assert store.read("k") == "v"
