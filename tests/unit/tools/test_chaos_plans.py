@@ -336,3 +336,29 @@ def test_two_elastic_recoveries_of_one_version_at_one_size_are_two():
     assert res.verdict == "PASS", [(c.name, c.detail) for c in res.checks if c.ok is False]
     assert sum(c.name.endswith("one version, from memory") for c in res.checks) == 2
     assert res.recovery_s == 2.0  # the first recovery's next step
+
+
+def test_the_late_replacement_scenario_accepts_either_outcome_of_the_lost_ranks_race():
+    """Host 1 lost, its replacement after the survivors' wait: the survivors end and every worker is
+    replaced, or (the lost host's rank reached the next round before it died) they all wait for the
+    replacement and keep their processes. Anything in between is a mismatch."""
+    from types import SimpleNamespace
+
+    from gemini_ckpt.chaos._inplace import SCENARIOS, check
+
+    scenario = next(s for s in SCENARIOS if s.name == "inplace-host-lost-late-replacement")
+    outcome = SimpleNamespace(return_value={"digest": "d"})
+
+    def events(kept: set[int]) -> list[dict]:
+        out = [{"kind": "start", "rank": r, "pid": 10 + r, "unix": 1.0} for r in range(4)]
+        out += [{"kind": "commit", "step": 7, "unix": 90.0}, {"kind": "step", "step": 7, "unix": 90.0}]
+        out += [{"kind": "start", "rank": r, "pid": 10 + r if r in kept else 20 + r, "unix": 130.0} for r in range(4)]
+        out += [{"kind": "restore", "rank": r, "step": 7, "source": "memory", "unix": 131.0} for r in range(4)]
+        return out + [{"kind": "step", "step": 8, "unix": 132.0}]
+
+    def verdict(kept: set[int]) -> str:
+        return check(scenario, outcome, events(kept), 100.0, "d", 4, settled=100.5).verdict
+
+    assert verdict(set()) == "PASS"
+    assert verdict({0, 2, 3}) == "PASS"
+    assert verdict({0}) == "MISMATCH"
