@@ -9,8 +9,8 @@ their environment (``GEMINI_ROUNDS_SECRET``; never sent to the store). A value w
 check is read as absent, with one warning per key: a stranger's write starts no recovery, joins no
 round, revokes no worker and ends no run. A stranger can still delete or spoil values (a denial of
 service: a recovery then waits out its timeouts) and read them, so no value holds a secret, and an
-error's text (which may carry data) is encrypted (:meth:`RoundStore.put_private`). Counters are raised with ``compare_set`` on sealed values, never with ``add``, which a
-stranger could move back. The process groups' own rendezvous (torch's keys under ``r{n}/pg/``)
+error's text (which may carry data) is encrypted (:meth:`RoundStore.put_private`). Counters are
+raised with ``compare_set`` on sealed values, never with ``add``, which a stranger could move back. The process groups' own rendezvous (torch's keys under ``r{n}/pg/``)
 stays unsealed; a round formed with a stranger's keys fails its check and moves to the next round.
 """
 

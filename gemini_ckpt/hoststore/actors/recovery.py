@@ -108,11 +108,13 @@ class Recovery:
             for n in ray.nodes()
             if n.get("Alive") and n["NodeID"] not in taken and self._refused.get(n["NodeID"], 0.0) <= now
         ]
+        named = None
         for slot in dead:
             fits = [n for n in candidates if _same_kind(self.slots.node_info.get(self.slots.nodes[slot]), n)]
             if not fits:
                 continue
-            named = await asyncio.to_thread(named_actors)  # off the event loop, once for every node
+            if named is None:  # off the event loop, once for every slot and node
+                named = await asyncio.to_thread(named_actors)
             crowded = {}
             for n in fits:
                 others = await asyncio.to_thread(
