@@ -14,7 +14,8 @@ import pytest
 from gemini_ckpt.hoststore.slots import holders_for
 from ray_helpers import status
 
-pytestmark = pytest.mark.ray
+# ~34 s on a busy machine: CI runs it after the default suite
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.ci]
 
 HOSTS = 4
 RACKS = ("0", "0", "1", "1")
